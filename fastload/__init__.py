@@ -1,0 +1,10 @@
+"""fastload: a data loader for PyTorch training that runs at the speed of the hardware."""
+from .convert import ConvertError, convert
+from .store import FORMAT_VERSION, Dataset, Field, FormatError, ShardWriter, verify
+
+__version__ = "0.1.0"
+
+__all__ = sorted([
+    "ConvertError", "Dataset", "FORMAT_VERSION", "Field", "FormatError", "ShardWriter", "__version__",
+    "convert", "verify",
+])

@@ -1,0 +1,53 @@
+"""Sources -> fastload datasets. One module per source kind; ``convert()`` dispatches."""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from .common import ConvertError, Source, run_convert
+
+KINDS = ("imagefolder", "arrays", "table", "webdataset")
+
+
+def make_source(kind: str, src: str | os.PathLike, *, label: str | None = None,
+                image_columns: Sequence[str] = (), max_pixels: int | None = None) -> Source:
+    if kind == "imagefolder":
+        from .imagefolder import ImageFolderSource
+        return ImageFolderSource(src, max_pixels=max_pixels)
+    if kind == "arrays":
+        from .arrays import ArraysSource
+        return ArraysSource(src, label=label)
+    if kind == "table":
+        from .table import TableSource
+        return TableSource(src, label=label, image_columns=image_columns, max_pixels=max_pixels)
+    if kind == "webdataset":
+        from .webdataset import WebDatasetSource
+        return WebDatasetSource(src)
+    raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(KINDS)}")
+
+
+def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
+            shard_size: int | str = "256MB", on_error: str = "raise", overwrite: bool = False,
+            label: str | None = None, image_columns: Sequence[str] = (), max_pixels: int | None = None,
+            progress: bool = True) -> dict:
+    """Convert a source into a fastload dataset at ``dst``; return a summary dict.
+
+    kind: "imagefolder" (SRC/<class>/<images>), "arrays" (.npz / .npy / folder of .npy),
+    "table" (Parquet, CSV, JSON lines) or "webdataset" (.tar shards). Refuses a non-empty
+    ``dst`` unless ``overwrite``; on failure nothing that opens is left behind.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(KINDS)}")
+    if not os.path.exists(src):
+        raise ConvertError(f"{src}: no such file or directory")
+    source = make_source(kind, src, label=label, image_columns=image_columns, max_pixels=max_pixels)
+    try:
+        return run_convert(source, dst, workers=workers, shard_size=shard_size, on_error=on_error,
+                           overwrite=overwrite, progress=progress, desc=f"convert {kind}")
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+
+
+__all__ = ["KINDS", "ConvertError", "convert", "make_source"]

@@ -1,0 +1,207 @@
+"""The convert driver shared by every source kind.
+
+A source describes its fields and numbers its samples 0..n-1. Worker *processes* validate
+samples (read the file, decode the image fully, read its size) and send back only small
+tuples — never the data. The main process reads each valid sample and hands it to the
+ShardWriter in source order, so the output is deterministic whatever ``workers`` is.
+"""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from ..store.format import SKIPPED_REPORT, Field
+from ..store.writer import DEFAULT_SHARD_SIZE, ShardWriter, parse_size, write_report
+
+# What DALI's decoders read (fn.decoders.image): anything else must be re-encoded first.
+DECODABLE_FORMATS = {"JPEG", "PNG", "BMP", "TIFF", "WEBP", "PPM", "JPEG2000"}
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".pbm", ".pnm", ".bmp", ".tif",
+                    ".tiff", ".webp", ".jp2", ".j2k")
+ON_ERROR = ("raise", "skip")
+
+
+class ConvertError(Exception):
+    """A source cannot be converted; the message names the file or sample and the cause."""
+
+
+def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
+    """Decode ``data`` fully and return (width, height); raise ValueError when it is not an
+    image DALI can decode."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            fmt = im.format
+            w, h = im.size
+            if fmt not in DECODABLE_FORMATS:
+                raise ValueError(f"image format {fmt} cannot be decoded by DALI; re-encode it as JPEG or PNG")
+            if max_pixels is not None and w * h > max_pixels:
+                raise ValueError(f"image of {w}x{h} = {w * h} pixels exceeds max_pixels={max_pixels}")
+            im.load()
+    except ValueError:
+        raise
+    except Exception as e:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError…)
+        raise ValueError(f"not a decodable image ({type(e).__name__}: {e})") from None
+    return int(w), int(h)
+
+
+@dataclass
+class Source:
+    """A conversion source: fields, sample count, and per-sample read/validate."""
+
+    fields: dict[str, Field]
+    num_samples: int
+    label: str | None = None
+    class_names: list[str] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    max_pixels: int | None = None
+
+    def key(self, i: int) -> str:
+        return str(i)
+
+    def read(self, i: int) -> dict[str, Any]:
+        """Sample i as a dict of field values (bytes for images)."""
+        raise NotImplementedError
+
+    def validate(self, i: int) -> dict[str, tuple[int, int]]:
+        """Check sample i; return the (width, height) of each image field. Raise on bad data."""
+        sample = self.read(i)
+        return {n: check_image(sample[n], self.max_pixels) for n, f in self.fields.items() if f.kind == "image"}
+
+    @property
+    def needs_validation(self) -> bool:
+        return any(f.kind == "image" for f in self.fields.values())
+
+    def write_fast(self, writer: ShardWriter) -> bool:
+        """Write everything in bulk when the source allows it (no images); True if done."""
+        return False
+
+
+# The source of the running conversion, inherited by forked workers (never pickled).
+_SOURCE: Source | None = None
+
+
+def _validate_chunk(bounds: tuple[int, int]) -> list[tuple[int, Any, str | None]]:
+    out = []
+    for i in range(*bounds):
+        try:
+            out.append((i, _SOURCE.validate(i), None))
+        except Exception as e:  # reported to the user with the sample's key
+            out.append((i, None, str(e) or type(e).__name__))
+    return out
+
+
+def _validated(source: Source, workers: int) -> Iterator[tuple[int, Any, str | None]]:
+    n = source.num_samples
+    chunk = 32
+    bounds = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
+    if workers <= 1 or n <= chunk or "fork" not in mp.get_all_start_methods():
+        for b in bounds:
+            yield from _validate_chunk(b)
+        return
+    global _SOURCE
+    ctx = mp.get_context("fork")
+    pool = ctx.Pool(workers)
+    try:
+        for res in pool.imap(_validate_chunk, bounds):
+            yield from res
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+
+
+def default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None = None,
+                shard_size: int | str = DEFAULT_SHARD_SIZE, on_error: str = "raise",
+                overwrite: bool = False, progress: bool = True, desc: str = "convert") -> dict:
+    """Write ``source`` into the dataset directory ``dst``; return a summary."""
+    global _SOURCE
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
+    workers = default_workers() if workers is None else int(workers)
+    if workers < 0:
+        raise ValueError(f"workers={workers} must be >= 0")
+    parse_size(shard_size)
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    skipped: list[dict] = []
+    dst = Path(dst)
+    writer = ShardWriter(dst, source.fields, shard_size=shard_size, label=source.label,
+                         class_names=source.class_names, overwrite=overwrite, metadata=source.metadata)
+    bar = tqdm(total=source.num_samples, unit="samples", desc=desc, disable=not progress,
+               file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+    _SOURCE = source
+    try:
+        with writer:
+            if source.write_fast(writer):
+                bar.update(source.num_samples)
+            else:
+                it = (_validated(source, workers) if source.needs_validation
+                      else ((i, {}, None) for i in range(source.num_samples)))
+                for i, sizes, err in it:
+                    if err is None:
+                        try:
+                            sample = source.read(i)
+                        except Exception as e:
+                            err = str(e) or type(e).__name__
+                    if err is not None:
+                        if on_error == "raise":
+                            raise ConvertError(f"{source.key(i)}: {err} (use --on-error skip to leave it out)")
+                        skipped.append({"index": i, "key": source.key(i), "reason": err})
+                    else:
+                        writer.write(sample, key=source.key(i), image_sizes=sizes)
+                    bar.update(1)
+            if writer.num_samples == 0:
+                raise ConvertError(f"no sample of {source.num_samples} could be converted"
+                                   + (f"; see the reasons in {dst / SKIPPED_REPORT}" if skipped else ""))
+            if skipped:
+                write_report(dst / SKIPPED_REPORT, skipped)
+    finally:
+        _SOURCE = None
+        bar.close()
+        if skipped and not (dst / "manifest.json").exists():
+            try:
+                write_report(dst / SKIPPED_REPORT, skipped)
+            except OSError:
+                pass
+    seconds = time.perf_counter() - t0
+    m = writer.manifest()
+    return {"dst": str(dst), "num_samples": m["num_samples"], "num_shards": len(m["shards"]),
+            "bytes": m["total_bytes"], "skipped": len(skipped), "seconds": seconds,
+            "report": str(dst / SKIPPED_REPORT) if skipped else None}
+
+
+def label_from_strings(values: Sequence[str]) -> tuple[list[str], Any]:
+    """String class labels -> (sorted class names, int64 ids)."""
+    import numpy as np
+
+    names, ids = np.unique(np.asarray(values, dtype=object).astype(str), return_inverse=True)
+    return [str(n) for n in names], ids.astype(np.int64)
+
+
+def resolve_label(fields: Mapping[str, Field], label: str | None, auto: Sequence[str] = ("label", "labels")) -> str | None:
+    if label is not None:
+        if label not in fields:
+            raise ConvertError(f"--label {label!r} is not a column of the source; columns are {list(fields)}")
+        return label
+    for name in auto:
+        f = fields.get(name)
+        if f is not None and f.kind == "scalar" and f.dtype.startswith(("int", "uint")):
+            return name
+    return None

@@ -1,0 +1,154 @@
+"""table: Parquet, CSV or JSON-lines through pyarrow; each column becomes a field.
+
+Numeric and bool columns -> scalar fields; fixed-size (or equal-length) numeric lists ->
+tensor fields; strings -> string fields; binary -> bytes. A column named by
+``--image-column`` (or auto-detected: strings ending in an image extension, or binary values
+that open as images) becomes an image field: strings are paths, relative to the table's
+folder unless absolute. ``--label NAME`` picks the label column; a string label column is
+mapped to class ids in sorted order, the names kept as class names.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..store.format import SUPPORTED_DTYPES, Field
+from .common import IMAGE_EXTENSIONS, ConvertError, Source, check_image, label_from_strings, resolve_label
+
+TABLE_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv",
+                  ".jsonl": "json", ".ndjson": "json", ".json": "json"}
+
+
+def read_table(path: Path) -> pa.Table:
+    kind = TABLE_SUFFIXES.get(path.suffix.lower())
+    if kind is None:
+        raise ConvertError(f"{path}: unknown table type {path.suffix!r}; use one of {', '.join(sorted(TABLE_SUFFIXES))}")
+    if not path.is_file():
+        raise ConvertError(f"{path}: no such file")
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+            return pq.read_table(path, memory_map=True)
+        if kind == "csv":
+            import pyarrow.csv as pcsv
+            opts = pcsv.ParseOptions(delimiter="\t") if path.suffix.lower() == ".tsv" else None
+            return pcsv.read_csv(path, parse_options=opts)
+        import pyarrow.json as pjson
+        return pjson.read_json(path)
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+        raise ConvertError(f"{path}: cannot be read as {kind} ({str(e).splitlines()[0]})") from None
+
+
+def _looks_like_image(value) -> bool:
+    try:
+        check_image(value)
+        return True
+    except ValueError:
+        return False
+
+
+class TableSource(Source):
+    def __init__(self, src: str | os.PathLike, label: str | None = None,
+                 image_columns: Sequence[str] = (), max_pixels: int | None = None):
+        path = Path(src)
+        table = read_table(path).combine_chunks()
+        if table.num_rows == 0:
+            raise ConvertError(f"{path}: the table has no rows")
+        unknown = [c for c in image_columns if c not in table.column_names]
+        if unknown:
+            raise ConvertError(f"{path}: --image-column {unknown[0]!r} is not a column; columns are {table.column_names}")
+        self.root = path.parent
+        self.columns: dict[str, object] = {}
+        self.image_paths: set[str] = set()
+        fields: dict[str, Field] = {}
+        class_names = None
+        for name in table.column_names:
+            col = table.column(name).chunk(0) if table.column(name).num_chunks else pa.array([], table.schema.field(name).type)
+            if col.null_count:
+                row = int(np.flatnonzero(np.asarray(col.is_null()))[0])
+                raise ConvertError(f"{path}: column {name!r} has {col.null_count} missing value(s), first at row {row}; "
+                                   "fill or drop them first")
+            t = col.type
+            if name == label and (pa.types.is_string(t) or pa.types.is_large_string(t)):
+                class_names, ids = label_from_strings(col.to_pylist())
+                fields[name] = Field("scalar", "int64")
+                self.columns[name] = ids
+            elif pa.types.is_boolean(t):
+                fields[name] = Field("scalar", "bool")
+                self.columns[name] = col.to_numpy(zero_copy_only=False)
+            elif pa.types.is_integer(t) or pa.types.is_floating(t):
+                fields[name] = Field("scalar", np.dtype(t.to_pandas_dtype()).name)
+                self.columns[name] = col.to_numpy(zero_copy_only=False)
+            elif pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+                lens = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+                if len(set(lens.tolist())) != 1 or lens[0] == 0:
+                    raise ConvertError(f"{path}: list column {name!r} has rows of different lengths "
+                                       f"({int(lens.min())}..{int(lens.max())}); tensor fields need a fixed shape")
+                flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+                if flat.dtype.name not in SUPPORTED_DTYPES:
+                    raise ConvertError(f"{path}: list column {name!r} holds {flat.dtype}, which cannot be stored")
+                fields[name] = Field("tensor", flat.dtype.name, (int(lens[0]),))
+                self.columns[name] = flat.reshape(len(col), int(lens[0]))
+            elif pa.types.is_string(t) or pa.types.is_large_string(t):
+                values = col.to_pylist()
+                is_img = name in image_columns or (
+                    not image_columns and all(str(v).lower().endswith(IMAGE_EXTENSIONS) for v in values[:100]))
+                fields[name] = Field("image") if is_img else Field("string")
+                if is_img:
+                    self.image_paths.add(name)
+                self.columns[name] = np.array(values, dtype=object)
+            elif pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+                is_img = name in image_columns or (not image_columns and _looks_like_image(col[0].as_py()))
+                fields[name] = Field("image") if is_img else Field("bytes")
+                self.columns[name] = col
+            else:
+                raise ConvertError(f"{path}: column {name!r} has type {t}, which fastload cannot store; "
+                                   "use numbers, bools, strings, binary or fixed-length numeric lists")
+        for c in image_columns:
+            if fields[c].kind != "image":
+                raise ConvertError(f"{path}: --image-column {c!r} holds {table.schema.field(c).type}; "
+                                   "an image column holds paths (strings) or encoded bytes")
+        label = resolve_label(fields, label)
+        if label is not None and not (fields[label].kind == "scalar" and fields[label].dtype.startswith(("int", "uint"))):
+            raise ConvertError(f"{path}: label column {label!r} must hold integers or strings, not {fields[label]}")
+        super().__init__(fields=fields, num_samples=table.num_rows, label=label, class_names=class_names,
+                         metadata={"source": "table", "file": path.name}, max_pixels=max_pixels)
+        self.path = path
+        self._key_col = next((n for n in self.image_paths), None)
+
+    def key(self, i: int) -> str:
+        if self._key_col is not None:
+            return str(self.columns[self._key_col][i])
+        return f"{self.path.name}:{i}"
+
+    def read(self, i: int) -> dict:
+        out = {}
+        for name, f in self.fields.items():
+            col = self.columns[name]
+            if name in self.image_paths:
+                p = Path(str(col[i]))
+                p = p if p.is_absolute() else self.root / p
+                try:
+                    with open(p, "rb") as fh:
+                        out[name] = fh.read()
+                except OSError as e:
+                    raise ValueError(f"cannot read image file {p} ({e.strerror or e})") from None
+            elif isinstance(col, pa.Array):
+                out[name] = col[i].as_py()
+            else:
+                out[name] = col[i]
+        return out
+
+    def write_fast(self, writer) -> bool:
+        if not all(f.fixed for f in self.fields.values()):
+            return False
+        step = 65536
+        for a in range(0, self.num_samples, step):
+            writer.write_batch({n: self.columns[n][a:a + step] for n in self.fields},
+                               keys=[f"{self.path.name}:{i}" for i in range(a, min(self.num_samples, a + step))])
+        return True

@@ -1,0 +1,195 @@
+"""The on-disk format: field kinds, their Arrow types, and the manifest.
+
+See docs/FORMAT.md for the written specification. Everything here is pure data
+description; the writer and reader share it so the two can never disagree.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import pyarrow as pa
+
+FORMAT_NAME = "fastload"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SKIPPED_REPORT = "skipped.jsonl"
+KEY_COLUMN = "__key__"
+SHARD_PATTERN = "shard-{:05d}.arrow"
+CHECKSUM_ALGO = "xxh3_128"
+
+KINDS = ("tensor", "scalar", "image", "bytes", "string")
+
+# numpy dtypes with a native, zero-copy Arrow primitive type.
+_NATIVE = {
+    "int8": pa.int8(), "int16": pa.int16(), "int32": pa.int32(), "int64": pa.int64(),
+    "uint8": pa.uint8(), "uint16": pa.uint16(), "uint32": pa.uint32(), "uint64": pa.uint64(),
+    "float16": pa.float16(), "float32": pa.float32(), "float64": pa.float64(),
+}
+# numpy dtypes stored through a native type: bool as uint8 (Arrow booleans are bit-packed,
+# which would make every read a copy); complex as pairs of floats (a trailing axis of 2).
+_STORED_AS = {"bool": ("uint8", 1), "complex64": ("float32", 2), "complex128": ("float64", 2)}
+SUPPORTED_DTYPES = tuple(sorted([*_NATIVE, *_STORED_AS]))
+
+_SPEC_RE = re.compile(r"^\s*([a-z0-9_]+)\s*(?:\[\s*([0-9,\s]*)\s*\])?\s*$")
+
+
+class FormatError(ValueError):
+    """A dataset directory, manifest or shard does not follow the fastload format."""
+
+
+def _check_dtype(dtype: Any, where: str) -> str:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"{where}: {dtype!r} is not a numpy dtype ({e}); "
+                         f"use one of {', '.join(SUPPORTED_DTYPES)}") from None
+    name = dt.name
+    if name not in _NATIVE and name not in _STORED_AS:
+        raise ValueError(f"{where}: dtype {name!r} cannot be stored; "
+                         f"use one of {', '.join(SUPPORTED_DTYPES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class Field:
+    """One column of a dataset.
+
+    kind: "tensor" (fixed shape, any numeric numpy dtype), "scalar" (int/float/bool),
+    "image" (encoded image bytes), "bytes" (opaque binary) or "string" (UTF-8).
+    """
+
+    kind: str
+    dtype: str | None = None
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"field kind {self.kind!r} is unknown; use one of {', '.join(KINDS)}")
+        if self.kind in ("tensor", "scalar"):
+            if self.dtype is None:
+                raise ValueError(f"a {self.kind} field needs a dtype")
+            object.__setattr__(self, "dtype", _check_dtype(self.dtype, f"{self.kind} field"))
+            shape = tuple(int(s) for s in self.shape)
+            if self.kind == "scalar" and shape:
+                raise ValueError(f"a scalar field has shape (), not {shape}; use a tensor field")
+            if any(s <= 0 for s in shape):
+                raise ValueError(f"tensor shape {shape} must have only positive sizes")
+            object.__setattr__(self, "shape", shape)
+        else:
+            if self.dtype is not None or self.shape:
+                raise ValueError(f"a {self.kind} field takes no dtype or shape")
+
+    # -- description ---------------------------------------------------------------------
+    @property
+    def fixed(self) -> bool:
+        """True when every sample has the same byte size (tensor and scalar)."""
+        return self.kind in ("tensor", "scalar")
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        if not self.fixed:
+            raise TypeError(f"a {self.kind} field has no numpy dtype")
+        return np.dtype(self.dtype)
+
+    @property
+    def row_nbytes(self) -> int:
+        return self.np_dtype.itemsize * int(math.prod(self.shape))
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {"kind": self.kind}
+        if self.fixed:
+            d["dtype"] = self.dtype
+            d["shape"] = list(self.shape)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Field":
+        return cls(d["kind"], d.get("dtype"), tuple(d.get("shape", ())))
+
+    def __str__(self) -> str:
+        if self.kind == "tensor":
+            return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+        if self.kind == "scalar":
+            return str(self.dtype)
+        return self.kind
+
+    # -- Arrow mapping ---------------------------------------------------------------------
+    def storage(self) -> tuple[str, int]:
+        """(numpy dtype name of the stored values, values per row)."""
+        base, mult = _STORED_AS.get(self.dtype, (self.dtype, 1))
+        return base, mult * int(math.prod(self.shape))
+
+    def arrow_type(self) -> pa.DataType:
+        if self.kind == "image" or self.kind == "bytes":
+            return pa.binary()
+        if self.kind == "string":
+            return pa.string()
+        base, n = self.storage()
+        if self.kind == "scalar" and n == 1 and self.dtype not in _STORED_AS:
+            return _NATIVE[base]
+        if self.kind == "scalar" and self.dtype == "bool":
+            return pa.uint8()
+        return pa.list_(_NATIVE[base], n)
+
+
+def parse_field(spec: Any, name: str = "?") -> Field:
+    """Turn "image", "int64", "float32[784]", "uint8[3,224,224]" or a Field into a Field."""
+    if isinstance(spec, Field):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"field {name!r}: spec {spec!r} must be a Field or a string such as "
+                         "'image', 'string', 'int64' or 'float32[784]'")
+    m = _SPEC_RE.match(spec)
+    if not m:
+        raise ValueError(f"field {name!r}: cannot parse spec {spec!r}; "
+                         "expected e.g. 'image', 'string', 'int64' or 'float32[3,32,32]'")
+    base, dims = m.group(1), m.group(2)
+    if base in ("image", "bytes", "string"):
+        if dims is not None:
+            raise ValueError(f"field {name!r}: a {base} field takes no shape ({spec!r})")
+        return Field(base)
+    if dims is None:
+        return Field("scalar", base)
+    shape = tuple(int(d) for d in dims.split(",") if d.strip())
+    if not shape:
+        raise ValueError(f"field {name!r}: empty shape in {spec!r}")
+    return Field("tensor", base, shape)
+
+
+def image_size_columns(name: str) -> tuple[str, str]:
+    """Hidden int32 columns holding each image's width and height, read at convert time."""
+    return f"{name}_width", f"{name}_height"
+
+
+def check_field_names(fields: Mapping[str, Field]) -> None:
+    reserved = {KEY_COLUMN}
+    for name, f in fields.items():
+        if f.kind == "image":
+            reserved.update(image_size_columns(name))
+    for name in fields:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"field name {name!r} must be a non-empty string")
+        if name in reserved:
+            raise ValueError(f"field name {name!r} is reserved by fastload "
+                             f"(it stores image sizes or sample keys); rename the field")
+
+
+def arrow_schema(fields: Mapping[str, Field]) -> pa.Schema:
+    cols = []
+    for name, f in fields.items():
+        cols.append(pa.field(name, f.arrow_type(), nullable=False,
+                             metadata={b"fastload": json.dumps(f.to_json()).encode()}))
+        if f.kind == "image":
+            w, h = image_size_columns(name)
+            cols += [pa.field(w, pa.int32(), nullable=False), pa.field(h, pa.int32(), nullable=False)]
+    cols.append(pa.field(KEY_COLUMN, pa.string(), nullable=False))
+    return pa.schema(cols, metadata={b"fastload_format_version": str(FORMAT_VERSION).encode()})
+
+
+def shard_name(i: int) -> str:
+    return SHARD_PATTERN.format(i)

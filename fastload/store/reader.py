@@ -1,0 +1,312 @@
+"""Dataset: a fastload directory opened for reading.
+
+Opening reads ``manifest.json`` only. Shards are memory-mapped on first use, one record
+batch each, so every tensor or scalar column of a shard is a single zero-copy numpy view
+of shape ``(rows, *shape)``. The global index -> (shard, row) map is one cumulative-count
+numpy array: no per-sample Python object exists, so forked DataLoader workers do not grow
+by copy-on-write.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch.utils.data
+
+from .format import (
+    FORMAT_NAME, FORMAT_VERSION, KEY_COLUMN, MANIFEST, Field, FormatError, arrow_schema,
+    image_size_columns,
+)
+
+
+def read_manifest(path: Path) -> dict:
+    mpath = path / MANIFEST
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; create a dataset with `fastload convert`")
+    if not path.is_dir():
+        raise FormatError(f"{path} is not a directory; a fastload dataset is a directory with {MANIFEST}")
+    if not mpath.exists():
+        shards = sorted(p.name for p in path.glob("*shard-*.arrow*"))
+        hint = (" It holds shard files but no manifest: the writer was interrupted, so the dataset is"
+                " incomplete; convert again with --overwrite." if shards else "")
+        raise FormatError(f"{path} is not a fastload dataset: {MANIFEST} is missing.{hint}")
+    try:
+        with open(mpath, encoding="utf-8") as f:
+            m = json.load(f)
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{mpath} is not readable JSON ({e}); the dataset is damaged") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
+        raise FormatError(f"{mpath} is not a fastload manifest (no \"format\": \"{FORMAT_NAME}\")")
+    v = m.get("format_version")
+    if v != FORMAT_VERSION:
+        raise FormatError(f"{mpath} has format_version {v!r}; this fastload reads version "
+                          f"{FORMAT_VERSION}. Convert the source again with this version.")
+    for k in ("fields", "shards", "num_samples"):
+        if k not in m:
+            raise FormatError(f"{mpath} lacks the key {k!r}; the manifest is damaged")
+    return m
+
+
+class _Shard:
+    """One memory-mapped shard: its record batch and cached zero-copy views."""
+
+    __slots__ = ("batch", "views", "mm")
+
+    def __init__(self, path: Path, schema: pa.Schema, num_rows: int):
+        try:
+            self.mm = pa.memory_map(str(path), "r")
+            reader = pa.ipc.open_file(self.mm)
+        except (OSError, pa.ArrowInvalid) as e:
+            raise FormatError(f"shard {path} cannot be opened as an Arrow IPC file ({e}); "
+                              "run `fastload verify` on the dataset") from None
+        if reader.num_record_batches != 1:
+            raise FormatError(f"shard {path} holds {reader.num_record_batches} record batches; "
+                              "fastload shards hold exactly one")
+        if not reader.schema.equals(schema, check_metadata=False):
+            raise FormatError(f"shard {path} has schema {reader.schema} which does not match the "
+                              f"manifest's fields; the dataset is damaged")
+        self.batch = reader.get_batch(0)
+        if self.batch.num_rows != num_rows:
+            raise FormatError(f"shard {path} holds {self.batch.num_rows} rows, the manifest says {num_rows}")
+        self.views: dict[str, Any] = {}
+
+
+class Dataset(torch.utils.data.Dataset):
+    """A fastload dataset directory, opened read-only.
+
+    ``len(ds)``, ``ds.fields``, ``ds[i]`` (one sample as a dict), ``ds.get_batch(indices)``
+    (a whole batch, gathered with vectorised numpy), and ``ds.__getitems__`` so a plain
+    ``torch.utils.data.DataLoader`` fetches whole batches. Tensor fields come back as numpy
+    arrays, scalars as numpy scalars, images and bytes as ``bytes``, strings as ``str``.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        m = self.manifest
+        try:
+            self.fields: dict[str, Field] = {n: Field.from_json(d) for n, d in m["fields"].items()}
+        except (ValueError, KeyError, TypeError) as e:
+            raise FormatError(f"{self.path / MANIFEST}: bad field description ({e})") from None
+        self.schema = arrow_schema(self.fields)
+        self.shard_files = [self.path / s["file"] for s in m["shards"]]
+        self.shard_sizes = np.array([s["num_samples"] for s in m["shards"]], dtype=np.int64)
+        self._starts = np.zeros(len(self.shard_sizes) + 1, dtype=np.int64)
+        np.cumsum(self.shard_sizes, out=self._starts[1:])
+        if int(self._starts[-1]) != m["num_samples"]:
+            raise FormatError(f"{self.path / MANIFEST}: shard sample counts add up to "
+                              f"{int(self._starts[-1])}, not num_samples={m['num_samples']}")
+        self._shards: list[_Shard | None] = [None] * len(self.shard_files)
+        self._lock = threading.Lock()
+        lab = m.get("label")
+        self.label_field: str | None = lab["field"] if lab else None
+        self.class_names: list[str] | None = lab.get("class_names") if lab else None
+        self.class_counts = np.asarray(lab["counts"], dtype=np.int64) if lab else None
+
+    # -- pickling for spawn-started DataLoader workers: the path only, never the data ----
+    def __getstate__(self):
+        return {"path": str(self.path)}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"])
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}: {f}" for n, f in self.fields.items())
+        return f"fastload.Dataset({str(self.path)!r}, {len(self)} samples, {self.num_shards} shards, {{{fields}}})"
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_files)
+
+    @property
+    def shard_starts(self) -> np.ndarray:
+        """Global index of each shard's first sample (length num_shards + 1)."""
+        return self._starts
+
+    # -- shards --------------------------------------------------------------------------
+    def shard(self, i: int) -> _Shard:
+        s = self._shards[i]
+        if s is None:
+            with self._lock:
+                s = self._shards[i]
+                if s is None:
+                    if not self.shard_files[i].exists():
+                        raise FileNotFoundError(f"shard {self.shard_files[i]} listed in the manifest is "
+                                                "missing; the dataset is damaged (run `fastload verify`)")
+                    s = _Shard(self.shard_files[i], self.schema, int(self.shard_sizes[i]))
+                    self._shards[i] = s
+        return s
+
+    def _field(self, name: str) -> Field:
+        f = self.fields.get(name)
+        if f is None:
+            raise KeyError(f"{name!r} is not a field of {self.path}; fields are {list(self.fields)}")
+        return f
+
+    def column(self, shard: int, field: str) -> np.ndarray:
+        """Zero-copy read-only view ``(rows, *shape)`` of a tensor/scalar field in one shard."""
+        f = self._field(field)
+        if not f.fixed:
+            raise TypeError(f"field {field!r} is a {f.kind} field; use binary_column()")
+        s = self.shard(shard)
+        v = s.views.get(field)
+        if v is None:
+            col = s.batch.column(field)
+            values = col.values if isinstance(col.type, pa.FixedSizeListType) else col
+            rows = s.batch.num_rows
+            base, per_row = f.storage()
+            arr = values.to_numpy(zero_copy_only=True)
+            if isinstance(col.type, pa.FixedSizeListType):
+                arr = arr[col.offset * per_row:(col.offset + rows) * per_row]
+            v = arr.view(f.np_dtype).reshape((rows, *f.shape))
+            s.views[field] = v
+        return v
+
+    def _raw_column(self, shard: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+        s = self.shard(shard)
+        v = s.views.get(name)
+        if v is None:
+            col = s.batch.column(name)
+            bufs = col.buffers()
+            offsets = np.frombuffer(bufs[1], dtype=np.int32)[col.offset: col.offset + len(col) + 1]
+            values = (np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None and bufs[2].size
+                      else np.zeros(0, dtype=np.uint8))
+            v = (offsets, values)
+            s.views[name] = v
+        return v
+
+    def binary_column(self, shard: int, field: str) -> tuple[np.ndarray, np.ndarray]:
+        """Zero-copy ``(offsets int32[rows+1], values uint8[...])`` of an image/bytes/string field."""
+        f = self._field(field)
+        if f.fixed:
+            raise TypeError(f"field {field!r} is a {f.kind} field; use column()")
+        return self._raw_column(shard, field)
+
+    def _int_column(self, shard: int, name: str) -> np.ndarray:
+        s = self.shard(shard)
+        v = s.views.get(name)
+        if v is None:
+            v = s.batch.column(name).to_numpy(zero_copy_only=True)
+            s.views[name] = v
+        return v
+
+    # -- index -----------------------------------------------------------------------------
+    def locate(self, indices: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Global indices -> (shard, row), both int64 arrays. Out of range -> IndexError."""
+        idx = np.asarray(indices, dtype=np.int64)
+        n = len(self)
+        if idx.size:
+            lo, hi = idx.min(), idx.max()
+            if lo < 0 or hi >= n:
+                bad = int(lo if lo < 0 else hi)
+                raise IndexError(f"sample index {bad} is out of range for {self.path} ({n} samples)")
+        shard = np.searchsorted(self._starts, idx, side="right") - 1
+        return shard, idx - self._starts[shard]
+
+    def _groups(self, shard: np.ndarray):
+        if self.num_shards == 1:
+            yield 0, slice(None)
+            return
+        for s in np.unique(shard):
+            yield int(s), shard == s
+
+    # -- reading ---------------------------------------------------------------------------
+    def _gather_fixed(self, name: str, shard: np.ndarray, row: np.ndarray) -> np.ndarray:
+        f = self.fields[name]
+        out = np.empty((len(row), *f.shape), dtype=f.np_dtype)
+        for s, sel in self._groups(shard):
+            col = self.column(s, name)
+            if isinstance(sel, slice):
+                np.take(col, row, axis=0, out=out)
+            else:
+                out[sel] = col[row[sel]]
+        return out
+
+    def _gather_binary(self, name: str, shard: np.ndarray, row: np.ndarray) -> list:
+        out: list = [None] * len(row)
+        as_str = self.fields[name].kind == "string" if name in self.fields else True
+        for s, sel in self._groups(shard):
+            offsets, values = self._raw_column(s, name)
+            pos = np.arange(len(row))[sel]
+            for p, r in zip(pos.tolist(), row[sel].tolist()):
+                b = values[offsets[r]:offsets[r + 1]].tobytes()
+                out[p] = b.decode("utf-8") if as_str else b
+        return out
+
+    def views(self, field: str, indices: np.ndarray | Sequence[int]) -> list[np.ndarray]:
+        """Zero-copy uint8 views of the encoded bytes of an image/bytes field, one per index."""
+        f = self._field(field)
+        if f.fixed:
+            raise TypeError(f"field {field!r} is a {f.kind} field; views() is for binary fields")
+        shard, row = self.locate(indices)
+        out: list = [None] * len(row)
+        for s, sel in self._groups(shard):
+            offsets, values = self._raw_column(s, field)
+            pos = np.arange(len(row))[sel]
+            r = row[sel]
+            starts, ends = offsets[r].tolist(), offsets[r + 1].tolist()
+            for p, a, b in zip(pos.tolist(), starts, ends):
+                out[p] = values[a:b]
+        return out
+
+    def image_sizes(self, field: str, indices: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(width, height) int32 arrays read from the store (recorded at convert time)."""
+        f = self._field(field)
+        if f.kind != "image":
+            raise TypeError(f"field {field!r} is a {f.kind} field, not an image")
+        shard, row = self.locate(indices)
+        wcol, hcol = image_size_columns(field)
+        w = np.empty(len(row), dtype=np.int32)
+        h = np.empty(len(row), dtype=np.int32)
+        for s, sel in self._groups(shard):
+            w[sel] = self._int_column(s, wcol)[row[sel]]
+            h[sel] = self._int_column(s, hcol)[row[sel]]
+        return w, h
+
+    def keys(self, indices: np.ndarray | Sequence[int]) -> list[str]:
+        """The source key (e.g. the relative path of the original file) of each sample."""
+        shard, row = self.locate(indices)
+        return self._gather_binary(KEY_COLUMN, shard, row)
+
+    def describe(self, index: int) -> str:
+        """'shard shard-00003.arrow row 17 (key cat/001.jpg)' for error messages."""
+        shard, row = self.locate([index])
+        key = self.keys([index])[0]
+        return f"sample {index} (shard {self.shard_files[int(shard[0])].name}, row {int(row[0])}, key {key!r})"
+
+    def get_batch(self, indices: np.ndarray | Sequence[int], fields: Sequence[str] | None = None) -> dict:
+        """Gather a whole batch: fixed fields as stacked numpy arrays (vectorised), binary
+        fields as lists of ``bytes``, strings as lists of ``str``."""
+        shard, row = self.locate(indices)
+        out: dict[str, Any] = {}
+        for name in (fields if fields is not None else self.fields):
+            f = self._field(name)
+            out[name] = (self._gather_fixed(name, shard, row) if f.fixed
+                         else self._gather_binary(name, shard, row))
+        return out
+
+    def __getitem__(self, i: int) -> dict:
+        n = len(self)
+        if isinstance(i, (np.integer,)):
+            i = int(i)
+        if not isinstance(i, int):
+            raise TypeError(f"dataset index must be an int, not {type(i).__name__}; use get_batch() for many")
+        if i < -n or i >= n:
+            raise IndexError(f"sample index {i} is out of range for {self.path} ({n} samples)")
+        b = self.get_batch([i % n])
+        return {k: v[0] for k, v in b.items()}
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict]:
+        """Batched fetch for ``torch.utils.data.DataLoader``: one vectorised gather, then
+        split into the list of samples that ``collate_fn`` expects."""
+        b = self.get_batch(indices)
+        n = len(indices)
+        return [{k: v[j] for k, v in b.items()} for j in range(n)]

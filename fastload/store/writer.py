@@ -1,0 +1,419 @@
+"""ShardWriter: samples in, a complete dataset directory out — or nothing that opens.
+
+Each shard is built in memory (one Arrow record batch, so every column of a shard is one
+contiguous, zero-copy view when read back), written to ``.shard-NNNNN.arrow.tmp`` while its
+xxh3-128 checksum is computed on the fly, fsynced, and renamed. ``manifest.json`` is written
+the same way, last: a directory without it is not a dataset, so an interrupted writer can
+never leave something that opens half-written.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import xxhash
+
+from .format import (
+    CHECKSUM_ALGO, FORMAT_NAME, FORMAT_VERSION, KEY_COLUMN, MANIFEST, SKIPPED_REPORT, Field,
+    arrow_schema, check_field_names, image_size_columns, parse_field, shard_name,
+)
+
+DEFAULT_SHARD_SIZE = 256 * 1024 * 1024
+MAX_SHARD_SIZE = 2**31 - 1  # binary columns use 32-bit offsets
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+# Files a fastload dataset directory may hold; --overwrite only ever deletes these.
+_OWN_FILE = re.compile(r"^(manifest\.json|skipped\.jsonl|shard-\d{5}\.arrow|\.(shard-\d{5}\.arrow|manifest\.json|skipped\.jsonl)\.tmp)$")
+
+
+def parse_size(value: int | str, what: str = "shard_size") -> int:
+    """'256MB', '1.5GiB', '4096' or an int -> bytes."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        n = int(value)
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{what}={value!r} is not a size; use e.g. 256MB, 1GiB or a byte count")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if not 0 < n <= MAX_SHARD_SIZE:
+        raise ValueError(f"{what}={value!r} must be between 1 byte and 2 GiB")
+    return n
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from an encoded image's header, without decoding the pixels."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        return int(im.size[0]), int(im.size[1])
+
+
+class _HashingFile(io.RawIOBase):
+    """A write-only file that hashes what passes through it (for pa.PythonFile)."""
+
+    def __init__(self, f):
+        self._f = f
+        self.hash = xxhash.xxh3_128()
+        self.nbytes = 0
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        mv = memoryview(b)
+        self.hash.update(mv)
+        self._f.write(mv)
+        self.nbytes += mv.nbytes
+        return mv.nbytes
+
+
+def prepare_output_dir(path: Path, overwrite: bool) -> None:
+    """Create ``path`` or empty an old fastload dataset there when ``overwrite`` is asked.
+
+    A non-empty directory is refused without ``overwrite``; with it, only a directory that
+    holds nothing but fastload's own files is cleared, so a mistyped DST never deletes a
+    user's other data.
+    """
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} exists and is not a directory; choose another destination")
+    if path.is_dir():
+        entries = sorted(os.listdir(path))
+        if entries:
+            if not overwrite:
+                raise FileExistsError(f"{path} is not empty; choose an empty or new directory, "
+                                      "or pass --overwrite (overwrite=True) to replace the dataset in it")
+            foreign = [e for e in entries if not _OWN_FILE.match(e)]
+            if foreign:
+                raise FileExistsError(
+                    f"refusing to overwrite {path}: it holds files fastload did not write "
+                    f"({', '.join(foreign[:5])}{'…' if len(foreign) > 5 else ''}); choose another directory")
+            # The manifest goes first: from here on the old dataset no longer opens.
+            if MANIFEST in entries:
+                os.unlink(path / MANIFEST)
+            for e in entries:
+                if e != MANIFEST:
+                    os.unlink(path / e)
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name("." + path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class ShardWriter:
+    """Write samples into a fastload dataset directory.
+
+    >>> with ShardWriter("out", fields={"image": "image", "label": "int64"}, label="label") as w:
+    ...     w.write({"image": jpeg_bytes, "label": 3}, key="cat/001.jpg")
+
+    ``fields`` maps names to specs: ``"image"``, ``"bytes"``, ``"string"``, a scalar dtype
+    (``"int64"``, ``"float32"``, ``"bool"``), a tensor (``"float32[784]"``,
+    ``"uint8[3,224,224]"``) or a :class:`Field`. ``label`` names an integer scalar field
+    whose per-class counts (and ``class_names``) go into the manifest. The dataset exists
+    only once :meth:`close` (or the end of the ``with`` block) has written the manifest; an
+    exception inside the block deletes what was written.
+    """
+
+    def __init__(self, path: str | os.PathLike, fields: Mapping[str, Any], *,
+                 shard_size: int | str = DEFAULT_SHARD_SIZE, label: str | None = None,
+                 class_names: Sequence[str] | None = None, overwrite: bool = False,
+                 metadata: Mapping[str, Any] | None = None):
+        if not fields:
+            raise ValueError("fields is empty; a dataset needs at least one field")
+        self.path = Path(path)
+        self.fields = {str(n): parse_field(s, n) for n, s in fields.items()}
+        check_field_names(self.fields)
+        self.shard_size = parse_size(shard_size)
+        if label is not None:
+            f = self.fields.get(label)
+            if f is None:
+                raise ValueError(f"label={label!r} is not one of the fields {list(self.fields)}")
+            if f.kind != "scalar" or not np.issubdtype(f.np_dtype, np.integer):
+                raise ValueError(f"label field {label!r} must be an integer scalar, not {f}")
+        self.label = label
+        self.class_names = list(class_names) if class_names is not None else None
+        self.metadata = dict(metadata or {})
+        self.schema = arrow_schema(self.fields)
+        prepare_output_dir(self.path, overwrite)
+        self._shards: list[dict] = []
+        self._label_counts = np.zeros(0, dtype=np.int64)
+        self._closed = False
+        self._t0 = time.time()
+        self._reset_buffer()
+
+    # -- buffering -----------------------------------------------------------------------
+    def _reset_buffer(self):
+        self._cols: dict[str, list] = {n: [] for n in self.fields}
+        self._sizes: dict[str, list] = {n: [] for n, f in self.fields.items() if f.kind == "image"}
+        self._keys: list[str] = []
+        self._rows = 0
+        self._bytes = 0
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s["num_samples"] for s in self._shards) + self._rows
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError(f"ShardWriter for {self.path} is closed")
+
+    def _fixed_rows(self, name: str, f: Field, value: Any, n: int | None) -> np.ndarray:
+        arr = np.asarray(value)
+        want = f.shape if n is None else (n, *f.shape)
+        if arr.shape != want:
+            raise ValueError(f"field {name!r}: got shape {arr.shape}, expected {want} ({f})")
+        if arr.dtype != f.np_dtype:
+            if not np.can_cast(arr.dtype, f.np_dtype, casting="same_kind"):
+                raise ValueError(f"field {name!r}: got dtype {arr.dtype}, expected {f.dtype}")
+            arr = arr.astype(f.np_dtype)
+        return np.ascontiguousarray(arr).reshape(want if n is not None else (1, *f.shape))
+
+    def _encoded(self, name: str, f: Field, value: Any, key: str) -> bytes:
+        if f.kind == "string":
+            if not isinstance(value, str):
+                raise ValueError(f"field {name!r} of sample {key!r}: expected str, got {type(value).__name__}")
+            return value
+        if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
+            value = value.tobytes()
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise ValueError(f"field {name!r} of sample {key!r}: expected bytes, got {type(value).__name__}")
+        return bytes(value)
+
+    def write(self, sample: Mapping[str, Any], key: str | None = None,
+              image_sizes: Mapping[str, tuple[int, int]] | None = None) -> None:
+        """Append one sample: a dict with a value for every field.
+
+        ``image_sizes`` may give (width, height) of image fields already known to the caller
+        (convert reads them while validating); otherwise they are read from the header."""
+        self._check_open()
+        key = str(self.num_samples) if key is None else str(key)
+        missing = [n for n in self.fields if n not in sample]
+        if missing:
+            raise ValueError(f"sample {key!r} lacks field(s) {missing}; fields are {list(self.fields)}")
+        extra = [n for n in sample if n not in self.fields]
+        if extra:
+            raise ValueError(f"sample {key!r} has unknown field(s) {extra}; fields are {list(self.fields)}")
+        row: dict[str, Any] = {}
+        sizes: dict[str, tuple[int, int]] = {}
+        nbytes = 0
+        for name, f in self.fields.items():
+            v = sample[name]
+            if f.fixed:
+                row[name] = self._fixed_rows(name, f, v, None)
+                nbytes += f.row_nbytes
+            else:
+                b = self._encoded(name, f, v, key)
+                if f.kind == "image" and image_sizes and name in image_sizes:
+                    sizes[name] = tuple(int(x) for x in image_sizes[name])
+                elif f.kind == "image":
+                    try:
+                        sizes[name] = image_size(b)
+                    except Exception as e:
+                        raise ValueError(f"field {name!r} of sample {key!r} is not a readable image: {e}") from None
+                row[name] = b
+                nbytes += len(b) if isinstance(b, bytes) else len(b.encode())
+        nbytes += len(key)
+        # Roll before a sample that would take the shard past its budget (a sample larger
+        # than the whole budget gets a shard of its own).
+        if self._rows and self._bytes + nbytes > self.shard_size:
+            self._flush()
+        for name, v in row.items():
+            self._cols[name].append(v)
+        for name, wh in sizes.items():
+            self._sizes[name].append(wh)
+        self._keys.append(key)
+        self._rows += 1
+        self._bytes += nbytes
+
+    def write_batch(self, batch: Mapping[str, Any], keys: Sequence[str] | None = None) -> None:
+        """Append many samples at once: a dict of arrays (fixed fields) or sequences."""
+        self._check_open()
+        if set(batch) != set(self.fields):
+            raise ValueError(f"batch fields {sorted(batch)} differ from the dataset's {sorted(self.fields)}")
+        lengths = {n: len(v) for n, v in batch.items()}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"batch fields have different lengths: {lengths}")
+        n = next(iter(lengths.values()))
+        if n == 0:
+            return
+        if keys is not None and len(keys) != n:
+            raise ValueError(f"keys has {len(keys)} entries for a batch of {n}")
+        fixed = {name: self._fixed_rows(name, f, batch[name], n)
+                 for name, f in self.fields.items() if f.fixed}
+        row_bytes = sum(f.row_nbytes for f in self.fields.values() if f.fixed)
+        if all(f.fixed for f in self.fields.values()):
+            # Split the batch at shard boundaries without per-sample Python work.
+            start = 0
+            base = self.num_samples
+            while start < n:
+                room = (self.shard_size - self._bytes) // max(row_bytes, 1)
+                if room <= 0 and self._rows:
+                    self._flush()
+                    continue
+                stop = min(n, start + max(1, room))
+                for name, arr in fixed.items():
+                    self._cols[name].append(arr[start:stop])
+                if keys is None:
+                    self._keys.extend(map(str, range(base + start, base + stop)))
+                else:
+                    self._keys.extend(map(str, keys[start:stop]))
+                self._rows += stop - start
+                self._bytes += (stop - start) * row_bytes
+                start = stop
+            return
+        base = self.num_samples
+        for i in range(n):
+            self.write({name: (fixed[name][i] if name in fixed else batch[name][i]) for name in self.fields},
+                       key=str(base + i) if keys is None else keys[i])
+
+    # -- shards --------------------------------------------------------------------------
+    def _arrays(self) -> list[pa.Array]:
+        arrays = []
+        for name, f in self.fields.items():
+            chunks = self._cols[name]
+            if f.fixed:
+                arr = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+                base, per_row = f.storage()
+                flat = np.ascontiguousarray(arr).view(base).reshape(-1)
+                if per_row == 1 and not isinstance(f.arrow_type(), pa.FixedSizeListType):
+                    arrays.append(pa.array(flat))
+                else:
+                    arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat), per_row))
+                if name == self.label:
+                    self._count_labels(name, arr)
+            else:
+                arrays.append(pa.array(chunks, type=f.arrow_type()))
+                if f.kind == "image":
+                    wh = np.asarray(self._sizes[name], dtype=np.int32).reshape(-1, 2)
+                    arrays += [pa.array(wh[:, 0]), pa.array(wh[:, 1])]
+        arrays.append(pa.array(self._keys, type=pa.string()))
+        return arrays
+
+    def _count_labels(self, name: str, labels: np.ndarray) -> None:
+        labels = labels.astype(np.int64, copy=False)
+        if labels.size and labels.min() < 0:
+            bad = int(np.flatnonzero(labels < 0)[0])
+            raise ValueError(f"label field {name!r} holds a negative class id {int(labels[bad])} "
+                             f"(sample {self._keys[bad]!r}); class ids must be 0..num_classes-1")
+        counts = np.bincount(labels)
+        if counts.size > self._label_counts.size:
+            counts, self._label_counts = self._label_counts, counts
+        self._label_counts[: counts.size] += counts
+
+    def _flush(self) -> None:
+        if self._rows == 0:
+            return
+        batch = pa.RecordBatch.from_arrays(self._arrays(), schema=self.schema)
+        index = len(self._shards)
+        final = self.path / shard_name(index)
+        tmp = self.path / ("." + final.name + ".tmp")
+        with open(tmp, "wb") as raw:
+            hf = _HashingFile(raw)
+            sink = pa.PythonFile(hf, mode="w")
+            with pa.ipc.new_file(sink, self.schema) as w:
+                w.write_batch(batch)
+            sink.close() if not sink.closed else None
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, final)
+        self._shards.append({
+            "file": final.name,
+            "num_samples": int(batch.num_rows),
+            "bytes": int(hf.nbytes),
+            "checksum": f"{CHECKSUM_ALGO}:{hf.hash.hexdigest()}",
+        })
+        self._reset_buffer()
+
+    # -- end -----------------------------------------------------------------------------
+    def manifest(self) -> dict:
+        total = sum(s["num_samples"] for s in self._shards)
+        m: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "num_samples": total,
+            "total_bytes": sum(s["bytes"] for s in self._shards),
+            "fields": {n: f.to_json() for n, f in self.fields.items()},
+            "key_column": KEY_COLUMN,
+            "checksum_algorithm": CHECKSUM_ALGO,
+            "shards": self._shards,
+        }
+        if self.label is not None:
+            names = self.class_names
+            ncls = max(len(names) if names else 0, self._label_counts.size)
+            counts = np.zeros(ncls, dtype=np.int64)
+            counts[: self._label_counts.size] = self._label_counts
+            if names is not None and self._label_counts.size > len(names):
+                raise ValueError(f"label field {self.label!r} holds class id {self._label_counts.size - 1} "
+                                 f"but only {len(names)} class_names were given")
+            m["label"] = {"field": self.label, "class_names": names, "counts": counts.tolist()}
+        if self.metadata:
+            m["metadata"] = self.metadata
+        return m
+
+    def close(self) -> dict:
+        """Write the last shard and the manifest; return the manifest."""
+        if self._closed:
+            raise RuntimeError(f"ShardWriter for {self.path} is already closed")
+        self._flush()
+        m = self.manifest()
+        write_json_atomic(self.path / MANIFEST, m)
+        self._closed = True
+        return m
+
+    def abort(self) -> None:
+        """Delete everything this writer wrote; the directory does not open as a dataset."""
+        self._closed = True
+        for entry in os.listdir(self.path) if self.path.is_dir() else []:
+            if _OWN_FILE.match(entry) and entry != SKIPPED_REPORT:
+                try:
+                    os.unlink(self.path / entry)
+                except FileNotFoundError:
+                    pass
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._closed:
+            self.close()
+
+
+def write_report(path: Path, records: Iterable[Mapping[str, Any]]) -> int:
+    """Write the skipped-sample report (JSON lines) atomically; return the count."""
+    records = list(records)
+    tmp = path.with_name("." + path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(dict(r)) + "\n")
+    os.replace(tmp, path)
+    return len(records)

@@ -1,0 +1,282 @@
+"""The on-disk store: round trips, shard rolling, atomicity, verify, opening cost."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import fastload
+from fastload.store import FormatError, parse_field, parse_size, read_manifest
+from fastload.store.format import Field
+
+
+def _write(path, fields, samples, **kw):
+    with fastload.ShardWriter(path, fields, **kw) as w:
+        for i, s in enumerate(samples):
+            w.write(s, key=f"k{i}")
+    return fastload.Dataset(path)
+
+
+def test_every_field_kind_round_trips_bytes_equal(tmp_path):
+    rng = np.random.default_rng(0)
+    dtypes = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+              "float16", "float32", "float64", "bool", "complex64", "complex128"]
+    fields = {f"t_{d}": f"{d}[2,3]" for d in dtypes}
+    fields.update({f"s_{d}": d for d in dtypes if not d.startswith("complex")})
+    fields.update({"img": "image", "raw": "bytes", "txt": "string"})
+    from fastload.sample_data import photos, random_jpeg
+    jpeg = random_jpeg(next(iter(photos(["astronaut"]).values())), rng)
+    samples = []
+    for i in range(7):
+        s = {}
+        for d in dtypes:
+            a = (rng.standard_normal((2, 3)) * 100)
+            if d.startswith("complex"):
+                a = a + 1j * a
+            s[f"t_{d}"] = a.astype(d)
+            if not d.startswith("complex"):
+                s[f"s_{d}"] = np.asarray(a[0, 0]).astype(d)[()]
+        s["img"] = jpeg
+        s["raw"] = bytes(rng.integers(0, 256, i * 5, dtype=np.uint8))
+        s["txt"] = "héllo ✓ " * i
+        samples.append(s)
+    ds = _write(tmp_path / "ds", fields, samples, shard_size=2000)
+    assert ds.num_shards > 1
+    assert len(ds) == 7
+    assert {n: str(f) for n, f in ds.fields.items()} == {n: str(parse_field(s)) for n, s in fields.items()}
+    for i, s in enumerate(samples):
+        got = ds[i]
+        for k, v in s.items():
+            if isinstance(v, (bytes, str)):
+                assert got[k] == v, k
+            else:
+                assert np.asarray(got[k]).dtype == np.asarray(v).dtype, k
+                assert np.asarray(got[k]).tobytes() == np.asarray(v).tobytes(), k
+    # Zero-copy column views with the declared shape and dtype.
+    col = ds.column(0, "t_float32")
+    assert col.shape == (int(ds.shard_sizes[0]), 2, 3) and col.dtype == np.float32
+    assert not col.flags.writeable
+    assert ds.column(0, "t_bool").dtype == np.bool_
+    w, h = ds.image_sizes("img", [0, 6])
+    assert w.tolist() == h.tolist() or (w > 0).all()
+    from PIL import Image
+    import io
+    assert (int(w[0]), int(h[0])) == Image.open(io.BytesIO(jpeg)).size
+    assert ds.keys([6, 0]) == ["k6", "k0"]
+
+
+def test_get_batch_is_a_vectorised_gather_across_shards(tmp_path):
+    x = np.arange(1000 * 5, dtype=np.float32).reshape(1000, 5)
+    y = np.arange(1000, dtype=np.int64) % 7
+    with fastload.ShardWriter(tmp_path / "ds", {"x": "float32[5]", "y": "int64"}, shard_size=4096, label="y") as w:
+        w.write_batch({"x": x, "y": y})
+    ds = fastload.Dataset(tmp_path / "ds")
+    assert ds.num_shards == int(np.ceil(1000 * 28 / 4096)) or ds.num_shards > 5
+    idx = np.random.default_rng(1).permutation(1000)[:300]
+    b = ds.get_batch(idx)
+    np.testing.assert_array_equal(b["x"], x[idx])
+    np.testing.assert_array_equal(b["y"], y[idx])
+    shard, row = ds.locate(idx)
+    np.testing.assert_array_equal(ds.shard_starts[shard] + row, idx)
+    assert ds.manifest["label"]["counts"] == np.bincount(y).tolist()
+    with pytest.raises(IndexError, match="1000 is out of range"):
+        ds.get_batch([3, 1000])
+    with pytest.raises(IndexError, match="-1"):
+        ds.locate([-1])
+    assert ds[-1]["y"] == y[-1]
+
+
+def test_manifest_records_shards_checksums_and_labels(tmp_path):
+    with fastload.ShardWriter(tmp_path / "ds", {"x": "uint8[100]", "label": "int64"}, shard_size=1000,
+                              label="label", class_names=["a", "b", "c"]) as w:
+        w.write_batch({"x": np.zeros((25, 100), np.uint8), "label": np.array([0] * 5 + [2] * 20)})
+    m = read_manifest(tmp_path / "ds")
+    assert m["format_version"] == fastload.FORMAT_VERSION
+    assert m["num_samples"] == 25
+    assert [s["num_samples"] for s in m["shards"]] == [9, 9, 7]
+    assert all(s["checksum"].startswith("xxh3_128:") for s in m["shards"])
+    assert all(s["bytes"] == (tmp_path / "ds" / s["file"]).stat().st_size for s in m["shards"])
+    assert m["label"] == {"field": "label", "class_names": ["a", "b", "c"], "counts": [5, 0, 20]}
+    assert sorted(os.listdir(tmp_path / "ds")) == ["manifest.json", "shard-00000.arrow", "shard-00001.arrow",
+                                                     "shard-00002.arrow"]
+
+
+def test_shards_are_plain_arrow_readable_by_pyarrow(tmp_path):
+    with fastload.ShardWriter(tmp_path / "ds", {"x": "float32[3]", "s": "string"}) as w:
+        w.write({"x": np.ones(3, np.float32), "s": "a"})
+    t = pa.ipc.open_file(pa.memory_map(str(tmp_path / "ds" / "shard-00000.arrow"))).read_all()
+    assert t.column("s").to_pylist() == ["a"]
+    assert t.column("x").to_pylist() == [[1.0, 1.0, 1.0]]
+    assert t.schema.field("x").type == pa.list_(pa.float32(), 3)
+
+
+@pytest.mark.parametrize("spec, err", [
+    ("float32[0]", "positive"), ("object", "not a numpy dtype|cannot be stored"), ("str[3]", "cannot be stored"),
+    ("image[3]", "takes no shape"), ("float32[", "cannot parse"), (3, "must be a Field or a string"),
+])
+def test_bad_field_specs_are_named(tmp_path, spec, err):
+    with pytest.raises(ValueError, match=err):
+        fastload.ShardWriter(tmp_path / "ds", {"f": spec})
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+def test_bad_samples_are_refused_with_the_field_named(tmp_path):
+    with fastload.ShardWriter(tmp_path / "ds", {"x": "float32[3]", "img": "image"}) as w:
+        with pytest.raises(ValueError, match=r"field 'x': got shape \(4,\), expected \(3,\)"):
+            w.write({"x": np.zeros(4), "img": b""})
+        with pytest.raises(ValueError, match="lacks field"):
+            w.write({"x": np.zeros(3)})
+        with pytest.raises(ValueError, match="not a readable image"):
+            w.write({"x": np.zeros(3), "img": b"not an image"}, key="bad.jpg")
+        with pytest.raises(ValueError, match="label=.*not one of the fields"):
+            fastload.ShardWriter(tmp_path / "other", {"x": "int64"}, label="y")
+        with pytest.raises(ValueError, match="reserved"):
+            fastload.ShardWriter(tmp_path / "other2", {"img": "image", "img_width": "int64"})
+        w.abort()
+    with pytest.raises(FormatError, match="manifest.json is missing"):
+        fastload.Dataset(tmp_path / "ds")
+
+
+def test_parse_size():
+    assert parse_size("256MB") == 256_000_000
+    assert parse_size("1GiB") == 2**30
+    assert parse_size(4096) == 4096
+    for bad in ("lots", "0", "3GiB", -1):
+        with pytest.raises(ValueError, match="shard_size"):
+            parse_size(bad)
+
+
+def test_refuses_non_empty_destination_and_overwrites_only_its_own(tmp_path):
+    d = tmp_path / "ds"
+    _write(d, {"x": "int64"}, [{"x": 1}])
+    with pytest.raises(FileExistsError, match="not empty.*--overwrite"):
+        fastload.ShardWriter(d, {"x": "int64"})
+    ds = _write(d, {"x": "int64"}, [{"x": 5}, {"x": 6}], overwrite=True)
+    assert ds.get_batch([0, 1])["x"].tolist() == [5, 6]
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "thesis.tex").write_text("precious")
+    with pytest.raises(FileExistsError, match="thesis.tex"):
+        fastload.ShardWriter(user, {"x": "int64"}, overwrite=True)
+    assert (user / "thesis.tex").read_text() == "precious"
+
+
+def test_exception_inside_writer_leaves_nothing_that_opens(tmp_path):
+    d = tmp_path / "ds"
+    with pytest.raises(RuntimeError, match="boom"):
+        with fastload.ShardWriter(d, {"x": "uint8[100]"}, shard_size=500) as w:
+            for i in range(20):
+                w.write({"x": np.full(100, i, np.uint8)})
+            raise RuntimeError("boom")
+    assert os.listdir(d) == []
+    with pytest.raises(FormatError):
+        fastload.Dataset(d)
+
+
+def test_killed_writer_leaves_no_dataset_that_opens(tmp_path):
+    d = tmp_path / "ds"
+    script = textwrap.dedent(f"""
+        import numpy as np, fastload, time
+        w = fastload.ShardWriter({str(d)!r}, {{"x": "uint8[1000]"}}, shard_size=10_000)
+        for i in range(10**9):
+            w.write({{"x": np.full(1000, i % 256, np.uint8)}})
+            if i == 50:
+                print("shards written", flush=True)
+            if i > 50:
+                time.sleep(0.001)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "shards written"
+        time.sleep(0.2)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert any(n.startswith("shard-") for n in os.listdir(d))
+    with pytest.raises(FormatError, match="interrupted"):
+        fastload.Dataset(d)
+
+
+def test_verify_names_a_shard_with_a_flipped_byte(tmp_path):
+    d = tmp_path / "ds"
+    with fastload.ShardWriter(d, {"x": "float32[64]"}, shard_size=3000) as w:
+        w.write_batch({"x": np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32)})
+    assert fastload.verify(d) == []
+    victim = d / "shard-00001.arrow"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    victim.write_bytes(bytes(data))
+    problems = fastload.verify(d)
+    assert len(problems) == 1 and problems[0].startswith("shard-00001.arrow: checksum mismatch")
+    (d / "shard-00002.arrow").write_bytes(b"garbage")
+    problems = fastload.verify(d)
+    assert any(p.startswith("shard-00002.arrow: size") for p in problems)
+    assert any(p.startswith("shard-00002.arrow: not a valid Arrow IPC file") for p in problems)
+
+
+def test_opening_a_million_samples_reads_no_shard(tmp_path):
+    d = tmp_path / "ds"
+    n = 1_000_000
+    with fastload.ShardWriter(d, {"x": "uint8[8]", "y": "int32"}, shard_size=1_000_000) as w:
+        w.write_batch({"x": np.zeros((n, 8), np.uint8), "y": np.arange(n, dtype=np.int32)})
+    ds = fastload.Dataset(d)
+    assert ds.num_shards >= 12
+    # Replace every shard with garbage: opening and len() must not notice, since they read
+    # only the manifest; the first sample read must name the damaged shard.
+    for f in ds.shard_files:
+        f.write_bytes(b"x" * 16)
+    t0 = time.perf_counter()
+    ds = fastload.Dataset(d)
+    assert len(ds) == n
+    shard, row = ds.locate(np.array([0, n - 1]))
+    assert shard.tolist() == [0, ds.num_shards - 1]
+    assert all(s is None for s in ds._shards)
+    assert time.perf_counter() - t0 < 5  # generous; bench/bench_open.py measures it
+    with pytest.raises(FormatError, match="shard-00000.arrow"):
+        ds[0]
+
+
+def test_plain_dataloader_with_workers_and_getitems(tmp_path):
+    x = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    with fastload.ShardWriter(tmp_path / "ds", {"x": "float32[3]", "y": "int64", "s": "string"}, shard_size=300) as w:
+        for i in range(64):
+            w.write({"x": x[i], "y": i, "s": f"s{i}"})
+    ds = fastload.Dataset(tmp_path / "ds")
+    assert isinstance(ds, torch.utils.data.Dataset)
+    seen = []
+    dl = torch.utils.data.DataLoader(ds, batch_size=10, num_workers=2, shuffle=True,
+                                     generator=torch.Generator().manual_seed(0))
+    for b in dl:
+        assert isinstance(b["x"], torch.Tensor) and b["x"].dtype == torch.float32
+        np.testing.assert_array_equal(b["x"].numpy(), x[b["y"].numpy()])
+        assert b["s"] == [f"s{i}" for i in b["y"].tolist()]
+        seen += b["y"].tolist()
+    assert sorted(seen) == list(range(64))
+
+
+def test_format_version_and_damaged_manifest_are_refused(tmp_path):
+    d = tmp_path / "ds"
+    _write(d, {"x": "int64"}, [{"x": 1}])
+    m = json.loads((d / "manifest.json").read_text())
+    m["format_version"] = 99
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match="format_version 99"):
+        fastload.Dataset(d)
+    (d / "manifest.json").write_text("{not json")
+    with pytest.raises(FormatError, match="not readable JSON"):
+        fastload.Dataset(d)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        fastload.Dataset(tmp_path / "nope")
+
+
+def test_field_json_round_trip():
+    for spec in ["image", "bytes", "string", "int64", "bool", "float16[3,4]", "complex64[2]"]:
+        f = parse_field(spec)
+        assert Field.from_json(json.loads(json.dumps(f.to_json()))) == f
