@@ -1,0 +1,56 @@
+"""Opening time of a 1,000,000-sample dataset (small tensors) and first-sample latency.
+
+Opening reads manifest.json only; the first sample maps one shard. Compared with building the
+same index the way a typical Dataset does (a Python list of 1,000,000 per-sample entries).
+
+    python bench/bench_open.py [--samples 1000000] [--smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median_seconds, system_info  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=1_000_000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.samples, a.repeats = 20_000, 1
+    import fastload
+
+    tmp = Path(tempfile.mkdtemp(prefix="fastload-bench-open-"))
+    try:
+        n = a.samples
+        with fastload.ShardWriter(tmp / "ds", {"x": "float32[16]", "label": "int64"}, label="label",
+                                  shard_size="16MB") as w:
+            w.write_batch({"x": np.zeros((n, 16), np.float32), "label": np.arange(n) % 10})
+        rows = {
+            "fastload.Dataset(path)": median_seconds(lambda: fastload.Dataset(tmp / "ds"), repeats=a.repeats),
+            "open + one sample": median_seconds(lambda: fastload.Dataset(tmp / "ds")[n // 2], repeats=a.repeats),
+            "Python list of (path, label)": median_seconds(
+                lambda: [(f"{i:08d}.bin", i % 10) for i in range(n)], repeats=a.repeats),
+        }
+        base = rows["Python list of (path, label)"]
+        shards = fastload.Dataset(tmp / "ds").num_shards
+        print(f"open a {n:,}-sample dataset ({shards} shards); {system_info()}")
+        print(f"{'system':32s} {'ms':>9s}  vs per-sample list")
+        for k, t in rows.items():
+            print(f"{k:32s} {t * 1e3:9.2f}  {base / t:.1f}x")
+        return rows
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+// fastload ring buffer: a fixed set of aligned host slots, a pool of C++ producer threads
+// that gather rows into them, and an in-order hand-off to one consumer.
+//
+// This header is pure C++ (no Python, no torch). The Python binding lives in module.cpp;
+// the torch/CUDA face lives in fastload/ring.py.
+//
+// Note [Ring design]
+// ~~~~~~~~~~~~~~~~~~
+// Requests. Every batch is a *request* with a sequence number, created either by
+// submit(shard, row) (the producers gather rows of every sourced field into a slot) or by
+// begin_external() ("external fill": the caller writes the slot itself, e.g. DALI output, then
+// commit()s). Requests are handed to the consumer strictly in sequence order, whatever order
+// the producers finish them in.
+//
+// Slots. A slot is one block of host memory (4096-byte aligned, size rounded up to whole
+// pages so it can be cudaHostRegister'ed), holding batch_size rows of every field; field f
+// starts at offsets_[f] (256-byte aligned). A slot moves through
+//
+//     FREE --assign--> FILLING --gather done / commit()--> READY --take()--> IN_USE --> FREE
+//
+//  * assign:  slots are given to requests in sequence order (assign_locked()); a request
+//             waits until a FREE slot exists. Requests that already failed need no slot.
+//  * FILLING: the gather of a request may be split into parts (row ranges) that run on
+//             several producer threads; the slot is READY when the last part finishes.
+//  * IN_USE:  the consumer took the batch. The Python layer hands out zero-copy views of
+//             the slot; each object that can still reach the slot's memory (a batch lease,
+//             an external-fill handle) holds one "holder" reference.
+//
+// Reuse rule (the CPU lifetime rule). An IN_USE slot becomes FREE only when its holder
+// count drops to zero, i.e. when the last numpy array / torch tensor viewing it is gone.
+// A slot is never written while anything can read it. On CUDA the Python layer keeps the
+// lease until the CUDA event recorded after the device copy has completed, so the same rule
+// also covers the asynchronous device copy.
+//
+// Growth rule (never overwrite, never deadlock). When take() hands a batch out as a view it
+// checks that at least one slot stays outside the user's hands (so producers can make
+// progress). If not, the ring grows by one slot (allocated outside the lock) as long as it
+// has fewer than max_slots slots; at the cap, the batch is delivered as a copy instead and its
+// slot goes straight back to FREE (Delivery::copy). Holding any number of batches therefore
+// costs memory, never correctness or liveness.
+//
+// Threading. One mutex (mu_) guards all state; it is held only for bookkeeping (queue
+// pushes/pops, counters), never for a memcpy, an allocation or a wait on anything slow.
+// Producers wait on cv_work_ (woken one per new job); the consumer and external-fill callers
+// wait on cv_cons_ with timed waits, so the Python layer can check for Ctrl-C between slices.
+// A consumer whose next batch is not ready runs queued (unstarted) parts itself instead of
+// sleeping, oldest first: small batches then need no thread wake-up at all, and an
+// input-bound loop gains a core. Batches under 32 KiB do not wake sleeping producers at all
+// (a wake-up costs more than the copy); an awake producer or the consumer does them. Producer threads
+// never touch Python and never own a reference to the Engine; the Engine is destroyed by
+// whoever drops the last shared_ptr (always a Python object's destructor, GIL held), and its
+// destructor joins the producers (they need no GIL, so this cannot deadlock).
+//
+// Errors. A bad shard/row in a request is detected by the producer that gathers it and stored
+// in the request (kind + message); take() delivers it to the consumer for that very batch.
+// Later batches are unaffected.
+//
+// Shutdown. close() sets stop_, drops queued jobs, wakes everyone, joins the producers and
+// waits for in-flight synchronous gathers (gather_external). Afterwards submit/take/commit
+// report "closed"; leases still release their slots (the memory lives until the Engine dies).
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace fastload {
+
+enum class ErrKind : int { None = 0, Index = 1, Value = 2, Runtime = 3 };
+
+// One shard of one field: `rows` rows of `row_bytes` bytes each, C-contiguous.
+struct Source {
+  const std::uint8_t* ptr = nullptr;
+  std::int64_t rows = 0;
+};
+
+struct Request {
+  std::int64_t seq = 0;
+  bool external = false;
+  std::vector<std::int64_t> shard, row;  // gather requests only
+  std::int64_t rows = 0;                 // rows in the batch (external: set by commit)
+  int slot = -1;
+  int parts_left = 0;
+  enum class State { Waiting, Filling, Ready } state = State::Waiting;
+  bool committed = false;                // external: commit() or fail() happened
+  ErrKind err = ErrKind::None;
+  std::string msg;
+};
+
+struct Delivery {
+  std::int64_t seq = 0;
+  std::int64_t rows = 0;
+  int slot = -1;
+  std::uint8_t* mem = nullptr;
+  bool copy = false;  // deliver as a copy, then release(slot)
+  ErrKind err = ErrKind::None;
+  std::string msg;
+};
+
+class Engine : public std::enable_shared_from_this<Engine> {
+ public:
+  // row_bytes[f]: bytes of one row of field f. sources[f]: one Source per shard, or empty for
+  // a field that is only ever filled externally. All sourced fields must agree on shard
+  // count and rows per shard. Throws std::invalid_argument on bad arguments.
+  Engine(std::vector<std::size_t> row_bytes, std::int64_t batch_size,
+         std::vector<std::vector<Source>> sources, int threads, int slots, int max_slots,
+         std::size_t min_part_bytes);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Enqueue a gather request (takes ownership of the index vectors). Returns its sequence
+  // number. Throws std::invalid_argument (bad sizes) or std::logic_error (closed).
+  std::int64_t submit(std::vector<std::int64_t> shard, std::vector<std::int64_t> row);
+  // Enqueue n rows as consecutive batches of `per` rows (the last may be shorter), under one
+  // lock. Returns the number of batches.
+  std::int64_t submit_many(const std::int64_t* shard, const std::int64_t* row, std::int64_t n,
+                           std::int64_t per);
+
+  enum class Status { Got, Timeout, Closed, Empty };
+  // Wait up to timeout_ms for the next batch in sequence; on Got, fills `d`. A delivered
+  // slot carries one holder reference that the caller must give back with release(slot)
+  // (when d.err != None the slot, if any, is already handled and d.slot == -1).
+  Status take(int timeout_ms, Delivery& d);
+  void release(int slot);
+
+  // External fill: reserve the next sequence number; wait_slot() waits for its slot (which
+  // then carries one holder for the fill handle, given back with release()).
+  std::shared_ptr<Request> begin_external();
+  Status wait_slot(const std::shared_ptr<Request>& r, int timeout_ms);
+  // Synchronously gather the sourced fields into the request's slot in the calling thread.
+  // Returns ErrKind::None or an error kind with `msg` set.
+  ErrKind gather_external(const std::shared_ptr<Request>& r, const std::int64_t* shard,
+                          const std::int64_t* row, std::int64_t n, std::string& msg);
+  // commit (rows > 0) or fail (err != None): publishes the request. Throws std::logic_error
+  // if already published or the ring is closed.
+  void publish_external(const std::shared_ptr<Request>& r, std::int64_t rows, ErrKind err,
+                        const std::string& msg);
+  // Called when the fill handle dies: fails the request if it was never published, then
+  // drops the handle's holder on the slot.
+  void drop_external(const std::shared_ptr<Request>& r);
+
+  void close();
+
+  // Introspection.
+  std::int64_t batch_size() const { return batch_size_; }
+  int threads() const { return nthreads_; }
+  int max_slots() const { return max_slots_; }
+  std::size_t slot_bytes() const { return slot_bytes_; }
+  std::size_t field_offset(std::size_t f) const { return offsets_[f]; }
+  std::size_t row_bytes(std::size_t f) const { return row_bytes_[f]; }
+  bool has_source(std::size_t f) const { return !sources_[f].empty(); }
+  std::size_t num_fields() const { return row_bytes_.size(); }
+  std::int64_t num_shards() const { return static_cast<std::int64_t>(shard_rows_.size()); }
+  int num_slots();
+  std::uint8_t* slot_memory(int slot);  // stable for the Engine's life
+  bool closed();
+  std::int64_t pending();  // requests created and not yet taken
+  struct Stats {
+    int slots, free, filling, ready, in_use;
+    std::int64_t submitted, delivered, grown, copies, pending;
+  };
+  Stats stats();
+
+ private:
+  struct Slot {
+    std::uint8_t* mem = nullptr;
+    enum class State { Free, Filling, Ready, InUse } state = State::Free;
+    int holders = 0;
+  };
+  struct Job {
+    Request* req;
+    std::uint8_t* base;
+    std::int64_t begin, end;
+  };
+
+  void worker();
+  void run_front_job(std::unique_lock<std::mutex>& lk);
+  void assign_locked();
+  void finish_part_locked(Request& r, ErrKind err, std::string&& msg);
+  void release_locked(int slot);
+  std::uint8_t* alloc_slot_memory();  // no lock held
+  ErrKind gather(const std::int64_t* shard, const std::int64_t* row, std::int64_t begin,
+                 std::int64_t end, std::int64_t seq, std::uint8_t* base, std::string& msg) const;
+
+  // Immutable after construction.
+  const std::vector<std::size_t> row_bytes_;
+  const std::int64_t batch_size_;
+  const std::vector<std::vector<Source>> sources_;
+  std::vector<std::int64_t> shard_rows_;
+  std::vector<std::size_t> offsets_;
+  std::size_t slot_bytes_ = 0;
+  std::size_t sourced_row_bytes_ = 0;
+  bool any_source_ = false;
+  int nthreads_;
+  int max_slots_;
+  std::size_t min_part_bytes_;
+
+  // Guarded by mu_.
+  std::mutex mu_;
+  std::condition_variable cv_work_;  // producers: jobs_ or stop_
+  std::condition_variable cv_cons_;  // consumer / external fill: request state changes
+  std::condition_variable cv_idle_;  // close(): sync gathers finished
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::vector<int> free_;             // stack of FREE slot ids
+  std::deque<std::shared_ptr<Request>> reqs_;  // reqs_[0] has seq head_seq_
+  std::int64_t head_seq_ = 0;         // next sequence number to deliver
+  std::int64_t next_seq_ = 0;         // next sequence number to create
+  std::int64_t next_assign_ = 0;      // first request without a slot decision
+  std::deque<Job> jobs_;
+  int waiters_ = 0;                   // threads waiting on cv_cons_
+  int idle_workers_ = 0;              // producers waiting on cv_work_
+  int growing_ = 0;                   // slots being allocated
+  int in_use_ = 0;                    // slots in state InUse
+  int sync_gathers_ = 0;              // gather_external calls in flight
+  bool stop_ = false;
+  std::int64_t delivered_ = 0, grown_ = 0, copies_ = 0;
+
+  std::vector<std::thread> workers_;
+  std::mutex join_mu_;  // serializes close()
+};
+
+}  // namespace fastload

@@ -1,0 +1,87 @@
+"""Shared pytest fixtures: every test must leave no thread behind.
+
+``no_leaked_threads`` (autouse) snapshots the Python threads (``threading.enumerate()``) and
+the native threads of the process (the entries of ``/proc/self/task``, which include C++
+``std::thread``s that Python cannot see) before each test, and fails the test if new ones
+are still alive a short grace period after it ended. Process-wide pools that libraries start
+once and keep (torch's intra-op pool) are started by a session fixture before any snapshot.
+Mark a test ``@pytest.mark.allow_thread_leak`` to opt out, and say why.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+_GRACE_S = 2.0
+_TASK_DIR = "/proc/self/task"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "allow_thread_leak(reason): the test may leave threads running (say why)"
+    )
+
+
+def _native_threads() -> dict[str, str] | None:
+    """{tid: thread name} of this process, or None where /proc is unavailable."""
+    try:
+        tids = os.listdir(_TASK_DIR)
+    except OSError:
+        return None
+    out = {}
+    for tid in tids:
+        try:
+            with open(f"{_TASK_DIR}/{tid}/comm") as f:
+                out[tid] = f.read().strip()
+        except OSError:  # exited meanwhile
+            continue
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_process_wide_pools() -> None:
+    """Start the thread pools libraries create lazily and keep for the process's life, so
+    that the first test to trigger them is not blamed for a leak."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return
+    x = torch.ones(1 << 20)
+    (x + 1).sum().item()
+    torch.from_numpy(x.numpy()).mul_(2).sum().item()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads(request: pytest.FixtureRequest):
+    if request.node.get_closest_marker("allow_thread_leak") is not None:
+        yield
+        return
+    py_before = set(threading.enumerate())
+    native_before = _native_threads()
+    yield
+    deadline = time.monotonic() + _GRACE_S
+    while True:
+        py_new = [t for t in threading.enumerate() if t not in py_before and t.is_alive()]
+        native_now = _native_threads()
+        native_new = (
+            {} if native_before is None or native_now is None
+            else {tid: name for tid, name in native_now.items() if tid not in native_before}
+        )
+        if not py_new and not native_new:
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    parts = []
+    if py_new:
+        parts.append("Python threads: " + ", ".join(repr(t.name) for t in py_new))
+    if native_new:
+        parts.append("native threads (tid:name): " + ", ".join(f"{k}:{v}" for k, v in sorted(native_new.items())))
+    pytest.fail(
+        f"test left {len(py_new)} Python and {len(native_new)} native thread(s) running "
+        f"{_GRACE_S}s after it ended — close()/join what it started. " + "; ".join(parts),
+        pytrace=False,
+    )
