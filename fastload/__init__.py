@@ -1,10 +1,11 @@
 """fastload: a data loader for PyTorch training that runs at the speed of the hardware."""
 from .convert import ConvertError, convert
+from .sampling import Sampler
 from .store import FORMAT_VERSION, Dataset, Field, FormatError, ShardWriter, verify
 
 __version__ = "0.1.0"
 
 __all__ = sorted([
-    "ConvertError", "Dataset", "FORMAT_VERSION", "Field", "FormatError", "ShardWriter", "__version__",
+    "ConvertError", "Dataset", "FORMAT_VERSION", "Field", "FormatError", "ShardWriter", "Sampler", "__version__",
     "convert", "verify",
 ])

@@ -52,6 +52,34 @@ def _start_process_wide_pools() -> None:
     x = torch.ones(1 << 20)
     (x + 1).sum().item()
     torch.from_numpy(x.numpy()).mul_(2).sum().item()
+    # Arrow's CPU thread pool starts on the first IPC read; skimage.data starts a loader
+    # thread on first use. Both live for the process.
+    import tempfile
+
+    import pyarrow as pa
+    with tempfile.TemporaryDirectory() as d:
+        t = pa.table({"a": [1, 2, 3]})
+        with pa.OSFile(f"{d}/x.arrow", "wb") as f, pa.ipc.new_file(f, t.schema) as w:
+            w.write_table(t)
+        with pa.memory_map(f"{d}/x.arrow") as m:
+            pa.ipc.open_file(m).get_batch(0)
+        # ... and its I/O pool on the first Parquet / CSV / JSON read.
+        import pyarrow.csv
+        import pyarrow.json
+        import pyarrow.parquet as pq
+        pq.write_table(t, f"{d}/x.parquet")
+        pq.read_table(f"{d}/x.parquet")
+        with open(f"{d}/x.csv", "w") as f:
+            f.write("a,b\n1,2\n")
+        pyarrow.csv.read_csv(f"{d}/x.csv")
+        with open(f"{d}/x.jsonl", "w") as f:
+            f.write('{"a": 1}\n')
+        pyarrow.json.read_json(f"{d}/x.jsonl")
+    try:
+        import skimage.data
+        skimage.data.camera()
+    except ImportError:  # pragma: no cover
+        pass
 
 
 @pytest.fixture(autouse=True)

@@ -137,7 +137,10 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
     if workers < 0:
         raise ValueError(f"workers={workers} must be >= 0")
     parse_size(shard_size)
-    from tqdm import tqdm
+    from tqdm import tqdm as _tqdm
+
+    class tqdm(_tqdm):  # noqa: N801
+        monitor_interval = 0  # no monitor thread left running after convert() returns
 
     t0 = time.perf_counter()
     skipped: list[dict] = []

@@ -1,0 +1,89 @@
+"""Sampler cost per epoch: fastload.Sampler against torch's DistributedSampler and
+WeightedRandomSampler, with numpy's permutation as the limit (one shuffle of N indices).
+
+Every row yields one rank's share of an epoch (world size 8) as ready-to-use batches.
+
+    python bench/bench_sampler.py [--samples 10000000] [--smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Measurement, interleaved_medians, print_table, system_info  # noqa: E402
+
+
+class _Sized:
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+def main(argv=None) -> list:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=10_000_000)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.samples, a.repeats = 100_000, 1
+    import torch
+    from torch.utils.data import BatchSampler, DistributedSampler, WeightedRandomSampler
+
+    from fastload import Sampler
+
+    n, w, b = a.samples, a.world_size, a.batch_size
+    weights = (np.arange(n) % 10 + 1).astype(np.float64)
+    epoch = [0]
+
+    def ours(**kw):
+        def run():
+            s = Sampler(n, batch_size=b, world_size=w, rank=w - 1, seed=0, **kw)
+            epoch[0] += 1
+            s.set_epoch(epoch[0])
+            for _ in s:
+                pass
+        return run
+
+    def torch_dist():
+        s = DistributedSampler(_Sized(n), num_replicas=w, rank=w - 1, seed=0)
+        epoch[0] += 1
+        s.set_epoch(epoch[0])
+        for _ in BatchSampler(s, b, drop_last=False):
+            pass
+
+    def limit():
+        np.random.default_rng(epoch[0]).permutation(n)
+
+    fns = {"fastload Sampler": ours(), "fastload Sampler, weighted": ours(weights=weights),
+           "DistributedSampler + BatchSampler": torch_dist, "numpy permutation of N": limit}
+    if n <= 2**24:  # torch.multinomial refuses more categories
+        wt = torch.from_numpy(weights)
+
+        def torch_weighted():
+            # WeightedRandomSampler has no rank split: it draws the whole epoch on every rank
+            for _ in BatchSampler(WeightedRandomSampler(wt, n // w), b, drop_last=False):
+                pass
+        fns["WeightedRandomSampler (n/W draws)"] = torch_weighted
+    t = interleaved_medians(fns, repeats=a.repeats)
+    per_rank = -(-n // w)
+    kinds = {"numpy permutation of N": "limit", "DistributedSampler + BatchSampler": "dataloader"}
+    rows = [Measurement(k, per_rank, per_rank * 8, v, kinds.get(k, "ours" if k.startswith("fastload") else "other"))
+            for k, v in t.items()]
+    for r in rows:
+        r.note = f"{r.seconds * 1e3:.0f} ms per epoch"
+    print(f"one rank's epoch of {n:,} samples, world size {w}, batch {b}; {system_info()}")
+    print_table("sampler: one rank's epoch", rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Functions run on every rank by tests/_dist.py (a real gloo process group is initialised)."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def _gather(x: np.ndarray) -> np.ndarray:
+    """all_gather of equal-length int64 arrays from every rank, concatenated in rank order."""
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t)
+    return torch.cat(parts).numpy()
+
+
+def _agree(value: int) -> tuple[int, int]:
+    t = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0]), int(-t[1])
+
+
+def sampler_epoch(n: int, batch_size: int, seed: int, epoch: int, stop_after: int | None = None,
+                  state: dict | None = None, drop_last: bool = False) -> dict:
+    """Each rank builds its Sampler from the process group; returns what the ranks read
+    together (gathered collectively) and rank 0's state after `stop_after` steps."""
+    from fastload import Sampler
+    from fastload.world import World
+
+    world = World.detect()
+    assert world.source == "torch.distributed", world
+    s = Sampler(n, batch_size=batch_size, world_size=world.world_size, rank=world.rank, seed=seed,
+                drop_last=drop_last)
+    if state is not None:
+        s.load_state_dict(state)
+    s.set_epoch(epoch)
+    batches = list(itertools.islice(s, stop_after))  # islice stops before pulling one more
+    mine = np.concatenate(batches) if batches else np.empty(0, np.int64)
+    most, least = _agree(len(batches))
+    assert most == least, f"ranks read different numbers of batches: {least}..{most}"
+    every = _gather(mine)
+    return {"rank": world.rank, "world_size": world.world_size, "batches": len(batches),
+            "read": every.tolist(), "state": s.state_dict()}
