@@ -1,0 +1,662 @@
+"""Loader: sampler -> C++ ring (gather) -> DALI (images) -> device -> the training loop.
+
+One iterator per epoch. Raw fields (tensors, scalars) are gathered by the ring's C++
+threads straight into a slot; the loader keeps ``prefetch`` batches in flight. Image fields
+are decoded by the field's DALI runner in one feeder thread (DALI's own threads do the work,
+with the GIL released), written straight into the same ring slot on the CPU, or handed over
+as CUDA tensors on the GPU. Batches arrive in sampler order.
+
+Resume: the loader remembers the sampler's state after every batch it has *handed to the
+user* (not after the ones merely prefetched), so ``state_dict()`` taken between steps
+continues at exactly the next step.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .ring import Ring
+from .sampling import Sampler
+from .store import Dataset
+from .world import World
+
+logger = logging.getLogger("fastload")
+
+LOADER_STATE_VERSION = 1
+ON_ERROR = ("raise", "skip")
+
+
+class DecodeError(RuntimeError):
+    """An image could not be decoded (or was refused); names shard, row and source key."""
+
+
+def _default_prefetch(threads: int) -> int:
+    return max(2, threads + 1)
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"device={device!r} is not a torch device ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: fastload delivers to 'cpu' or 'cuda'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu' (or None)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def dataset_fingerprint(ds: Dataset) -> str:
+    """A short hash of what defines the data: sample counts, fields and shard checksums."""
+    m = ds.manifest
+    desc = json.dumps({"n": m["num_samples"], "fields": m["fields"],
+                       "shards": [(s["num_samples"], s.get("checksum")) for s in m["shards"]]}, sort_keys=True)
+    return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
+class _Stats:
+    """Counters behind Loader.stats(); updated by the consumer and the feeder thread."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        self.t_start: float | None = None
+        self.t_last: float | None = None
+        self.batches = 0
+        self.samples = 0
+        self.bytes = 0
+        self.wait_s = 0.0
+        self.first_batch_s: float | None = None
+        self.decode_s = 0.0
+        self.gather_s = 0.0
+        self.copy_s = 0.0
+        self.replaced = 0
+        self.epochs = 0
+
+
+class Loader:
+    """Batches of a fastload dataset for a training loop.
+
+    Args:
+        dataset: a :class:`fastload.Dataset` or the path of one.
+        batch_size: samples per batch on this rank.
+        shuffle, seed, drop_last: as ``DistributedSampler`` (the order is a pure function
+            of seed, epoch and world size; see :class:`fastload.Sampler`).
+        device: ``"cuda"``/``"cpu"``/``None`` (CUDA when available).
+        rank, world_size: default from ``torch.distributed`` when initialised, else the
+            ``RANK``/``WORLD_SIZE`` environment variables, else a single process.
+        fields: fields to deliver (default: every tensor, scalar and image field; string and
+            bytes fields are delivered as lists when named here).
+        transforms: ``{image_field: fastload.vision.train(224) | eval(...) | custom(...)}``.
+        threads: gather threads (default: the usable cores); prefetch: batches in flight.
+        weights, replacement, num_draws, balance: weighted / class-balanced sampling
+            (``weights`` may name a field of the dataset; ``balance=True`` balances the label
+            field); shuffle_mode / window: locality-preserving shuffle (see Sampler).
+        on_error: for undecodable images: "raise" (an error naming shard, row and key) or
+            "skip" (replaced deterministically by the next decodable sample, counted in stats).
+        log_every: log ``stats()`` every this many batches (``logging`` at INFO).
+
+    Every batch is a dict of tensors (plus ``batch["index"]``, the global sample indices);
+    ``len(loader)`` is the number of batches per epoch on this rank.
+    """
+
+    def __init__(self, dataset: Dataset | str | os.PathLike, *, batch_size: int, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False, device=None, rank: int | None = None,
+                 world_size: int | None = None, fields: Sequence[str] | None = None,
+                 transforms: Mapping[str, Any] | None = None, threads: int | None = None,
+                 prefetch: int | None = None, weights: Any = None, replacement: bool = True,
+                 num_draws: int | None = None, balance: bool | str = False, shuffle_mode: str = "full",
+                 window: int | None = None, on_error: str = "raise", log_every: int | None = None):
+        self.dataset = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
+        ds = self.dataset
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
+            raise ValueError(f"batch_size={batch_size!r} must be an int > 0")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
+        if log_every is not None and (not isinstance(log_every, int) or log_every <= 0):
+            raise ValueError(f"log_every={log_every!r} must be a positive int or None")
+        self.batch_size = int(batch_size)
+        self.world = World.detect(rank, world_size)
+        self.device = _resolve_device(device)
+        self.on_error = on_error
+        self.log_every = log_every
+        self.seed = int(seed)
+
+        transforms = dict(transforms or {})
+        if fields is None:
+            fields = [n for n, f in ds.fields.items() if f.kind in ("tensor", "scalar", "image")]
+        fields = list(fields)
+        for n in fields:
+            if n not in ds.fields:
+                raise ValueError(f"fields: {n!r} is not a field of {ds.path}; fields are {list(ds.fields)}")
+        for n in transforms:
+            if n not in ds.fields or ds.fields[n].kind != "image":
+                raise ValueError(f"transforms: {n!r} is not an image field of {ds.path}")
+        missing = [n for n in fields if ds.fields[n].kind == "image" and n not in transforms]
+        if missing:
+            raise ValueError(
+                f"image field {missing[0]!r} has no transform; pass transforms={{{missing[0]!r}: "
+                "fastload.vision.train(224)}} (or fastload.vision.eval(224, resize=256), or "
+                "fastload.vision.custom(...)), or leave the field out with fields=[...]")
+        if not fields:
+            raise ValueError(f"no field to deliver; {ds.path} has fields {list(ds.fields)}")
+        self.fields = fields
+        self.raw_fields = [n for n in fields if ds.fields[n].fixed]
+        self.image_fields = [n for n in fields if ds.fields[n].kind == "image"]
+        self.list_fields = [n for n in fields if ds.fields[n].kind in ("string", "bytes")]
+        self.transforms = {n: transforms[n] for n in self.image_fields}
+
+        # Sampling.
+        if isinstance(weights, str):
+            wf = ds.fields.get(weights)
+            if wf is None or wf.kind != "scalar":
+                raise ValueError(f"weights={weights!r} must name a scalar field of {ds.path}")
+            weights = ds.get_batch(np.arange(len(ds)), fields=[weights])[weights].astype(np.float64)
+        labels = None
+        if balance:
+            lf = balance if isinstance(balance, str) else ds.label_field
+            if lf is None or lf not in ds.fields or ds.fields[lf].kind != "scalar":
+                raise ValueError(f"balance={balance!r} needs a label field; {ds.path} has "
+                                 f"{'no label field' if ds.label_field is None else 'label ' + repr(ds.label_field)}")
+            labels = ds.get_batch(np.arange(len(ds)), fields=[lf])[lf]
+        self.sampler = Sampler(len(ds), batch_size=self.batch_size, world_size=self.world.world_size,
+                               rank=self.world.rank, shuffle=shuffle, seed=self.seed, drop_last=drop_last,
+                               weights=weights, replacement=replacement, num_draws=num_draws,
+                               balance_labels=labels, shuffle_mode=shuffle_mode,
+                               shard_sizes=ds.shard_sizes if shuffle_mode != "full" else None, window=window)
+
+        from .ring import default_threads
+        self.threads = default_threads() if threads is None else int(threads)
+        if self.threads < 1:
+            raise ValueError(f"threads={threads!r} must be >= 1")
+        self.prefetch = _default_prefetch(self.threads) if prefetch is None else int(prefetch)
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch={prefetch!r} must be >= 1")
+
+        self._ring: Ring | None = None
+        self._runners: dict[str, Any] = {}
+        self._iter: _EpochIterator | None = None
+        self._position: dict | None = None  # sampler state after the last delivered batch
+        self._stats = _Stats()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, Loader._cleanup, self.__dict__)
+
+    # -- public ----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's order (call before iterating, like DistributedSampler). After
+        ``load_state_dict``, setting the loaded epoch keeps the loaded mid-epoch position."""
+        self._stop_iter()
+        if epoch != self.sampler.epoch:
+            self._position = None
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._closed:
+            raise RuntimeError("this Loader is closed")
+        self._stop_iter()
+        self._position = None
+        self._iter = _EpochIterator(self)  # the sampler resumes a loaded position, else starts the epoch
+        return self._iter
+
+    def state_dict(self) -> dict:
+        """Plain JSON-able state: where the next batch starts, plus what must match on load."""
+        pos = self._position if self._position is not None else self.sampler.state_dict()
+        return {
+            "version": LOADER_STATE_VERSION,
+            "dataset": {"num_samples": len(self.dataset), "fingerprint": dataset_fingerprint(self.dataset)},
+            "batch_size": self.batch_size,
+            "fields": list(self.fields),
+            "transforms": {n: _describe(t) for n, t in self.transforms.items()},
+            "seed": self.seed,
+            "sampler": pos,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (same or different world size). Refuses a state taken on
+        another dataset or with other settings, naming what differs."""
+        if not isinstance(state, Mapping) or "sampler" not in state:
+            raise ValueError("not a fastload Loader state (no 'sampler' key)")
+        if state.get("version") != LOADER_STATE_VERSION:
+            raise ValueError(f"Loader state version {state.get('version')!r} is not {LOADER_STATE_VERSION}")
+        mine = self.state_dict()
+        for key, what in (("dataset", "dataset"), ("seed", "seed"), ("fields", "fields"),
+                          ("transforms", "transforms")):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"Loader state mismatch in {what}: saved {state.get(key)!r}, "
+                                 f"this loader has {mine[key]!r}")
+        self._stop_iter()
+        self.sampler.load_state_dict(state["sampler"])  # validates seed, size, version
+        self._position = None
+
+    def stats(self) -> dict:
+        """Throughput and where the time went, since the current epoch's iteration began.
+
+        wait_fraction = time the training loop spent blocked in ``next()`` / wall time: near 0
+        means data loading keeps up; near 1 means the loop is starved."""
+        s = self._stats
+        with s.lock:
+            now = time.perf_counter()
+            wall = (now - s.t_start) if s.t_start is not None else 0.0
+            out = {
+                "batches": s.batches, "samples": s.samples, "bytes": s.bytes,
+                "wall_s": wall, "wait_s": s.wait_s,
+                "wait_fraction": (s.wait_s / wall) if wall > 0 else 0.0,
+                "batches_per_s": s.batches / wall if wall > 0 else 0.0,
+                "samples_per_s": s.samples / wall if wall > 0 else 0.0,
+                "mb_per_s": s.bytes / wall / 1e6 if wall > 0 else 0.0,
+                "first_batch_s": s.first_batch_s,
+                "stages": {"gather_s": s.gather_s, "decode_s": s.decode_s, "copy_s": s.copy_s},
+                "replaced_samples": s.replaced,
+                "epoch": self.sampler.epoch,
+            }
+        if self._ring is not None and not self._ring.closed:
+            out["ring"] = self._ring.stats()
+        return out
+
+    def close(self) -> None:
+        """Stop and join every thread, release the ring and DALI pipelines. Idempotent."""
+        self._closed = True
+        self._stop_iter()
+        self._finalizer()
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self._stop_iter()
+        except Exception:
+            pass
+
+    # -- internals -------------------------------------------------------------------------
+    @staticmethod
+    def _cleanup(d: dict) -> None:
+        it = d.get("_iter")
+        if it is not None:
+            it.close()
+        for r in d.get("_runners", {}).values():
+            try:
+                r.close()
+            except Exception:  # pragma: no cover - best effort at interpreter exit
+                pass
+        d["_runners"] = {}
+        ring = d.get("_ring")
+        if ring is not None:
+            ring.close()
+            d["_ring"] = None
+
+    def _stop_iter(self) -> None:
+        it, self._iter = self._iter, None
+        if it is not None:
+            it.close()
+
+    def _get_ring(self) -> Ring:
+        if self._ring is None:
+            ds = self.dataset
+            specs: dict[str, Any] = {}
+            sources: dict[str, list] = {}
+            for n in self.raw_fields:
+                f = ds.fields[n]
+                specs[n] = (f.np_dtype, f.shape)
+                sources[n] = [ds.column(s, n) for s in range(ds.num_shards)]
+            if self.device.type == "cpu":
+                for n in self.image_fields:
+                    r = self._runner(n)
+                    specs[n] = (np.dtype(_np_dtype(r.out_dtype)), tuple(r.out_shape))
+            slots = max(self.prefetch + 2, 3)
+            self._ring = Ring(specs, self.batch_size, sources, threads=self.threads, slots=slots,
+                              device=self.device)
+        return self._ring
+
+    def _runner(self, name: str):
+        r = self._runners.get(name)
+        if r is None:
+            r = self.transforms[name].runner(device=self.device.type, batch_size=self.batch_size,
+                                             num_threads=None, prefetch=None, seed=self.seed,
+                                             device_id=self.device.index if self.device.type == "cuda" else None)
+            self._runners[name] = r
+        return r
+
+
+def _np_dtype(dt) -> np.dtype:
+    if isinstance(dt, torch.dtype):
+        return torch.empty((), dtype=dt).numpy().dtype
+    return np.dtype(dt)
+
+
+def _describe(t) -> Any:
+    d = getattr(t, "describe", None)
+    return d() if callable(d) else repr(t)
+
+
+class _EpochIterator:
+    """One pass over the sampler's remaining batches of the current epoch."""
+
+    def __init__(self, loader: Loader):
+        self.loader = loader
+        self.ring = loader._get_ring() if (loader.raw_fields or (loader.image_fields and loader.device.type == "cpu")) else None
+        self.sampler_iter = iter(loader.sampler)
+        loader._position = loader.sampler.state_dict()  # where this pass starts
+        self.pending: collections.deque = collections.deque()  # (indices, sampler state after)
+        self.done_sampling = False
+        self.closed = False
+        self.feeder: _Feeder | None = None
+        st = loader._stats
+        with st.lock:
+            st.reset()
+            st.t_start = time.perf_counter()
+        if loader.image_fields:
+            self.feeder = _Feeder(loader, self.ring)
+        self._fill()
+
+    def _next_indices(self):
+        if self.done_sampling:
+            return None
+        try:
+            idx = next(self.sampler_iter)
+        except StopIteration:
+            self.done_sampling = True
+            return None
+        return np.ascontiguousarray(idx, dtype=np.int64), self.loader.sampler.state_dict()
+
+    def _fill(self) -> None:
+        while len(self.pending) < self.loader.prefetch:
+            nxt = self._next_indices()
+            if nxt is None:
+                return
+            idx, state = nxt
+            if self.feeder is not None:
+                self.feeder.put(idx)
+            elif self.ring is not None:
+                shard, row = self.loader.dataset.locate(idx)
+                self.ring.submit(shard, row)
+            self.pending.append((idx, state))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self.closed or not self.pending:
+            finished = not self.closed
+            self.close()
+            if finished and self.loader._iter is self:
+                self.loader._iter = None
+            raise StopIteration
+        loader = self.loader
+        st = loader._stats
+        t0 = time.perf_counter()
+        idx, state = self.pending.popleft()
+        try:
+            if self.feeder is not None:
+                batch = self.feeder.get()
+            else:
+                batch = self.ring.get() if self.ring is not None else {}
+        except BaseException:
+            self.close()
+            raise
+        t1 = time.perf_counter()
+        ev = batch.pop("__event__", None)
+        if ev is not None:  # CUDA images: the training stream waits for DALI's work
+            cur = torch.cuda.current_stream(loader.device)
+            cur.wait_event(ev)
+            for v in batch.values():
+                if isinstance(v, torch.Tensor) and v.is_cuda:
+                    v.record_stream(cur)
+        if "__index__" in batch:
+            idx_t = batch.pop("__index__")
+        else:
+            idx_t = torch.from_numpy(idx)
+            if loader.device.type == "cuda":
+                idx_t = idx_t.to(loader.device, non_blocking=False)
+        batch["index"] = idx_t
+        if loader.list_fields:
+            batch.update(loader.dataset.get_batch(idx_t.cpu().numpy(), fields=loader.list_fields))
+        loader._position = state
+        nbytes = sum(int(v.element_size() * v.nelement()) for v in batch.values() if isinstance(v, torch.Tensor))
+        with st.lock:
+            st.wait_s += t1 - t0
+            st.batches += 1
+            st.samples += len(idx)
+            st.bytes += nbytes
+            st.t_last = t1
+            if st.first_batch_s is None:
+                st.first_batch_s = t1 - st.t_start
+        self._fill()
+        if loader.log_every and st.batches % loader.log_every == 0:
+            s = loader.stats()
+            logger.info("fastload: %d batches, %.0f samples/s, waiting %.1f%% of the time",
+                        s["batches"], s["samples_per_s"], 100 * s["wait_fraction"])
+        return batch
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.feeder is not None:
+            self.feeder.close()
+            self.feeder = None
+        # Drain what is still in flight so the ring's slots are free for the next epoch.
+        ring = self.ring
+        if ring is not None and not ring.closed:
+            while ring.pending > 0:
+                try:
+                    ring.get_arrays()
+                except (RuntimeError, IndexError, ValueError):
+                    pass
+        self.pending.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _Feeder:
+    """One thread that turns index batches into image batches, in order.
+
+    CPU: acquire a ring slot, gather the raw fields into it, let DALI write each image field
+    into it, commit. CUDA: raw fields go through the ring (device copy on a side stream);
+    images come back from DALI as CUDA tensors, handed over with an event.
+    """
+
+    def __init__(self, loader: Loader, ring: Ring | None):
+        self.loader = loader
+        self.ring = ring
+        self.cuda = loader.device.type == "cuda"
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()  # CUDA: finished batches (or errors), in order
+        self.acquired: queue.Queue = queue.Queue()  # CPU: None per slot acquired, or the error
+        self.errors: dict[int, BaseException] = {}
+        self.replaced: dict[int, np.ndarray] = {}  # seq -> indices actually delivered (on_error="skip")
+        self.stop = threading.Event()
+        self.seq = 0
+        self.runners = {n: loader._runner(n) for n in loader.image_fields}
+        self.thread = threading.Thread(target=self._run, name="fastload-feeder", daemon=True)
+        self.thread.start()
+
+    def put(self, idx: np.ndarray) -> None:
+        self.inbox.put(idx)
+
+    def get(self) -> dict[str, Any]:
+        if self.cuda or self.ring is None:
+            item = self._wait(self.outbox)
+            if isinstance(item, BaseException):
+                raise item
+            return item
+        seq_before = self.seq
+        self.seq += 1
+        # The feeder acquires this batch's slot (or fails before it could): wait for that,
+        # so that ring.get() below has a pending batch to wait for.
+        item = self._wait(self.acquired)
+        if isinstance(item, BaseException):
+            raise item
+        try:
+            batch = self.ring.get()
+        except RuntimeError:
+            err = self.errors.pop(seq_before, None)
+            if err is not None:
+                raise err from None
+            raise
+        final = self.replaced.pop(seq_before, None)
+        if final is not None:
+            batch["__index__"] = torch.from_numpy(final)
+        return batch
+
+    def _wait(self, q: queue.Queue):
+        while True:
+            try:
+                return q.get(timeout=0.1)
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    raise RuntimeError("fastload feeder thread stopped unexpectedly") from None
+
+    # -- the thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        seq = 0
+        while not self.stop.is_set():
+            try:
+                idx = self.inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if idx is None:
+                return
+            try:
+                self._one(idx, seq)
+            except BaseException as e:  # handed to the consumer in order
+                if self.stop.is_set():
+                    return
+                if self.cuda or self.ring is None:
+                    self.outbox.put(e)
+                else:  # acquire() failed (the ring is closing): no slot for this batch
+                    self.acquired.put(e)
+                    return
+            seq += 1
+
+    def _decode(self, name: str, idx: np.ndarray, out) -> tuple[Any, np.ndarray]:
+        """Run the DALI runner; on bad samples raise DecodeError or replace them."""
+        loader = self.loader
+        ds = loader.dataset
+        runner = self.runners[name]
+        epoch = loader.sampler.epoch
+        from .pipeline import BadSamples
+
+        idx = idx.copy()
+        for _attempt in range(64):
+            enc = ds.views(name, idx)
+            w, h = ds.image_sizes(name, idx)
+            t0 = time.perf_counter()
+            try:
+                res = runner.run(enc, w, h, idx, epoch, out=out)
+            except BadSamples as e:
+                if loader.on_error == "raise":
+                    lines = [f"{ds.describe(int(idx[p]))}: {r}" for p, r in zip(e.positions, e.reasons)]
+                    raise DecodeError(f"cannot decode image field {name!r}: " + "; ".join(lines)
+                                      + " (pass on_error='skip' to replace such samples)") from None
+                n = len(ds)
+                for p in e.positions:
+                    idx[p] = (idx[p] + 1) % n  # deterministic: the next sample
+                with loader._stats.lock:
+                    loader._stats.replaced += len(e.positions)
+                continue
+            finally:
+                with loader._stats.lock:
+                    loader._stats.decode_s += time.perf_counter() - t0
+            return res, idx
+        raise DecodeError(f"image field {name!r}: gave up replacing undecodable samples near index {int(idx[0])}")
+
+    def _decode_all(self, idx: np.ndarray, out_for: Callable[[str], Any]) -> tuple[dict, np.ndarray]:
+        """Decode every image field; if one field replaces samples, decode all fields again
+        with the replacements so that every field of a row comes from the same sample."""
+        while True:
+            results: dict[str, Any] = {}
+            restart = False
+            for i, name in enumerate(self.loader.image_fields):
+                results[name], final = self._decode(name, idx, out_for(name))
+                if not np.array_equal(final, idx):
+                    idx = final
+                    if i > 0:  # fields before this one hold the replaced samples' rows
+                        restart = True
+                        break
+            if not restart:
+                return results, idx
+
+    def _one(self, idx: np.ndarray, seq: int) -> None:
+        loader = self.loader
+        ds = loader.dataset
+        n = len(idx)
+        if not self.cuda and self.ring is not None:
+            slot = self.ring.acquire()
+            self.acquired.put(None)
+            try:
+                t0 = time.perf_counter()
+                if loader.raw_fields:
+                    shard, row = ds.locate(idx)
+                    slot.gather(shard, row)
+                with loader._stats.lock:
+                    loader._stats.gather_s += time.perf_counter() - t0
+                tensors = slot.tensors
+                final = self._decode_all(idx, lambda name: tensors[name][:n])[1]
+                if not np.array_equal(final, idx):
+                    self.replaced[seq] = final
+                    if loader.raw_fields:
+                        shard, row = ds.locate(final)
+                        slot.gather(shard, row)  # replaced samples: their raw fields too
+                slot.commit(n)
+            except BaseException as e:
+                # Record the error before failing the slot: the consumer looks it up as soon
+                # as ring.get() raises for this batch.
+                self.errors[seq] = e
+                slot.fail(f"{type(e).__name__}: {e}")
+            return
+        # CUDA: images from DALI on the device; raw fields through the ring.
+        out, final = self._decode_all(idx, lambda name: None)
+        if loader.raw_fields:
+            shard, row = ds.locate(final)
+            self.ring.submit(shard, row)
+            out.update(self.ring.get())
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(loader.device))
+        out["__index__"] = torch.from_numpy(final).to(loader.device)
+        out["__event__"] = ev
+        self.outbox.put(out)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.inbox.put(None)
+        ring = self.ring
+        # A feeder blocked in ring.acquire() wakes up when the ring is closed by the loader;
+        # in the normal case it is waiting on the inbox and sees the stop flag at once.
+        self.thread.join(timeout=10)
+        if self.thread.is_alive():  # pragma: no cover - only if DALI hangs
+            logger.warning("fastload: feeder thread did not stop within 10 s")
+        self.errors.clear()
+        del ring

@@ -1,0 +1,231 @@
+"""Per-field image decode and augmentation with NVIDIA DALI, on the GPU or the CPU.
+
+A *transform* (see :mod:`fastload.pipeline.presets`: ``train``, ``eval``, ``custom``)
+describes a DALI graph from encoded bytes to a fixed-shape image. ``transform.runner(...)``
+builds that graph for one device and batch size and returns a :class:`Runner`, which the
+loader calls once per batch with zero-copy views of the encoded bytes in the memory-mapped
+shards (``fn.external_source``). The graph is the same on both devices: ``device="cuda"``
+decodes with the ``mixed`` decoder (nvJPEG) and runs the other operators on the GPU;
+``device="cpu"`` runs the CPU variants of the same operators (``device_id=None``).
+
+Bad images: DALI fails a whole batch. The runner then finds the failing sample(s) by
+bisection (rebuilding the graph after each failure, ~10 ms) and raises :class:`BadSamples`
+with their positions and DALI's reason; images whose recorded size exceeds ``max_pixels``
+are refused before any decoding.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+logger = logging.getLogger("fastload")
+
+__all__ = ["BadSamples", "Runner", "default_threads"]
+
+
+class BadSamples(Exception):
+    """Samples of a batch that could not be decoded: ``positions`` within the batch and a
+    ``reasons`` string for each."""
+
+    def __init__(self, positions: Sequence[int], reasons: Sequence[str]):
+        self.positions = [int(p) for p in positions]
+        self.reasons = list(reasons)
+        super().__init__("; ".join(f"position {p}: {r}" for p, r in zip(self.positions, self.reasons)))
+
+
+def default_threads() -> int:
+    """DALI worker threads: the usable cores (measured: bench/bench_jpeg.py --sweep-threads)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - macOS
+        return max(1, os.cpu_count() or 1)
+
+
+def _reason(e: BaseException) -> str:
+    """DALI's messages carry the graph's traceback; keep the operator and what went wrong."""
+    text = str(e)
+    op = ""
+    if "operator `" in text:
+        op = text.split("operator `", 1)[1].split("`", 1)[0].replace("nvidia.dali.fn.", "") + ": "
+    if "encountered:" in text:
+        text = text.split("encountered:", 1)[1]
+    keep = []
+    for ln in text.splitlines():
+        ln = ln.strip()
+        if not ln or ln.startswith(("C++ context", "Current pipeline object", "Critical error in pipeline")):
+            continue
+        keep.append(ln)
+    msg = " ".join(keep) or type(e).__name__
+    if "nvImageCodec failure" in msg:
+        msg += " (not a decodable image: corrupt, truncated or an unsupported format)"
+    if "cropping window" in msg:
+        msg += " (the stored width/height do not match the encoded image)"
+    return (op + msg)[:400]
+
+
+class Runner:
+    """One DALI pipeline for one image field on one device.
+
+    ``run(encoded, widths, heights, indices, epoch, out=None)`` decodes and augments one
+    batch (``len(encoded) <= batch_size``). With ``out`` (a tensor of shape
+    ``(n, *out_shape)`` in host memory, e.g. a ring slot), the result is written there; on
+    CUDA a new CUDA tensor is returned, produced on torch's current stream.
+    """
+
+    def __init__(self, transform, *, device: str, batch_size: int, num_threads: int | None,
+                 prefetch: int | None, seed: int, device_id: int | None):
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device={device!r} must be 'cpu' or 'cuda'")
+        self.transform = transform
+        self.device = device
+        self.batch_size = int(batch_size)
+        self.num_threads = default_threads() if num_threads is None else int(num_threads)
+        self.seed = int(seed)
+        self.device_id = device_id if device == "cuda" else None
+        self.out_shape = tuple(transform.out_shape)
+        self.out_dtype = np.dtype(transform.out_dtype)
+        self.max_pixels = transform.max_pixels
+        self._pipe = None
+        self.rebuilds = 0
+
+    # -- the graph ---------------------------------------------------------------------------
+    def _build(self):
+        from nvidia.dali import fn, pipeline_def, types
+
+        t = self.transform
+        gpu = self.device == "cuda"
+        names = t.param_names()
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.num_threads,
+                      device_id=self.device_id if gpu else None, prefetch_queue_depth=1,
+                      exec_dynamic=False, seed=self.seed & 0x7FFFFFFF)
+        def graph():
+            enc = fn.external_source(name="encoded", dtype=types.UINT8, no_copy=True)
+            params = {n: fn.external_source(name=n, dtype=types.FLOAT if d == np.float32 else types.INT32,
+                                            no_copy=True) for n, d in names.items()}
+            return t.graph(enc, params, decode_device="mixed" if gpu else "cpu",
+                           device="gpu" if gpu else "cpu")
+
+        pipe = graph()
+        pipe.build()
+        return pipe
+
+    def _pipeline(self):
+        if self._pipe is None:
+            self._pipe = self._build()
+        return self._pipe
+
+    def _drop_pipeline(self) -> None:
+        pipe, self._pipe = self._pipe, None
+        if pipe is not None:
+            # Stop and join DALI's threads now rather than whenever the last reference (a
+            # traceback, say) goes away; _shutdown is what Pipeline.__del__ calls.
+            shutdown = getattr(pipe, "_shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+    # -- one batch ---------------------------------------------------------------------------
+    def _run_once(self, encoded: list, params: dict[str, np.ndarray]):
+        pipe = self._pipeline()
+        pipe.feed_input("encoded", encoded)
+        for n, a in params.items():
+            pipe.feed_input(n, a)  # one (n, ...) array: a uniform batch, no per-sample list
+        if self.device == "cuda":
+            import torch
+            out, = pipe.run(torch.cuda.current_stream(self.device_id).cuda_stream)
+        else:
+            out, = pipe.run()
+        return out
+
+    def _try(self, encoded, params):
+        try:
+            return self._run_once(encoded, params), None
+        except Exception as e:  # DALI raises RuntimeError/IndexError; the pipeline is dead
+            reason = _reason(e)  # keep the text, not the traceback (it holds the pipeline)
+        self._drop_pipeline()
+        self.rebuilds += 1
+        return None, reason
+
+    def _find_bad(self, encoded: list, params: dict[str, np.ndarray], pos: np.ndarray,
+                  err: str, bad: dict[int, str]) -> None:
+        """Bisect the failing batch ``pos`` until single failing samples remain."""
+        if len(pos) == 1:
+            bad[int(pos[0])] = err
+            return
+        half = len(pos) // 2
+        for part in (pos[:half], pos[half:]):
+            _, e = self._try([encoded[i] for i in part], {n: a[part] for n, a in params.items()})
+            if e is not None:
+                self._find_bad(encoded, params, part, e, bad)
+
+    def run(self, encoded: list, widths: np.ndarray, heights: np.ndarray, indices: np.ndarray, epoch: int,
+            out=None):
+        n = len(encoded)
+        if n == 0 or n > self.batch_size:
+            raise ValueError(f"batch of {n} images; this runner takes 1..{self.batch_size}")
+        widths = np.asarray(widths)
+        heights = np.asarray(heights)
+        pixels = widths.astype(np.int64) * heights.astype(np.int64)
+        refused = np.flatnonzero((pixels > self.max_pixels) | (widths <= 0) | (heights <= 0))
+        if len(refused):
+            raise BadSamples(refused, [
+                f"the header declares {int(widths[i])}x{int(heights[i])} pixels, more than max_pixels="
+                f"{self.max_pixels} (raise it in the transform if the image is genuine)"
+                if pixels[i] > self.max_pixels else f"invalid recorded size {int(widths[i])}x{int(heights[i])}"
+                for i in refused])
+        params = self.transform.params(self.seed, epoch, indices, widths, heights)
+        res, err = self._try(encoded, params)
+        if err is not None:
+            bad: dict[int, str] = {}
+            self._find_bad(encoded, params, np.arange(n), err, bad)
+            if not bad:  # the batch failed but no part of it does: not a data problem
+                raise RuntimeError(f"DALI failed on a batch of {n} images, but on no part of it: {err}")
+            raise BadSamples(sorted(bad), [bad[p] for p in sorted(bad)])
+        return self._deliver(res, n, out)
+
+    def _deliver(self, res, n: int, out):
+        import torch
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+
+        shape = tuple(res.as_tensor().shape()) if res.is_dense_tensor() else None
+        if shape != (n, *self.out_shape):
+            got = shape or [tuple(res[i].shape()) for i in range(min(n, 3))]
+            raise RuntimeError(f"the transform produced {got}; it declares {(n, *self.out_shape)} "
+                               "(every image must come out with the declared shape)")
+        if self.device == "cuda":
+            dt = _TORCH[self.out_dtype.name]
+            t = torch.empty((n, *self.out_shape), dtype=dt, device=torch.device("cuda", self.device_id))
+            feed_ndarray(res.as_tensor(), t, cuda_stream=torch.cuda.current_stream(self.device_id))
+            return t
+        if out is None:
+            out = torch.empty((n, *self.out_shape), dtype=_TORCH[self.out_dtype.name])
+        elif not isinstance(out, torch.Tensor):
+            out = torch.from_numpy(out)
+        feed_ndarray(res.as_tensor(), out)
+        return out
+
+    def close(self) -> None:
+        self._drop_pipeline()
+
+    def __del__(self):
+        try:
+            self._drop_pipeline()
+        except Exception:
+            pass
+
+
+def _torch_dtypes() -> dict:
+    import torch
+    return {"float32": torch.float32, "float16": torch.float16, "uint8": torch.uint8}
+
+
+class _LazyDtypes(dict):
+    def __missing__(self, key):
+        self.update(_torch_dtypes())
+        return dict.__getitem__(self, key)
+
+
+_TORCH = _LazyDtypes()

@@ -1,0 +1,14 @@
+"""Image transforms for ``Loader(transforms={field: ...})``.
+
+    fastload.vision.train(224)               RandomResizedCrop + flip + normalize (float32 CHW)
+    fastload.vision.train(224, dtype="uint8", layout="HWC")   raw pixels; normalise on the GPU
+    fastload.vision.eval(224, resize=256)    resize shorter side + center crop + normalize
+    fastload.vision.custom(build, shape=(3, 224, 224))        your own DALI graph
+
+See :mod:`fastload.pipeline` for how they run (DALI on the GPU, the same graph on the CPU).
+"""
+from .pipeline.presets import (DEFAULT_MAX_PIXELS, IMAGENET_MEAN, IMAGENET_STD, Custom, Eval, Train,
+                               Transform, custom, eval, train)
+
+__all__ = ["train", "eval", "custom", "Transform", "Train", "Eval", "Custom", "IMAGENET_MEAN",
+           "IMAGENET_STD", "DEFAULT_MAX_PIXELS"]

@@ -1,0 +1,247 @@
+"""DALI image pipeline on the CPU: real JPEGs and PNGs, presets against reference
+implementations, per-sample reproducibility, bad images."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastload import vision
+from fastload.pipeline import BadSamples
+from fastload.pipeline.crops import random_resized_crop, train_params, uniforms
+from fastload.sample_data import photos
+
+
+def encode(img: np.ndarray, fmt: str = "JPEG", **kw) -> np.ndarray:
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}) | kw)
+    return np.frombuffer(buf.getvalue(), np.uint8)
+
+
+@pytest.fixture(scope="module")
+def images():
+    """Real photographs of several sizes and aspect ratios, as JPEG and PNG (one RGBA, one gray)."""
+    p = photos(["astronaut", "chelsea", "coffee", "rocket"])
+    arrays = [p["astronaut"][:300, :400], p["chelsea"], p["coffee"][:217, :333], p["rocket"][::2, ::2]]
+    enc = [encode(a) for a in arrays]
+    enc.append(encode(p["chelsea"][:120, :160], "PNG"))
+    arrays.append(p["chelsea"][:120, :160])
+    rgba = np.dstack([p["coffee"][:90, :70], np.full((90, 70), 200, np.uint8)])
+    enc.append(encode(rgba, "PNG"))
+    arrays.append(rgba[..., :3])
+    gray = (p["astronaut"][:200, :150].mean(axis=2)).astype(np.uint8)
+    enc.append(encode(gray))
+    arrays.append(np.repeat(gray[..., None], 3, axis=2))
+    w = np.array([a.shape[1] for a in arrays], np.int32)
+    h = np.array([a.shape[0] for a in arrays], np.int32)
+    return enc, arrays, w, h
+
+
+def run(transform, enc, w, h, idx=None, epoch=0, seed=0, batch_size=None):
+    idx = np.arange(len(enc)) if idx is None else np.asarray(idx)
+    r = transform.runner(device="cpu", batch_size=batch_size or len(enc), seed=seed, num_threads=2)
+    try:
+        return r.run(list(enc), w, h, idx, epoch).numpy()
+    finally:
+        r.close()
+
+
+def test_train_preset_shapes_dtypes_ranges(images):
+    enc, _, w, h = images
+    out = run(vision.train(96), enc, w, h)
+    assert out.shape == (len(enc), 3, 96, 96) and out.dtype == np.float32
+    mean = np.array(vision.IMAGENET_MEAN)[:, None, None]
+    std = np.array(vision.IMAGENET_STD)[:, None, None]
+    lo, hi = (0 - mean) / std, (1 - mean) / std
+    assert (out >= lo - 1e-4).all() and (out <= hi + 1e-4).all()
+    assert out.std() > 0.3  # real pixels, not a constant
+    half = run(vision.train(64, dtype="float16", layout="HWC"), enc, w, h)
+    assert half.shape == (len(enc), 64, 64, 3) and half.dtype == np.float16
+    raw = run(vision.train((48, 80), dtype="uint8", layout="HWC"), enc, w, h)
+    assert raw.shape == (len(enc), 48, 80, 3) and raw.dtype == np.uint8 and raw.max() > 200
+
+
+def test_train_crop_matches_reference_pil_crop_resize_flip(images):
+    """The ROI decode + resize + flip equals PIL: crop the same window, resize, mirror."""
+    enc, arrays, w, h = images
+    idx = np.arange(100, 100 + len(enc))
+    t = vision.train(64, dtype="uint8", layout="HWC", scale=(0.2, 1.0))
+    out = run(t, enc, w, h, idx=idx, epoch=3, seed=5)
+    anchor, shape, flip = train_params(5, 3, idx, w, h, t.scale, t.ratio, t.flip)
+    assert flip.min() == 0 or flip.max() == 1
+    for i, a in enumerate(arrays):
+        x, y = (int(v) for v in anchor[i])
+        cw, ch = (int(v) for v in shape[i])
+        ref_src = np.asarray(Image.open(io.BytesIO(enc[i].tobytes())).convert("RGB"))
+        crop = Image.fromarray(ref_src[y:y + ch, x:x + cw])
+        ref = np.asarray(crop.resize((64, 64), Image.BILINEAR), dtype=np.float32)
+        if flip[i]:
+            ref = ref[:, ::-1]
+        diff = np.abs(out[i].astype(np.float32) - ref).mean()
+        assert diff < 6, (i, diff)  # resampling kernels differ slightly; a wrong window is >> 20
+
+
+def test_eval_preset_equals_reference_resize_center_crop(images):
+    enc, arrays, w, h = images
+    t = vision.eval(64, resize=73)
+    out = run(t, enc, w, h)
+    mean = np.array(vision.IMAGENET_MEAN, np.float32)
+    std = np.array(vision.IMAGENET_STD, np.float32)
+    for i in range(len(enc)):
+        src = Image.open(io.BytesIO(enc[i].tobytes())).convert("RGB")
+        W, H = src.size
+        s = 73 / min(W, H)
+        nw, nh = max(73, round(W * s)), max(73, round(H * s))
+        r = np.asarray(src.resize((nw, nh), Image.BILINEAR), np.float32) / 255
+        # center crop; DALI rounds a half-pixel margin up (torchvision rounds half to even)
+        top, left = int(np.floor((nh - 64) / 2 + 0.5)), int(np.floor((nw - 64) / 2 + 0.5))
+        ref = ((r[top:top + 64, left:left + 64] - mean) / std).transpose(2, 0, 1)
+        err = np.abs(out[i] - ref).mean()
+        assert err < 0.06, (i, err)  # ~3 grey levels on average
+
+
+def test_same_seed_epoch_index_same_pixels_regardless_of_batch(images):
+    enc, _, w, h = images
+    idx = np.array([7, 123456789, 42, 0, 5, 99, 3])
+    t = vision.train(48)
+    whole = run(t, enc, w, h, idx=idx, epoch=2, seed=9)
+    # each sample alone, in reverse order, and in a bigger runner: identical pixels
+    for i in reversed(range(len(enc))):
+        alone = run(t, enc[i:i + 1], w[i:i + 1], h[i:i + 1], idx=idx[i:i + 1], epoch=2, seed=9, batch_size=16)
+        assert np.array_equal(alone[0], whole[i])
+    other_epoch = run(t, enc, w, h, idx=idx, epoch=3, seed=9)
+    assert not np.array_equal(other_epoch, whole)
+
+
+def test_uniforms_are_a_pure_function_of_seed_epoch_index():
+    idx = np.array([0, 1, 2, 2**40, 5])
+    a = uniforms(1, 2, idx, 8)
+    assert a.shape == (5, 8) and (a >= 0).all() and (a < 1).all()
+    assert np.array_equal(a[[4, 0]], uniforms(1, 2, idx[[4, 0]], 8))  # independent of batch composition
+    assert not np.array_equal(a, uniforms(1, 3, idx, 8)) and not np.array_equal(a, uniforms(2, 2, idx, 8))
+    big = uniforms(0, 0, np.arange(200_000), 2)
+    assert abs(big.mean() - 0.5) < 0.005
+    assert abs(np.corrcoef(big[:, 0], big[:, 1])[0, 1]) < 0.01
+    assert abs(np.corrcoef(big[:-1, 0], big[1:, 0])[0, 1]) < 0.01  # neighbouring indices
+
+
+def test_random_resized_crop_params_follow_torchvision():
+    rng = np.random.default_rng(0)
+    n = 20_000
+    W = rng.integers(50, 800, n)
+    H = rng.integers(50, 800, n)
+    u = uniforms(0, 0, np.arange(n), 40)
+    x, y, cw, ch = random_resized_crop(W, H, u, (0.08, 1.0), (3 / 4, 4 / 3))
+    assert (x >= 0).all() and (y >= 0).all() and (x + cw <= W).all() and (y + ch <= H).all()
+    assert (cw >= 1).all() and (ch >= 1).all()
+    frac = cw * ch / (W * H)
+    assert 0.06 < frac.min() and frac.max() <= 1.0 + 1e-9
+    ratio = cw / ch
+    assert np.quantile(ratio, 0.01) > 0.7 and np.quantile(ratio, 0.99) < 1.4
+    # a 1000x10 strip cannot fit any attempt's ratio: the fallback clamps it (central crop)
+    x, y, cw, ch = random_resized_crop(np.array([1000]), np.array([10]), u[:1], (0.08, 1.0), (3 / 4, 4 / 3))
+    assert (cw[0], ch[0]) == (13, 10) and x[0] == (1000 - 13) // 2
+
+
+def test_flip_probability():
+    _, _, flip = train_params(0, 0, np.arange(10_000), np.full(10_000, 100), np.full(10_000, 100),
+                              (0.08, 1.0), (0.75, 4 / 3), 0.5)
+    assert 0.47 < flip.mean() < 0.53
+    _, _, never = train_params(0, 0, np.arange(100), np.full(100, 100), np.full(100, 100), (0.08, 1.0),
+                               (0.75, 4 / 3), 0.0)
+    assert never.sum() == 0
+
+
+def test_corrupt_and_mismatched_images_are_named_by_position(images):
+    enc, _, w, h = images
+    garbage = np.frombuffer(b"\xff\xd8\xff not a jpeg" * 20, np.uint8)
+    batch = [enc[0], garbage, enc[1], enc[2]]
+    ww = np.array([w[0], 100, w[1], w[2]])
+    hh = np.array([h[0], 100, h[1], h[2]])
+    r = vision.train(32).runner(device="cpu", batch_size=8, num_threads=1)
+    try:
+        with pytest.raises(BadSamples) as e:
+            r.run(batch, ww, hh, np.arange(4), 0)
+        assert e.value.positions == [1]
+        assert "not a decodable image" in e.value.reasons[0]
+        # the runner recovers: the next batch decodes
+        ok = r.run(enc[:3], w[:3], h[:3], np.arange(3), 0)
+        assert ok.shape == (3, 3, 32, 32)
+        # a recorded size that does not match the bytes is caught, not decoded into garbage
+        with pytest.raises(BadSamples) as e:
+            r.run([enc[1]], np.array([w[1] * 3]), np.array([h[1] * 3]), np.arange(1), 0)
+        assert "do not match" in e.value.reasons[0]
+    finally:
+        r.close()
+
+
+def test_huge_header_refused_before_decoding(images):
+    enc, _, w, h = images
+    r = vision.eval(32, max_pixels=10_000).runner(device="cpu", batch_size=4)
+    try:
+        with pytest.raises(BadSamples) as e:
+            r.run(enc[:2], w[:2], h[:2], np.arange(2), 0)
+        assert e.value.positions == [0, 1] and "max_pixels=10000" in e.value.reasons[0]
+    finally:
+        r.close()
+
+
+def test_custom_graph_and_shape_check(images):
+    from nvidia.dali import fn, types
+
+    enc, _, w, h = images
+
+    def gray_thumbnail(encoded, device):
+        img = fn.decoders.image(encoded, device="mixed" if device == "gpu" else "cpu", output_type=types.GRAY)
+        return fn.resize(img, device=device, resize_x=20, resize_y=10)
+
+    t = vision.custom(gray_thumbnail, shape=(10, 20, 1), dtype="uint8")
+    out = run(t, enc, w, h)
+    assert out.shape == (len(enc), 10, 20, 1) and out.dtype == np.uint8
+    wrong = vision.custom(gray_thumbnail, shape=(3, 10, 20), dtype="uint8")
+    with pytest.raises(RuntimeError, match="declares"):
+        run(wrong, enc, w, h)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: vision.train(0), r"size=\(0, 0\)"),
+    (lambda: vision.train(224, scale=(0.5, 0.1)), "scale"),
+    (lambda: vision.train(224, ratio=(0, 1)), "ratio"),
+    (lambda: vision.train(224, flip=2), "flip"),
+    (lambda: vision.train(224, dtype="int7"), "dtype"),
+    (lambda: vision.train(224, layout="CWH"), "layout"),
+    (lambda: vision.train(224, std=(0, 1, 1)), "std"),
+    (lambda: vision.train(224, dtype="uint8", mean=(0.5, 0.5, 0.5)), "uint8"),
+    (lambda: vision.eval(224, resize=100), "resize=100"),
+    (lambda: vision.custom(42, shape=(3, 4, 4)), "custom"),
+])
+def test_bad_arguments(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_describe_is_json_and_equality():
+    import json
+    t = vision.train(224)
+    assert json.loads(json.dumps(t.describe()))["kind"] == "train"
+    assert t == vision.train(224) and t != vision.train(192)
+    assert "eval" in repr(vision.eval(224))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_matches_cpu_graph(images):  # pragma: no cover - no GPU here
+    enc, _, w, h = images
+    t = vision.eval(64)
+    cpu = run(t, enc, w, h)
+    r = t.runner(device="cuda", batch_size=len(enc), device_id=torch.cuda.current_device())
+    try:
+        gpu = r.run(list(enc), w, h, np.arange(len(enc)), 0)
+        torch.cuda.current_stream().synchronize()
+        assert gpu.is_cuda and gpu.shape == (len(enc), 3, 64, 64)
+        assert np.abs(gpu.cpu().numpy() - cpu).mean() < 0.05  # nvJPEG vs libjpeg-turbo rounding
+    finally:
+        r.close()
