@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 import time
+import types
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -68,6 +69,30 @@ def dataset_fingerprint(ds: Dataset) -> str:
     desc = json.dumps({"n": m["num_samples"], "fields": m["fields"],
                        "shards": [(s["num_samples"], s.get("checksum")) for s in m["shards"]]}, sort_keys=True)
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
+class _Resources:
+    """What a Loader must release: the ring (C++ threads), DALI runners, the live iterator."""
+
+    def __init__(self):
+        self.ring: Ring | None = None
+        self.runners: dict[str, Any] = {}
+        self.iter_ref: weakref.ref | None = None
+
+    def close(self) -> None:
+        it = self.iter_ref() if self.iter_ref is not None else None
+        self.iter_ref = None
+        if it is not None:
+            it.close()
+        runners, self.runners = self.runners, {}
+        for r in runners.values():
+            try:
+                r.close()
+            except Exception:  # pragma: no cover - best effort at interpreter exit
+                pass
+        ring, self.ring = self.ring, None
+        if ring is not None:
+            ring.close()
 
 
 class _Stats:
@@ -191,13 +216,13 @@ class Loader:
         if self.prefetch < 1:
             raise ValueError(f"prefetch={prefetch!r} must be >= 1")
 
-        self._ring: Ring | None = None
-        self._runners: dict[str, Any] = {}
-        self._iter: _EpochIterator | None = None
+        # Threads, the ring and DALI pipelines live in _Resources, which holds no reference
+        # to the Loader: the finalizer can then run when the Loader is garbage collected.
+        self._res = _Resources()
         self._position: dict | None = None  # sampler state after the last delivered batch
         self._stats = _Stats()
         self._closed = False
-        self._finalizer = weakref.finalize(self, Loader._cleanup, self.__dict__)
+        self._finalizer = weakref.finalize(self, self._res.close)
 
     # -- public ----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -220,8 +245,9 @@ class Loader:
             raise RuntimeError("this Loader is closed")
         self._stop_iter()
         self._position = None
-        self._iter = _EpochIterator(self)  # the sampler resumes a loaded position, else starts the epoch
-        return self._iter
+        it = _EpochIterator(self)  # the sampler resumes a loaded position, else starts the epoch
+        self._iter = it
+        return it
 
     def state_dict(self) -> dict:
         """Plain JSON-able state: where the next batch starts, plus what must match on load."""
@@ -297,21 +323,22 @@ class Loader:
             pass
 
     # -- internals -------------------------------------------------------------------------
-    @staticmethod
-    def _cleanup(d: dict) -> None:
-        it = d.get("_iter")
-        if it is not None:
-            it.close()
-        for r in d.get("_runners", {}).values():
-            try:
-                r.close()
-            except Exception:  # pragma: no cover - best effort at interpreter exit
-                pass
-        d["_runners"] = {}
-        ring = d.get("_ring")
-        if ring is not None:
-            ring.close()
-            d["_ring"] = None
+    @property
+    def _ring(self) -> Ring | None:
+        return self._res.ring
+
+    @property
+    def _runners(self) -> dict[str, Any]:
+        return self._res.runners
+
+    @property
+    def _iter(self) -> _EpochIterator | None:
+        return self._res.iter_ref() if self._res.iter_ref is not None else None
+
+    @_iter.setter
+    def _iter(self, it: _EpochIterator | None) -> None:
+        # weak: an iterator keeps its loader alive, never the other way round
+        self._res.iter_ref = weakref.ref(it) if it is not None else None
 
     def _stop_iter(self) -> None:
         it, self._iter = self._iter, None
@@ -332,7 +359,7 @@ class Loader:
                     r = self._runner(n)
                     specs[n] = (np.dtype(_np_dtype(r.out_dtype)), tuple(r.out_shape))
             slots = max(self.prefetch + 2, 3)
-            self._ring = Ring(specs, self.batch_size, sources, threads=self.threads, slots=slots,
+            self._res.ring = Ring(specs, self.batch_size, sources, threads=self.threads, slots=slots,
                               device=self.device)
         return self._ring
 
@@ -489,7 +516,10 @@ class _Feeder:
     """
 
     def __init__(self, loader: Loader, ring: Ring | None):
-        self.loader = loader
+        # The thread must not keep the Loader alive: copy what it needs.
+        self.loader = types.SimpleNamespace(
+            dataset=loader.dataset, image_fields=list(loader.image_fields), raw_fields=list(loader.raw_fields),
+            on_error=loader.on_error, _stats=loader._stats, device=loader.device, epoch=loader.sampler.epoch)
         self.ring = ring
         self.cuda = loader.device.type == "cuda"
         self.inbox: queue.Queue = queue.Queue()
@@ -566,7 +596,7 @@ class _Feeder:
         loader = self.loader
         ds = loader.dataset
         runner = self.runners[name]
-        epoch = loader.sampler.epoch
+        epoch = loader.epoch
         from .pipeline import BadSamples
 
         idx = idx.copy()

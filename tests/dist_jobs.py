@@ -43,3 +43,28 @@ def sampler_epoch(n: int, batch_size: int, seed: int, epoch: int, stop_after: in
     every = _gather(mine)
     return {"rank": world.rank, "world_size": world.world_size, "batches": len(batches),
             "read": every.tolist(), "state": s.state_dict()}
+
+
+def loader_epoch(path: str, batch_size: int, seed: int, epoch: int, stop_after: int | None = None,
+                 state: dict | None = None) -> dict:
+    """Each rank builds a Loader (rank and world size from the process group), reads its part
+    of the epoch (optionally stopping early), checks every row against the store, and all
+    ranks gather what was read."""
+    import fastload
+
+    ds = fastload.Dataset(path)
+    with fastload.Loader(ds, batch_size=batch_size, seed=seed, fields=["x", "label"]) as loader:
+        assert loader.sampler.world_size == dist.get_world_size() and loader.sampler.rank == dist.get_rank()
+        if state is not None:
+            loader.load_state_dict(state)
+        loader.set_epoch(epoch)
+        read, ok = [], True
+        for b in itertools.islice(loader, stop_after):
+            idx = b["index"].numpy()
+            ok &= bool(np.array_equal(b["x"].numpy(), ds.get_batch(idx, fields=["x"])["x"]))
+            read.append(idx.copy())
+        out_state = loader.state_dict()
+    mine = np.concatenate(read) if read else np.empty(0, np.int64)
+    most, least = _agree(len(read))
+    assert most == least, f"ranks read different numbers of batches: {least}..{most}"
+    return {"read": _gather(mine).tolist(), "state": out_state, "rows_ok": ok}

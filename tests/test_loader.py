@@ -1,0 +1,358 @@
+"""fastload.Loader end to end on the CPU: raw fields through the C++ ring, images through
+DALI, sampler order, resume, errors, stats, and no thread left behind."""
+from __future__ import annotations
+
+import gc
+import io
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import fastload
+from fastload import DecodeError, Loader, Sampler, vision
+from fastload.sample_data import photos
+
+
+@pytest.fixture(scope="module")
+def raw_ds(tmp_path_factory):
+    """3000 samples of (x: float32[7, 5], label: int64, w: float32, name: string) over many shards."""
+    path = tmp_path_factory.mktemp("raw") / "ds"
+    rng = np.random.default_rng(0)
+    n = 3000
+    x = rng.standard_normal((n, 7, 5)).astype(np.float32)
+    with fastload.ShardWriter(path, {"x": "float32[7,5]", "label": "int64", "w": "float32", "name": "string"},
+                              label="label", shard_size="64KB") as wr:
+        wr.write_batch({"x": x, "label": np.arange(n) % 7, "w": (np.arange(n) % 3 + 1).astype(np.float32),
+                        "name": [f"s{i}" for i in range(n)]})
+    ds = fastload.Dataset(path)
+    assert ds.num_shards > 5
+    return ds, x
+
+
+def _jpeg(a: np.ndarray) -> bytes:
+    b = io.BytesIO()
+    Image.fromarray(a).save(b, "JPEG", quality=90)
+    return b.getvalue()
+
+
+@pytest.fixture(scope="module")
+def image_ds(tmp_path_factory):
+    """60 real photo crops (JPEG) of varied sizes with labels, in several shards."""
+    path = tmp_path_factory.mktemp("img") / "ds"
+    p = list(photos(["astronaut", "chelsea", "coffee", "rocket"]).values())
+    rng = np.random.default_rng(1)
+    with fastload.ShardWriter(path, {"image": "image", "label": "int64"}, label="label", shard_size="200KB") as wr:
+        for i in range(60):
+            src = p[i % len(p)]
+            h, w = rng.integers(80, 200), rng.integers(80, 200)
+            y, x = rng.integers(0, src.shape[0] - h), rng.integers(0, src.shape[1] - w)
+            wr.write({"image": _jpeg(src[y:y + h, x:x + w]), "label": i % 4}, key=f"img{i:03d}.jpg")
+    return fastload.Dataset(path)
+
+
+def collect(loader, limit=None):
+    """The first `limit` batches (islice: no batch beyond them is taken from the loader)."""
+    return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+            for b in itertools.islice(loader, limit)]
+
+
+# -- raw fields --------------------------------------------------------------------------------
+def test_raw_batches_equal_stored_rows_in_sampler_order(raw_ds):
+    ds, x = raw_ds
+    with Loader(ds, batch_size=64, seed=3, threads=2) as loader:
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            batches = collect(loader)
+            ref = Sampler(len(ds), batch_size=64, seed=3)
+            ref.set_epoch(epoch)
+            expected = list(ref)
+            assert len(batches) == len(expected) == len(loader)
+            for b, idx in zip(batches, expected):
+                assert b["index"].dtype == torch.int64 and np.array_equal(b["index"].numpy(), idx)
+                assert np.array_equal(b["x"].numpy(), x[idx])  # bytes equal, in the sampler's order
+                assert np.array_equal(b["label"].numpy(), idx % 7)
+                assert b["x"].shape == (len(idx), 7, 5) and b["x"].dtype == torch.float32
+            assert sorted(np.concatenate([b["index"].numpy() for b in batches]).tolist()) == list(range(len(ds)))
+
+
+def test_held_batches_never_change(raw_ds):
+    """The CPU lifetime rule: a batch the user keeps is never overwritten by later batches."""
+    ds, x = raw_ds
+    with Loader(ds, batch_size=50, seed=0, prefetch=2) as loader:
+        held = []
+        for b in loader:
+            held.append(b)  # keep every batch (more than the ring's slots)
+        for b in held:
+            assert np.array_equal(b["x"].numpy(), x[b["index"].numpy()])
+        assert loader.stats()["ring"]["slots"] >= 3
+
+
+def test_string_fields_and_field_selection(raw_ds):
+    ds, _ = raw_ds
+    with Loader(ds, batch_size=10, fields=["label", "name"], shuffle=False) as loader:
+        b = next(iter(loader))
+        assert set(b) == {"label", "name", "index"}
+        assert b["name"] == [f"s{i}" for i in range(10)]
+    with pytest.raises(ValueError, match="'nope' is not a field"):
+        Loader(ds, batch_size=10, fields=["nope"])
+
+
+def test_early_break_exception_del_and_ctrl_c_leave_no_threads(raw_ds):
+    ds, _ = raw_ds
+    loader = Loader(ds, batch_size=32)
+    for i, _ in enumerate(loader):
+        if i == 3:
+            break
+    loader.close()
+    loader.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(loader)
+    loader = Loader(ds, batch_size=32)
+    with pytest.raises(ZeroDivisionError):
+        for i, _ in enumerate(loader):
+            if i == 2:
+                1 / 0
+    del loader
+    gc.collect()
+    loader = Loader(ds, batch_size=32)
+    with pytest.raises(KeyboardInterrupt):
+        for i, _ in enumerate(loader):
+            if i == 1:
+                raise KeyboardInterrupt
+    loader.close()
+    # an iterator abandoned mid-epoch, then a new pass: restarts the epoch
+    loader = Loader(ds, batch_size=1000, seed=1)
+    it = iter(loader)
+    next(it)
+    assert len(collect(loader)) == 3
+    del it, loader
+    gc.collect()
+    # (the autouse fixture in conftest.py fails this test if any thread is left running)
+
+
+def test_len_and_world_split(raw_ds):
+    ds, _ = raw_ds
+    parts = []
+    for rank in range(3):
+        with Loader(ds, batch_size=100, rank=rank, world_size=3, seed=5) as loader:
+            assert len(loader) == 10
+            parts.append(np.concatenate([b["index"].numpy() for b in loader]))
+    assert sorted(np.concatenate(parts).tolist()) == list(range(len(ds)))
+
+
+def test_resume_mid_epoch_same_world_equals_uninterrupted(raw_ds):
+    ds, x = raw_ds
+    kw = dict(batch_size=128, seed=2)
+    with Loader(ds, **kw) as full_loader:
+        full_loader.set_epoch(4)
+        full = [b["index"].numpy().copy() for b in full_loader]
+    with Loader(ds, **kw) as a:
+        a.set_epoch(4)
+        for i, _ in enumerate(a):
+            if i == 6:
+                break
+        state = json.loads(json.dumps(a.state_dict()))  # plain JSON
+    assert state["sampler"]["consumed"] == 7 * 128
+    with Loader(ds, **kw) as b:
+        b.load_state_dict(state)
+        b.set_epoch(4)  # the usual loop calls set_epoch; it keeps the loaded position
+        assert len(b) == len(full) - 7
+        rest = [bt["index"].numpy().copy() for bt in b]
+        assert all(np.array_equal(p, q) for p, q in zip(rest, full[7:])) and len(rest) == len(full) - 7
+        b.set_epoch(5)
+        assert len(b) == len(full)
+
+
+def test_resume_on_another_world_size_reads_each_sample_once(raw_ds):
+    ds, _ = raw_ds
+    kw = dict(batch_size=50, seed=8)
+    read = []
+    state = None
+    for rank in range(4):
+        with Loader(ds, rank=rank, world_size=4, **kw) as lo:
+            for i, b in enumerate(lo):
+                read.append(b["index"].numpy().copy())
+                if i == 4:
+                    break
+            if rank == 0:
+                state = lo.state_dict()
+    for rank in range(3):
+        with Loader(ds, rank=rank, world_size=3, **kw) as lo:
+            lo.load_state_dict(state)
+            read += [b["index"].numpy().copy() for b in lo]
+    counts = np.bincount(np.concatenate(read), minlength=len(ds))
+    assert counts.min() == 1 and counts.sum() - len(ds) <= 2  # padding only
+
+
+def test_state_from_other_data_or_settings_is_refused(raw_ds, image_ds):
+    ds, _ = raw_ds
+    with Loader(ds, batch_size=10, seed=1) as a:
+        state = a.state_dict()
+    with Loader(ds, batch_size=10, seed=2) as b, pytest.raises(ValueError, match="seed"):
+        b.load_state_dict(state)
+    with Loader(image_ds, batch_size=10, seed=1, fields=["label"]) as c, pytest.raises(ValueError, match="dataset"):
+        c.load_state_dict(state)
+    with Loader(ds, batch_size=10, seed=1) as d, pytest.raises(ValueError, match="not a fastload"):
+        d.load_state_dict({"foo": 1})
+
+
+def test_weighted_and_balanced_sampling_through_the_loader(raw_ds):
+    ds, _ = raw_ds
+    with Loader(ds, batch_size=70, balance=True, seed=0, fields=["label"]) as lo:
+        for b in lo:
+            if len(b["label"]) == 70:
+                assert np.bincount(b["label"].numpy(), minlength=7).tolist() == [10] * 7
+    with Loader(ds, batch_size=300, weights="w", seed=0, fields=["w"]) as lo:
+        w = np.concatenate([b["w"].numpy() for b in lo])
+        # weights 1, 2, 3 in equal numbers: a weight-3 sample is drawn 3x as often as weight 1
+        c = np.bincount(w.astype(int), minlength=4)[1:]
+        assert abs(c[2] / c[0] - 3) < 0.4
+    with pytest.raises(ValueError, match="weights='label2'"):
+        Loader(ds, batch_size=3, weights="label2")
+
+
+def test_stats_say_where_time_went(raw_ds):
+    ds, _ = raw_ds
+    with Loader(ds, batch_size=100) as lo:
+        n = sum(len(b["index"]) for b in lo)
+        s = lo.stats()
+    assert s["samples"] == n == len(ds) and s["batches"] == 30
+    assert 0.0 <= s["wait_fraction"] <= 1.0 and s["samples_per_s"] > 0 and s["first_batch_s"] is not None
+    assert set(s["stages"]) == {"gather_s", "decode_s", "copy_s"}
+    assert s["bytes"] == n * (7 * 5 * 4 + 8 + 4 + 8)  # x + label + w + index
+
+
+def test_bad_loader_arguments(raw_ds, image_ds):
+    ds, _ = raw_ds
+    for kw, match in [(dict(batch_size=0), "batch_size=0"), (dict(batch_size=2, threads=0), "threads=0"),
+                      (dict(batch_size=2, on_error="ignore"), "on_error"),
+                      (dict(batch_size=2, rank=3, world_size=2), "rank=3"),
+                      (dict(batch_size=2, device="tpu"), "device")]:
+        with pytest.raises(ValueError, match=match):
+            Loader(ds, **kw)
+    with pytest.raises(ValueError, match=r"fastload.vision.train\(224\)"):
+        Loader(image_ds, batch_size=4)  # an image field needs a transform
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        if not torch.cuda.is_available():
+            Loader(ds, batch_size=2, device="cuda")
+        else:  # pragma: no cover
+            raise ValueError("CUDA is not available (skipped: there is a GPU)")
+
+
+# -- images ------------------------------------------------------------------------------------
+def test_images_through_dali_cpu(image_ds):
+    with Loader(image_ds, batch_size=16, transforms={"image": vision.train(64)}, seed=4) as lo:
+        batches = collect(lo)
+        s = lo.stats()
+    assert [len(b["index"]) for b in batches] == [16, 16, 16, 12]
+    for b in batches:
+        assert b["image"].shape[1:] == (3, 64, 64) and b["image"].dtype == torch.float32
+        assert torch.isfinite(b["image"]).all() and b["image"].std() > 0.2
+        assert np.array_equal(b["label"].numpy(), b["index"].numpy() % 4)
+    assert s["stages"]["decode_s"] > 0 and s["replaced_samples"] == 0
+
+
+def test_same_sample_same_pixels_on_any_world_size_and_batch_size(image_ds):
+    t = {"image": vision.train(48)}
+    pixels = {}
+    with Loader(image_ds, batch_size=7, transforms=t, seed=1) as lo:
+        lo.set_epoch(2)
+        for b in lo:
+            for i, img in zip(b["index"].tolist(), b["image"]):
+                pixels[i] = img.clone()
+    for rank in range(3):
+        with Loader(image_ds, batch_size=5, transforms=t, seed=1, rank=rank, world_size=3) as lo:
+            lo.set_epoch(2)
+            for b in lo:
+                for i, img in zip(b["index"].tolist(), b["image"]):
+                    assert torch.equal(img, pixels[i]), i
+
+
+def test_resume_images_same_crops(image_ds):
+    t = {"image": vision.train(32)}
+    with Loader(image_ds, batch_size=8, transforms=t, seed=6) as lo:
+        full = collect(lo)
+    with Loader(image_ds, batch_size=8, transforms=t, seed=6) as lo:
+        collect(lo, limit=3)
+        state = lo.state_dict()
+    with Loader(image_ds, batch_size=8, transforms=t, seed=6) as lo:
+        lo.load_state_dict(state)
+        rest = collect(lo)
+    assert len(rest) == len(full) - 3
+    for a, b in zip(rest, full[3:]):
+        assert torch.equal(a["index"], b["index"]) and torch.equal(a["image"], b["image"])
+
+
+@pytest.fixture()
+def corrupt_ds(tmp_path):
+    p = photos(["chelsea"])["chelsea"]
+    with fastload.ShardWriter(tmp_path / "ds", {"image": "image", "label": "int64"}, label="label") as wr:
+        for i in range(12):
+            if i == 5:  # bytes that are not an image, with a plausible recorded size
+                wr.write({"image": b"\xff\xd8\xff" + b"junk" * 50, "label": 0}, key="bad/005.jpg",
+                         image_sizes={"image": (64, 64)})
+            else:
+                wr.write({"image": _jpeg(p[i * 10:i * 10 + 100, :120]), "label": 1}, key=f"ok/{i:03d}.jpg")
+    return fastload.Dataset(tmp_path / "ds")
+
+
+def test_corrupt_image_raises_naming_shard_row_and_key(corrupt_ds):
+    with Loader(corrupt_ds, batch_size=4, shuffle=False, transforms={"image": vision.eval(32)}) as lo:
+        it = iter(lo)
+        assert len(next(it)["index"]) == 4
+        with pytest.raises(DecodeError) as e:
+            next(it)
+    msg = str(e.value)
+    assert "shard-00000.arrow" in msg and "row 5" in msg and "bad/005.jpg" in msg and "on_error='skip'" in msg
+
+
+def test_corrupt_image_skip_replaces_deterministically_and_counts(corrupt_ds):
+    t = {"image": vision.eval(32)}
+    with Loader(corrupt_ds, batch_size=4, shuffle=False, transforms=t, on_error="skip") as lo:
+        batches = collect(lo)
+        s = lo.stats()
+    idx = np.concatenate([b["index"].numpy() for b in batches])
+    assert idx.tolist() == [0, 1, 2, 3, 4, 6, 6, 7, 8, 9, 10, 11]  # 5 -> the next sample, 6
+    assert s["replaced_samples"] == 1
+    assert torch.equal(batches[1]["image"][1], batches[1]["image"][2])
+    assert batches[1]["label"].tolist() == [1, 1, 1, 1]  # the raw fields follow the replacement
+
+
+def test_dataset_inside_a_plain_dataloader_still_works(raw_ds):
+    ds, x = raw_ds
+    dl = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=0)
+    b = next(iter(dl))
+    assert np.array_equal(b["x"].numpy(), x[:16])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_batches(raw_ds, image_ds):  # pragma: no cover - no GPU here
+    ds, x = raw_ds
+    with Loader(ds, batch_size=64, device="cuda") as lo:
+        for b in lo:
+            assert b["x"].is_cuda and b["index"].is_cuda
+            assert np.array_equal(b["x"].cpu().numpy(), x[b["index"].cpu().numpy()])
+    with Loader(image_ds, batch_size=16, device="cuda", transforms={"image": vision.train(64)}) as lo:
+        for b in lo:
+            assert b["image"].is_cuda and b["image"].shape[1:] == (3, 64, 64)
+
+
+# -- real ranks --------------------------------------------------------------------------------
+def test_loader_on_real_gloo_ranks_with_resume_on_fewer_ranks(raw_ds):
+    from _dist import run_ranks
+
+    ds, _ = raw_ds
+    kw = {"path": str(ds.path), "batch_size": 64, "seed": 4, "epoch": 1}
+    first = run_ranks(3, "dist_jobs:loader_epoch", {**kw, "stop_after": 5})
+    state = first[0]["state"]
+    assert state["sampler"]["consumed"] == 5 * 64 * 3
+    rest = run_ranks(2, "dist_jobs:loader_epoch", {**kw, "state": state})
+    union = np.concatenate([first[0]["read"], rest[0]["read"]])
+    counts = np.bincount(union, minlength=len(ds))
+    assert counts.min() == 1 and counts.sum() - len(ds) <= 1
+    assert all(r["rows_ok"] for r in first + rest)
