@@ -147,12 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quick", action="store_true", help="smaller and faster (for CI)")
     d.set_defaults(func=cmd_demo)
 
-    try:
-        from .bench import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
+    from .bench import add_bench_parser
+    add_bench_parser(sub)
     return p
 
 
