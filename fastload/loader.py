@@ -42,8 +42,15 @@ class DecodeError(RuntimeError):
     """An image could not be decoded (or was refused); names shard, row and source key."""
 
 
-def _default_prefetch(threads: int) -> int:
-    return max(2, threads + 1)
+PREFETCH_BUDGET = 256 << 20  # host memory the default prefetch may use for batches in flight
+
+
+def _default_prefetch(threads: int, batch_bytes: int) -> int:
+    """Batches in flight: enough to keep every gather thread busy with one to spare, more
+    when batches are small (MNIST: 8 in flight reach ~80% of memcpy instead of ~55% with 3,
+    bench/bench_tensor.py), capped so the slots stay within PREFETCH_BUDGET."""
+    fit = PREFETCH_BUDGET // max(1, batch_bytes)
+    return int(max(2, min(8, max(threads + 1, fit))))
 
 
 def _resolve_device(device) -> torch.device:
@@ -212,14 +219,18 @@ class Loader:
         self.threads = default_threads() if threads is None else int(threads)
         if self.threads < 1:
             raise ValueError(f"threads={threads!r} must be >= 1")
-        self.prefetch = _default_prefetch(self.threads) if prefetch is None else int(prefetch)
+        batch_bytes = self.batch_size * sum(
+            ds.fields[n].np_dtype.itemsize * int(np.prod(ds.fields[n].shape)) for n in self.raw_fields)
+        batch_bytes += self.batch_size * sum(
+            np.dtype(_np_dtype(t.out_dtype)).itemsize * int(np.prod(t.out_shape)) for t in self.transforms.values())
+        self.prefetch = _default_prefetch(self.threads, batch_bytes) if prefetch is None else int(prefetch)
         if self.prefetch < 1:
             raise ValueError(f"prefetch={prefetch!r} must be >= 1")
 
         # Threads, the ring and DALI pipelines live in _Resources, which holds no reference
         # to the Loader: the finalizer can then run when the Loader is garbage collected.
         self._res = _Resources()
-        self._position: dict | None = None  # sampler state after the last delivered batch
+        self._position: int | None = None  # sampler's consumed count after the last delivered batch
         self._stats = _Stats()
         self._closed = False
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -251,7 +262,7 @@ class Loader:
 
     def state_dict(self) -> dict:
         """Plain JSON-able state: where the next batch starts, plus what must match on load."""
-        pos = self._position if self._position is not None else self.sampler.state_dict()
+        pos = self.sampler.state_dict(consumed=self._position)
         return {
             "version": LOADER_STATE_VERSION,
             "dataset": {"num_samples": len(self.dataset), "fingerprint": dataset_fingerprint(self.dataset)},
@@ -391,8 +402,8 @@ class _EpochIterator:
         self.loader = loader
         self.ring = loader._get_ring() if (loader.raw_fields or (loader.image_fields and loader.device.type == "cpu")) else None
         self.sampler_iter = iter(loader.sampler)
-        loader._position = loader.sampler.state_dict()  # where this pass starts
-        self.pending: collections.deque = collections.deque()  # (indices, sampler state after)
+        loader._position = loader.sampler.consumed  # where this pass starts
+        self.pending: collections.deque = collections.deque()  # (indices, sampler's consumed count after)
         self.done_sampling = False
         self.closed = False
         self.feeder: _Feeder | None = None
@@ -412,20 +423,42 @@ class _EpochIterator:
         except StopIteration:
             self.done_sampling = True
             return None
-        return np.ascontiguousarray(idx, dtype=np.int64), self.loader.sampler.state_dict()
+        return idx, self.loader.sampler.consumed
 
     def _fill(self) -> None:
-        while len(self.pending) < self.loader.prefetch:
+        prefetch = self.loader.prefetch
+        if self.feeder is None and self.ring is not None:
+            # Raw fields only: refill in runs of about prefetch/2 batches, located and
+            # submitted with one call each, so the per-batch Python cost is amortised.
+            if len(self.pending) > prefetch // 2:
+                return
+            run = []
+            while len(self.pending) + len(run) < prefetch:
+                nxt = self._next_indices()
+                if nxt is None:
+                    break
+                run.append(nxt)
+            if not run:
+                return
+            idx_all = np.concatenate([i for i, _ in run]) if len(run) > 1 else run[0][0]
+            shard, row = self.loader.dataset.locate(idx_all, check=False)
+            sizes = {len(i) for i, _ in run[:-1]}
+            if len(sizes) <= 1 and (not sizes or len(run[-1][0]) <= sizes.pop()):
+                self.ring.submit_many(shard, row, len(run[0][0]))  # equal batches, the last maybe shorter
+            else:  # pragma: no cover - the sampler only shortens the last batch
+                start = 0
+                for i, _ in run:
+                    self.ring.submit(shard[start:start + len(i)], row[start:start + len(i)])
+                    start += len(i)
+            self.pending.extend(run)
+            return
+        while len(self.pending) < prefetch:
             nxt = self._next_indices()
             if nxt is None:
                 return
-            idx, state = nxt
             if self.feeder is not None:
-                self.feeder.put(idx)
-            elif self.ring is not None:
-                shard, row = self.loader.dataset.locate(idx)
-                self.ring.submit(shard, row)
-            self.pending.append((idx, state))
+                self.feeder.put(nxt[0])
+            self.pending.append(nxt)
 
     def __iter__(self):
         return self

@@ -309,6 +309,7 @@ class Sampler:
         self._consumed = 0
         self._resume_pending = False
         self._cache: tuple[int, np.ndarray] | None = None
+        self._identity_cache: dict | None = None
 
     # -- the order ---------------------------------------------------------------------------
     @property
@@ -382,6 +383,11 @@ class Sampler:
 
     # -- resume ------------------------------------------------------------------------------
     def _identity(self) -> dict:
+        if self._identity_cache is None:  # immutable after __init__; hashing weights is not free
+            self._identity_cache = self._compute_identity()
+        return self._identity_cache
+
+    def _compute_identity(self) -> dict:
         return {
             "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
             "weights": _digest(self.weights), "balance_labels": _digest(self.labels),
@@ -391,9 +397,16 @@ class Sampler:
             "balance_batch_size": self.batch_size if self.labels is not None else None,
         }
 
-    def state_dict(self) -> dict:
-        """Epoch, global stream positions consumed, and what defines the order (JSON-able)."""
-        return {"version": SAMPLER_STATE_VERSION, "epoch": self.epoch, "consumed": int(self._consumed),
+    @property
+    def consumed(self) -> int:
+        """Global stream positions read so far this epoch (all ranks together)."""
+        return int(self._consumed)
+
+    def state_dict(self, *, consumed: int | None = None) -> dict:
+        """Epoch, global stream positions consumed (``consumed`` overrides the current count,
+        e.g. a loader's position behind its prefetch), and what defines the order (JSON-able)."""
+        consumed = int(self._consumed if consumed is None else consumed)
+        return {"version": SAMPLER_STATE_VERSION, "epoch": self.epoch, "consumed": consumed,
                 "world_size": self.world_size, "batch_size": self.batch_size, "drop_last": self.drop_last,
                 **self._identity()}
 

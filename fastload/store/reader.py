@@ -199,11 +199,12 @@ class Dataset(torch.utils.data.Dataset):
         return v
 
     # -- index -----------------------------------------------------------------------------
-    def locate(self, indices: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Global indices -> (shard, row), both int64 arrays. Out of range -> IndexError."""
+    def locate(self, indices: np.ndarray | Sequence[int], *, check: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Global indices -> (shard, row), both int64 arrays. Out of range -> IndexError
+        (``check=False`` skips the range check for indices known to be valid)."""
         idx = np.asarray(indices, dtype=np.int64)
         n = len(self)
-        if idx.size:
+        if check and idx.size:
             lo, hi = idx.min(), idx.max()
             if lo < 0 or hi >= n:
                 bad = int(lo if lo < 0 else hi)
