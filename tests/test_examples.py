@@ -1,0 +1,45 @@
+"""The examples run in a shortened form so they cannot rot: the MLP with both loaders, the
+image script alone, and under torchrun (2 gloo ranks) resumed on 1 rank from its checkpoint."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def run(*args, cwd, timeout=300):
+    p = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                       env=ENV, cwd=cwd)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p.stdout
+
+
+def test_mnist_mlp_both_loaders(tmp_path):
+    out = run(ROOT / "examples" / "mnist_mlp.py", "--samples", "3000", "--epochs", "2", "--steps", "5", cwd=tmp_path)
+    assert "DataLoader epoch 1" in out and "fastload   epoch 1" in out and "median time per epoch" in out
+
+
+def test_train_images_ddp_then_resume_on_another_world_size(tmp_path):
+    from _dist import free_port
+
+    script = ROOT / "examples" / "train_images.py"
+    common = ["--data", tmp_path / "ds", "--size", "32", "--batch-size", "8", "--epochs", "2",
+              "--checkpoint", tmp_path / "ckpt.pt", "--save-every", "1"]
+    out = run(script, *common, "--make-data", "48", "--stop-after-steps", "2", cwd=tmp_path)
+    assert "stopping after step 2" in out and (tmp_path / "ckpt.pt").exists()
+    # 2 real ranks (gloo) continue the interrupted epoch from the 1-process checkpoint
+    out = run("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(), script,
+              *common, "--stop-after-steps", "4", cwd=tmp_path)
+    assert "resumed at epoch 0, step 2, 16 samples of the epoch already read" in out
+    # and 1 rank finishes the run from the checkpoint the 2 ranks wrote
+    out = run(script, *common, cwd=tmp_path)
+    assert "resumed at epoch 0, step 4, 48 samples of the epoch already read" in out  # 16 + 2 steps x 2 ranks x 8
+    assert "epoch 1: loss" in out
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert state["epoch"] == 2
