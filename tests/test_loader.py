@@ -356,3 +356,18 @@ def test_loader_on_real_gloo_ranks_with_resume_on_fewer_ranks(raw_ds):
     counts = np.bincount(union, minlength=len(ds))
     assert counts.min() == 1 and counts.sum() - len(ds) <= 1
     assert all(r["rows_ok"] for r in first + rest)
+
+
+def test_dataloader_with_workers_and_fastload_sampler_returns_the_loaders_samples(raw_ds):
+    """The compatibility path: fastload.Dataset in a plain DataLoader with worker processes,
+    batched by fastload.Sampler, gives exactly the Loader's batches (same order, same rows)."""
+    ds, _ = raw_ds
+    sampler = Sampler(len(ds), batch_size=100, world_size=2, rank=1, seed=9)
+    dl = torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=2)
+    via_dl = [(b["x"].numpy().copy(), b["label"].numpy().copy()) for b in dl]
+    del dl
+    with Loader(ds, batch_size=100, world_size=2, rank=1, seed=9, fields=["x", "label"]) as lo:
+        via_loader = [(b["x"].numpy().copy(), b["label"].numpy().copy()) for b in lo]
+    assert len(via_dl) == len(via_loader) == 15
+    for (a, la), (b, lb) in zip(via_dl, via_loader):
+        assert np.array_equal(a, b) and np.array_equal(la, lb)
