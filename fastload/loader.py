@@ -467,8 +467,11 @@ class _EpochIterator:
         if self.closed or not self.pending:
             finished = not self.closed
             self.close()
-            if finished and self.loader._iter is self:
-                self.loader._iter = None
+            if finished:
+                # the sampler marks the epoch complete (a dropped tail included) at its end
+                self.loader._position = self.loader.sampler.consumed
+                if self.loader._iter is self:
+                    self.loader._iter = None
             raise StopIteration
         loader = self.loader
         st = loader._stats

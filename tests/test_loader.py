@@ -371,3 +371,14 @@ def test_dataloader_with_workers_and_fastload_sampler_returns_the_loaders_sample
     assert len(via_dl) == len(via_loader) == 15
     for (a, la), (b, lb) in zip(via_dl, via_loader):
         assert np.array_equal(a, b) and np.array_equal(la, lb)
+
+
+def test_state_at_the_end_of_an_epoch_with_drop_last_resumes_to_nothing(raw_ds):
+    ds, _ = raw_ds
+    with Loader(ds, batch_size=64, world_size=7, rank=0, drop_last=True, fields=["label"]) as lo:
+        n = sum(len(b["index"]) for b in lo)
+        state = lo.state_dict()
+    assert n == len(ds) // 7 and state["sampler"]["consumed"] >= len(ds)
+    with Loader(ds, batch_size=64, world_size=2, rank=0, drop_last=True, fields=["label"]) as lo:
+        lo.load_state_dict(state)
+        assert len(lo) == 0 and list(lo) == []  # the dropped tail is not read on resume
