@@ -138,7 +138,8 @@ class Loader:
         fields: fields to deliver (default: every tensor, scalar and image field; string and
             bytes fields are delivered as lists when named here).
         transforms: ``{image_field: fastload.vision.train(224) | eval(...) | custom(...)}``.
-        threads: gather threads (default: the usable cores); prefetch: batches in flight.
+        threads: gather threads (default: the usable cores minus one, at most 7);
+            prefetch: batches in flight (default: up to 8, within 256 MB of slots).
         weights, replacement, num_draws, balance: weighted / class-balanced sampling
             (``weights`` may name a field of the dataset; ``balance=True`` balances the label
             field); shuffle_mode / window: locality-preserving shuffle (see Sampler).
@@ -216,7 +217,10 @@ class Loader:
                                shard_sizes=ds.shard_sizes if shuffle_mode != "full" else None, window=window)
 
         from .ring import default_threads
-        self.threads = default_threads() if threads is None else int(threads)
+        # Gather threads: one core is left to the training loop's own Python thread. On 2
+        # cores, 1 gather thread beat 2 on both MNIST rows (54% vs 47% of memcpy) and
+        # 3x224x224 rows (106% vs 101%), interleaved A/B in one process.
+        self.threads = max(1, default_threads() - 1) if threads is None else int(threads)
         if self.threads < 1:
             raise ValueError(f"threads={threads!r} must be >= 1")
         batch_bytes = self.batch_size * sum(
