@@ -411,6 +411,7 @@ class _EpochIterator:
         self.done_sampling = False
         self.closed = False
         self.feeder: _Feeder | None = None
+        self._nbytes: dict[int, int] = {}  # batch bytes by row count
         st = loader._stats
         with st.lock:
             st.reset()
@@ -507,7 +508,11 @@ class _EpochIterator:
         if loader.list_fields:
             batch.update(loader.dataset.get_batch(idx_t.cpu().numpy(), fields=loader.list_fields))
         loader._position = state
-        nbytes = sum(int(v.element_size() * v.nelement()) for v in batch.values() if isinstance(v, torch.Tensor))
+        nbytes = self._nbytes.get(len(idx)) if not loader.list_fields else None
+        if nbytes is None:  # fixed per row count unless variable-length fields are delivered
+            nbytes = sum(int(v.element_size() * v.nelement()) for v in batch.values() if isinstance(v, torch.Tensor))
+            if not loader.list_fields:
+                self._nbytes[len(idx)] = nbytes
         with st.lock:
             st.wait_s += t1 - t0
             st.batches += 1
