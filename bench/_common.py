@@ -7,9 +7,13 @@ time; ``interleaved_medians({name: fn})`` does the same for several systems run 
 (use it for ratios on a machine whose speed drifts); ``Measurement`` turns (samples, bytes, seconds) into samples/s and GB/s;
 ``print_table`` prints one block of rows with ratios to the best DataLoader row and to the
 limit row, so every benchmark reports its result beside the hardware's limit in one run.
+``headline`` records a script's main figure (fastload, the baseline, the limit) for the
+README's results table, which ``run_all.py --readme`` generates from these records.
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import platform
 import statistics
@@ -137,3 +141,77 @@ def print_table(title: str, rows: Sequence[Measurement]) -> None:
     print(line)
     for row in table:
         print("  ".join(c.ljust(w) if i in (0, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+
+
+# ---------------------------------------------------------------------------- headlines
+RESULTS_ENV = "FASTLOAD_BENCH_RESULTS"
+
+
+def headline(workload: str, *, script: str, ours: tuple[str, float], unit: str,
+             baseline: tuple[str, float] | None = None, limit: tuple[str, float] | None = None,
+             lower_is_better: bool = False, note: str = "", smoke: bool = False) -> dict:
+    """Record one workload's main figure: (label, value) for fastload, the baseline people use
+    today and the limit, all in ``unit`` and measured in the same run. Appended as a JSON line
+    to the file named by $FASTLOAD_BENCH_RESULTS (set by run_all.py), and returned."""
+    for what, pair in (("ours", ours), ("baseline", baseline), ("limit", limit)):
+        if pair is None:
+            continue
+        ok = isinstance(pair[1], (int, float)) and math.isfinite(pair[1])
+        # a cost of ours (time, memory growth) may be zero or below; everything else is a rate or a cost > 0
+        if not ok or (pair[1] <= 0 and not (what == "ours" and lower_is_better)):
+            raise ValueError(f"{workload}: {what} value {pair[1]!r} must be a positive number")
+    rec = {"workload": workload, "script": script, "unit": unit, "lower_is_better": lower_is_better,
+           "ours": list(ours), "baseline": list(baseline) if baseline else None,
+           "limit": list(limit) if limit else None, "note": note, "smoke": smoke,
+           "machine": system_info()}
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    return rec
+
+
+def _fmt_value(x: float, unit: str) -> str:
+    if x <= 0:
+        v = f"{x:+.1f}"
+    elif x >= 1e6:
+        v = f"{x / 1e6:.2f} M"
+    elif x >= 1e4:
+        v = f"{x / 1e3:.0f} k"
+    elif x >= 100:
+        v = f"{x:,.0f}"
+    elif x >= 1:
+        v = f"{x:.2f}"
+    else:
+        v = f"{x:.3g}"
+    return f"{v} {unit}"
+
+
+def ratio_vs(rec: dict, which: str) -> float | None:
+    """How many times better fastload is than ``which`` ("baseline" or "limit")."""
+    other = rec.get(which)
+    if not other:
+        return None
+    ours, theirs = rec["ours"][1], other[1]
+    if ours <= 0:  # a cost of zero (no memory growth): no finite ratio
+        return None
+    return theirs / ours if rec["lower_is_better"] else ours / theirs
+
+
+def markdown_table(records: list[dict]) -> str:
+    """The README's results table: one row per recorded headline."""
+    lines = ["| workload (command) | fastload | baseline | limit | vs baseline | vs limit |",
+             "|---|---|---|---|---|---|"]
+    for r in records:
+        unit = r["unit"]
+
+        def cell(pair):
+            return f"{pair[0]}: {_fmt_value(pair[1], unit)}" if pair else "–"
+
+        rb, rl = ratio_vs(r, "baseline"), ratio_vs(r, "limit")
+        vs_b = ("none of its cost" if r["ours"][1] <= 0 and r["baseline"] else "–") if rb is None else (f"{rb:,.0f}x" if rb >= 100 else f"{rb:.1f}x")
+        vs_l = "–" if rl is None else f"{100 * rl:.0f}%"
+        work = f"{r['workload']} (`python bench/{r['script']}`)"
+        ours = cell(r["ours"]) + (f" ({r['note']})" if r["note"] else "")
+        lines.append(f"| {work} | {ours} | {cell(r['baseline'])} | {cell(r['limit'])} | {vs_b} | {vs_l} |")
+    return "\n".join(lines)

@@ -24,7 +24,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import system_info  # noqa: E402
+from _common import headline, system_info  # noqa: E402
 
 BATCH, WORKERS, EARLY = 256, 2, 4  # EARLY: batches delivered before the first memory sample
 
@@ -169,6 +169,13 @@ def main(argv=None) -> dict:
         for row in table:
             print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) if i < 5 else c
                             for i, (c, w) in enumerate(zip(row, widths))))
+        names = list(results)
+        base, ours, loader = (results[k] for k in names)
+        headline(f"DataLoader worker memory growth (USS, {WORKERS} workers) over a {n:,}-sample epoch",
+                 script="bench_cow.py", unit="MB", lower_is_better=True, smoke=a.smoke,
+                 ours=("fastload.Dataset in DataLoader", round(ours["uss_growth_mb"], 1)),
+                 baseline=("Python list of paths", base["uss_growth_mb"]) if base["uss_growth_mb"] > 0 else None,
+                 note=f"fastload Loader (no workers): {loader['uss_growth_mb']:+.1f} MB")
         return results
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

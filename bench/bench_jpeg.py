@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import Measurement, interleaved_medians, print_table, system_info  # noqa: E402
+from _common import Measurement, headline, interleaved_medians, print_table, system_info  # noqa: E402
 
 import fastload  # noqa: E402
 from fastload.sample_data import make_image_folder  # noqa: E402
@@ -180,6 +180,12 @@ def main(argv=None) -> list:
     by = {r.system: r.samples_per_s for r in rows}
     ours, ours_u8 = by["fastload Loader (cpu) float32 CHW"], by["fastload Loader (cpu) uint8 HWC"]
     best_dl = max(r.samples_per_s for r in rows if r.kind == "dataloader")
+    dl_row = max((r for r in rows if r.kind == "dataloader"), key=lambda r: r.samples_per_s)
+    headline(f"{n:,} real-photo JPEGs -> RandomResizedCrop 224 + flip + normalize, batch {b}",
+             script="bench_jpeg.py", unit="img/s", smoke=a.smoke,
+             ours=("Loader (cpu) float32 CHW", ours), baseline=(dl_row.system, best_dl),
+             limit=("DALI alone from files", by["DALI alone (files from disk)"]),
+             note=f"uint8 HWC {ours_u8:,.0f} img/s = {ours_u8 / by['DALI alone, uint8 HWC']:.2f}x DALI alone uint8")
     print("\n## Summary")
     print(f"fastload float32 CHW: {ours / best_dl:.1f}x the best DataLoader + PIL (target >= 2x), "
           f"{ours / by['DALI alone (files from disk)']:.2f}x DALI alone (target >= 1.0x)")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median_seconds, system_info  # noqa: E402
+from _common import headline, median_seconds, system_info  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -47,6 +47,10 @@ def main(argv=None) -> dict:
         print(f"{'system':32s} {'ms':>9s}  vs per-sample list")
         for k, t in rows.items():
             print(f"{k:32s} {t * 1e3:9.2f}  {base / t:.1f}x")
+        headline(f"open a {n:,}-sample dataset", script="bench_open.py", unit="ms", lower_is_better=True,
+                 smoke=a.smoke, ours=("Dataset(path)", 1e3 * rows["fastload.Dataset(path)"]),
+                 baseline=("Python list of (path, label)", 1e3 * base),
+                 note=f"open + read one sample {1e3 * rows['open + one sample']:.2f} ms")
         return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Measurement, interleaved_medians, print_table, system_info  # noqa: E402
+from _common import Measurement, headline, interleaved_medians, print_table, system_info  # noqa: E402
 
 
 class _Sized:
@@ -82,6 +82,12 @@ def main(argv=None) -> list:
         r.note = f"{r.seconds * 1e3:.0f} ms per epoch"
     print(f"one rank's epoch of {n:,} samples, world size {w}, batch {b}; {system_info()}")
     print_table("sampler: one rank's epoch", rows)
+    headline(f"sampler, one rank's epoch of {n:,} samples, world {w}, batch {b}", script="bench_sampler.py",
+             unit="ms", lower_is_better=True, smoke=a.smoke,
+             ours=("Sampler", 1e3 * t["fastload Sampler"]),
+             baseline=("DistributedSampler + BatchSampler", 1e3 * t["DistributedSampler + BatchSampler"]),
+             limit=("numpy permutation of N", 1e3 * t["numpy permutation of N"]),
+             note=f"weighted: {1e3 * t['fastload Sampler, weighted']:,.0f} ms")
     return rows
 
 

@@ -34,7 +34,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.dirname(_HERE))
 
-from _common import Measurement, interleaved_medians, median_seconds, print_table, system_info  # noqa: E402
+from _common import Measurement, headline, interleaved_medians, median_seconds, print_table, system_info  # noqa: E402
 
 from fastload.ring import Ring, default_slots, default_threads  # noqa: E402
 
@@ -320,6 +320,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"(target >= 5x); Loader {100 * loader / lim:.0f}% / Ring {100 * ours / lim:.0f}% of memcpy "
                 "(target >= 70%)")
 
+    def record(rows: list[Measurement], workload: str) -> None:
+        by = {r.system: r for r in rows}
+        dl = max((r for r in rows if r.kind == "dataloader"), key=lambda r: r.samples_per_s)
+        lim = max((r for r in rows if r.kind == "limit"), key=lambda r: r.samples_per_s)
+        ring = max((r for r in rows if r.system.startswith("fastload Ring")), key=lambda r: r.samples_per_s)
+        headline(workload, script="bench_tensor.py", unit="samples/s", smoke=args.smoke,
+                 ours=("Loader", by["fastload Loader"].samples_per_s), baseline=(dl.system, dl.samples_per_s),
+                 limit=("memcpy", lim.samples_per_s),
+                 note=f"Ring alone {100 * ring.samples_per_s / lim.samples_per_s:.0f}% of memcpy")
+
+    record(mnist, f"MNIST {mnist_n:,}x784 float32, batch 300, shuffled")
+    record(big, f"{big_n:,} x 3x224x224 uint8 rows, batch 64, shuffled")
     print("\n## Summary")
     print(verdict(mnist, "MNIST"))
     print(verdict(big, "Large samples"))

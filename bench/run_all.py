@@ -3,20 +3,34 @@
     python bench/run_all.py                # the full suite (tens of minutes on 2 cores)
     python bench/run_all.py --smoke        # tiny sizes: checks every script still works (CI)
     python bench/run_all.py --only tensor,jpeg --out results.txt
+    python bench/run_all.py --readme       # full suite, then rewrite README.md's results table
 
-Exits non-zero if any script fails. ``--out`` also writes everything printed to a file (the
-README's results table is made from such a file; say which machine).
+Exits non-zero if any script fails. ``--out`` also writes everything printed to a file. Every
+script records its headline (fastload, the baseline, the limit, measured in one run) through
+``_common.headline``; ``--results FILE`` writes those records as JSON, ``--markdown FILE`` as
+the results table, and ``--readme`` replaces the table between the markers in README.md (full
+runs only: smoke-size figures never reach the README).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = sorted(p.stem[len("bench_"):] for p in HERE.glob("bench_*.py"))
+sys.path.insert(0, str(HERE))
+from _common import RESULTS_ENV, markdown_table  # noqa: E402
+
+README = HERE.parent / "README.md"
+BEGIN, END = "<!-- bench-results:begin -->", "<!-- bench-results:end -->"
+_FIRST = ["tensor", "jpeg", "cow", "sampler", "open", "convert"]  # the README table's order
+SCRIPTS = sorted((p.stem[len("bench_"):] for p in HERE.glob("bench_*.py")),
+                 key=lambda n: (_FIRST.index(n) if n in _FIRST else len(_FIRST), n))
 
 
 def main(argv=None) -> int:
@@ -24,21 +38,41 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(SCRIPTS)}")
     ap.add_argument("--out", default=None, help="also write the output to this file")
+    ap.add_argument("--results", default=None, help="write every script's headline record (JSON) here")
+    ap.add_argument("--markdown", default=None, help="write the results table (markdown) here")
+    ap.add_argument("--readme", action="store_true",
+                    help="rewrite README.md's results table from this run (full runs only)")
     a = ap.parse_args(argv)
+    if a.readme and a.smoke:
+        ap.error("--readme publishes figures: run the full suite, not --smoke")
     names = SCRIPTS if a.only is None else [n.strip() for n in a.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCRIPTS]
     if unknown:
         ap.error(f"unknown benchmark(s) {unknown}; choose from {SCRIPTS}")
     out = open(a.out, "w") if a.out else None
     failed = []
+    records: list[dict] = []
     try:
         for n in names:
             cmd = [sys.executable, str(HERE / f"bench_{n}.py")] + (["--smoke"] if a.smoke else [])
+            rec_file = HERE / f".results-{os.getpid()}-{n}.jsonl"
+            rec_file.unlink(missing_ok=True)
+            env = {**os.environ, RESULTS_ENV: str(rec_file)}
             header = f"\n# bench_{n}.py{' --smoke' if a.smoke else ''}\n"
             print(header, flush=True)
             t0 = time.perf_counter()
-            p = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                mine = []
+                if rec_file.exists():
+                    mine = [json.loads(line) for line in rec_file.read_text().splitlines() if line.strip()]
+            finally:
+                rec_file.unlink(missing_ok=True)
+            records += mine
             text = p.stdout + (f"\n[stderr]\n{p.stderr[-3000:]}" if p.returncode else "")
+            if p.returncode == 0 and not mine:
+                text += f"\nbench_{n}.py recorded no headline (call _common.headline)"
+                failed.append(n)
             print(text, flush=True)
             print(f"(bench_{n}.py: exit {p.returncode}, {time.perf_counter() - t0:.0f} s)", flush=True)
             if out:
@@ -51,7 +85,32 @@ def main(argv=None) -> int:
     if failed:
         print(f"FAILED: {failed}", file=sys.stderr)
         return 1
+    table = markdown_table(records)
+    print("\n# Results table\n\n" + table)
+    if a.results:
+        Path(a.results).write_text(json.dumps(records, indent=1) + "\n")
+    if a.markdown:
+        Path(a.markdown).write_text(table + "\n")
+    if a.readme:
+        update_readme(records, table, names)
     return 0
+
+
+def update_readme(records: list[dict], table: str, names: list[str], readme: Path = README) -> None:
+    """Replace the text between BEGIN and END in README.md (written to a temporary file and
+    renamed, so an interrupted run never leaves a half-written README)."""
+    text = readme.read_text()
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise SystemExit(f"{readme}: expected one {BEGIN} ... {END} block to replace")
+    machines = sorted({r["machine"] for r in records})
+    only = "" if set(names) == set(SCRIPTS) else f" --only {','.join(names)}"
+    block = (f"{BEGIN}\n_Generated on {datetime.date.today().isoformat()} by `python bench/run_all.py --readme{only}` "
+             f"on: {'; '.join(machines)}._\n\n{table}\n{END}")
+    head, rest = text.split(BEGIN, 1)
+    tmp = readme.with_suffix(".md.tmp")
+    tmp.write_text(head + block + rest.split(END, 1)[1])
+    os.replace(tmp, readme)
+    print(f"\nwrote the results table into {readme}")
 
 
 if __name__ == "__main__":

@@ -77,11 +77,53 @@ def test_bench_bad_arguments(image_ds, tmp_path):
     assert p.returncode == 1 and "does not exist" in p.stderr
 
 
-def test_bench_scripts_smoke():
-    """Every bench/ script at a tiny size, through the one entry point, so none can rot."""
-    p = run(ROOT / "bench" / "run_all.py", "--smoke", timeout=900)
+def test_bench_scripts_smoke(tmp_path):
+    """Every bench/ script at a tiny size, through the one entry point, so none can rot; each
+    records a headline (fastload beside its baseline/limit) and the results table is made
+    from those records."""
+    res, md = tmp_path / "results.json", tmp_path / "results.md"
+    p = run(ROOT / "bench" / "run_all.py", "--smoke", "--results", res, "--markdown", md, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     scripts = sorted((ROOT / "bench").glob("bench_*.py"))
-    assert len(scripts) >= 4
+    assert len(scripts) >= 6
     for s in scripts:
         assert f"{s.name}: exit 0" in p.stdout
+    records = json.loads(res.read_text())
+    assert {r["script"] for r in records} == {s.name for s in scripts}
+    for r in records:
+        assert r["smoke"] is True and r["machine"] and r["unit"]
+        assert r["baseline"] is not None or r["limit"] is not None, r
+        for pair in (r["baseline"], r["limit"]):
+            assert pair is None or pair[1] > 0, r
+        assert r["ours"][1] > 0 or r["lower_is_better"], r
+    table = md.read_text().strip().splitlines()
+    assert table[0].startswith("| workload") and len(table) == 2 + len(records)
+    for r, line in zip(records, table[2:]):
+        assert f"`python bench/{r['script']}`" in line and line.count("|") == 7
+
+
+def test_readme_table_is_replaced_between_markers(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "bench" / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\nbefore\n{run_all.BEGIN}\nold table\n{run_all.END}\nafter\n")
+    rec = {"workload": "w", "script": "bench_open.py", "unit": "ms", "lower_is_better": True,
+           "ours": ["a", 2.0], "baseline": ["b", 10.0], "limit": None, "note": "", "machine": "m"}
+    table = run_all.markdown_table([rec])
+    run_all.update_readme([rec], table, ["open"], readme=readme)
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# x\nbefore\n") and text.endswith("after\n")
+    assert "| w (`python bench/bench_open.py`) | a: 2.00 ms | b: 10.00 ms | – | 5.0x | – |" in text
+    assert "--readme --only open" in text and "on: m." in text
+    readme.write_text("no markers")
+    with pytest.raises(SystemExit, match="expected one"):
+        run_all.update_readme([rec], table, ["open"], readme=readme)
+    assert readme.read_text() == "no markers"
+
+
+def test_run_all_refuses_smoke_figures_in_readme():
+    p = run(ROOT / "bench" / "run_all.py", "--smoke", "--readme", "--only", "open")
+    assert p.returncode == 2 and "--readme publishes figures" in p.stderr
