@@ -1,7 +1,7 @@
 """JPEG decode + RandomResizedCrop(224) + flip throughput: fastload.Loader against torch
 DataLoader with PIL, with NVIDIA DALI alone (CPU pipeline, files from disk) as the limit.
 
-    .venv/bin/python bench/bench_jpeg.py              # 2,000 photos, 3 repeats (a few minutes)
+    .venv/bin/python bench/bench_jpeg.py              # 2,000 photos, 5 repeats (a few minutes)
     .venv/bin/python bench/bench_jpeg.py --smoke      # 128 photos, one repeat
     .venv/bin/python bench/bench_jpeg.py --images 5000 --batch-size 128 --repeats 5
 
@@ -122,7 +122,7 @@ def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=2000)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="128 images, one repeat")
     a = ap.parse_args(argv)
     if a.smoke:
