@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 import _thread
 
 import numpy as np
@@ -437,14 +438,29 @@ def test_ctrl_c_interrupts_a_blocked_get(shards):
     sizes, data, sources = shards
     with Ring(FIELDS, 4, sources, threads=1, slots=2) as ring:
         slot = ring.acquire()  # never committed: the next get() would wait forever
-        timer = threading.Timer(0.2, _thread.interrupt_main)
-        timer.start()
+        # Ctrl-C every 0.2 s until get() raises: a single simulated Ctrl-C can be consumed by
+        # Python code that swallows exceptions (a finalizer run by the GC between the timer
+        # and the wait), which once hung CI here.
+        done = threading.Event()
+
+        def interrupter():
+            while not done.wait(0.2):
+                _thread.interrupt_main()
+
+        t = threading.Thread(target=interrupter, daemon=True)
+        t.start()
         try:
             with pytest.raises(KeyboardInterrupt):
                 ring.get()
         finally:
-            timer.cancel()
-            timer.join()
+            done.set()
+            while True:  # one more interrupt may already be on its way: let it land here
+                try:
+                    t.join()
+                    time.sleep(0.3)
+                    break
+                except KeyboardInterrupt:
+                    continue
         slot.commit(1)
         ring.get()  # the ring still works after the interrupt
 
