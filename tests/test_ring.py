@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import signal
 import threading
 import time
 import _thread
@@ -438,9 +439,13 @@ def test_ctrl_c_interrupts_a_blocked_get(shards):
     sizes, data, sources = shards
     with Ring(FIELDS, 4, sources, threads=1, slots=2) as ring:
         slot = ring.acquire()  # never committed: the next get() would wait forever
+        # A process started as a background job of a non-interactive shell (CI runners do
+        # this) inherits SIGINT ignored, and then interrupt_main() does nothing: install
+        # Python's own handler for this test, as an interactive `python train.py` has.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         # Ctrl-C every 0.2 s until get() raises: a single simulated Ctrl-C can be consumed by
         # Python code that swallows exceptions (a finalizer run by the GC between the timer
-        # and the wait), which once hung CI here.
+        # and the wait).
         done = threading.Event()
 
         def interrupter():
@@ -461,6 +466,7 @@ def test_ctrl_c_interrupts_a_blocked_get(shards):
                     break
                 except KeyboardInterrupt:
                     continue
+            signal.signal(signal.SIGINT, previous)
         slot.commit(1)
         ring.get()  # the ring still works after the interrupt
 
