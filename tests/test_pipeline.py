@@ -178,6 +178,28 @@ def test_corrupt_and_mismatched_images_are_named_by_position(images):
         r.close()
 
 
+def test_a_broken_pipeline_is_not_blamed_on_valid_images(images, monkeypatch):
+    enc, _, w, h = images
+    r = vision.eval(32, resize=40).runner(device="cpu", batch_size=4)
+    try:
+        # every image of a batch corrupt: still the data's fault (the canary image decodes)
+        junk = [np.frombuffer(b"not an image at all", np.uint8)] * 3
+        with pytest.raises(BadSamples) as e:
+            r.run(junk, w[:3], h[:3], np.arange(3), 0)
+        assert e.value.positions == [0, 1, 2]
+        # the pipeline itself fails (a DALI API misuse, an executor error): a RuntimeError
+        # saying so, not BadSamples naming every valid image
+        def broken(encoded, params):
+            raise RuntimeError("Assert on \"exec_dynamic\" failed: this call needs the dynamic executor")
+
+        monkeypatch.setattr(r, "_run_once", broken)
+        with pytest.raises(RuntimeError, match="including a valid built-in") as e:
+            r.run(enc[:4], w[:4], h[:4], np.arange(4), 0)
+        assert not isinstance(e.value, BadSamples) and "dynamic executor" in str(e.value)
+    finally:
+        r.close()
+
+
 def test_huge_header_refused_before_decoding(images):
     enc, _, w, h = images
     r = vision.eval(32, max_pixels=10_000).runner(device="cpu", batch_size=4)

@@ -133,11 +133,10 @@ class Runner:
         pipe.feed_input("encoded", encoded)
         for n, a in params.items():
             pipe.feed_input(n, a)  # one (n, ...) array: a uniform batch, no per-sample list
-        if self.device == "cuda":
-            import torch
-            out, = pipe.run(torch.cuda.current_stream(self.device_id).cuda_stream)
-        else:
-            out, = pipe.run()
+        # Host-synchronous run on both devices: run(stream) needs DALI's dynamic executor. On
+        # CUDA the output stays on the device, and _deliver copies it on torch's current
+        # stream (feed_ndarray waits for DALI's work first, as DALI's own torch iterator does).
+        out, = pipe.run()
         return out
 
     def _try(self, encoded, params):
@@ -183,8 +182,22 @@ class Runner:
             self._find_bad(encoded, params, np.arange(n), err, bad)
             if not bad:  # the batch failed but no part of it does: not a data problem
                 raise RuntimeError(f"DALI failed on a batch of {n} images, but on no part of it: {err}")
+            if len(bad) == n:  # every image fails: the data, or the pipeline itself?
+                canary = self._canary_error()
+                if canary is not None:
+                    raise RuntimeError(
+                        f"the DALI pipeline fails on every image, including a valid built-in "
+                        f"{_CANARY_SIZE}x{_CANARY_SIZE} JPEG, so this is not a data problem: {canary}")
             raise BadSamples(sorted(bad), [bad[p] for p in sorted(bad)])
         return self._deliver(res, n, out)
+
+    def _canary_error(self) -> str | None:
+        """Run one valid JPEG through the graph; DALI's reason if even that fails."""
+        w = h = np.array([_CANARY_SIZE], np.int32)
+        params = self.transform.params(self.seed, 0, np.zeros(1, np.int64), w, h)
+        res, err = self._try([_canary_jpeg()], params)
+        del res
+        return err
 
     def _deliver(self, res, n: int, out):
         import torch
@@ -215,6 +228,28 @@ class Runner:
             self._drop_pipeline()
         except Exception:
             pass
+
+
+_CANARY_SIZE = 256
+
+
+def _canary_jpeg() -> np.ndarray:
+    """A valid, smooth 256x256 RGB JPEG (made once, in memory)."""
+    global _CANARY
+    if _CANARY is None:
+        import io
+
+        from PIL import Image
+
+        x = np.tile(np.linspace(0, 255, _CANARY_SIZE).astype(np.uint8), (_CANARY_SIZE, 1))
+        rgb = np.stack([x, x.T, np.full_like(x, 128)], -1)
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, "JPEG", quality=90)
+        _CANARY = np.frombuffer(buf.getvalue(), np.uint8)
+    return _CANARY
+
+
+_CANARY = None
 
 
 def _torch_dtypes() -> dict:
