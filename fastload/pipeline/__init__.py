@@ -89,6 +89,7 @@ class Runner:
         self.out_dtype = np.dtype(transform.out_dtype)
         self.max_pixels = transform.max_pixels
         self._pipe = None
+        self._copied = None  # CUDA: event after the last copy out of DALI's output buffer
         self.rebuilds = 0
 
     # -- the graph ---------------------------------------------------------------------------
@@ -136,6 +137,9 @@ class Runner:
         # Host-synchronous run on both devices: run(stream) needs DALI's dynamic executor. On
         # CUDA the output stays on the device, and _deliver copies it on torch's current
         # stream (feed_ndarray waits for DALI's work first, as DALI's own torch iterator does).
+        if self._copied is not None:  # DALI may reuse its output buffer once run() is called
+            self._copied.synchronize()  # again: the last copy out of it must have finished
+            self._copied = None
         out, = pipe.run()
         return out
 
@@ -211,7 +215,10 @@ class Runner:
         if self.device == "cuda":
             dt = _TORCH[self.out_dtype.name]
             t = torch.empty((n, *self.out_shape), dtype=dt, device=torch.device("cuda", self.device_id))
-            feed_ndarray(res.as_tensor(), t, cuda_stream=torch.cuda.current_stream(self.device_id))
+            stream = torch.cuda.current_stream(self.device_id)
+            feed_ndarray(res.as_tensor(), t, cuda_stream=stream)  # asynchronous on torch's stream
+            self._copied = torch.cuda.Event()
+            self._copied.record(stream)
             return t
         if out is None:
             out = torch.empty((n, *self.out_shape), dtype=_TORCH[self.out_dtype.name])
