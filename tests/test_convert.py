@@ -200,6 +200,49 @@ def test_webdataset_tar(folder, tmp_path):
     assert ds.keys([2]) == ["shard-000.tar:s0002"]
 
 
+def test_writer_errors_are_per_sample_errors(tmp_path):
+    """A sample the writer refuses (wrong shape) is skipped or named like an unreadable one."""
+    tar_path = tmp_path / "a.tar"
+    with tarfile.open(tar_path, "w") as tf:
+        for i, n in enumerate((2, 3, 2)):  # the second sample's array has the wrong shape
+            buf = io.BytesIO()
+            np.save(buf, np.arange(n, dtype=np.float32))
+            for ext, payload in (("npy", buf.getvalue()), ("cls", str(i).encode())):
+                info = tarfile.TarInfo(f"s{i}.{ext}")
+                info.size = len(payload)
+                tf.addfile(info, io.BytesIO(payload))
+    with pytest.raises(ConvertError, match=r"a.tar:s1.*got shape \(3,\), expected \(2,\).*--on-error skip"):
+        convert("webdataset", tar_path, tmp_path / "ds", progress=False)
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+    r = convert("webdataset", tar_path, tmp_path / "ds2", progress=False, on_error="skip")
+    assert r["num_samples"] == 2 and r["skipped"] == 1
+    report = [json.loads(line) for line in (tmp_path / "ds2" / "skipped.jsonl").read_text().splitlines()]
+    assert [x["key"] for x in report] == ["a.tar:s1"] and "shape" in report[0]["reason"]
+    assert fastload.Dataset(tmp_path / "ds2").keys([0, 1]) == ["a.tar:s0", "a.tar:s2"]
+
+
+def test_failed_overwrite_keeps_the_old_dataset_and_workers_are_stopped(folder, tmp_path):
+    import shutil
+
+    import psutil
+    np.savez(tmp_path / "a.npz", x=np.arange(10, dtype=np.float32))
+    convert("arrays", tmp_path / "a.npz", tmp_path / "ds", progress=False)
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    (src / "astronaut" / "0000-bad.jpg").write_bytes(b"not a jpeg")  # fails early, among 33
+    with pytest.raises(ConvertError, match="0000-bad.jpg"):
+        convert("imagefolder", src, tmp_path / "ds", overwrite=True, progress=False, workers=2)
+    # the validation pool is gone at once, not when the generator is garbage-collected
+    assert psutil.Process().children(recursive=True) == []
+    ds = fastload.Dataset(tmp_path / "ds")  # the old dataset is still there, whole
+    assert list(ds.fields) == ["x"] and len(ds) == 10 and fastload.verify(tmp_path / "ds") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npz", "ds", "src"]
+    # a successful overwrite replaces it
+    r = convert("imagefolder", folder, tmp_path / "ds", overwrite=True, progress=False, workers=2)
+    assert r["num_samples"] == 32 and len(fastload.Dataset(tmp_path / "ds")) == 32
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npz", "ds", "src"]
+
+
 def test_cli_bad_invocations_give_one_clear_line(folder, tmp_path):
     p = run_cli("convert", "pictures", folder, tmp_path / "o")
     assert p.returncode == 2 and "invalid choice: 'pictures'" in p.stderr

@@ -129,7 +129,7 @@ def test_bad_field_specs_are_named(tmp_path, spec, err):
 
 def test_bad_samples_are_refused_with_the_field_named(tmp_path):
     with fastload.ShardWriter(tmp_path / "ds", {"x": "float32[3]", "img": "image"}) as w:
-        with pytest.raises(ValueError, match=r"field 'x': got shape \(4,\), expected \(3,\)"):
+        with pytest.raises(ValueError, match=r"field 'x' of sample '0': got shape \(4,\), expected \(3,\)"):
             w.write({"x": np.zeros(4), "img": b""})
         with pytest.raises(ValueError, match="lacks field"):
             w.write({"x": np.zeros(3)})
@@ -166,6 +166,54 @@ def test_refuses_non_empty_destination_and_overwrites_only_its_own(tmp_path):
     with pytest.raises(FileExistsError, match="thesis.tex"):
         fastload.ShardWriter(user, {"x": "int64"}, overwrite=True)
     assert (user / "thesis.tex").read_text() == "precious"
+
+
+def test_values_are_never_silently_narrowed(tmp_path):
+    w = fastload.ShardWriter(tmp_path / "ds", {"label": "int8", "x": "float16[2]", "u": "uint8"})
+    ok = {"label": -128, "x": [1.5, 60000.0], "u": 255}  # the edges of each type fit
+    w.write(ok, key="a")
+    with pytest.raises(ValueError, match=r"field 'label' of sample 'b': 300 does not fit in int8"):
+        w.write(dict(ok, label=300), key="b")
+    with pytest.raises(ValueError, match=r"field 'x' of sample 'c': 1000000.0 does not fit in float16"):
+        w.write(dict(ok, x=[1.0, 1e6]), key="c")
+    with pytest.raises(ValueError, match=r"field 'u' of sample 'd': -1 does not fit in uint8"):
+        w.write(dict(ok, u=-1), key="d")
+    with pytest.raises(ValueError, match=r"field 'label' of sample 'e': got dtype float64"):
+        w.write(dict(ok, label=1.5), key="e")
+    # a batch names the first offending sample
+    batch = {"label": np.array([1, 2, 200]), "x": np.zeros((3, 2)), "u": np.array([1, 2, 3])}
+    with pytest.raises(ValueError, match=r"field 'label' of sample 'k2': 200 does not fit"):
+        w.write_batch(batch, keys=["k0", "k1", "k2"])
+    batch["label"][2] = 3
+    w.write_batch(batch)  # in range: int64 -> int8, float64 -> float16 are fine
+    w.close()
+    b = fastload.Dataset(tmp_path / "ds").get_batch([0, 1, 2, 3])
+    assert b["label"].tolist() == [-128, 1, 2, 3] and b["u"].tolist() == [255, 1, 2, 3]
+    assert b["x"][0].tolist() == [1.5, 60000.0]
+
+
+def test_a_failed_overwrite_leaves_the_old_dataset_whole(tmp_path):
+    d = tmp_path / "ds"
+    _write(d, {"x": "int64"}, [{"x": 1}, {"x": 2}])
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    with pytest.raises(RuntimeError, match="boom"):
+        with fastload.ShardWriter(d, {"y": "float32[4]"}, overwrite=True, shard_size=40) as w:
+            for i in range(10):
+                w.write({"y": np.full(4, i, np.float32)})  # several new shards written...
+            raise RuntimeError("boom")  # ...then the conversion fails
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    assert fastload.Dataset(d).get_batch([0, 1])["x"].tolist() == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # no staging left behind
+    # while a replacement is being written, the old dataset still opens; it is swapped at close
+    w = fastload.ShardWriter(d, {"y": "float32[4]"}, overwrite=True)
+    w.write({"y": np.ones(4, np.float32)})
+    w.write({"y": np.zeros(4, np.float32)})
+    assert len(fastload.Dataset(d)) == 2 and "x" in fastload.Dataset(d).fields
+    w.close()
+    ds = fastload.Dataset(d)
+    assert list(ds.fields) == ["y"] and ds.get_batch([0])["y"].tolist() == [[1, 1, 1, 1]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+    assert fastload.verify(d) == []
 
 
 def test_exception_inside_writer_leaves_nothing_that_opens(tmp_path):

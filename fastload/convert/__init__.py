@@ -34,7 +34,10 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
 
     kind: "imagefolder" (SRC/<class>/<images>), "arrays" (.npz / .npy / folder of .npy),
     "table" (Parquet, CSV, JSON lines) or "webdataset" (.tar shards). Refuses a non-empty
-    ``dst`` unless ``overwrite``; on failure nothing that opens is left behind.
+    ``dst`` unless ``overwrite`` (which swaps the new dataset in only once it is complete: a
+    failed overwrite leaves the old one untouched); on failure nothing that opens is left
+    behind. Samples the writer refuses (wrong shape, a value out of the field's range) are
+    errors naming the sample, or skipped and reported with ``on_error="skip"``.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(KINDS)}")

@@ -7,6 +7,7 @@ ShardWriter in source order, so the output is deterministic whatever ``workers``
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
@@ -157,27 +158,34 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
             else:
                 it = (_validated(source, workers) if source.needs_validation
                       else ((i, {}, None) for i in range(source.num_samples)))
-                for i, sizes, err in it:
-                    if err is None:
-                        try:
-                            sample = source.read(i)
-                        except Exception as e:
-                            err = str(e) or type(e).__name__
-                    if err is not None:
-                        if on_error == "raise":
-                            raise ConvertError(f"{source.key(i)}: {err} (use --on-error skip to leave it out)")
-                        skipped.append({"index": i, "key": source.key(i), "reason": err})
-                    else:
-                        writer.write(sample, key=source.key(i), image_sizes=sizes)
-                    bar.update(1)
+                with contextlib.closing(it):  # on any error: the worker pool is shut down now
+                    for i, sizes, err in it:
+                        if err is None:
+                            try:
+                                sample = source.read(i)
+                            except Exception as e:
+                                err = str(e) or type(e).__name__
+                        if err is None:
+                            try:  # the writer checks shapes, dtypes and value ranges
+                                writer.write(sample, key=source.key(i), image_sizes=sizes)
+                            except ValueError as e:  # (an OSError writing the dataset is not the sample's fault)
+                                err = str(e)
+                        if err is not None:
+                            if on_error == "raise":
+                                raise ConvertError(f"{source.key(i)}: {err} (use --on-error skip to leave it out)")
+                            skipped.append({"index": i, "key": source.key(i), "reason": err})
+                        bar.update(1)
             if writer.num_samples == 0:
+                first = "; ".join(f"{r['key']}: {r['reason']}" for r in skipped[:3])
                 raise ConvertError(f"no sample of {source.num_samples} could be converted"
-                                   + (f"; see the reasons in {dst / SKIPPED_REPORT}" if skipped else ""))
+                                   + (f" ({first}{'; …' if len(skipped) > 3 else ''})" if skipped else ""))
             if skipped:
-                write_report(dst / SKIPPED_REPORT, skipped)
+                write_report(writer.dir / SKIPPED_REPORT, skipped)  # moves with the new dataset
     finally:
         _SOURCE = None
         bar.close()
+        # A failed conversion into a fresh directory keeps its report there; one that was
+        # to replace a dataset leaves the old dataset (and its directory) untouched.
         if skipped and not (dst / "manifest.json").exists():
             try:
                 write_report(dst / SKIPPED_REPORT, skipped)

@@ -5,6 +5,12 @@ contiguous, zero-copy view when read back), written to ``.shard-NNNNN.arrow.tmp`
 xxh3-128 checksum is computed on the fly, fsynced, and renamed. ``manifest.json`` is written
 the same way, last: a directory without it is not a dataset, so an interrupted writer can
 never leave something that opens half-written.
+
+Replacing a dataset (``overwrite=True``) never destroys the old one before the new one is
+complete: the new dataset is written into a hidden sibling directory, and :meth:`close`
+swaps the two with renames and only then deletes the old files. A failed or interrupted
+conversion leaves the old dataset as it was (a killed process may leave a hidden
+``.NAME.fastload-staging-*`` directory beside it, which is safe to delete).
 """
 from __future__ import annotations
 
@@ -12,7 +18,9 @@ import io
 import json
 import os
 import re
+import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -75,12 +83,13 @@ class _HashingFile(io.RawIOBase):
         return mv.nbytes
 
 
-def prepare_output_dir(path: Path, overwrite: bool) -> None:
-    """Create ``path`` or empty an old fastload dataset there when ``overwrite`` is asked.
+def prepare_output_dir(path: Path, overwrite: bool) -> bool:
+    """Create ``path``, or check that the old fastload dataset there may be replaced.
 
     A non-empty directory is refused without ``overwrite``; with it, only a directory that
-    holds nothing but fastload's own files is cleared, so a mistyped DST never deletes a
-    user's other data.
+    holds nothing but fastload's own files may be replaced, so a mistyped DST never deletes
+    a user's other data. Nothing is deleted here: returns True when ``path`` holds files to
+    replace (the writer then writes beside it and swaps at the end).
     """
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory; choose another destination")
@@ -95,13 +104,23 @@ def prepare_output_dir(path: Path, overwrite: bool) -> None:
                 raise FileExistsError(
                     f"refusing to overwrite {path}: it holds files fastload did not write "
                     f"({', '.join(foreign[:5])}{'…' if len(foreign) > 5 else ''}); choose another directory")
-            # The manifest goes first: from here on the old dataset no longer opens.
-            if MANIFEST in entries:
-                os.unlink(path / MANIFEST)
-            for e in entries:
-                if e != MANIFEST:
-                    os.unlink(path / e)
+            return True
     path.mkdir(parents=True, exist_ok=True)
+    return False
+
+
+def _remove_own_dir(path: Path) -> None:
+    """Delete fastload's files in ``path``, then ``path`` itself if that leaves it empty."""
+    for e in os.listdir(path):
+        if _OWN_FILE.match(e):
+            try:
+                os.unlink(path / e)
+            except FileNotFoundError:
+                pass
+    try:
+        os.rmdir(path)
+    except OSError:  # someone put other files there meanwhile: leave them
+        pass
 
 
 def _fsync_dir(path: Path) -> None:
@@ -162,7 +181,16 @@ class ShardWriter:
         self.class_names = list(class_names) if class_names is not None else None
         self.metadata = dict(metadata or {})
         self.schema = arrow_schema(self.fields)
-        prepare_output_dir(self.path, overwrite)
+        self._replace = prepare_output_dir(self.path, overwrite)
+        # Where the files go: the destination itself, or a staging sibling when replacing.
+        self.dir = self.path
+        if self._replace:
+            self.dir = self.path.with_name(f".{self.path.name}.fastload-staging-{uuid.uuid4().hex[:12]}")
+            try:
+                self.dir.mkdir()
+            except OSError as e:
+                raise OSError(f"cannot create {self.dir} to write the new dataset beside the old one "
+                              f"({e}); delete the old dataset in {self.path} yourself and retry") from None
         self._shards: list[dict] = []
         self._label_counts = np.zeros(0, dtype=np.int64)
         self._closed = False
@@ -185,15 +213,34 @@ class ShardWriter:
         if self._closed:
             raise RuntimeError(f"ShardWriter for {self.path} is closed")
 
-    def _fixed_rows(self, name: str, f: Field, value: Any, n: int | None) -> np.ndarray:
-        arr = np.asarray(value)
+    def _fixed_rows(self, name: str, f: Field, value: Any, n: int | None, keys) -> np.ndarray:
+        """``value`` as rows of field ``f``; ``keys(row)`` names the sample of a row in errors.
+
+        Casts are checked by value, never silently narrowed: an integer out of the field's
+        range, or a finite number that becomes inf in a smaller float type, is an error."""
+        where = f"sample {keys(0)!r}" if n is None else f"the batch of samples {keys(0)!r}..{keys(n - 1)!r}"
+        try:
+            arr = np.asarray(value)
+        except ValueError as e:  # ragged nested lists
+            raise ValueError(f"field {name!r} of {where}: not a {f} array ({e})") from None
         want = f.shape if n is None else (n, *f.shape)
         if arr.shape != want:
-            raise ValueError(f"field {name!r}: got shape {arr.shape}, expected {want} ({f})")
+            raise ValueError(f"field {name!r} of {where}: got shape {arr.shape}, expected {want} ({f})")
         if arr.dtype != f.np_dtype:
-            if not np.can_cast(arr.dtype, f.np_dtype, casting="same_kind"):
-                raise ValueError(f"field {name!r}: got dtype {arr.dtype}, expected {f.dtype}")
-            arr = arr.astype(f.np_dtype)
+            ints = arr.dtype.kind in "iu" and f.np_dtype.kind in "iu"  # any sign: range-checked below
+            if not (ints or np.can_cast(arr.dtype, f.np_dtype, casting="same_kind")):
+                raise ValueError(f"field {name!r} of {where}: got dtype {arr.dtype}, expected {f.dtype}")
+            with np.errstate(over="ignore", invalid="ignore"):  # overflow is checked just below
+                cast = arr.astype(f.np_dtype)
+            lost = _lost_in_cast(arr, cast, f.np_dtype)
+            if lost is not None:
+                flat = lost.reshape(1 if n is None else n, -1).any(axis=1)
+                row = int(np.flatnonzero(flat)[0])
+                value = arr.reshape(flat.size, -1)[row][lost.reshape(flat.size, -1)[row]][0].item()
+                raise ValueError(f"field {name!r} of sample {keys(row)!r}: {value!r} does not fit in "
+                                 f"{f.np_dtype} (it would be stored as something else); widen the field "
+                                 "or fix the value")
+            arr = cast
         return np.ascontiguousarray(arr).reshape(want if n is not None else (1, *f.shape))
 
     def _encoded(self, name: str, f: Field, value: Any, key: str) -> bytes:
@@ -227,7 +274,7 @@ class ShardWriter:
         for name, f in self.fields.items():
             v = sample[name]
             if f.fixed:
-                row[name] = self._fixed_rows(name, f, v, None)
+                row[name] = self._fixed_rows(name, f, v, None, lambda _: key)
                 nbytes += f.row_nbytes
             else:
                 b = self._encoded(name, f, v, key)
@@ -266,13 +313,17 @@ class ShardWriter:
             return
         if keys is not None and len(keys) != n:
             raise ValueError(f"keys has {len(keys)} entries for a batch of {n}")
-        fixed = {name: self._fixed_rows(name, f, batch[name], n)
+        base = self.num_samples
+
+        def key_of(i: int) -> str:
+            return str(base + i) if keys is None else str(keys[i])
+
+        fixed = {name: self._fixed_rows(name, f, batch[name], n, key_of)
                  for name, f in self.fields.items() if f.fixed}
         row_bytes = sum(f.row_nbytes for f in self.fields.values() if f.fixed)
         if all(f.fixed for f in self.fields.values()):
             # Split the batch at shard boundaries without per-sample Python work.
             start = 0
-            base = self.num_samples
             while start < n:
                 room = (self.shard_size - self._bytes) // max(row_bytes, 1)
                 if room <= 0 and self._rows:
@@ -289,7 +340,6 @@ class ShardWriter:
                 self._bytes += (stop - start) * row_bytes
                 start = stop
             return
-        base = self.num_samples
         for i in range(n):
             self.write({name: (fixed[name][i] if name in fixed else batch[name][i]) for name in self.fields},
                        key=str(base + i) if keys is None else keys[i])
@@ -333,8 +383,8 @@ class ShardWriter:
             return
         batch = pa.RecordBatch.from_arrays(self._arrays(), schema=self.schema)
         index = len(self._shards)
-        final = self.path / shard_name(index)
-        tmp = self.path / ("." + final.name + ".tmp")
+        final = self.dir / shard_name(index)
+        tmp = self.dir / ("." + final.name + ".tmp")
         with open(tmp, "wb") as raw:
             hf = _HashingFile(raw)
             sink = pa.PythonFile(hf, mode="w")
@@ -384,13 +434,31 @@ class ShardWriter:
             raise RuntimeError(f"ShardWriter for {self.path} is already closed")
         self._flush()
         m = self.manifest()
-        write_json_atomic(self.path / MANIFEST, m)
+        write_json_atomic(self.dir / MANIFEST, m)
+        if self.dir != self.path:
+            self._swap_in()
         self._closed = True
         return m
+
+    def _swap_in(self) -> None:
+        """Replace the old dataset at ``path`` by the complete new one in ``dir``."""
+        old = self.path.with_name(f".{self.path.name}.fastload-old-{uuid.uuid4().hex[:12]}")
+        os.rename(self.path, old)  # the old dataset stays whole until the new one is in place
+        try:
+            os.rename(self.dir, self.path)
+        except BaseException:
+            os.rename(old, self.path)
+            raise
+        self.dir = self.path
+        _fsync_dir(self.path.parent)
+        _remove_own_dir(old)
 
     def abort(self) -> None:
         """Delete everything this writer wrote; the directory does not open as a dataset."""
         self._closed = True
+        if self.dir != self.path:  # a staging directory of our own: the old dataset is untouched
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return
         for entry in os.listdir(self.path) if self.path.is_dir() else []:
             if _OWN_FILE.match(entry) and entry != SKIPPED_REPORT:
                 try:
@@ -406,6 +474,18 @@ class ShardWriter:
             self.abort()
         elif not self._closed:
             self.close()
+
+
+def _lost_in_cast(src: np.ndarray, cast: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
+    """Mask of the values of ``src`` that ``cast`` (``src`` cast to ``dtype``) does not hold."""
+    if np.issubdtype(dtype, np.integer) and np.issubdtype(src.dtype, np.integer):
+        info = np.iinfo(dtype)
+        lost = (src < info.min) | (src > info.max)
+    elif np.issubdtype(dtype, np.inexact) and src.dtype.kind in "iufc":
+        lost = np.isfinite(src) & ~np.isfinite(cast)  # overflow to inf in a narrower float
+    else:
+        return None
+    return lost if lost.any() else None
 
 
 def write_report(path: Path, records: Iterable[Mapping[str, Any]]) -> int:
