@@ -214,6 +214,20 @@ def test_a_failed_overwrite_leaves_the_old_dataset_whole(tmp_path):
     assert list(ds.fields) == ["y"] and ds.get_batch([0])["y"].tolist() == [[1, 1, 1, 1]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
     assert fastload.verify(d) == []
+    # through a symlink: the real directory is replaced, the link still points at it
+    (tmp_path / "link").symlink_to(d)
+    _write(tmp_path / "link", {"z": "int8"}, [{"z": 7}], overwrite=True)
+    assert (tmp_path / "link").is_symlink() and list(fastload.Dataset(d).fields) == ["z"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "link"]
+    # the current directory is never renamed away under the process
+    old_cwd = os.getcwd()
+    os.chdir(d)
+    try:
+        with pytest.raises(ValueError, match="current directory"):
+            fastload.ShardWriter(".", {"z": "int8"}, overwrite=True)
+    finally:
+        os.chdir(old_cwd)
+    assert list(fastload.Dataset(d).fields) == ["z"]
 
 
 def test_exception_inside_writer_leaves_nothing_that_opens(tmp_path):

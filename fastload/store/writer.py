@@ -184,8 +184,14 @@ class ShardWriter:
         self._replace = prepare_output_dir(self.path, overwrite)
         # Where the files go: the destination itself, or a staging sibling when replacing.
         self.dir = self.path
+        self._real = self.path  # the directory swapped at close (symlinks resolved)
         if self._replace:
-            self.dir = self.path.with_name(f".{self.path.name}.fastload-staging-{uuid.uuid4().hex[:12]}")
+            self._real = Path(os.path.realpath(self.path))
+            cwd = Path.cwd().resolve()
+            if cwd == self._real or self._real in cwd.parents:
+                raise ValueError(f"cannot replace {self.path}: it is (or holds) the current directory; "
+                                 "run the conversion from another directory")
+            self.dir = self._real.with_name(f".{self._real.name}.fastload-staging-{uuid.uuid4().hex[:12]}")
             try:
                 self.dir.mkdir()
             except OSError as e:
@@ -442,15 +448,16 @@ class ShardWriter:
 
     def _swap_in(self) -> None:
         """Replace the old dataset at ``path`` by the complete new one in ``dir``."""
-        old = self.path.with_name(f".{self.path.name}.fastload-old-{uuid.uuid4().hex[:12]}")
-        os.rename(self.path, old)  # the old dataset stays whole until the new one is in place
+        real = self._real
+        old = real.with_name(f".{real.name}.fastload-old-{uuid.uuid4().hex[:12]}")
+        os.rename(real, old)  # the old dataset stays whole until the new one is in place
         try:
-            os.rename(self.dir, self.path)
+            os.rename(self.dir, real)
         except BaseException:
-            os.rename(old, self.path)
+            os.rename(old, real)
             raise
         self.dir = self.path
-        _fsync_dir(self.path.parent)
+        _fsync_dir(real.parent)
         _remove_own_dir(old)
 
     def abort(self) -> None:
