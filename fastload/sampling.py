@@ -6,9 +6,13 @@ thin :class:`Sampler` object that remembers the epoch and how far the epoch has 
 The model
 ---------
 An epoch is a **stream**: a sequence of ``M`` global sample indices, identical on every rank
-and every machine for the same arguments (numpy's PCG64 keyed by ``(seed, epoch)``):
+and every machine for the same arguments (random streams keyed by ``(seed, epoch)`` through
+numpy's ``SeedSequence``):
 
-* plain: a permutation of ``0..N-1`` (``shuffle=False``: the natural order), ``M = N``;
+* plain: a permutation of ``0..N-1`` (``shuffle=False``: the natural order), ``M = N``,
+  made by fastload's C++ Fisher–Yates (xoshiro256**, Lemire's unbiased bounded integers,
+  csrc/permute.h): ~6x faster than numpy's ``Generator.permutation`` and independent of the
+  numpy version;
 * ``shuffle_mode="window"``: shards in a random order, samples shuffled within each window of
   ``window`` consecutive shards of that order (locality for data bigger than RAM);
 * weighted: ``M = num_draws`` (default ``N``) draws by ``weights``, with replacement (inverse
@@ -45,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-SAMPLER_STATE_VERSION = 1
+SAMPLER_STATE_VERSION = 2  # 2: plain permutations by fastload._C.permutation (1: numpy's)
 SHUFFLE_MODES = ("full", "window")
 
 __all__ = ["Sampler", "SAMPLER_STATE_VERSION", "epoch_stream", "rank_batch_bounds", "per_rank_count"]
@@ -69,7 +73,12 @@ def per_rank_count(remaining: int, world_size: int, drop_last: bool) -> int:
 
 def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     """A uniformly random permutation of ``0..n-1`` keyed by (seed, epoch)."""
-    return _rng(seed, epoch, 0).permutation(np.arange(n, dtype=_index_dtype(n)))
+    from . import _C
+
+    key = np.random.SeedSequence([seed & (2**64 - 1), epoch, 0]).generate_state(2, np.uint64)
+    out = np.empty(n, dtype=_index_dtype(n))
+    _C.permutation(out, int(key[0]), int(key[1]))
+    return out
 
 
 def window_permutation(shard_sizes: Sequence[int], window: int, seed: int, epoch: int) -> np.ndarray:

@@ -379,3 +379,38 @@ def test_real_gloo_ranks_cover_the_epoch_exactly_once_and_resume_on_fewer_ranks(
     union = np.concatenate([part[0]["read"], rest[0]["read"]])
     counts = np.bincount(union, minlength=n)
     assert counts.min() == 1 and counts.sum() - n <= 1  # (n - 240) is odd: one padded sample on 2 ranks
+
+
+def test_permutation_is_uniform_and_pinned_across_machines():
+    import itertools
+
+    from fastload import _C
+    from fastload.sampling import permutation
+
+    # The stream is part of the resume contract: the same on every machine and release.
+    assert permutation(12, 0, 0).tolist() == [1, 7, 6, 4, 5, 9, 8, 0, 10, 3, 11, 2]
+    assert permutation(12, 7, 3).tolist() == [1, 11, 6, 4, 0, 5, 7, 10, 3, 2, 8, 9]
+    a32, a64 = np.empty(1000, np.int32), np.empty(1000, np.int64)
+    _C.permutation(a32, 5, 6)
+    _C.permutation(a64, 5, 6)
+    assert a32.tolist() == a64.tolist() and sorted(a32.tolist()) == list(range(1000))
+    assert permutation(0, 0, 0).size == 0 and permutation(1, 0, 0).tolist() == [0]
+    for bad in (np.empty(4, np.float32), np.empty((2, 2), np.int64), np.empty(8, np.int64)[::2]):
+        with pytest.raises(ValueError, match="permutation"):
+            _C.permutation(bad, 0, 0)
+    # All 24 orders of 4 items equally likely over 24,000 epochs: chi-square, 23 degrees of
+    # freedom, P(chi2 > 49.73) = 0.001.
+    index = {p: i for i, p in enumerate(itertools.permutations(range(4)))}
+    counts = np.zeros(24)
+    for epoch in range(24_000):
+        counts[index[tuple(permutation(4, 11, epoch).tolist())]] += 1
+    chi2 = float(((counts - 1000) ** 2 / 1000).sum())
+    assert chi2 < 49.73, (chi2, counts)
+    # Every item equally likely at every position of a larger permutation (chi-square per
+    # position, 19 dof, P(> 43.82) = 0.001; Bonferroni-free as the threshold is loose).
+    n, epochs = 20, 4000
+    pos = np.zeros((n, n))
+    for epoch in range(epochs):
+        pos[np.arange(n), permutation(n, 3, epoch)] += 1
+    chi2 = ((pos - epochs / n) ** 2 / (epochs / n)).sum(axis=1)
+    assert (chi2 < 43.82).mean() >= 0.95, chi2
