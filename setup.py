@@ -16,6 +16,7 @@ ext_modules = [
         "fastload._C",
         sorted(glob.glob("csrc/*.cpp")),
         include_dirs=["csrc"],
+        depends=sorted(glob.glob("csrc/*.h")),  # rebuild when a header changes
         cxx_std=17,
         extra_compile_args=extra_compile_args,
     ),
