@@ -219,6 +219,25 @@ def test_writer_errors_are_per_sample_errors(tmp_path):
     report = [json.loads(line) for line in (tmp_path / "ds2" / "skipped.jsonl").read_text().splitlines()]
     assert [x["key"] for x in report] == ["a.tar:s1"] and "shape" in report[0]["reason"]
     assert fastload.Dataset(tmp_path / "ds2").keys([0, 1]) == ["a.tar:s0", "a.tar:s2"]
+    # a negative label is that sample's fault, whenever the shard it lands in is written
+    tar_path = tmp_path / "b.tar"
+    with tarfile.open(tar_path, "w") as tf:
+        for i in range(6):
+            for ext, payload in (("npy", _npy(np.zeros(2, np.float32))), ("cls", str(-1 if i == 1 else i).encode())):
+                info = tarfile.TarInfo(f"s{i}.{ext}")
+                info.size = len(payload)
+                tf.addfile(info, io.BytesIO(payload))
+    with pytest.raises(ConvertError, match=r"^b.tar:s1: .*class id -1"):
+        convert("webdataset", tar_path, tmp_path / "ds3", progress=False, shard_size=40)
+    r = convert("webdataset", tar_path, tmp_path / "ds4", progress=False, on_error="skip", shard_size=40)
+    assert r["num_samples"] == 5 and r["skipped"] == 1
+    assert fastload.Dataset(tmp_path / "ds4").class_counts.tolist() == [1, 0, 1, 1, 1, 1]
+
+
+def _npy(a):
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
 
 
 def test_failed_overwrite_keeps_the_old_dataset_and_workers_are_stopped(folder, tmp_path):

@@ -180,6 +180,10 @@ def test_values_are_never_silently_narrowed(tmp_path):
         w.write(dict(ok, u=-1), key="d")
     with pytest.raises(ValueError, match=r"field 'label' of sample 'e': got dtype float64"):
         w.write(dict(ok, label=1.5), key="e")
+    with pytest.raises(ValueError, match=r"field 'x' of sample 'f': 2049 does not fit in float16"):
+        w.write(dict(ok, x=[2049, 1]), key="f")  # an integer a float field cannot hold exactly
+    with pytest.raises(ValueError, match=r"field 'u' of sample 'g': values numpy cannot store"):
+        w.write(dict(ok, u=2**70), key="g")
     # a batch names the first offending sample
     batch = {"label": np.array([1, 2, 200]), "x": np.zeros((3, 2)), "u": np.array([1, 2, 3])}
     with pytest.raises(ValueError, match=r"field 'label' of sample 'k2': 200 does not fit"):
@@ -192,18 +196,38 @@ def test_values_are_never_silently_narrowed(tmp_path):
     assert b["x"][0].tolist() == [1.5, 60000.0]
 
 
-def test_a_failed_overwrite_leaves_the_old_dataset_whole(tmp_path):
+def test_a_failed_overwrite_leaves_the_old_dataset_whole(tmp_path, monkeypatch):
     d = tmp_path / "ds"
     _write(d, {"x": "int64"}, [{"x": 1}, {"x": 2}])
+    d.chmod(0o2750)  # a shared dataset directory: its mode survives replacements
     before = {p.name: p.read_bytes() for p in d.iterdir()}
     with pytest.raises(RuntimeError, match="boom"):
         with fastload.ShardWriter(d, {"y": "float32[4]"}, overwrite=True, shard_size=40) as w:
             for i in range(10):
                 w.write({"y": np.full(4, i, np.float32)})  # several new shards written...
             raise RuntimeError("boom")  # ...then the conversion fails
-    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # no staging left either
     assert fastload.Dataset(d).get_batch([0, 1])["x"].tolist() == [1, 2]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # no staging left behind
+    # close() itself fails (here: the manifest cannot be written): same
+    import fastload.store.writer as writer_mod
+
+    def no_space(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer_mod, "write_json_atomic", no_space)
+    with pytest.raises(OSError, match="No space"):
+        _write(d, {"y": "float32[4]"}, [{"y": np.ones(4, np.float32)}], overwrite=True)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    # a writer dropped without close() or abort() removes its staging files too
+    w = fastload.ShardWriter(d, {"y": "float32[4]"}, overwrite=True, shard_size=40)
+    for i in range(5):
+        w.write({"y": np.full(4, i, np.float32)})
+    assert any(p.name.startswith(".fastload-staging-") for p in d.iterdir())
+    del w
+    import gc
+    gc.collect()
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
     # while a replacement is being written, the old dataset still opens; it is swapped at close
     w = fastload.ShardWriter(d, {"y": "float32[4]"}, overwrite=True)
     w.write({"y": np.ones(4, np.float32)})
@@ -212,22 +236,16 @@ def test_a_failed_overwrite_leaves_the_old_dataset_whole(tmp_path):
     w.close()
     ds = fastload.Dataset(d)
     assert list(ds.fields) == ["y"] and ds.get_batch([0])["y"].tolist() == [[1, 1, 1, 1]]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
-    assert fastload.verify(d) == []
-    # through a symlink: the real directory is replaced, the link still points at it
+    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "shard-00000.arrow"]
+    assert (d.stat().st_mode & 0o7777) == 0o2750 and fastload.verify(d) == []
+    # through a symlink, and from inside the directory itself
     (tmp_path / "link").symlink_to(d)
     _write(tmp_path / "link", {"z": "int8"}, [{"z": 7}], overwrite=True)
     assert (tmp_path / "link").is_symlink() and list(fastload.Dataset(d).fields) == ["z"]
+    monkeypatch.chdir(d)
+    _write(".", {"w": "int16"}, [{"w": 9}], overwrite=True)
+    assert fastload.Dataset(d).get_batch([0])["w"].tolist() == [9]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "link"]
-    # the current directory is never renamed away under the process
-    old_cwd = os.getcwd()
-    os.chdir(d)
-    try:
-        with pytest.raises(ValueError, match="current directory"):
-            fastload.ShardWriter(".", {"z": "int8"}, overwrite=True)
-    finally:
-        os.chdir(old_cwd)
-    assert list(fastload.Dataset(d).fields) == ["z"]
 
 
 def test_exception_inside_writer_leaves_nothing_that_opens(tmp_path):
@@ -342,3 +360,35 @@ def test_field_json_round_trip():
     for spec in ["image", "bytes", "string", "int64", "bool", "float16[3,4]", "complex64[2]"]:
         f = parse_field(spec)
         assert Field.from_json(json.loads(json.dumps(f.to_json()))) == f
+
+
+def test_an_overwrite_killed_while_swapping_leaves_the_new_dataset_findable(tmp_path, monkeypatch):
+    import fastload.store.writer as writer_mod
+    d = tmp_path / "ds"
+    _write(d, {"x": "int64"}, [{"x": 1}])
+    real_rename = os.rename
+
+    def dies_at_the_manifest(src, dst):
+        if str(dst).endswith("manifest.json") and ".fastload-staging-" in str(src):
+            raise KeyboardInterrupt  # the process is stopped between the last two steps
+        real_rename(src, dst)
+
+    monkeypatch.setattr(writer_mod.os, "rename", dies_at_the_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        _write(d, {"y": "int8"}, [{"y": 5}, {"y": 6}], overwrite=True)
+    monkeypatch.undo()
+    with pytest.raises(fastload.FormatError, match="interrupted while swapping .* move every file") as e:
+        fastload.Dataset(d)
+    staged = next(d.glob(".fastload-staging-*"))
+    assert str(staged) in str(e.value)
+    for p in list(staged.iterdir()):  # the recovery the message describes: nothing was lost
+        p.rename(d / p.name)
+    staged.rmdir()
+    assert fastload.Dataset(d).get_batch([0, 1])["y"].tolist() == [5, 6] and fastload.verify(d) == []
+    # an interrupted swap that is not recovered: the next overwrite removes the leftover
+    monkeypatch.setattr(writer_mod.os, "rename", dies_at_the_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        _write(d, {"y": "int8"}, [{"y": 7}], overwrite=True)
+    monkeypatch.undo()
+    _write(d, {"z": "int8"}, [{"z": 1}], overwrite=True)
+    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "shard-00000.arrow"]

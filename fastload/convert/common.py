@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from ..store.format import SKIPPED_REPORT, Field
-from ..store.writer import DEFAULT_SHARD_SIZE, ShardWriter, parse_size, write_report
+from ..store.writer import DEFAULT_SHARD_SIZE, SampleError, ShardWriter, parse_size, write_report
 
 # What DALI's decoders read (fn.decoders.image): anything else must be re-encoded first.
 DECODABLE_FORMATS = {"JPEG", "PNG", "BMP", "TIFF", "WEBP", "PPM", "JPEG2000"}
@@ -168,7 +168,7 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
                         if err is None:
                             try:  # the writer checks shapes, dtypes and value ranges
                                 writer.write(sample, key=source.key(i), image_sizes=sizes)
-                            except ValueError as e:  # (an OSError writing the dataset is not the sample's fault)
+                            except SampleError as e:  # refused before buffering: the writer goes on
                                 err = str(e)
                         if err is not None:
                             if on_error == "raise":

@@ -120,6 +120,9 @@ class Runner:
         return self._pipe
 
     def _drop_pipeline(self) -> None:
+        if self._copied is not None:  # CUDA: the last copy out of DALI's buffer must be done
+            self._copied.synchronize()
+            self._copied = None
         pipe, self._pipe = self._pipe, None
         if pipe is not None:
             # Stop and join DALI's threads now rather than whenever the last reference (a

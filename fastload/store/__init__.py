@@ -2,7 +2,7 @@
 from .format import FORMAT_VERSION, Field, FormatError, parse_field
 from .reader import Dataset, read_manifest
 from .verify import verify
-from .writer import ShardWriter, parse_size
+from .writer import SampleError, ShardWriter, parse_size
 
-__all__ = ["FORMAT_VERSION", "Dataset", "Field", "FormatError", "ShardWriter", "parse_field",
+__all__ = ["FORMAT_VERSION", "Dataset", "Field", "FormatError", "SampleError", "ShardWriter", "parse_field",
            "parse_size", "read_manifest", "verify"]

@@ -32,8 +32,16 @@ def read_manifest(path: Path) -> dict:
         raise FormatError(f"{path} is not a directory; a fastload dataset is a directory with {MANIFEST}")
     if not mpath.exists():
         shards = sorted(p.name for p in path.glob("*shard-*.arrow*"))
-        hint = (" It holds shard files but no manifest: the writer was interrupted, so the dataset is"
-                " incomplete; convert again with --overwrite." if shards else "")
+        staged = sorted(p for p in path.glob(".fastload-staging-*") if (p / MANIFEST).exists())
+        if staged:  # an overwrite was killed while swapping the new dataset in
+            hint = (f" An overwrite was interrupted while swapping the new dataset in: move every file"
+                    f" of {staged[-1]} up into this directory to complete it (the new shards already"
+                    " moved are here), then remove that directory.")
+        elif shards:
+            hint = (" It holds shard files but no manifest: the writer was interrupted, so the dataset is"
+                    " incomplete; convert again with --overwrite.")
+        else:
+            hint = ""
         raise FormatError(f"{path} is not a fastload dataset: {MANIFEST} is missing.{hint}")
     try:
         with open(mpath, encoding="utf-8") as f:

@@ -7,20 +7,26 @@ the same way, last: a directory without it is not a dataset, so an interrupted w
 never leave something that opens half-written.
 
 Replacing a dataset (``overwrite=True``) never destroys the old one before the new one is
-complete: the new dataset is written into a hidden sibling directory, and :meth:`close`
-swaps the two with renames and only then deletes the old files. A failed or interrupted
-conversion leaves the old dataset as it was (a killed process may leave a hidden
-``.NAME.fastload-staging-*`` directory beside it, which is safe to delete).
+complete: the new dataset is written into a hidden ``.fastload-staging-*`` directory inside
+DST (same filesystem, so DST may be a mount point; DST's permissions are kept), and only
+:meth:`close` removes the old files and moves the new ones up, the manifest last. A failed
+conversion leaves the old dataset as it was. A process killed during that final swap (a few
+unlinks and renames) leaves DST without a manifest, the new shards moved so far in DST and
+the rest with the new manifest in ``DST/.fastload-staging-*/`` (opening DST says so: moving
+those files up completes the swap); a killed process at any other time leaves at most that
+hidden directory, which the next overwrite of DST removes.
 """
 from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import shutil
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -33,13 +39,22 @@ from .format import (
     arrow_schema, check_field_names, image_size_columns, parse_field, shard_name,
 )
 
+logger = logging.getLogger("fastload")
+
 DEFAULT_SHARD_SIZE = 256 * 1024 * 1024
 MAX_SHARD_SIZE = 2**31 - 1  # binary columns use 32-bit offsets
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
 # Files a fastload dataset directory may hold; --overwrite only ever deletes these.
-_OWN_FILE = re.compile(r"^(manifest\.json|skipped\.jsonl|shard-\d{5}\.arrow|\.(shard-\d{5}\.arrow|manifest\.json|skipped\.jsonl)\.tmp)$")
+_STAGING = ".fastload-staging-"
+_OWN_FILE = re.compile(r"^(manifest\.json|skipped\.jsonl|shard-\d{5}\.arrow|\.(shard-\d{5}\.arrow|manifest\.json|skipped\.jsonl)\.tmp"
+                       r"|\.fastload-staging-[0-9a-f]{12})$")
+
+
+class SampleError(ValueError):
+    """One sample cannot be written (wrong shape, dtype, range, missing field, bad image);
+    nothing of it was buffered, so the writer can go on with the next sample."""
 
 
 def parse_size(value: int | str, what: str = "shard_size") -> int:
@@ -109,18 +124,20 @@ def prepare_output_dir(path: Path, overwrite: bool) -> bool:
     return False
 
 
-def _remove_own_dir(path: Path) -> None:
-    """Delete fastload's files in ``path``, then ``path`` itself if that leaves it empty."""
-    for e in os.listdir(path):
-        if _OWN_FILE.match(e):
-            try:
-                os.unlink(path / e)
-            except FileNotFoundError:
-                pass
-    try:
-        os.rmdir(path)
-    except OSError:  # someone put other files there meanwhile: leave them
-        pass
+def _remove_own(path: Path, keep: str | None = None) -> None:
+    """Delete fastload's files (and leftover staging directories) in ``path``, the manifest
+    first so that the old dataset stops opening before any shard disappears."""
+    entries = sorted(os.listdir(path), key=lambda e: e != MANIFEST)
+    for e in entries:
+        if e == keep or not _OWN_FILE.match(e):
+            continue
+        if e.startswith(_STAGING):
+            shutil.rmtree(path / e, ignore_errors=True)
+            continue
+        try:
+            os.unlink(path / e)
+        except FileNotFoundError:
+            pass
 
 
 def _fsync_dir(path: Path) -> None:
@@ -184,19 +201,13 @@ class ShardWriter:
         self._replace = prepare_output_dir(self.path, overwrite)
         # Where the files go: the destination itself, or a staging sibling when replacing.
         self.dir = self.path
-        self._real = self.path  # the directory swapped at close (symlinks resolved)
+        self._cleanup = None
+        self._swapping = False
         if self._replace:
-            self._real = Path(os.path.realpath(self.path))
-            cwd = Path.cwd().resolve()
-            if cwd == self._real or self._real in cwd.parents:
-                raise ValueError(f"cannot replace {self.path}: it is (or holds) the current directory; "
-                                 "run the conversion from another directory")
-            self.dir = self._real.with_name(f".{self._real.name}.fastload-staging-{uuid.uuid4().hex[:12]}")
-            try:
-                self.dir.mkdir()
-            except OSError as e:
-                raise OSError(f"cannot create {self.dir} to write the new dataset beside the old one "
-                              f"({e}); delete the old dataset in {self.path} yourself and retry") from None
+            self.dir = self.path / f"{_STAGING}{uuid.uuid4().hex[:12]}"
+            self.dir.mkdir()
+            # A writer dropped without close() or abort() still removes its staging files.
+            self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
         self._shards: list[dict] = []
         self._label_counts = np.zeros(0, dtype=np.int64)
         self._closed = False
@@ -228,14 +239,17 @@ class ShardWriter:
         try:
             arr = np.asarray(value)
         except ValueError as e:  # ragged nested lists
-            raise ValueError(f"field {name!r} of {where}: not a {f} array ({e})") from None
+            raise SampleError(f"field {name!r} of {where}: not a {f} array ({e})") from None
         want = f.shape if n is None else (n, *f.shape)
         if arr.shape != want:
-            raise ValueError(f"field {name!r} of {where}: got shape {arr.shape}, expected {want} ({f})")
+            raise SampleError(f"field {name!r} of {where}: got shape {arr.shape}, expected {want} ({f})")
+        if arr.dtype == object:
+            raise SampleError(f"field {name!r} of {where}: values numpy cannot store as numbers "
+                              f"(integers beyond 64 bits, or mixed types?); expected {f}")
         if arr.dtype != f.np_dtype:
             ints = arr.dtype.kind in "iu" and f.np_dtype.kind in "iu"  # any sign: range-checked below
             if not (ints or np.can_cast(arr.dtype, f.np_dtype, casting="same_kind")):
-                raise ValueError(f"field {name!r} of {where}: got dtype {arr.dtype}, expected {f.dtype}")
+                raise SampleError(f"field {name!r} of {where}: got dtype {arr.dtype}, expected {f.dtype}")
             with np.errstate(over="ignore", invalid="ignore"):  # overflow is checked just below
                 cast = arr.astype(f.np_dtype)
             lost = _lost_in_cast(arr, cast, f.np_dtype)
@@ -243,21 +257,31 @@ class ShardWriter:
                 flat = lost.reshape(1 if n is None else n, -1).any(axis=1)
                 row = int(np.flatnonzero(flat)[0])
                 value = arr.reshape(flat.size, -1)[row][lost.reshape(flat.size, -1)[row]][0].item()
-                raise ValueError(f"field {name!r} of sample {keys(row)!r}: {value!r} does not fit in "
+                raise SampleError(f"field {name!r} of sample {keys(row)!r}: {value!r} does not fit in "
                                  f"{f.np_dtype} (it would be stored as something else); widen the field "
                                  "or fix the value")
             arr = cast
         return np.ascontiguousarray(arr).reshape(want if n is not None else (1, *f.shape))
 
+    def _check_labels(self, labels: np.ndarray, keys) -> None:
+        labels = labels.reshape(-1)
+        top = len(self.class_names) if self.class_names is not None else None
+        bad = labels < 0 if top is None else (labels < 0) | (labels >= top)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            limit = f"0..{top - 1} (one per class name)" if top is not None else "0 or more"
+            raise SampleError(f"field {self.label!r} of sample {keys(i)!r}: class id {int(labels[i])} is not "
+                              f"a valid label; class ids are {limit}")
+
     def _encoded(self, name: str, f: Field, value: Any, key: str) -> bytes:
         if f.kind == "string":
             if not isinstance(value, str):
-                raise ValueError(f"field {name!r} of sample {key!r}: expected str, got {type(value).__name__}")
+                raise SampleError(f"field {name!r} of sample {key!r}: expected str, got {type(value).__name__}")
             return value
         if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
             value = value.tobytes()
         if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise ValueError(f"field {name!r} of sample {key!r}: expected bytes, got {type(value).__name__}")
+            raise SampleError(f"field {name!r} of sample {key!r}: expected bytes, got {type(value).__name__}")
         return bytes(value)
 
     def write(self, sample: Mapping[str, Any], key: str | None = None,
@@ -270,10 +294,10 @@ class ShardWriter:
         key = str(self.num_samples) if key is None else str(key)
         missing = [n for n in self.fields if n not in sample]
         if missing:
-            raise ValueError(f"sample {key!r} lacks field(s) {missing}; fields are {list(self.fields)}")
+            raise SampleError(f"sample {key!r} lacks field(s) {missing}; fields are {list(self.fields)}")
         extra = [n for n in sample if n not in self.fields]
         if extra:
-            raise ValueError(f"sample {key!r} has unknown field(s) {extra}; fields are {list(self.fields)}")
+            raise SampleError(f"sample {key!r} has unknown field(s) {extra}; fields are {list(self.fields)}")
         row: dict[str, Any] = {}
         sizes: dict[str, tuple[int, int]] = {}
         nbytes = 0
@@ -281,6 +305,8 @@ class ShardWriter:
             v = sample[name]
             if f.fixed:
                 row[name] = self._fixed_rows(name, f, v, None, lambda _: key)
+                if name == self.label:
+                    self._check_labels(row[name], lambda _: key)
                 nbytes += f.row_nbytes
             else:
                 b = self._encoded(name, f, v, key)
@@ -290,7 +316,7 @@ class ShardWriter:
                     try:
                         sizes[name] = image_size(b)
                     except Exception as e:
-                        raise ValueError(f"field {name!r} of sample {key!r} is not a readable image: {e}") from None
+                        raise SampleError(f"field {name!r} of sample {key!r} is not a readable image: {e}") from None
                 row[name] = b
                 nbytes += len(b) if isinstance(b, bytes) else len(b.encode())
         nbytes += len(key)
@@ -326,6 +352,8 @@ class ShardWriter:
 
         fixed = {name: self._fixed_rows(name, f, batch[name], n, key_of)
                  for name, f in self.fields.items() if f.fixed}
+        if self.label is not None:
+            self._check_labels(fixed[self.label], key_of)
         row_bytes = sum(f.row_nbytes for f in self.fields.values() if f.fixed)
         if all(f.fixed for f in self.fields.values()):
             # Split the batch at shard boundaries without per-sample Python work.
@@ -447,24 +475,32 @@ class ShardWriter:
         return m
 
     def _swap_in(self) -> None:
-        """Replace the old dataset at ``path`` by the complete new one in ``dir``."""
-        real = self._real
-        old = real.with_name(f".{real.name}.fastload-old-{uuid.uuid4().hex[:12]}")
-        os.rename(real, old)  # the old dataset stays whole until the new one is in place
-        try:
-            os.rename(self.dir, real)
-        except BaseException:
-            os.rename(old, real)
-            raise
+        """Replace the old dataset in ``path`` by the complete new one in the staging dir."""
+        staging = self.dir
+        # From here the staging directory may become the only copy: never delete it again.
+        self._cleanup.detach()
+        self._swapping = True
+        _remove_own(self.path, keep=staging.name)
+        for e in sorted(os.listdir(staging)):
+            if e != MANIFEST:
+                os.rename(staging / e, self.path / e)
+        _fsync_dir(self.path)
+        os.rename(staging / MANIFEST, self.path / MANIFEST)  # the new dataset opens from here on
+        _fsync_dir(self.path)
+        os.rmdir(staging)
+        self._swapping = False
         self.dir = self.path
-        _fsync_dir(real.parent)
-        _remove_own_dir(old)
 
     def abort(self) -> None:
         """Delete everything this writer wrote; the directory does not open as a dataset."""
         self._closed = True
-        if self.dir != self.path:  # a staging directory of our own: the old dataset is untouched
+        if self.dir != self.path:  # a staging directory of our own
+            if self._swapping:  # the old dataset is gone already: keep the new one for recovery
+                logger.error("fastload: replacing %s failed midway; the complete new dataset is in %s",
+                             self.path, self.dir)
+                return
             shutil.rmtree(self.dir, ignore_errors=True)
+            self._cleanup.detach()
             return
         for entry in os.listdir(self.path) if self.path.is_dir() else []:
             if _OWN_FILE.match(entry) and entry != SKIPPED_REPORT:
@@ -480,7 +516,11 @@ class ShardWriter:
         if exc_type is not None:
             self.abort()
         elif not self._closed:
-            self.close()
+            try:
+                self.close()
+            except BaseException:
+                self.abort()
+                raise
 
 
 def _lost_in_cast(src: np.ndarray, cast: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
@@ -488,8 +528,11 @@ def _lost_in_cast(src: np.ndarray, cast: np.ndarray, dtype: np.dtype) -> np.ndar
     if np.issubdtype(dtype, np.integer) and np.issubdtype(src.dtype, np.integer):
         info = np.iinfo(dtype)
         lost = (src < info.min) | (src > info.max)
-    elif np.issubdtype(dtype, np.inexact) and src.dtype.kind in "iufc":
-        lost = np.isfinite(src) & ~np.isfinite(cast)  # overflow to inf in a narrower float
+    elif np.issubdtype(dtype, np.inexact) and src.dtype.kind in "iu":
+        with np.errstate(invalid="ignore", over="ignore"):  # integers must survive exactly
+            lost = ~np.isfinite(cast) | (cast.astype(src.dtype) != src)
+    elif np.issubdtype(dtype, np.inexact) and src.dtype.kind in "fc":
+        lost = np.isfinite(src) & ~np.isfinite(cast)  # overflow to inf (rounding is expected)
     else:
         return None
     return lost if lost.any() else None
