@@ -104,7 +104,7 @@ def prepare_output_dir(path: Path, overwrite: bool) -> bool:
     A non-empty directory is refused without ``overwrite``; with it, only a directory that
     holds nothing but fastload's own files may be replaced, so a mistyped DST never deletes
     a user's other data. Nothing is deleted here: returns True when ``path`` holds files to
-    replace (the writer then writes beside it and swaps at the end).
+    replace (the writer then writes into a staging directory inside it and swaps at close).
     """
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory; choose another destination")
@@ -199,7 +199,7 @@ class ShardWriter:
         self.metadata = dict(metadata or {})
         self.schema = arrow_schema(self.fields)
         self._replace = prepare_output_dir(self.path, overwrite)
-        # Where the files go: the destination itself, or a staging sibling when replacing.
+        # Where the files go: the destination itself, or a staging directory inside it when replacing.
         self.dir = self.path
         self._cleanup = None
         self._swapping = False
@@ -503,7 +503,7 @@ class ShardWriter:
             self._cleanup.detach()
             return
         for entry in os.listdir(self.path) if self.path.is_dir() else []:
-            if _OWN_FILE.match(entry) and entry != SKIPPED_REPORT:
+            if _OWN_FILE.match(entry) and entry != SKIPPED_REPORT and not entry.startswith(_STAGING):
                 try:
                     os.unlink(self.path / entry)
                 except FileNotFoundError:
