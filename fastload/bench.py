@@ -97,9 +97,10 @@ class TorchImageWork:
         self.rng = np.random.default_rng(seed)
 
     def _one(self, data: bytes):
-        from PIL import Image
+        from PIL import Image, ImageOps
 
-        img = Image.open(io.BytesIO(data)).convert("RGB")
+        # upright, as DALI decodes it (same work on both sides for EXIF-rotated photos)
+        img = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
         W, H = img.size
         s = self.size
         if self.transform == "train224":

@@ -267,3 +267,38 @@ def test_cuda_graph_matches_cpu_graph(images):  # pragma: no cover - no GPU here
         assert np.abs(gpu.cpu().numpy() - cpu).mean() < 0.05  # nvJPEG vs libjpeg-turbo rounding
     finally:
         r.close()
+
+
+def test_exif_rotated_images_are_recorded_and_decoded_upright(tmp_path):
+    """Phone photos carry an EXIF orientation; DALI decodes them upright, so the store records
+    the upright size and crops are drawn in that frame (a train crop never falls outside)."""
+    import fastload
+
+    upright = photos(["astronaut"])["astronaut"][:120, :300]  # 300 wide, 120 tall
+    stored = np.ascontiguousarray(np.rot90(upright, k=1))  # the pixels as a camera stores them
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    for fmt, ext in (("JPEG", "jpg"), ("PNG", "png")):
+        im = Image.fromarray(stored)
+        ex = im.getexif()
+        ex[0x0112] = 6  # "rotate 90 CW to display"
+        im.save(tmp_path / "src" / "a" / f"rot.{ext}", fmt, exif=ex.tobytes(),
+                **({"quality": 95} if fmt == "JPEG" else {}))
+        Image.fromarray(upright).save(tmp_path / "src" / "a" / f"up.{ext}", fmt,
+                                      **({"quality": 95} if fmt == "JPEG" else {}))
+    fastload.convert("imagefolder", tmp_path / "src", tmp_path / "ds", progress=False)
+    ds = fastload.Dataset(tmp_path / "ds")
+    keys = [k.decode() if isinstance(k, bytes) else k for k in ds.keys(np.arange(len(ds)))]
+    w, h = ds.image_sizes("image", np.arange(len(ds)))
+    assert w.tolist() == [300] * 4 and h.tolist() == [120] * 4  # upright, for every file
+    with fastload.Loader(ds, batch_size=len(ds), shuffle=False, device="cpu",
+                         transforms={"image": vision.eval(96, resize=96, dtype="uint8", layout="HWC")}) as ev:
+        out = next(iter(ev))["image"].numpy()
+    by_key = dict(zip(keys, out))
+    # lossless PNG: the rotated file decodes to exactly the upright pixels
+    assert np.array_equal(by_key["a/rot.png"], by_key["a/up.png"])
+    assert np.abs(by_key["a/rot.jpg"].astype(int) - by_key["a/up.jpg"].astype(int)).mean() < 8
+    with fastload.Loader(ds, batch_size=2, device="cpu", transforms={"image": vision.train(64)}) as tr:
+        for epoch in range(3):
+            tr.set_epoch(epoch)
+            assert sum(len(b["index"]) for b in tr) == len(ds)
+        assert tr.stats()["replaced_samples"] == 0

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from ..store.format import SKIPPED_REPORT, Field
-from ..store.writer import DEFAULT_SHARD_SIZE, SampleError, ShardWriter, parse_size, write_report
+from ..store.writer import DEFAULT_SHARD_SIZE, SampleError, ShardWriter, displayed_size, parse_size, write_report
 
 # What DALI's decoders read (fn.decoders.image): anything else must be re-encoded first.
 DECODABLE_FORMATS = {"JPEG", "PNG", "BMP", "TIFF", "WEBP", "PPM", "JPEG2000"}
@@ -45,6 +45,7 @@ def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
             if max_pixels is not None and w * h > max_pixels:
                 raise ValueError(f"image of {w}x{h} = {w * h} pixels exceeds max_pixels={max_pixels}")
             im.load()
+            w, h = displayed_size(im)  # after load(): a PNG's eXIf chunk may follow its pixels
     except ValueError:
         raise
     except Exception as e:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError…)

@@ -71,12 +71,28 @@ def parse_size(value: int | str, what: str = "shard_size") -> int:
     return n
 
 
+# EXIF orientations 5-8 rotate by 90 degrees: the decoders (DALI, like PIL's exif_transpose)
+# deliver the image upright, so its width and height are swapped relative to the pixel data.
+_TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)
+
+
+def displayed_size(im) -> tuple[int, int]:
+    """(width, height) of an open PIL image as DALI decodes it: after its EXIF orientation."""
+    w, h = int(im.size[0]), int(im.size[1])
+    try:
+        orientation = im.getexif().get(0x0112, 1)
+    except Exception:  # a damaged EXIF block: the decoders ignore it too
+        orientation = 1
+    return (h, w) if orientation in _TRANSPOSING_ORIENTATIONS else (w, h)
+
+
 def image_size(data: bytes) -> tuple[int, int]:
-    """(width, height) from an encoded image's header, without decoding the pixels."""
+    """(width, height) from an encoded image's header, without decoding the pixels, as the
+    decoders deliver it (EXIF orientation applied: crop windows are drawn in that frame)."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as im:
-        return int(im.size[0]), int(im.size[1])
+        return displayed_size(im)
 
 
 class _HashingFile(io.RawIOBase):
