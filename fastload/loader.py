@@ -27,9 +27,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from .pipeline.presets import Transform
 from .ring import Ring
 from .sampling import Sampler
 from .store import Dataset
+from .store.format import INDEX_KEY
 from .world import World
 
 logger = logging.getLogger("fastload")
@@ -173,21 +175,38 @@ class Loader:
         self.log_every = log_every
         self.seed = int(seed)
 
+        if transforms is not None and not isinstance(transforms, Mapping):
+            raise ValueError(f"transforms={transforms!r} must be a dict {{image field: transform}}, "
+                             "e.g. transforms={'image': fastload.vision.train(224)}")
         transforms = dict(transforms or {})
         if fields is None:
             fields = [n for n, f in ds.fields.items() if f.kind in ("tensor", "scalar", "image")]
+            if INDEX_KEY in fields:  # only in datasets written before the name was reserved
+                fields.remove(INDEX_KEY)
+                logger.warning("fastload: %s has a field named 'index'; it is not delivered, because "
+                               "batch['index'] holds the global sample indices", ds.path)
+        elif isinstance(fields, (str, bytes)):
+            raise ValueError(f"fields={fields!r} must be a list of field names, e.g. fields=[{fields!r}]")
         fields = list(fields)
         for n in fields:
             if n not in ds.fields:
                 raise ValueError(f"fields: {n!r} is not a field of {ds.path}; fields are {list(ds.fields)}")
-        for n in transforms:
+            if n == INDEX_KEY:
+                raise ValueError(f"field {n!r} of {ds.path} would be shadowed by batch['index'] (the global "
+                                 "sample indices); leave it out with fields=[...]")
+        for n, t in transforms.items():
             if n not in ds.fields or ds.fields[n].kind != "image":
                 raise ValueError(f"transforms: {n!r} is not an image field of {ds.path}")
+            if not isinstance(t, Transform):
+                hint = " (call it: vision.train(224))" if callable(t) and getattr(t, "__module__", "").startswith(
+                    "fastload") else ""
+                raise ValueError(f"transforms[{n!r}]={t!r} is not a fastload transform{hint}; use "
+                                 "fastload.vision.train(...), .eval(...) or .custom(...) (a DALI graph)")
         missing = [n for n in fields if ds.fields[n].kind == "image" and n not in transforms]
         if missing:
             raise ValueError(
                 f"image field {missing[0]!r} has no transform; pass transforms={{{missing[0]!r}: "
-                "fastload.vision.train(224)}} (or fastload.vision.eval(224, resize=256), or "
+                "fastload.vision.train(224)} (or fastload.vision.eval(224, resize=256), or "
                 "fastload.vision.custom(...)), or leave the field out with fields=[...]")
         if not fields:
             raise ValueError(f"no field to deliver; {ds.path} has fields {list(ds.fields)}")

@@ -303,6 +303,9 @@ class Sampler:
         if shuffle_mode not in SHUFFLE_MODES:
             raise ValueError(f"shuffle_mode={shuffle_mode!r} must be one of {SHUFFLE_MODES}")
         self.shuffle_mode = shuffle_mode
+        if window is not None and shuffle_mode != "window":
+            raise ValueError(f"window={window!r} only applies to shuffle_mode='window' "
+                             f"(shuffle_mode is {shuffle_mode!r}); pass both or neither")
         self.shard_sizes = None
         self.window = 1
         if shuffle_mode == "window":

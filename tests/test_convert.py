@@ -233,6 +233,47 @@ def test_writer_errors_are_per_sample_errors(tmp_path):
     assert r["num_samples"] == 5 and r["skipped"] == 1
     assert fastload.Dataset(tmp_path / "ds4").class_counts.tolist() == [1, 0, 1, 1, 1, 1]
 
+    # the bulk sources (tables, arrays) too: the bad row is found and named or skipped
+    (tmp_path / "neg.csv").write_text("a,label\n1.5,0\n2.5,-1\n3.5,1\n")
+    with pytest.raises(ConvertError, match=r"neg.csv:1.*class id -1.*--on-error skip"):
+        convert("table", tmp_path / "neg.csv", tmp_path / "t1", progress=False)
+    r = convert("table", tmp_path / "neg.csv", tmp_path / "t2", progress=False, on_error="skip")
+    assert r["num_samples"] == 2 and r["skipped"] == 1
+    d = fastload.Dataset(tmp_path / "t2")
+    assert d.keys([0, 1]) == ["neg.csv:0", "neg.csv:2"] and d.get_batch([0, 1])["a"].tolist() == [1.5, 3.5]
+    np.savez(tmp_path / "neg.npz", x=np.arange(8, dtype=np.float32).reshape(4, 2),
+             label=np.array([0, 1, -3, 1]))
+    r = convert("arrays", tmp_path / "neg.npz", tmp_path / "a2", progress=False, on_error="skip")
+    assert r["skipped"] == 1 and fastload.Dataset(tmp_path / "a2").keys([2]) == ["3"]
+    report = [json.loads(x) for x in (tmp_path / "a2" / "skipped.jsonl").read_text().splitlines()]
+    assert [x["key"] for x in report] == ["2"] and "class id -3" in report[0]["reason"]
+
+
+def test_string_labels_are_found_without_flag_and_index_is_reserved(tmp_path):
+    (tmp_path / "s.csv").write_text("w,label\n1.0,dog\n2.0,cat\n3.0,dog\n")
+    convert("table", tmp_path / "s.csv", tmp_path / "s", progress=False)
+    d = fastload.Dataset(tmp_path / "s")
+    assert d.label_field == "label" and d.class_names == ["cat", "dog"]
+    assert d.get_batch([0, 1, 2])["label"].tolist() == [1, 0, 1]
+    with pytest.raises(ValueError, match=r"'index' is reserved.*batch\['index'\]"):
+        fastload.ShardWriter(tmp_path / "i", fields={"x": "float32", "index": "int64"})
+    (tmp_path / "i.csv").write_text("x,index\n1.0,5\n")
+    with pytest.raises(ValueError, match="'index' is reserved"):
+        convert("table", tmp_path / "i.csv", tmp_path / "i2", progress=False)
+    tar_path = tmp_path / "w.tar"
+    with tarfile.open(tar_path, "w") as tf:
+        for i in range(3):
+            for ext, payload in (("index", str(10 + i).encode()), ("cls", b"0")):
+                info = tarfile.TarInfo(f"s{i}.{ext}")
+                info.size = len(payload)
+                tf.addfile(info, io.BytesIO(payload))
+    convert("webdataset", tar_path, tmp_path / "w", progress=False)
+    w = fastload.Dataset(tmp_path / "w")
+    assert set(w.fields) == {"source_index", "cls"}
+    with fastload.Loader(w, batch_size=3, shuffle=False) as loader:
+        b = next(iter(loader))
+    assert b["source_index"].tolist() == [10, 11, 12] and b["index"].tolist() == [0, 1, 2]
+
 
 def _npy(a):
     buf = io.BytesIO()

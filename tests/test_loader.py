@@ -234,8 +234,16 @@ def test_bad_loader_arguments(raw_ds, image_ds):
                       (dict(batch_size=2, device="tpu"), "device")]:
         with pytest.raises(ValueError, match=match):
             Loader(ds, **kw)
-    with pytest.raises(ValueError, match=r"fastload.vision.train\(224\)"):
-        Loader(image_ds, batch_size=4)  # an image field needs a transform
+    with pytest.raises(ValueError, match=r"transforms=\{'image': fastload.vision.train\(224\)\} \("):
+        Loader(image_ds, batch_size=4)  # an image field needs a transform (a snippet that parses)
+    from fastload import vision
+    for kw, match in [(dict(transforms={"image": vision.train}), r"not a fastload transform \(call it"),
+                      (dict(transforms={"image": lambda img: img}), "not a fastload transform; use"),
+                      (dict(transforms=vision.train(32)), "must be a dict"),
+                      (dict(transforms={"image": vision.train(32)}, fields="image"), r"fields=\['image'\]"),
+                      (dict(transforms={"image": vision.train(32)}, window=4), "only applies to shuffle_mode")]:
+        with pytest.raises(ValueError, match=match):
+            Loader(image_ds, batch_size=4, **kw)
     with pytest.raises(ValueError, match="CUDA is not available"):
         if not torch.cuda.is_available():
             Loader(ds, batch_size=2, device="cuda")

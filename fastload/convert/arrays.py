@@ -68,8 +68,8 @@ class ArraysSource(Source):
     def read(self, i: int) -> dict:
         return {n: a[i] for n, a in self.arrays.items()}
 
-    def write_fast(self, writer) -> bool:
+    def fast_chunks(self):
         step = 65536
         for a in range(0, self.num_samples, step):
-            writer.write_batch({n: np.asarray(arr[a:a + step]) for n, arr in self.arrays.items()})
-        return True
+            b = min(self.num_samples, a + step)
+            yield a, b, {n: np.asarray(arr[a:b]) for n, arr in self.arrays.items()}

@@ -49,6 +49,8 @@ def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
     except ValueError:
         raise
     except Exception as e:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError…)
+        if type(e).__name__ == "UnidentifiedImageError":
+            raise ValueError("not an image: the header matches no known image format") from None
         raise ValueError(f"not a decodable image ({type(e).__name__}: {e})") from None
     return int(w), int(h)
 
@@ -80,9 +82,10 @@ class Source:
     def needs_validation(self) -> bool:
         return any(f.kind == "image" for f in self.fields.values())
 
-    def write_fast(self, writer: ShardWriter) -> bool:
-        """Write everything in bulk when the source allows it (no images); True if done."""
-        return False
+    def fast_chunks(self) -> Iterator[tuple[int, int, dict[str, Any]]] | None:
+        """``(start, stop, {field: rows start..stop})`` chunks to write in bulk when the source
+        allows it (fixed-size fields only), else None (sample by sample)."""
+        return None
 
 
 # The source of the running conversion, inherited by forked workers (never pickled).
@@ -154,27 +157,39 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
     _SOURCE = source
     try:
         with writer:
-            if source.write_fast(writer):
-                bar.update(source.num_samples)
+            def one(i: int, sizes: dict, err: str | None) -> None:
+                if err is None:
+                    try:
+                        sample = source.read(i)
+                    except Exception as e:
+                        err = str(e) or type(e).__name__
+                if err is None:
+                    try:  # the writer checks shapes, dtypes and value ranges
+                        writer.write(sample, key=source.key(i), image_sizes=sizes)
+                    except SampleError as e:  # refused before buffering: the writer goes on
+                        err = str(e)
+                if err is not None:
+                    if on_error == "raise":
+                        raise ConvertError(f"{source.key(i)}: {err} (use --on-error skip to leave it out)")
+                    skipped.append({"index": i, "key": source.key(i), "reason": err})
+
+            chunks = source.fast_chunks()
+            if chunks is not None:
+                for start, stop, batch in chunks:
+                    try:  # all rows are checked before any is buffered
+                        writer.write_batch(batch, keys=[source.key(i) for i in range(start, stop)])
+                    except SampleError as e:
+                        if on_error == "raise":
+                            raise ConvertError(f"{e} (use --on-error skip to leave it out)") from None
+                        for i in range(start, stop):  # find and skip the bad rows one by one
+                            one(i, {}, None)
+                    bar.update(stop - start)
             else:
                 it = (_validated(source, workers) if source.needs_validation
                       else ((i, {}, None) for i in range(source.num_samples)))
                 with contextlib.closing(it):  # on any error: the worker pool is shut down now
                     for i, sizes, err in it:
-                        if err is None:
-                            try:
-                                sample = source.read(i)
-                            except Exception as e:
-                                err = str(e) or type(e).__name__
-                        if err is None:
-                            try:  # the writer checks shapes, dtypes and value ranges
-                                writer.write(sample, key=source.key(i), image_sizes=sizes)
-                            except SampleError as e:  # refused before buffering: the writer goes on
-                                err = str(e)
-                        if err is not None:
-                            if on_error == "raise":
-                                raise ConvertError(f"{source.key(i)}: {err} (use --on-error skip to leave it out)")
-                            skipped.append({"index": i, "key": source.key(i), "reason": err})
+                        one(i, sizes, err)
                         bar.update(1)
             if writer.num_samples == 0:
                 first = "; ".join(f"{r['key']}: {r['reason']}" for r in skipped[:3])

@@ -67,6 +67,9 @@ class TableSource(Source):
         self.image_paths: set[str] = set()
         fields: dict[str, Field] = {}
         class_names = None
+        # a string column named like a label (or --label) becomes class ids + class names
+        str_label = label if label is not None else next(
+            (c for c in ("label", "labels") if c in table.column_names), None)
         for name in table.column_names:
             col = table.column(name).chunk(0) if table.column(name).num_chunks else pa.array([], table.schema.field(name).type)
             if col.null_count:
@@ -74,7 +77,7 @@ class TableSource(Source):
                 raise ConvertError(f"{path}: column {name!r} has {col.null_count} missing value(s), first at row {row}; "
                                    "fill or drop them first")
             t = col.type
-            if name == label and (pa.types.is_string(t) or pa.types.is_large_string(t)):
+            if name == str_label and (pa.types.is_string(t) or pa.types.is_large_string(t)):
                 class_names, ids = label_from_strings(col.to_pylist())
                 fields[name] = Field("scalar", "int64")
                 self.columns[name] = ids
@@ -144,11 +147,13 @@ class TableSource(Source):
                 out[name] = col[i]
         return out
 
-    def write_fast(self, writer) -> bool:
+    def fast_chunks(self):
         if not all(f.fixed for f in self.fields.values()):
-            return False
+            return None
+        return self._chunks()
+
+    def _chunks(self):
         step = 65536
         for a in range(0, self.num_samples, step):
-            writer.write_batch({n: self.columns[n][a:a + step] for n in self.fields},
-                               keys=[f"{self.path.name}:{i}" for i in range(a, min(self.num_samples, a + step))])
-        return True
+            b = min(self.num_samples, a + step)
+            yield a, b, {n: self.columns[n][a:b] for n in self.fields}

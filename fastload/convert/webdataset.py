@@ -2,7 +2,8 @@
 
 Members are grouped into samples by key (the member path up to the first dot of its
 basename); each extension is a field: image extensions -> image, ``cls``/``cls2``/``index``
--> int64 scalar (decimal text; ``cls`` becomes the label), ``npy`` -> tensor (fixed shape,
+-> int64 scalar (decimal text; ``cls`` becomes the label; ``index`` is stored as the field
+``source_index``, since the Loader's ``batch["index"]`` holds the global sample indices), ``npy`` -> tensor (fixed shape,
 ``allow_pickle=False``), ``txt``/``json`` and other text -> string, anything else -> bytes.
 Every sample must carry the extensions of the first one. SRC is a ``.tar`` file or a
 directory of them (taken in sorted order).
@@ -22,6 +23,11 @@ from .common import ConvertError, Source
 _IMAGE = {"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "pnm"}
 _INT = {"cls", "cls2", "index"}
 _TEXT = {"txt", "json", "text", "caption"}
+
+
+def _field_name(ext: str) -> str:
+    name = ext.replace(".", "_")
+    return "source_index" if name == "index" else name
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -81,7 +87,7 @@ class WebDatasetSource(Source):
         self._files: dict[int, int] = {}
         fields: dict[str, Field] = {}
         for e in exts:
-            name = e.replace(".", "_")
+            name = _field_name(e)
             if e in _IMAGE:
                 fields[name] = Field("image")
             elif e in _INT:
@@ -95,7 +101,7 @@ class WebDatasetSource(Source):
                 fields[name] = Field("string")
             else:
                 fields[name] = Field("bytes")
-        self._ext = {name: e for e, name in ((e, e.replace(".", "_")) for e in exts)}
+        self._ext = {_field_name(e): e for e in exts}
         super().__init__(fields=fields, num_samples=len(keys), label="cls" if "cls" in fields else None,
                          metadata={"source": "webdataset", "tars": [t.name for t in tars]})
 

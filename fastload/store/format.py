@@ -166,6 +166,11 @@ def image_size_columns(name: str) -> tuple[str, str]:
     return f"{name}_width", f"{name}_height"
 
 
+# The Loader adds each batch's global sample indices as batch["index"]; a field of that name
+# would be shadowed, so it is refused at write time.
+INDEX_KEY = "index"
+
+
 def check_field_names(fields: Mapping[str, Field]) -> None:
     reserved = {KEY_COLUMN}
     for name, f in fields.items():
@@ -174,6 +179,9 @@ def check_field_names(fields: Mapping[str, Field]) -> None:
     for name in fields:
         if not isinstance(name, str) or not name:
             raise ValueError(f"field name {name!r} must be a non-empty string")
+        if name == INDEX_KEY:
+            raise ValueError(f"field name {name!r} is reserved: the Loader delivers each batch's global "
+                             f"sample indices as batch['index']; rename the field/column (e.g. 'source_index')")
         if name in reserved:
             raise ValueError(f"field name {name!r} is reserved by fastload "
                              f"(it stores image sizes or sample keys); rename the field")
