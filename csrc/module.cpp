@@ -261,6 +261,7 @@ class PyRing {
     d["grown"] = s.grown;
     d["copies"] = s.copies;
     d["pending"] = s.pending;
+    d["gather_ns"] = s.gather_ns;
     d["max_slots"] = eng_->max_slots();
     d["slot_bytes"] = eng_->slot_bytes();
     d["threads"] = eng_->threads();

@@ -190,6 +190,7 @@ Engine::Stats Engine::stats() {
   s.grown = grown_;
   s.copies = copies_;
   s.pending = next_seq_ - head_seq_;
+  s.gather_ns = gather_ns_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -340,6 +341,17 @@ void Engine::finish_part_locked(Request& r, ErrKind err, std::string&& msg) {
 ErrKind Engine::gather(const std::int64_t* shard, const std::int64_t* row, std::int64_t begin,
                        std::int64_t end, std::int64_t seq, std::uint8_t* base,
                        std::string& msg) const {
+  const auto t0 = std::chrono::steady_clock::now();
+  const ErrKind e = gather_rows(shard, row, begin, end, seq, base, msg);
+  gather_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - t0).count(),
+                       std::memory_order_relaxed);
+  return e;
+}
+
+ErrKind Engine::gather_rows(const std::int64_t* shard, const std::int64_t* row,
+                            std::int64_t begin, std::int64_t end, std::int64_t seq,
+                            std::uint8_t* base, std::string& msg) const {
   const std::int64_t nshards = static_cast<std::int64_t>(shard_rows_.size());
   for (std::int64_t i = begin; i < end; ++i) {
     const std::int64_t s = shard[i], r = row[i];

@@ -60,6 +60,7 @@
 // report "closed"; leases still release their slots (the memory lives until the Engine dies).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -165,6 +166,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   struct Stats {
     int slots, free, filling, ready, in_use;
     std::int64_t submitted, delivered, grown, copies, pending;
+    std::int64_t gather_ns;  // time spent gathering rows, summed over all threads
   };
   Stats stats();
 
@@ -186,8 +188,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void finish_part_locked(Request& r, ErrKind err, std::string&& msg);
   void release_locked(int slot);
   std::uint8_t* alloc_slot_memory();  // no lock held
+  // gather_rows() timed into gather_ns_.
   ErrKind gather(const std::int64_t* shard, const std::int64_t* row, std::int64_t begin,
                  std::int64_t end, std::int64_t seq, std::uint8_t* base, std::string& msg) const;
+  ErrKind gather_rows(const std::int64_t* shard, const std::int64_t* row, std::int64_t begin,
+                      std::int64_t end, std::int64_t seq, std::uint8_t* base,
+                      std::string& msg) const;
 
   // Immutable after construction.
   const std::vector<std::size_t> row_bytes_;
@@ -221,6 +227,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   int sync_gathers_ = 0;              // gather_external calls in flight
   bool stop_ = false;
   std::int64_t delivered_ = 0, grown_ = 0, copies_ = 0;
+  mutable std::atomic<std::int64_t> gather_ns_{0};  // no lock: updated after each gather part
 
   std::vector<std::thread> workers_;
   std::mutex join_mu_;  // serializes close()

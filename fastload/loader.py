@@ -120,8 +120,9 @@ class _Stats:
         self.wait_s = 0.0
         self.first_batch_s: float | None = None
         self.decode_s = 0.0
-        self.gather_s = 0.0
         self.copy_s = 0.0
+        self.ring_gather_ns0 = 0  # the ring's cumulative counters when this epoch began
+        self.ring_copy_s0 = 0.0
         self.replaced = 0
         self.epochs = 0
 
@@ -319,7 +320,11 @@ class Loader:
         wait_fraction = time the training loop spent blocked in ``next()`` / wall time: near 0
         means data loading keeps up; near 1 means the loop is starved."""
         s = self._stats
+        ring = self._ring if self._ring is not None and not self._ring.closed else None
+        ring_stats = ring.stats() if ring is not None else None
         with s.lock:
+            gather_s = (ring_stats["gather_ns"] - s.ring_gather_ns0) / 1e9 if ring_stats else 0.0
+            copy_s = s.copy_s + ((ring.copy_s - s.ring_copy_s0) if ring is not None else 0.0)
             now = time.perf_counter()
             wall = (now - s.t_start) if s.t_start is not None else 0.0
             out = {
@@ -330,12 +335,12 @@ class Loader:
                 "samples_per_s": s.samples / wall if wall > 0 else 0.0,
                 "mb_per_s": s.bytes / wall / 1e6 if wall > 0 else 0.0,
                 "first_batch_s": s.first_batch_s,
-                "stages": {"gather_s": s.gather_s, "decode_s": s.decode_s, "copy_s": s.copy_s},
+                "stages": {"gather_s": gather_s, "decode_s": s.decode_s, "copy_s": copy_s},
                 "replaced_samples": s.replaced,
                 "epoch": self.sampler.epoch,
             }
-        if self._ring is not None and not self._ring.closed:
-            out["ring"] = self._ring.stats()
+        if ring_stats is not None:
+            out["ring"] = ring_stats
         return out
 
     def close(self) -> None:
@@ -434,6 +439,9 @@ class _EpochIterator:
         st = loader._stats
         with st.lock:
             st.reset()
+            if self.ring is not None:
+                st.ring_gather_ns0 = self.ring.stats()["gather_ns"]
+                st.ring_copy_s0 = self.ring.copy_s
             st.t_start = time.perf_counter()
         if loader.image_fields:
             self.feeder = _Feeder(loader, self.ring)
@@ -700,6 +708,7 @@ class _Feeder:
             enc = ds.views(name, idx)
             w, h = ds.image_sizes(name, idx)
             t0 = time.perf_counter()
+            c0 = runner.copy_s
             try:
                 res = runner.run(enc, w, h, idx, epoch, out=out)
             except BadSamples as e:
@@ -714,8 +723,10 @@ class _Feeder:
                     loader._stats.replaced += len(e.positions)
                 continue
             finally:
+                copied = runner.copy_s - c0  # DALI's output into the slot / device tensor
                 with loader._stats.lock:
-                    loader._stats.decode_s += time.perf_counter() - t0
+                    loader._stats.decode_s += time.perf_counter() - t0 - copied
+                    loader._stats.copy_s += copied
             return res, idx
         raise DecodeError(f"image field {name!r}: gave up replacing undecodable samples near index {int(idx[0])}")
 
@@ -741,12 +752,9 @@ class _Feeder:
         ds = loader.dataset
         n = len(idx)
         try:
-            t0 = time.perf_counter()
-            if loader.raw_fields:
+            if loader.raw_fields:  # timed by the ring (stats()["stages"]["gather_s"])
                 shard, row = ds.locate(idx)
                 slot.gather(shard, row)
-            with loader._stats.lock:
-                loader._stats.gather_s += time.perf_counter() - t0
             tensors = slot.tensors
             final = self._decode_all(idx, lambda name: tensors[name][:n], runners)[1]
             if not np.array_equal(final, idx):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -317,6 +318,7 @@ class Ring:
         self._inflight: collections.deque = collections.deque()
         self._warned_copy = False
         self._stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        self.copy_s = 0.0  # host time issuing device copies (CUDA; asynchronous, so a lower bound)
 
         self._core = _C.RingCore(
             names, dtypes, [list(s) for s in shapes], int(batch_size), srcs,
@@ -360,7 +362,8 @@ class Ring:
 
     def stats(self) -> dict[str, int]:
         """Slot states and counters: slots, free, filling, ready, in_use, submitted,
-        delivered, grown, copies, pending, max_slots, slot_bytes, threads, pinned."""
+        delivered, grown, copies, pending, max_slots, slot_bytes, threads, pinned, and
+        gather_ns (time spent gathering rows since the ring was made, summed over threads)."""
         s = self._live().stats()
         s["pinned"] = len(self._pinned)
         return s
@@ -442,6 +445,14 @@ class Ring:
 
     # ------------------------------------------------------------------ CUDA
     def _to_device(self, host: dict[str, Any]) -> dict[str, Any]:
+        torch = self._torch
+        t0 = time.perf_counter()
+        try:
+            return self._to_device_timed(host)
+        finally:
+            self.copy_s += time.perf_counter() - t0
+
+    def _to_device_timed(self, host: dict[str, Any]) -> dict[str, Any]:
         torch = self._torch
         # Keep the number of slots waiting on copies below the ring size so the ring does
         # not grow just because the GPU is behind.

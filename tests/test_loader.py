@@ -215,15 +215,29 @@ def test_weighted_and_balanced_sampling_through_the_loader(raw_ds):
         Loader(ds, batch_size=3, weights="label2")
 
 
-def test_stats_say_where_time_went(raw_ds):
+def test_stats_say_where_time_went(raw_ds, image_ds):
     ds, _ = raw_ds
     with Loader(ds, batch_size=100) as lo:
         n = sum(len(b["index"]) for b in lo)
         s = lo.stats()
+        assert s["stages"]["gather_s"] > 0  # measured by the ring's threads
+        lo.set_epoch(1)
+        for i, _ in enumerate(lo):  # a new epoch starts its own counts
+            if i == 2:
+                break
+        assert lo.stats()["stages"]["gather_s"] < s["stages"]["gather_s"]
     assert s["samples"] == n == len(ds) and s["batches"] == 30
     assert 0.0 <= s["wait_fraction"] <= 1.0 and s["samples_per_s"] > 0 and s["first_batch_s"] is not None
     assert set(s["stages"]) == {"gather_s", "decode_s", "copy_s"}
+    assert s["stages"]["decode_s"] == 0 and s["stages"]["copy_s"] == 0  # no images, no device
     assert s["bytes"] == n * (7 * 5 * 4 + 8 + 4 + 8)  # x + label + w + index
+    from fastload import vision
+    with Loader(image_ds, batch_size=20, transforms={"image": vision.train(64)}, device="cpu") as lo:
+        assert sum(len(b["index"]) for b in lo) == len(image_ds)
+        st = lo.stats()["stages"]
+    # DALI's work, its output copied into the ring slot, and the label rows gathered
+    assert st["decode_s"] > 0 and st["copy_s"] > 0 and st["gather_s"] > 0
+    assert st["decode_s"] + st["copy_s"] < lo.stats()["wall_s"] * 2 + 1  # two feeders at most
 
 
 def test_bad_loader_arguments(raw_ds, image_ds):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -91,6 +92,7 @@ class Runner:
         self._pipe = None
         self._copied = None  # CUDA: event after the last copy out of DALI's output buffer
         self.rebuilds = 0
+        self.copy_s = 0.0  # time copying DALI's output out (into a ring slot / a CUDA tensor)
 
     # -- the graph ---------------------------------------------------------------------------
     def _build(self):
@@ -207,6 +209,13 @@ class Runner:
         return err
 
     def _deliver(self, res, n: int, out):
+        t0 = time.perf_counter()
+        try:
+            return self._deliver_into(res, n, out)
+        finally:
+            self.copy_s += time.perf_counter() - t0
+
+    def _deliver_into(self, res, n: int, out):
         import torch
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
