@@ -55,9 +55,20 @@ def _default_prefetch(threads: int, batch_bytes: int) -> int:
     return int(max(2, min(8, max(threads + 1, fit))))
 
 
+def _default_cuda_index() -> int:
+    """The current CUDA device; under torchrun, when the script has not picked one
+    (current device still 0), this process's GPU: LOCAL_RANK modulo the visible devices —
+    otherwise every rank of a node would decode on cuda:0."""
+    cur = torch.cuda.current_device()
+    local = os.environ.get("LOCAL_RANK")
+    if cur == 0 and local is not None and local.strip().isdigit():
+        return int(local) % max(1, torch.cuda.device_count())
+    return cur
+
+
 def _resolve_device(device) -> torch.device:
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return torch.device("cuda", _default_cuda_index()) if torch.cuda.is_available() else torch.device("cpu")
     try:
         dev = torch.device(device)
     except (TypeError, RuntimeError) as e:
@@ -68,7 +79,7 @@ def _resolve_device(device) -> torch.device:
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu' (or None)")
         if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+            dev = torch.device("cuda", _default_cuda_index())
     return dev
 
 
@@ -142,7 +153,7 @@ class Loader:
             bytes fields are delivered as lists when named here).
         transforms: ``{image_field: fastload.vision.train(224) | eval(...) | custom(...)}``.
         threads: gather threads (default: the usable cores minus one, at most 7);
-            prefetch: batches in flight (default: up to 8, within 256 MB of slots).
+            prefetch: batches in flight (default: up to 8, fewer for big batches to aim at 256 MB of slots).
         weights, replacement, num_draws, balance: weighted / class-balanced sampling
             (``weights`` may name a field of the dataset; ``balance=True`` balances the label
             field); shuffle_mode / window: locality-preserving shuffle (see Sampler).

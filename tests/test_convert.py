@@ -104,6 +104,19 @@ def test_max_pixels_refuses_big_images(folder, tmp_path):
     assert "exceeds max_pixels=10000" in report
 
 
+
+def test_imagefolder_refuses_empty_classes_and_a_destination_inside_the_source(folder, tmp_path):
+    with pytest.raises(ConvertError, match="inside the source"):
+        convert("imagefolder", folder, folder / "out", progress=False)
+    assert not (folder / "out").exists()
+    src = tmp_path / "src"
+    (src / "cat").mkdir(parents=True)
+    (src / "dog").mkdir()
+    (src / "cat" / "notes.txt").write_text("no images here")
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(src / "dog" / "a.jpg")
+    with pytest.raises(ConvertError, match=r"class folder\(s\) 'cat' hold no image files"):
+        convert("imagefolder", src, tmp_path / "ds", progress=False)
+
 def test_arrays_npz_npy_and_folder(tmp_path):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((100, 4, 5)).astype(np.float32)

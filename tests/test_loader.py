@@ -404,3 +404,20 @@ def test_state_at_the_end_of_an_epoch_with_drop_last_resumes_to_nothing(raw_ds):
     with Loader(ds, batch_size=64, world_size=2, rank=0, drop_last=True, fields=["label"]) as lo:
         lo.load_state_dict(state)
         assert len(lo) == 0 and list(lo) == []  # the dropped tail is not read on resume
+
+
+def test_default_cuda_device_follows_local_rank(monkeypatch):
+    """Under torchrun every rank must not pile onto cuda:0 (logic only: no GPU here)."""
+    from fastload import loader as L
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    cur = {"d": 0}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: cur["d"])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert L._default_cuda_index() == 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert L._default_cuda_index() == 3
+    monkeypatch.setenv("LOCAL_RANK", "6")  # more ranks than GPUs on the node: wrap
+    assert L._default_cuda_index() == 2
+    cur["d"] = 1  # the script chose a device with torch.cuda.set_device: it wins
+    assert L._default_cuda_index() == 1

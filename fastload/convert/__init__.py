@@ -43,6 +43,10 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
         raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(KINDS)}")
     if not os.path.exists(src):
         raise ConvertError(f"{src}: no such file or directory")
+    s_abs, d_abs = os.path.realpath(src), os.path.realpath(dst)
+    if os.path.isdir(s_abs) and (d_abs == s_abs or d_abs.startswith(s_abs.rstrip(os.sep) + os.sep)):
+        raise ConvertError(f"{dst} is inside the source {src}; choose a destination outside it "
+                           "(the dataset would become part of its own source)")
     source = make_source(kind, src, label=label, image_columns=image_columns, max_pixels=max_pixels)
     try:
         return run_convert(source, dst, workers=workers, shard_size=shard_size, on_error=on_error,

@@ -29,7 +29,9 @@ class ImageFolderSource(Source):
         paths: list[str] = []
         labels: list[int] = []
         ignored = 0
+        empty = []
         for ci, c in enumerate(classes):
+            before = len(paths)
             for dirpath, dirnames, filenames in os.walk(root / c, followlinks=True):
                 dirnames.sort()
                 for fn in sorted(filenames):
@@ -38,8 +40,15 @@ class ImageFolderSource(Source):
                         labels.append(ci)
                     elif not fn.startswith("."):
                         ignored += 1
+            if len(paths) == before:
+                empty.append(c)
         if not paths:
             raise ConvertError(f"{root}: no image files (extensions {', '.join(IMAGE_EXTENSIONS)}) in its class folders")
+        if empty:  # as torchvision's ImageFolder: an empty class would still take a class id
+            shown = ", ".join(repr(c) for c in empty[:5]) + (", …" if len(empty) > 5 else "")
+            raise ConvertError(f"{root}: class folder(s) {shown} hold no image files; remove them or add "
+                               "images (class ids are the sorted folder names, so an empty folder "
+                               "would still be a class)")
         super().__init__(fields={"image": Field("image"), "label": Field("scalar", "int64")},
                          num_samples=len(paths), label="label", class_names=classes,
                          metadata={"source": "imagefolder", "ignored_files": ignored},
