@@ -134,6 +134,7 @@ class _Stats:
         self.copy_s = 0.0
         self.ring_gather_ns0 = 0  # the ring's cumulative counters when this epoch began
         self.ring_copy_s0 = 0.0
+        self.ring_final: tuple[int, float] | None = None  # the ring's counters when it was closed
         self.replaced = 0
         self.epochs = 0
 
@@ -334,8 +335,12 @@ class Loader:
         ring = self._ring if self._ring is not None and not self._ring.closed else None
         ring_stats = ring.stats() if ring is not None else None
         with s.lock:
-            gather_s = (ring_stats["gather_ns"] - s.ring_gather_ns0) / 1e9 if ring_stats else 0.0
-            copy_s = s.copy_s + ((ring.copy_s - s.ring_copy_s0) if ring is not None else 0.0)
+            if ring_stats is not None:
+                gather_ns, ring_copy_s = ring_stats["gather_ns"], ring.copy_s
+            else:
+                gather_ns, ring_copy_s = s.ring_final or (s.ring_gather_ns0, s.ring_copy_s0)
+            gather_s = (gather_ns - s.ring_gather_ns0) / 1e9
+            copy_s = s.copy_s + (ring_copy_s - s.ring_copy_s0)
             now = time.perf_counter()
             wall = (now - s.t_start) if s.t_start is not None else 0.0
             out = {
@@ -358,6 +363,9 @@ class Loader:
         """Stop and join every thread, release the ring and DALI pipelines. Idempotent."""
         self._closed = True
         self._stop_iter()
+        ring = self._ring
+        if ring is not None and not ring.closed:  # stats() stays complete after close()
+            self._stats.ring_final = (ring.stats()["gather_ns"], ring.copy_s)
         self._finalizer()
 
     def __enter__(self) -> "Loader":

@@ -5,6 +5,11 @@ the native threads of the process (the entries of ``/proc/self/task``, which inc
 ``std::thread``s that Python cannot see) before each test, and fails the test if new ones
 are still alive a short grace period after it ended. Process-wide pools that libraries start
 once and keep (torch's intra-op pool) are started by a session fixture before any snapshot.
+Native threads that carry no name of their own (their name is the process's, e.g. "python")
+are not counted: those are library pools that grow lazily with concurrent work (Arrow's CPU
+and I/O pools start a second worker only when two tasks overlap, so "leaks" of them came and
+went with timing). Every native thread fastload or DALI starts is named ("fastload-ring",
+"[DALI]..."), and fastload's Python threads are tracked through ``threading.enumerate()``.
 Mark a test ``@pytest.mark.allow_thread_leak`` to opt out, and say why.
 """
 from __future__ import annotations
@@ -25,19 +30,31 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def _process_name() -> str | None:
+    try:
+        with open("/proc/self/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def _native_threads() -> dict[str, str] | None:
-    """{tid: thread name} of this process, or None where /proc is unavailable."""
+    """{tid: thread name} of this process's *named* threads, or None where /proc is
+    unavailable (unnamed ones: see the module docstring)."""
     try:
         tids = os.listdir(_TASK_DIR)
     except OSError:
         return None
+    unnamed = _process_name()
     out = {}
     for tid in tids:
         try:
             with open(f"{_TASK_DIR}/{tid}/comm") as f:
-                out[tid] = f.read().strip()
+                name = f.read().strip()
         except OSError:  # exited meanwhile
             continue
+        if name != unnamed:
+            out[tid] = name
     return out
 
 

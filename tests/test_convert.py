@@ -286,6 +286,13 @@ def test_string_labels_are_found_without_flag_and_index_is_reserved(tmp_path):
     with fastload.Loader(w, batch_size=3, shuffle=False) as loader:
         b = next(iter(loader))
     assert b["source_index"].tolist() == [10, 11, 12] and b["index"].tolist() == [0, 1, 2]
+    with tarfile.open(tmp_path / "x.tar", "w") as tf:  # .index and .source_index would collide
+        for ext in ("index", "source_index"):
+            info = tarfile.TarInfo(f"s0.{ext}")
+            info.size = 1
+            tf.addfile(info, io.BytesIO(b"1"))
+    with pytest.raises(ConvertError, match=r"\.index and \.source_index would both be stored"):
+        convert("webdataset", tmp_path / "x.tar", tmp_path / "x", progress=False)
 
 
 def _npy(a):

@@ -173,16 +173,26 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
                         raise ConvertError(f"{source.key(i)}: {err} (use --on-error skip to leave it out)")
                     skipped.append({"index": i, "key": source.key(i), "reason": err})
 
+            def bulk(start: int, stop: int, batch: dict, keys: list[str]) -> None:
+                try:  # all rows are checked before any is buffered
+                    writer.write_batch(batch, keys=keys)
+                except SampleError as e:
+                    if on_error == "raise":
+                        raise ConvertError(f"{e} (use --on-error skip to leave it out)") from None
+                    if stop - start <= 16:
+                        for i in range(start, stop):  # name and skip the bad rows
+                            one(i, {}, None)
+                        return
+                    # bisect: the good rows around a few bad ones still go in bulk, in order
+                    mid = (start + stop) // 2
+                    k = mid - start
+                    bulk(start, mid, {n: v[:k] for n, v in batch.items()}, keys[:k])
+                    bulk(mid, stop, {n: v[k:] for n, v in batch.items()}, keys[k:])
+
             chunks = source.fast_chunks()
             if chunks is not None:
                 for start, stop, batch in chunks:
-                    try:  # all rows are checked before any is buffered
-                        writer.write_batch(batch, keys=[source.key(i) for i in range(start, stop)])
-                    except SampleError as e:
-                        if on_error == "raise":
-                            raise ConvertError(f"{e} (use --on-error skip to leave it out)") from None
-                        for i in range(start, stop):  # find and skip the bad rows one by one
-                            one(i, {}, None)
+                    bulk(start, stop, batch, [source.key(i) for i in range(start, stop)])
                     bar.update(stop - start)
             else:
                 it = (_validated(source, workers) if source.needs_validation

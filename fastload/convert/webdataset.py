@@ -86,8 +86,13 @@ class WebDatasetSource(Source):
         self._loc = {e: np.array(v, dtype=np.int64) for e, v in members.items()}
         self._files: dict[int, int] = {}
         fields: dict[str, Field] = {}
+        by_name: dict[str, str] = {}
         for e in exts:
             name = _field_name(e)
+            if name in by_name:
+                raise ConvertError(f"{tars[0]}: members .{by_name[name]} and .{e} would both be stored as the "
+                                   f"field {name!r}; rename one of the extensions")
+            by_name[name] = e
             if e in _IMAGE:
                 fields[name] = Field("image")
             elif e in _INT:

@@ -167,7 +167,8 @@ class Train(_Normalized):
 
         images = fn.decoders.image_slice(encoded, params["crop_anchor"], params["crop_shape"],
                                          device=decode_device, output_type=types.RGB, axis_names="WH",
-                                         normalized_anchor=False, normalized_shape=False)
+                                         normalized_anchor=False, normalized_shape=False,
+                                         adjust_orientation=True)  # the window is in the upright frame
         h, w = self.size
         images = fn.resize(images, device=device, resize_x=w, resize_y=h, antialias=True)
         return self._normalize(images, device=device, mirror=params["flip"])
@@ -192,7 +193,8 @@ class Eval(_Normalized):
     def graph(self, encoded, params, *, decode_device, device):
         from nvidia.dali import fn, types
 
-        images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB)
+        images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB,
+                                   adjust_orientation=True)  # upright, as the store's sizes
         images = fn.resize(images, device=device, resize_shorter=self.resize, antialias=True)
         return self._normalize(images, device=device, crop=self.size)
 
