@@ -302,3 +302,46 @@ def test_exif_rotated_images_are_recorded_and_decoded_upright(tmp_path):
             tr.set_epoch(epoch)
             assert sum(len(b["index"]) for b in tr) == len(ds)
         assert tr.stats()["replaced_samples"] == 0
+
+
+def test_recorded_size_is_the_size_dali_decodes():
+    """Orientation from places DALI ignores (XMP, a PNG text chunk) must not swap the recorded
+    size; a TIFF's orientation is applied by both; a real EXIF orientation by both."""
+    from PIL import PngImagePlugin
+
+    from fastload.convert.common import check_image
+    from fastload.store.writer import image_size
+
+    img = Image.fromarray(photos(["astronaut"])["astronaut"][:40, :100])  # 100 wide, 40 tall
+    xmp = ('<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/'
+           '22-rdf-syntax-ns#"><rdf:Description rdf:about="" xmlns:tiff="http://ns.adobe.com/tiff/1.0/" '
+           'tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
+    ex = Image.Exif()
+    ex[0x0112] = 6
+    raw = (b"Exif\x00\x00" + ex.tobytes()).hex()
+    text = PngImagePlugin.PngInfo()
+    text.add_text("Raw profile type exif", f"\nexif\n{len(raw) // 2:8d}\n{raw}\n")
+    variants = {"jpeg xmp": ("JPEG", {"xmp": xmp.encode()}), "png text exif": ("PNG", {"pnginfo": text}),
+                "tiff orientation": ("TIFF", {"tiffinfo": {0x0112: 6}}),
+                "jpeg exif": ("JPEG", {"exif": ex.tobytes()}), "webp exif": ("WEBP", {"exif": ex.tobytes()})}
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None, prefetch_queue_depth=1)
+    def decode():
+        return fn.decoders.image(fn.external_source(name="e"), device="cpu", output_type=types.RGB,
+                                 adjust_orientation=True)
+
+    pipe = decode()
+    pipe.build()
+    try:
+        for name, (fmt, kw) in variants.items():
+            buf = io.BytesIO()
+            img.save(buf, fmt, **kw)
+            data = buf.getvalue()
+            pipe.feed_input("e", [np.frombuffer(data, np.uint8)])
+            (out,) = pipe.run()
+            h, w = out.at(0).shape[:2]
+            assert image_size(data) == (w, h), name
+            assert check_image(data) == (w, h), name
+    finally:
+        pipe._shutdown()  # join DALI's threads now (what Pipeline.__del__ does)
