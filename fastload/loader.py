@@ -125,6 +125,7 @@ class _Stats:
     def reset(self):
         self.t_start: float | None = None
         self.t_last: float | None = None
+        self.t_end: float | None = None  # when the epoch's iteration ended (wall time stops)
         self.batches = 0
         self.samples = 0
         self.bytes = 0
@@ -341,7 +342,7 @@ class Loader:
                 gather_ns, ring_copy_s = s.ring_final or (s.ring_gather_ns0, s.ring_copy_s0)
             gather_s = (gather_ns - s.ring_gather_ns0) / 1e9
             copy_s = s.copy_s + (ring_copy_s - s.ring_copy_s0)
-            now = time.perf_counter()
+            now = s.t_end if s.t_end is not None else time.perf_counter()
             wall = (now - s.t_start) if s.t_start is not None else 0.0
             out = {
                 "batches": s.batches, "samples": s.samples, "bytes": s.bytes,
@@ -578,6 +579,10 @@ class _EpochIterator:
         if self.closed:
             return
         self.closed = True
+        st = self.loader._stats
+        with st.lock:
+            if st.t_end is None:
+                st.t_end = time.perf_counter()  # stats() of a finished epoch stay put
         if self.feeder is not None:
             self.feeder.close()
             self.feeder = None

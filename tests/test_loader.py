@@ -6,6 +6,7 @@ import gc
 import io
 import itertools
 import json
+import time
 
 import numpy as np
 import pytest
@@ -221,6 +222,8 @@ def test_stats_say_where_time_went(raw_ds, image_ds):
         n = sum(len(b["index"]) for b in lo)
         s = lo.stats()
         assert s["stages"]["gather_s"] > 0  # measured by the ring's threads
+        time.sleep(0.05)
+        assert lo.stats()["wall_s"] == s["wall_s"]  # a finished epoch's figures stay put
         lo.set_epoch(1)
         for i, _ in enumerate(lo):  # a new epoch starts its own counts
             if i == 2:
