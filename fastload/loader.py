@@ -66,6 +66,11 @@ def _default_cuda_index() -> int:
     return cur
 
 
+def _ring_counters(ring: Ring) -> tuple[int, float]:
+    """The ring's cumulative (gather nanoseconds, device-copy seconds)."""
+    return ring.stats()["gather_ns"], ring.copy_s
+
+
 def _resolve_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda", _default_cuda_index()) if torch.cuda.is_available() else torch.device("cpu")
@@ -338,7 +343,7 @@ class Loader:
         with s.lock:
             if ring_stats is not None:
                 gather_ns, ring_copy_s = ring_stats["gather_ns"], ring.copy_s
-            else:
+            else:  # closed (its last counters), or no ring at all (no change)
                 gather_ns, ring_copy_s = s.ring_final or (s.ring_gather_ns0, s.ring_copy_s0)
             gather_s = (gather_ns - s.ring_gather_ns0) / 1e9
             copy_s = s.copy_s + (ring_copy_s - s.ring_copy_s0)
@@ -366,7 +371,7 @@ class Loader:
         self._stop_iter()
         ring = self._ring
         if ring is not None and not ring.closed:  # stats() stays complete after close()
-            self._stats.ring_final = (ring.stats()["gather_ns"], ring.copy_s)
+            self._stats.ring_final = _ring_counters(ring)
         self._finalizer()
 
     def __enter__(self) -> "Loader":
@@ -460,8 +465,7 @@ class _EpochIterator:
         with st.lock:
             st.reset()
             if self.ring is not None:
-                st.ring_gather_ns0 = self.ring.stats()["gather_ns"]
-                st.ring_copy_s0 = self.ring.copy_s
+                st.ring_gather_ns0, st.ring_copy_s0 = _ring_counters(self.ring)
             st.t_start = time.perf_counter()
         if loader.image_fields:
             self.feeder = _Feeder(loader, self.ring)

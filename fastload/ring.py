@@ -447,13 +447,6 @@ class Ring:
     def _to_device(self, host: dict[str, Any]) -> dict[str, Any]:
         torch = self._torch
         t0 = time.perf_counter()
-        try:
-            return self._to_device_timed(host)
-        finally:
-            self.copy_s += time.perf_counter() - t0
-
-    def _to_device_timed(self, host: dict[str, Any]) -> dict[str, Any]:
-        torch = self._torch
         # Keep the number of slots waiting on copies below the ring size so the ring does
         # not grow just because the GPU is behind.
         while len(self._inflight) >= max(1, self._core.num_slots - 2):
@@ -469,6 +462,7 @@ class Ring:
             t.record_stream(current)  # output memory is not reused before `current` is done
         # The host tensors hold the slot lease: the slot is refilled only after `ev`.
         self._inflight.append((ev, host))
+        self.copy_s += time.perf_counter() - t0
         return out
 
     def _reap(self, block: bool) -> None:

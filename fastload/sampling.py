@@ -56,8 +56,13 @@ __all__ = ["Sampler", "SAMPLER_STATE_VERSION", "epoch_stream", "rank_batch_bound
 
 
 # -- pure functions --------------------------------------------------------------------------
+def _seeds(seed: int, epoch: int, purpose: int) -> np.random.SeedSequence:
+    """The entropy of one random stream: (seed, epoch, purpose), purpose 0..3 per stream kind."""
+    return np.random.SeedSequence([seed & (2**64 - 1), epoch, purpose])
+
+
 def _rng(seed: int, epoch: int, purpose: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed & (2**64 - 1), epoch, purpose])))
+    return np.random.Generator(np.random.PCG64(_seeds(seed, epoch, purpose)))
 
 
 def _index_dtype(n: int):
@@ -75,7 +80,7 @@ def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     """A uniformly random permutation of ``0..n-1`` keyed by (seed, epoch)."""
     from . import _C
 
-    key = np.random.SeedSequence([seed & (2**64 - 1), epoch, 0]).generate_state(2, np.uint64)
+    key = _seeds(seed, epoch, 0).generate_state(2, np.uint64)
     out = np.empty(n, dtype=_index_dtype(n))
     _C.permutation(out, int(key[0]), int(key[1]))
     return out

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..store.format import SUPPORTED_DTYPES, Field
-from .common import ConvertError, Source, resolve_label
+from .common import ConvertError, Source, bulk_chunks, resolve_label
 
 
 def _load(path: Path) -> dict[str, np.ndarray]:
@@ -69,7 +69,4 @@ class ArraysSource(Source):
         return {n: a[i] for n, a in self.arrays.items()}
 
     def fast_chunks(self):
-        step = 65536
-        for a in range(0, self.num_samples, step):
-            b = min(self.num_samples, a + step)
-            yield a, b, {n: np.asarray(arr[a:b]) for n, arr in self.arrays.items()}
+        return bulk_chunks(self.arrays, self.num_samples)

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..store.format import SUPPORTED_DTYPES, Field
-from .common import IMAGE_EXTENSIONS, ConvertError, Source, check_image, label_from_strings, resolve_label
+from .common import IMAGE_EXTENSIONS, ConvertError, Source, bulk_chunks, check_image, label_from_strings, resolve_label
 
 TABLE_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv",
                   ".jsonl": "json", ".ndjson": "json", ".json": "json"}
@@ -150,10 +150,4 @@ class TableSource(Source):
     def fast_chunks(self):
         if not all(f.fixed for f in self.fields.values()):
             return None
-        return self._chunks()
-
-    def _chunks(self):
-        step = 65536
-        for a in range(0, self.num_samples, step):
-            b = min(self.num_samples, a + step)
-            yield a, b, {n: self.columns[n][a:b] for n in self.fields}
+        return bulk_chunks({n: self.columns[n] for n in self.fields}, self.num_samples)

@@ -154,15 +154,18 @@ def prepare_output_dir(path: Path, overwrite: bool) -> bool:
     return False
 
 
-def _remove_own(path: Path, keep: str | None = None) -> None:
-    """Delete fastload's files (and leftover staging directories) in ``path``, the manifest
-    first so that the old dataset stops opening before any shard disappears."""
+def _remove_own(path: Path, keep: Iterable[str] = (), staging: bool = True) -> None:
+    """Delete fastload's files in ``path`` except ``keep`` (and, with ``staging``, leftover
+    staging directories), the manifest first so that the old dataset stops opening before
+    any shard disappears."""
+    keep = set(keep)
     entries = sorted(os.listdir(path), key=lambda e: e != MANIFEST)
     for e in entries:
-        if e == keep or not _OWN_FILE.match(e):
+        if e in keep or not _OWN_FILE.match(e):
             continue
         if e.startswith(_STAGING):
-            shutil.rmtree(path / e, ignore_errors=True)
+            if staging:
+                shutil.rmtree(path / e, ignore_errors=True)
             continue
         try:
             os.unlink(path / e)
@@ -510,7 +513,7 @@ class ShardWriter:
         # From here the staging directory may become the only copy: never delete it again.
         self._cleanup.detach()
         self._swapping = True
-        _remove_own(self.path, keep=staging.name)
+        _remove_own(self.path, keep=[staging.name])
         for e in sorted(os.listdir(staging)):
             if e != MANIFEST:
                 os.rename(staging / e, self.path / e)
@@ -532,12 +535,8 @@ class ShardWriter:
             shutil.rmtree(self.dir, ignore_errors=True)
             self._cleanup.detach()
             return
-        for entry in os.listdir(self.path) if self.path.is_dir() else []:
-            if _OWN_FILE.match(entry) and entry != SKIPPED_REPORT and not entry.startswith(_STAGING):
-                try:
-                    os.unlink(self.path / entry)
-                except FileNotFoundError:
-                    pass
+        if self.path.is_dir():  # another writer's staging directory is not ours to remove
+            _remove_own(self.path, keep=[SKIPPED_REPORT], staging=False)
 
     def __enter__(self) -> "ShardWriter":
         return self
