@@ -1,0 +1,54 @@
+"""Every public exception of fastload, under one base: ``except fastload.FastloadError``.
+
+Each class also derives from the built-in type callers caught before it existed
+(``FormatError`` is a ``ValueError``, ``DecodeError`` a ``RuntimeError``, ...), so existing
+``except ValueError`` code keeps working. Messages name the file, shard, sample or argument
+at fault and what to do about it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["BadSamples", "ConvertError", "DecodeError", "FastloadError", "FormatError", "SampleError",
+           "UsageError"]
+
+
+class FastloadError(Exception):
+    """Base of every exception fastload raises on purpose."""
+
+
+class FormatError(FastloadError, ValueError):
+    """A dataset directory, manifest or shard does not follow the fastload format."""
+
+
+class SampleError(FastloadError, ValueError):
+    """One sample cannot be written (wrong shape, dtype, range, missing field, bad image);
+    nothing of it was buffered, so the writer can go on with the next sample."""
+
+
+class ConvertError(FastloadError):
+    """A source cannot be converted; the message names the file or sample and the cause."""
+
+
+class DecodeError(FastloadError, RuntimeError):
+    """An image could not be decoded (or was refused); names shard, row and source key."""
+
+
+class UsageError(FastloadError, ValueError):
+    """A bad command-line argument or option value: printed as one line by the CLI
+    (exit status ``code``: 1 for a failed check, 2 for bad usage)."""
+
+    def __init__(self, msg: str, code: int = 1):
+        super().__init__(msg)
+        self.code = code
+
+
+class BadSamples(FastloadError):
+    """Samples of one batch that a decoder refused: ``positions`` within the batch and a
+    ``reasons`` string for each. Raised by a pipeline runner; the loader turns it into a
+    :class:`DecodeError` naming the samples, or replaces them (``on_error="skip"``)."""
+
+    def __init__(self, positions: Sequence[int], reasons: Sequence[str]):
+        self.positions = [int(p) for p in positions]
+        self.reasons = list(reasons)
+        super().__init__("; ".join(f"position {p}: {r}" for p, r in zip(self.positions, self.reasons)))
