@@ -209,12 +209,12 @@ def test_a_failed_overwrite_leaves_the_old_dataset_whole(tmp_path, monkeypatch):
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # no staging left either
     assert fastload.Dataset(d).get_batch([0, 1])["x"].tolist() == [1, 2]
     # close() itself fails (here: the manifest cannot be written): same
-    import fastload.store.writer as writer_mod
+    import fastload.store.transaction as transaction_mod
 
     def no_space(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(writer_mod, "write_json_atomic", no_space)
+    monkeypatch.setattr(transaction_mod, "write_json_atomic", no_space)
     with pytest.raises(OSError, match="No space"):
         _write(d, {"y": "float32[4]"}, [{"y": np.ones(4, np.float32)}], overwrite=True)
     monkeypatch.undo()
@@ -363,7 +363,7 @@ def test_field_json_round_trip():
 
 
 def test_an_overwrite_killed_while_swapping_leaves_the_new_dataset_findable(tmp_path, monkeypatch):
-    import fastload.store.writer as writer_mod
+    import fastload.store.transaction as transaction_mod
     d = tmp_path / "ds"
     _write(d, {"x": "int64"}, [{"x": 1}])
     real_rename = os.rename
@@ -373,7 +373,7 @@ def test_an_overwrite_killed_while_swapping_leaves_the_new_dataset_findable(tmp_
             raise KeyboardInterrupt  # the process is stopped between the last two steps
         real_rename(src, dst)
 
-    monkeypatch.setattr(writer_mod.os, "rename", dies_at_the_manifest)
+    monkeypatch.setattr(transaction_mod.os, "rename", dies_at_the_manifest)
     with pytest.raises(KeyboardInterrupt):
         _write(d, {"y": "int8"}, [{"y": 5}, {"y": 6}], overwrite=True)
     monkeypatch.undo()
@@ -386,9 +386,10 @@ def test_an_overwrite_killed_while_swapping_leaves_the_new_dataset_findable(tmp_
     staged.rmdir()
     assert fastload.Dataset(d).get_batch([0, 1])["y"].tolist() == [5, 6] and fastload.verify(d) == []
     # an interrupted swap that is not recovered: the next overwrite removes the leftover
-    monkeypatch.setattr(writer_mod.os, "rename", dies_at_the_manifest)
+    monkeypatch.setattr(transaction_mod.os, "rename", dies_at_the_manifest)
     with pytest.raises(KeyboardInterrupt):
         _write(d, {"y": "int8"}, [{"y": 7}], overwrite=True)
     monkeypatch.undo()
     _write(d, {"z": "int8"}, [{"z": 1}], overwrite=True)
     assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "shard-00000.arrow"]
+

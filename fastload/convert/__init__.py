@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from .common import ConvertError, Source, run_convert
+from ..errors import ConvertError
+from .common import Source, run_convert
 
 KINDS = ("imagefolder", "arrays", "table", "webdataset")
 
