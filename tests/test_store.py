@@ -393,3 +393,52 @@ def test_an_overwrite_killed_while_swapping_leaves_the_new_dataset_findable(tmp_
     _write(d, {"z": "int8"}, [{"z": 1}], overwrite=True)
     assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "shard-00000.arrow"]
 
+
+# -- the file transaction: what --overwrite may delete ------------------------------------
+def test_own_files_include_shards_of_any_count_and_nothing_else():
+    from fastload.store.format import shard_name
+    from fastload.store.transaction import is_own_file
+    for i in (0, 1, 99_999, 100_000, 123_456, 10**7):
+        name = shard_name(i)
+        assert is_own_file(name) and is_own_file(f".{name}.tmp"), name
+    assert shard_name(123_456) == "shard-123456.arrow"
+    for own in ("manifest.json", "skipped.jsonl", ".manifest.json.tmp", ".skipped.jsonl.tmp",
+                ".fastload-staging-0123456789ab"):
+        assert is_own_file(own), own
+    for foreign in ("shard-1234.arrow", "shard-00001.arrow.bak", "my-shard-00001.arrow", "shard-０００００.arrow",
+                    "manifest.json\n", "manifest.json.bak", ".fastload-staging-xyz", "thesis.tex",
+                    "shard-00000.arrow/", ".shard-00000.arrow"):
+        assert not is_own_file(foreign), foreign
+
+
+def test_overwrite_replaces_a_dataset_with_100000_or_more_shards(tmp_path):
+    from fastload.store.format import shard_name
+    d = tmp_path / "ds"
+    _write(d, {"x": "int64"}, [{"x": 1}])
+    # the last shards of a huge dataset (and a leftover of an interrupted write) are fastload's own
+    for name in (shard_name(99_999), shard_name(100_000), shard_name(123_456), f".{shard_name(100_001)}.tmp"):
+        (d / name).write_bytes(b"old shard")
+    ds = _write(d, {"x": "int64"}, [{"x": 7}], overwrite=True)
+    assert ds.get_batch([0])["x"].tolist() == [7]
+    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "shard-00000.arrow"]
+    # a file that only looks like a shard is the user's: refused, kept
+    (d / "shard-123.arrow").write_text("mine")
+    with pytest.raises(FileExistsError, match="shard-123.arrow"):
+        fastload.ShardWriter(d, {"x": "int64"}, overwrite=True)
+    assert (d / "shard-123.arrow").read_text() == "mine" and fastload.Dataset(d).get_batch([0])["x"].tolist() == [7]
+
+
+def test_a_failed_shard_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    from fastload.store.transaction import write_atomic
+    target = tmp_path / "shard-00000.arrow"
+    with pytest.raises(RuntimeError, match="disk"):
+        with write_atomic(target) as f:
+            f.write(b"half a shard")
+            raise RuntimeError("disk went away")
+    assert list(tmp_path.iterdir()) == []
+    with write_atomic(target) as f:
+        f.write(b"abc")
+    import xxhash
+    assert target.read_bytes() == b"abc" and f.nbytes == 3 and f.hash.hexdigest() == xxhash.xxh3_128(b"abc").hexdigest()
+    assert list(tmp_path.iterdir()) == [target]
+

@@ -21,7 +21,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SKIPPED_REPORT = "skipped.jsonl"
 KEY_COLUMN = "__key__"
-SHARD_PATTERN = "shard-{:05d}.arrow"
+SHARD_PATTERN = "shard-{:05d}.arrow"  # at least 5 digits: shard 123456 is shard-123456.arrow
+SHARD_FILE_RE = r"shard-[0-9]{5,}\.arrow"  # every name SHARD_PATTERN gives, and nothing else
 CHECKSUM_ALGO = "xxh3_128"
 
 KINDS = ("tensor", "scalar", "image", "bytes", "string")

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Iterator
 
 import xxhash
 
-from .format import MANIFEST, SKIPPED_REPORT
+from .format import MANIFEST, SHARD_FILE_RE, SKIPPED_REPORT
 
 __all__ = ["HashingFile", "STAGING_PREFIX", "Transaction", "fsync_dir", "is_own_file", "prepare_output_dir",
            "remove_own", "write_atomic", "write_json_atomic"]
@@ -42,14 +42,17 @@ __all__ = ["HashingFile", "STAGING_PREFIX", "Transaction", "fsync_dir", "is_own_
 logger = logging.getLogger("fastload")
 
 STAGING_PREFIX = ".fastload-staging-"
-# Files a fastload dataset directory may hold; --overwrite only ever deletes these.
-_OWN_FILE = re.compile(r"^(manifest\.json|skipped\.jsonl|shard-\d{5}\.arrow|\.(shard-\d{5}\.arrow|manifest\.json|skipped\.jsonl)\.tmp"
-                       r"|\.fastload-staging-[0-9a-f]{12})$")
+# Files a fastload dataset directory may hold: the manifest, the skipped report, shards (any
+# number of digits that shard_name() gives), their temporary names, staging directories.
+_OWN_FILE = re.compile(rf"{re.escape(MANIFEST)}|{re.escape(SKIPPED_REPORT)}|{SHARD_FILE_RE}"
+                       rf"|\.(?:{SHARD_FILE_RE}|{re.escape(MANIFEST)}|{re.escape(SKIPPED_REPORT)})\.tmp"
+                       rf"|{re.escape(STAGING_PREFIX)}[0-9a-f]{{12}}")
 
 
 def is_own_file(name: str) -> bool:
-    """True for the names of the files fastload writes into a dataset directory."""
-    return _OWN_FILE.match(name) is not None
+    """True for the names of the files fastload writes into a dataset directory (the whole
+    name: ``"manifest.json.bak"`` or ``"manifest.json\\n"`` is someone else's)."""
+    return _OWN_FILE.fullmatch(name) is not None
 
 
 def prepare_output_dir(path: Path, overwrite: bool) -> bool:
