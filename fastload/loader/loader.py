@@ -19,7 +19,7 @@ import os
 import weakref
 from typing import Any, Iterator, Mapping, Sequence
 
-from ..store import Dataset
+from ..store import Dataset, DatasetReader
 from ..world import World
 from .epoch import EpochIterator, Progress
 from .options import Options, build_options, make_sampler
@@ -67,7 +67,7 @@ class Loader:
     fixed at construction (``loader.options``).
     """
 
-    def __init__(self, dataset: Dataset | str | os.PathLike, *, batch_size: int, shuffle: bool = True,
+    def __init__(self, dataset: DatasetReader | str | os.PathLike, *, batch_size: int, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False, device=None, rank: int | None = None,
                  world_size: int | None = None, fields: Sequence[str] | None = None,
                  transforms: Mapping[str, Any] | None = None, threads: int | None = None,
@@ -76,7 +76,7 @@ class Loader:
                  window: int | None = None, on_error: str = "raise", log_every: int | None = None):
         self._closed = True  # until fully built (__del__ / close() of a half-built Loader)
         self._parts = None
-        ds = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
+        ds = dataset if isinstance(dataset, DatasetReader) else Dataset(dataset)
         self._dataset = ds
         self._world = World.detect(rank, world_size)
         self._options = build_options(ds, batch_size=batch_size, seed=seed, device=device, fields=fields,
