@@ -21,6 +21,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -32,6 +33,11 @@
 #include "ring.h"
 
 namespace py = pybind11;
+
+namespace fastload {
+void register_files(py::module_& m);  // files.cpp: map_file, MappedFile, xxh3_128
+}  // namespace fastload
+
 using fastload::Delivery;
 using fastload::ErrKind;
 using fastload::Layout;
@@ -202,8 +208,18 @@ class BoundRing {
 
   // Joins the producers with the GIL held: they never take the GIL, so this cannot deadlock;
   // the source buffers are released afterwards (GIL held, as PyBuffer_Release requires).
+  //
+  // In a process forked while the ring ran, the ring is orphaned (see ring.h): it must never
+  // be destroyed there (its condition variables may count waiters that do not exist in this
+  // process, and destroying them would wait for those forever), so this handle keeps it
+  // alive for good.
   ~BoundRing() {
-    if (ring_) ring_->close();
+    if (!ring_) return;
+    if (ring_->orphaned()) {
+      new std::shared_ptr<Ring>(ring_);  // deliberately leaked: see above
+      return;
+    }
+    ring_->close();
   }
 
   std::int64_t submit_many(const IndexArray& shard, const IndexArray& row,
@@ -213,17 +229,23 @@ class BoundRing {
     return ring_->submit_many(shard.data(), row.data(), index_data(index, keep), n, per);
   }
 
-  // -> (rows, arrays, slot, copied); arrays[f] has shape (rows, *shape_f).
-  py::tuple get() {
+  // -> (rows, arrays, slot, copied); arrays[f] has shape (rows, *shape_f). With
+  // timeout_ms >= 0, None when no batch became ready within that time.
+  py::object get(std::int64_t timeout_ms) {
     Delivery d;
     Ring::Status st;
+    std::int64_t waited = 0;
     for (;;) {
+      const int slice = timeout_ms < 0 ? kSliceMs
+                                       : static_cast<int>(std::min<std::int64_t>(kSliceMs, std::max<std::int64_t>(timeout_ms - waited, 0)));
       {
         py::gil_scoped_release nogil;
-        st = ring_->take(kSliceMs, d);
+        st = ring_->take(slice, d);
       }
       if (st != Ring::Status::Timeout) break;
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+      waited += slice;
+      if (timeout_ms >= 0 && waited >= timeout_ms) return py::none();
     }
     if (st == Ring::Status::Closed) throw std::runtime_error("get() on a closed ring");
     if (st == Ring::Status::Empty)
@@ -423,9 +445,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("index"), py::arg("batch_size"),
            "Enqueue rows as consecutive batches of batch_size rows (the last may be shorter); "
            "returns the number of batches.")
-      .def("get", &BoundRing::get,
+      .def("get", &BoundRing::get, py::arg("timeout_ms") = -1,
            "Wait (GIL released, Ctrl-C aware) for the next batch in order; returns "
-           "(rows, arrays, slot, copied).")
+           "(rows, arrays, slot, copied), or None if timeout_ms >= 0 passed first.")
       .def("acquire", &BoundRing::acquire,
            "Reserve the next batch for an external fill; returns (FillHandle, arrays).")
       .def("close", &BoundRing::close, "Stop and join the producer threads. Idempotent.")
@@ -437,5 +459,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("max_slots", [](BoundRing& r) { return r.ring().max_slots(); })
       .def_property_readonly("threads", [](BoundRing& r) { return r.ring().threads(); })
       .def_property_readonly("batch_size", [](BoundRing& r) { return r.ring().batch_size(); })
-      .def_property_readonly("slot_bytes", [](BoundRing& r) { return r.ring().slot_bytes(); });
+      .def_property_readonly("slot_bytes", [](BoundRing& r) { return r.ring().slot_bytes(); })
+      .def_property_readonly("orphaned", [](BoundRing& r) { return r.ring().orphaned(); },
+                             "True in a process forked after the ring was made: it is inert there.");
+
+  fastload::register_files(m);
 }

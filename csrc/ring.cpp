@@ -13,6 +13,7 @@
 #if defined(__linux__)
 #include <pthread.h>
 #endif
+#include <unistd.h>
 
 namespace fastload {
 
@@ -34,7 +35,8 @@ Ring::Ring(Layout layout, std::int64_t batch_size, int threads, int slots, int m
       batch_size_(batch_size),
       nthreads_(threads),
       max_slots_(max_slots),
-      min_part_bytes_(std::max<std::size_t>(min_part_bytes, 1)) {
+      min_part_bytes_(std::max<std::size_t>(min_part_bytes, 1)),
+      owner_pid_(::getpid()) {
   // Invariants (the Python face validated the user's arguments already).
   const std::size_t nf = layout_.row_bytes.size();
   if (nf == 0 || layout_.sources.size() != nf)
@@ -98,8 +100,17 @@ Ring::Ring(Layout layout, std::int64_t batch_size, int threads, int slots, int m
 }
 
 Ring::~Ring() {
-  close();
+  close();  // in an orphaned ring (never destroyed by the binding, see module.cpp): a no-op
   for (auto& s : slots_) std::free(s->mem);
+}
+
+bool Ring::orphaned() const { return ::getpid() != owner_pid_; }
+
+void Ring::check_owner() const {
+  if (orphaned())
+    throw std::logic_error(
+        "this ring was created in another process (before os.fork()); its threads do not exist "
+        "here: create a new one in this process");
 }
 
 std::uint8_t* Ring::alloc_slot_memory() {
@@ -112,6 +123,13 @@ std::uint8_t* Ring::alloc_slot_memory() {
 }
 
 void Ring::close() {
+  if (orphaned()) {
+    // A forked child: the producers do not exist here and mu_ may be held by one of them.
+    // Leak the thread handles (destroying a joinable std::thread aborts; joining waits
+    // forever) and touch nothing else.
+    if (!workers_.empty()) new std::vector<std::thread>(std::move(workers_));
+    return;
+  }
   std::lock_guard<std::mutex> jg(join_mu_);
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -128,16 +146,19 @@ void Ring::close() {
 }
 
 bool Ring::closed() {
+  if (orphaned()) return true;
   std::lock_guard<std::mutex> lk(mu_);
   return stop_;
 }
 
 int Ring::num_slots() {
+  check_owner();
   std::lock_guard<std::mutex> lk(mu_);
   return static_cast<int>(slots_.size());
 }
 
 std::uint8_t* Ring::slot_memory(int slot) {
+  check_owner();
   std::lock_guard<std::mutex> lk(mu_);
   if (slot < 0 || slot >= static_cast<int>(slots_.size()))
     throw std::out_of_range("slot " + std::to_string(slot) + " does not exist");
@@ -145,11 +166,13 @@ std::uint8_t* Ring::slot_memory(int slot) {
 }
 
 std::int64_t Ring::pending() {
+  if (orphaned()) return 0;
   std::lock_guard<std::mutex> lk(mu_);
   return next_seq_ - head_seq_;
 }
 
 Ring::Stats Ring::stats() {
+  check_owner();
   std::lock_guard<std::mutex> lk(mu_);
   Stats s{};
   s.slots = static_cast<int>(slots_.size());
@@ -172,6 +195,7 @@ Ring::Stats Ring::stats() {
 
 std::int64_t Ring::submit_many(const std::int64_t* shard, const std::int64_t* row,
                                const std::int64_t* index, std::int64_t n, std::int64_t per) {
+  check_owner();
   if (per < 1 || per > batch_size_ || n < 1)
     throw std::invalid_argument("submit: batch size or row count out of range");
   for (std::size_t f = 0; f < layout_.sources.size(); ++f)
@@ -402,6 +426,7 @@ void Ring::grow_slot(Delivery& d) {
 }
 
 Ring::Status Ring::take(int timeout_ms, Delivery& d) {
+  check_owner();
   bool grow;
   {
     std::unique_lock<std::mutex> lk(mu_);
@@ -414,6 +439,7 @@ Ring::Status Ring::take(int timeout_ms, Delivery& d) {
 }
 
 void Ring::release(int slot) {
+  if (orphaned()) return;  // a forked child's copy of a lease: nothing to give back here
   std::lock_guard<std::mutex> lk(mu_);
   release_locked(slot);
 }
@@ -431,6 +457,7 @@ void Ring::release_locked(int slot) {
 std::shared_ptr<Request> Ring::begin_external() {
   auto r = std::make_shared<Request>();
   r->external = true;
+  check_owner();
   std::lock_guard<std::mutex> lk(mu_);
   if (stop_) throw std::logic_error("acquire() on a closed ring");
   r->seq = next_seq_++;
@@ -440,6 +467,7 @@ std::shared_ptr<Request> Ring::begin_external() {
 }
 
 Ring::Status Ring::wait_slot(const std::shared_ptr<Request>& r, int timeout_ms) {
+  check_owner();
   std::unique_lock<std::mutex> lk(mu_);
   auto done = [&] { return stop_ || r->slot >= 0; };
   if (!done()) {
@@ -464,6 +492,10 @@ ErrKind Ring::gather_external(const std::shared_ptr<Request>& r, const std::int6
     return ErrKind::Value;
   }
   std::uint8_t* base;
+  if (orphaned()) {
+    msg = "this ring was created in another process (before os.fork())";
+    return ErrKind::Runtime;
+  }
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stop_) {
@@ -495,6 +527,7 @@ void Ring::publish_external(const std::shared_ptr<Request>& r, std::int64_t rows
     throw std::invalid_argument("commit(rows=" + std::to_string(rows) +
                                 "): rows must be between 1 and batch_size=" +
                                 std::to_string(batch_size_));
+  check_owner();
   std::lock_guard<std::mutex> lk(mu_);
   if (r->committed) throw std::logic_error("this slot was already committed or failed");
   if (stop_) throw std::logic_error("the ring is closed");
@@ -506,6 +539,7 @@ void Ring::publish_external(const std::shared_ptr<Request>& r, std::int64_t rows
 }
 
 void Ring::drop_external(const std::shared_ptr<Request>& r) {
+  if (orphaned()) return;
   std::lock_guard<std::mutex> lk(mu_);
   if (!r->committed) {
     r->committed = true;

@@ -62,6 +62,13 @@
 // Shutdown. close() sets stop_, drops queued jobs, wakes everyone, joins the producers and
 // waits for in-flight synchronous gathers (gather_external). Afterwards submit/take/commit
 // report "closed"; leases still release their slots (the memory lives until the Ring dies).
+//
+// Fork. A process forked while a ring runs inherits its memory but none of its threads, and
+// mu_ may be copied locked by a producer that does not exist there. In such a child the ring
+// is *orphaned* (getpid() differs from the creator's): close(), release(), drop_external()
+// and the destructor touch no lock and join no thread (the thread handles are leaked on
+// purpose: joining or destroying them would wait forever or abort), and every other call
+// throws std::logic_error. The Python layer refuses to use an inherited ring before that.
 #pragma once
 
 #include <atomic>
@@ -74,6 +81,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/types.h>
 
 #include "gather.h"
 
@@ -141,6 +150,8 @@ class Ring : public std::enable_shared_from_this<Ring> {
   void drop_external(const std::shared_ptr<Request>& r);
 
   void close();
+  // True in a process forked from the one that made this ring (see Note [Ring design]).
+  bool orphaned() const;
 
   // Introspection.
   const Layout& layout() const { return layout_; }
@@ -222,6 +233,8 @@ class Ring : public std::enable_shared_from_this<Ring> {
 
   std::vector<std::thread> workers_;
   std::mutex join_mu_;  // serializes close()
+  const pid_t owner_pid_;  // the process whose threads these are
+  void check_owner() const;  // throws std::logic_error in a forked child
 };
 
 }  // namespace fastload
