@@ -7,10 +7,13 @@ at fault and what to do about it.
 """
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 from collections.abc import Sequence
 
-__all__ = ["BadSamples", "ConvertError", "DecodeError", "FastloadError", "FormatError", "SampleError",
-           "UsageError"]
+__all__ = ["BadSamples", "ConvertError", "DecodeError", "FastloadError", "FormatError", "NoSpaceError",
+           "SampleError", "UsageError"]
 
 
 class FastloadError(Exception):
@@ -52,3 +55,38 @@ class BadSamples(FastloadError):
         self.positions = [int(p) for p in positions]
         self.reasons = list(reasons)
         super().__init__("; ".join(f"position {p}: {r}" for p, r in zip(self.positions, self.reasons)))
+
+
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class NoSpaceError(FastloadError, OSError):
+    """The destination's filesystem is full (ENOSPC) or a quota is exhausted (EDQUOT) while
+    writing a dataset. One line: the destination, the bytes needed, the bytes free. What was
+    written of the new dataset is deleted (nothing that opens is left behind)."""
+
+    def __init__(self, dst: str | os.PathLike, *, needed: int, written: int, detail: str = ""):
+        super().__init__(errno.ENOSPC, "no space left on device")
+        self.dst = os.fspath(dst)
+        self.needed = int(needed)
+        self.written = int(written)
+        self.detail = detail
+
+    def __str__(self) -> str:
+        try:
+            free = shutil.disk_usage(self.dst if os.path.isdir(self.dst) else os.path.dirname(self.dst) or ".").free
+            has = f"; its filesystem has {_human(free)} free"
+        except OSError:
+            has = ""
+        at = f" (while writing {self.detail}, after {_human(self.written)})" if self.detail else ""
+        return (f"no space left on the device of {self.dst}{at}: the dataset needs about {_human(self.needed)}"
+                f"{has}. Nothing of it was kept; free space or choose another destination")
+
+
+def _human(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} bytes"  # pragma: no cover
+

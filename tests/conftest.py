@@ -59,6 +59,19 @@ def _native_threads() -> dict[str, str] | None:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """fastload's node-local cache (the verified-shard record) in a temporary directory, not
+    the user's ~/.cache (subprocesses the tests start inherit it)."""
+    old = os.environ.get("FASTLOAD_CACHE_DIR")
+    os.environ["FASTLOAD_CACHE_DIR"] = str(tmp_path_factory.mktemp("fastload-cache"))
+    yield
+    if old is None:
+        os.environ.pop("FASTLOAD_CACHE_DIR", None)
+    else:
+        os.environ["FASTLOAD_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _start_process_wide_pools() -> None:
     """Start the thread pools libraries create lazily and keep for the process's life, so
     that the first test to trigger them is not blamed for a leak."""

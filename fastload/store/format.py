@@ -22,7 +22,11 @@ MANIFEST = "manifest.json"
 SKIPPED_REPORT = "skipped.jsonl"
 KEY_COLUMN = "__key__"
 SHARD_PATTERN = "shard-{:05d}.arrow"  # at least 5 digits: shard 123456 is shard-123456.arrow
-SHARD_FILE_RE = r"shard-[0-9]{5,}\.arrow"  # every name SHARD_PATTERN gives, and nothing else
+# A dataset written over another one (overwrite) names its shards shard-NNNNN-GGGGGGGG.arrow,
+# GGGGGGGG a generation token no earlier generation in that directory used: a reader that
+# opened the old dataset never maps a file of the new one under the old manifest.
+GENERATION_PATTERN = "shard-{:05d}-{}.arrow"
+SHARD_FILE_RE = r"shard-[0-9]{5,}(?:-[0-9a-f]{8})?\.arrow"  # every name the writer gives, nothing else
 CHECKSUM_ALGO = "xxh3_128"
 
 KINDS = ("tensor", "scalar", "image", "bytes", "string")
@@ -40,9 +44,14 @@ SUPPORTED_DTYPES = tuple(sorted([*_NATIVE, *_STORED_AS]))
 
 DEFAULT_SHARD_SIZE = 256 * 1024 * 1024
 MAX_SHARD_SIZE = 2**31 - 1  # binary columns use 32-bit offsets
+# convert refuses smaller shards unless forced: `--shard-size 10` (10 bytes) would write one
+# shard per sample, tens of thousands of files.
+MIN_SHARD_SIZE = 1_000_000
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+_MAX_LIST_SIZE = 2**31 - 1  # Arrow's fixed_size_list length is an int32
 
 _SPEC_RE = re.compile(r"^\s*([a-z0-9_]+)\s*(?:\[\s*([0-9,\s]*)\s*\])?\s*$")
 
@@ -84,6 +93,10 @@ class Field:
                 raise ValueError(f"a scalar field has shape (), not {shape}; use a tensor field")
             if any(s <= 0 for s in shape):
                 raise ValueError(f"tensor shape {shape} must have only positive sizes")
+            per_row = _STORED_AS.get(self.dtype, (None, 1))[1] * math.prod(shape)
+            if per_row > _MAX_LIST_SIZE:
+                raise ValueError(f"tensor shape {shape} holds {per_row:,} values per sample; an Arrow "
+                                 f"fixed-size list holds at most {_MAX_LIST_SIZE:,}")
             object.__setattr__(self, "shape", shape)
         else:
             if self.dtype is not None or self.shape:
@@ -113,8 +126,29 @@ class Field:
         return d
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Field":
-        return cls(d["kind"], d.get("dtype"), tuple(d.get("shape", ())))
+    def from_json(cls, d: Any) -> "Field":
+        """The field a manifest (or a shard's Arrow metadata) describes. Strict: ValueError
+        for anything :meth:`to_json` would not have written (a shape of strings or floats, an
+        unknown key, a dtype on an image field...)."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a field description is a JSON object, not {type(d).__name__}")
+        unknown = sorted(set(d) - {"kind", "dtype", "shape"})
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown}; a field has 'kind', 'dtype' and 'shape'")
+        kind = d.get("kind")
+        if not isinstance(kind, str):
+            raise ValueError(f"'kind' must be one of {', '.join(KINDS)}, not {kind!r}")
+        dtype = d.get("dtype")
+        if dtype is not None and not isinstance(dtype, str):
+            raise ValueError(f"'dtype' must be a string such as 'float32', not {dtype!r}")
+        shape = d.get("shape", [])
+        if not isinstance(shape, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in shape):
+            raise ValueError(f"'shape' must be a list of integers, not {shape!r}")
+        f = cls(kind, dtype, tuple(shape))
+        if f.fixed and ("shape" not in d or dtype != f.dtype):  # e.g. "float" for "float64"
+            raise ValueError(f"expected {f.to_json()}, got {dict(d)} (a {kind} field names its "
+                             "numpy dtype and its shape)")
+        return f
 
     def __str__(self) -> str:
         if self.kind == "tensor":
@@ -218,5 +252,38 @@ def arrow_schema(fields: Mapping[str, Field]) -> pa.Schema:
     return pa.schema(cols, metadata={b"fastload_format_version": str(FORMAT_VERSION).encode()})
 
 
-def shard_name(i: int) -> str:
-    return SHARD_PATTERN.format(i)
+def shard_name(i: int, generation: str | None = None) -> str:
+    """The file name of shard ``i`` (of a dataset written over another: with its generation)."""
+    return SHARD_PATTERN.format(i) if generation is None else GENERATION_PATTERN.format(i, generation)
+
+
+def field_of_arrow(f: pa.Field) -> Field:
+    """The fastload field an Arrow field of a shard describes (its ``fastload`` metadata)."""
+    raw = (f.metadata or {}).get(b"fastload")
+    if raw is None:
+        raise ValueError(f"column {f.name!r} carries no fastload field description")
+    try:
+        d = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"column {f.name!r}: unreadable fastload metadata ({e})") from None
+    return Field.from_json(d)
+
+
+def schema_mismatch(schema: pa.Schema, fields: Mapping[str, Field]) -> str | None:
+    """Why a shard's Arrow schema does not hold the manifest's ``fields`` (column names,
+    order, Arrow types, and each field's kind, dtype and shape from the column metadata, so a
+    ``[16]`` tensor is not read as ``[8,2]``), or None when it does."""
+    want = arrow_schema(fields)
+    if schema.names != want.names:
+        return f"its columns are {schema.names}, the manifest's fields give {want.names}"
+    for got, exp in zip(schema, want):
+        if not got.type.equals(exp.type):
+            return f"column {got.name!r} is {got.type}, the manifest says {exp.type}"
+        if got.name in fields:
+            try:
+                f = field_of_arrow(got)
+            except ValueError as e:
+                return str(e)
+            if f != fields[got.name]:
+                return f"column {got.name!r} holds {f}, the manifest says {fields[got.name]}"
+    return None

@@ -15,20 +15,38 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
 
+from .. import lifecycle
 from ..errors import FormatError
-from .format import FORMAT_NAME, FORMAT_VERSION, KEY_COLUMN, MANIFEST, Field, arrow_schema, image_size_columns
+from ..files import NotRegularFile, printable, read_regular
+from ..system import usable_cores
+from ..validate import check_choice, check_index_array, is_int
+from .format import KEY_COLUMN, MANIFEST, Field, arrow_schema, image_size_columns, schema_mismatch
+from .integrity import DEFAULT_VERIFY, VERIFY_POLICIES, VerifiedRecord, hash_mapped
+from .schema import validate_manifest
 from .transaction import STAGING_PREFIX
 
 __all__ = ["DatasetReader", "manifest_fields", "read_manifest"]
 
 
+# A manifest larger than this is not one fastload wrote (a million shards take ~150 MB).
+MAX_MANIFEST_BYTES = 1 << 30
+
+
 def read_manifest(path: Path) -> dict:
+    """The parsed, schema-checked ``manifest.json`` of the dataset at ``path``
+    (:func:`~fastload.store.schema.validate_manifest`: a FormatError names the bad key)."""
+    m, _ = _read_manifest(path)
+    return m
+
+
+def _read_manifest(path: Path) -> tuple[dict, dict[str, Field]]:
     mpath = path / MANIFEST
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; create a dataset with `fastload convert`")
@@ -48,51 +66,60 @@ def read_manifest(path: Path) -> dict:
             hint = ""
         raise FormatError(f"{path} is not a fastload dataset: {MANIFEST} is missing.{hint}")
     try:
-        with open(mpath, encoding="utf-8") as f:
-            m = json.load(f)
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{mpath} is not readable JSON ({e}); the dataset is damaged") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
-        raise FormatError(f"{mpath} is not a fastload manifest (no \"format\": \"{FORMAT_NAME}\")")
-    v = m.get("format_version")
-    if v != FORMAT_VERSION:
-        raise FormatError(f"{mpath} has format_version {v!r}; this fastload reads version "
-                          f"{FORMAT_VERSION}. Convert the source again with this version.")
-    for k in ("fields", "shards", "num_samples"):
-        if k not in m:
-            raise FormatError(f"{mpath} lacks the key {k!r}; the manifest is damaged")
-    return m
+        raw = read_regular(mpath, what="manifest", max_bytes=MAX_MANIFEST_BYTES)
+    except NotRegularFile as e:
+        raise FormatError(f"{e}; the dataset is damaged") from None
+    except OSError as e:
+        raise FormatError(f"{mpath} cannot be read ({e.strerror or e})") from None
+    try:
+        m = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise FormatError(f"{mpath} is not readable JSON ({str(e)[:200]}); the dataset is damaged") from None
+    return m, validate_manifest(m, mpath)
 
 
 def manifest_fields(m: dict, path: Path) -> dict[str, Field]:
     """The fields of a manifest read from the dataset at ``path``, in column order."""
-    try:
-        return {n: Field.from_json(d) for n, d in m["fields"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise FormatError(f"{path / MANIFEST}: bad field description ({e})") from None
+    return validate_manifest(m, path / MANIFEST)
 
 
 class _Shard:
-    """One memory-mapped shard: its record batch and cached zero-copy views."""
+    """One memory-mapped shard (no file descriptor kept: ``_C.map_file``), structurally
+    checked against its manifest entry: its record batch and cached zero-copy views."""
 
     __slots__ = ("batch", "views", "mm")
 
-    def __init__(self, path: Path, schema: pa.Schema, num_rows: int):
+    def __init__(self, path: Path, entry: dict, fields: dict[str, Field]):
+        from .. import _C
+
         try:
-            self.mm = pa.memory_map(str(path), "r")
-            reader = pa.ipc.open_file(self.mm)
-        except (OSError, pa.ArrowInvalid) as e:
-            raise FormatError(f"shard {path} cannot be opened as an Arrow IPC file ({e}); "
-                              "run `fastload verify` on the dataset") from None
-        if reader.num_record_batches != 1:
-            raise FormatError(f"shard {path} holds {reader.num_record_batches} record batches; "
-                              "fastload shards hold exactly one")
-        if not reader.schema.equals(schema, check_metadata=False):
-            raise FormatError(f"shard {path} has schema {reader.schema} which does not match the "
-                              f"manifest's fields; the dataset is damaged")
-        self.batch = reader.get_batch(0)
-        if self.batch.num_rows != num_rows:
-            raise FormatError(f"shard {path} holds {self.batch.num_rows} rows, the manifest says {num_rows}")
+            self.mm = _C.map_file(os.fspath(path), entry["bytes"])
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"shard {path} listed in the manifest is missing: the dataset was damaged or replaced "
+                "(e.g. by convert --overwrite) since it was opened; reopen it, or run `fastload verify`") from None
+        except ValueError as e:  # not a regular file, or not the manifest's size
+            raise FormatError(f"shard {printable(str(e))}; the dataset is damaged or was changed since it was "
+                              "written (run `fastload verify`)") from None
+        except OSError as e:
+            raise FormatError(f"shard {path} cannot be read ({e.strerror or e})") from None
+        try:
+            reader = pa.ipc.open_file(pa.py_buffer(self.mm))
+            if reader.num_record_batches != 1:
+                raise FormatError(f"shard {path} holds {reader.num_record_batches} record batches; "
+                                  "fastload shards hold exactly one (run `fastload verify`)")
+            why = schema_mismatch(reader.schema, fields)
+            if why is not None:
+                raise FormatError(f"shard {path} does not hold the manifest's fields: {why}; the dataset is "
+                                  "damaged (run `fastload verify`)")
+            self.batch = reader.get_batch(0)
+            self.batch.validate()  # buffer sizes agree with lengths (cheap; the checksum covers the bytes)
+        except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+            raise FormatError(f"shard {path} cannot be opened as an Arrow IPC file "
+                              f"({str(e).splitlines()[0][:200]}); run `fastload verify` on the dataset") from None
+        if self.batch.num_rows != entry["num_samples"]:
+            raise FormatError(f"shard {path} holds {self.batch.num_rows} rows, the manifest says "
+                              f"{entry['num_samples']} (run `fastload verify`)")
         self.views: dict[str, Any] = {}
 
 
@@ -104,37 +131,52 @@ class DatasetReader:
     ``torch.utils.data.DataLoader`` fetches whole batches (through :class:`fastload.Dataset`,
     this class as a ``torch.utils.data.Dataset``). Tensor fields come back as numpy arrays,
     scalars as numpy scalars, images and bytes as ``bytes``, strings as ``str``. Pickles as
-    its path only (a worker process reopens it), never its data.
+    its path and verification policy only (a worker process reopens it), never its data.
+
+    ``verify`` ("first-use", the default; "always"; "off"): whether each shard's bytes are
+    checked against the manifest's checksum before any of its rows is delivered, and whether
+    that is remembered for the node (see :mod:`fastload.store.integrity`).
     """
 
     _repr_name = "fastload.store.DatasetReader"
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, verify: str = DEFAULT_VERIFY):
+        self.verify_policy: str = check_choice("verify", verify, VERIFY_POLICIES)
         self.path = Path(path)
-        self.manifest = read_manifest(self.path)
+        self.manifest, self.fields = _read_manifest(self.path)
         m = self.manifest
-        self.fields: dict[str, Field] = manifest_fields(m, self.path)
         self.schema = arrow_schema(self.fields)
         self.shard_files = [self.path / s["file"] for s in m["shards"]]
         self.shard_sizes = np.array([s["num_samples"] for s in m["shards"]], dtype=np.int64)
         self._starts = np.zeros(len(self.shard_sizes) + 1, dtype=np.int64)
         np.cumsum(self.shard_sizes, out=self._starts[1:])
-        if int(self._starts[-1]) != m["num_samples"]:
-            raise FormatError(f"{self.path / MANIFEST}: shard sample counts add up to "
-                              f"{int(self._starts[-1])}, not num_samples={m['num_samples']}")
         self._shards: list[_Shard | None] = [None] * len(self.shard_files)
         self._lock = threading.Lock()
+        n = len(self.shard_files)
+        off = self.verify_policy == "off"
+        self._verified = np.full(n, off, dtype=bool)
+        self._all_verified = off or n == 0
+        self._bad: dict[int, str] = {}  # shard -> why it failed verification
+        self._verify_lock = threading.Lock()
+        self._record = VerifiedRecord() if self.verify_policy == "first-use" else None
+        self._verify_counts = {"shards_hashed": 0, "shards_remembered": 0, "bytes_hashed": 0, "hash_s": 0.0}
         lab = m.get("label")
         self.label_field: str | None = lab["field"] if lab else None
         self.class_names: list[str] | None = lab.get("class_names") if lab else None
         self.class_counts = np.asarray(lab["counts"], dtype=np.int64) if lab else None
+        lifecycle.track(self)
+
+    def _after_fork_in_child(self) -> None:
+        # A thread of the parent may have held these at fork time; the mappings stay valid.
+        self._lock = threading.Lock()
+        self._verify_lock = threading.Lock()
 
     # -- pickling for spawn-started DataLoader workers: the path only, never the data ----
     def __getstate__(self):
-        return {"path": str(self.path)}
+        return {"path": str(self.path), "verify": self.verify_policy}
 
     def __setstate__(self, state):
-        self.__init__(state["path"])
+        self.__init__(state["path"], verify=state.get("verify", DEFAULT_VERIFY))
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}: {f}" for n, f in self.fields.items())
@@ -154,17 +196,102 @@ class DatasetReader:
 
     # -- shards --------------------------------------------------------------------------
     def shard(self, i: int) -> _Shard:
+        """Shard ``i`` mapped and structurally checked (not hashed: see :meth:`ensure_verified`)."""
         s = self._shards[i]
         if s is None:
             with self._lock:
                 s = self._shards[i]
                 if s is None:
-                    if not self.shard_files[i].exists():
-                        raise FileNotFoundError(f"shard {self.shard_files[i]} listed in the manifest is "
-                                                "missing; the dataset is damaged (run `fastload verify`)")
-                    s = _Shard(self.shard_files[i], self.schema, int(self.shard_sizes[i]))
+                    s = _Shard(self.shard_files[i], self.manifest["shards"][i], self.fields)
                     self._shards[i] = s
         return s
+
+    def ensure_verified(self, shards: Any) -> None:
+        """Check the bytes of these shards against the manifest's checksums (as the
+        verification policy says) before any of their rows is read; FormatError names a
+        shard that does not match. Cheap once every shard is verified."""
+        if self._all_verified:
+            return
+        ids = np.unique(np.asarray(shards, dtype=np.int64))
+        need = ids[~self._verified[ids]]
+        if len(need) == 0:
+            return
+        with self._verify_lock:
+            need = [int(i) for i in need if not self._verified[i]]
+            for i in need:
+                if i in self._bad:
+                    raise FormatError(self._bad[i])
+            mapped = [self.shard(i) for i in need]  # structural checks first
+            expected = [self.manifest["shards"][i]["checksum"] for i in need]
+            if self._record is None:
+                got = self._hash(mapped, need)
+            else:
+                got = self._hash_with_record(mapped, need, expected)
+            for i, g, e in zip(need, got, expected):
+                if g != e:
+                    self._bad[i] = (
+                        f"shard {self.shard_files[i]} does not match the manifest: its checksum is {g}, "
+                        f"{MANIFEST} records {e}. The file was damaged or changed after the dataset was written "
+                        "(a flipped byte, a swapped, replaced or re-linked shard); restore it or convert the "
+                        f"source again (`fastload verify {self.path}` lists every damaged shard)")
+                    raise FormatError(self._bad[i])
+                self._verified[i] = True
+            if self._verified.all():
+                self._all_verified = True
+
+    def _hash(self, mapped: list[_Shard], ids: list[int]) -> list[str]:
+        t0 = time.perf_counter()
+        got = hash_mapped([s.mm for s in mapped])
+        c = self._verify_counts
+        c["hash_s"] += time.perf_counter() - t0
+        c["shards_hashed"] += len(ids)
+        c["bytes_hashed"] += sum(int(s.mm.size) for s in mapped)
+        return got
+
+    def _hash_with_record(self, mapped: list[_Shard], ids: list[int], expected: list[str]) -> list[str]:
+        """Hash what the node's record does not vouch for, one shard per lock (so ranks on
+        a node share the work instead of each hashing everything); remember matches."""
+        record = self._record
+        keys = [record.key(s.mm, e) for s, e in zip(mapped, expected)]
+        got: list[str | None] = [e if record.contains(k) else None for k, e in zip(keys, expected)]
+        self._verify_counts["shards_remembered"] += sum(g is not None for g in got)
+        todo = [j for j, g in enumerate(got) if g is None]
+
+        def one(j: int) -> tuple[str, bool]:
+            with record.locked(keys[j]):
+                if record.contains(keys[j]):  # another process hashed it meanwhile
+                    return expected[j], False
+                h = mapped[j].mm.hash_xxh3_128()
+                if h == expected[j]:
+                    record.add(keys[j], mapped[j].mm, h)
+                return h, True
+
+        if todo:
+            t0 = time.perf_counter()
+            if len(todo) == 1:
+                results = [one(todo[0])]
+            else:
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(max_workers=min(len(todo), usable_cores()),
+                                        thread_name_prefix="fastload-verify") as pool:
+                    results = list(pool.map(one, todo))
+            c = self._verify_counts
+            c["hash_s"] += time.perf_counter() - t0
+            for j, (h, hashed) in zip(todo, results):
+                got[j] = h
+                if hashed:
+                    c["shards_hashed"] += 1
+                    c["bytes_hashed"] += int(mapped[j].mm.size)
+                else:
+                    c["shards_remembered"] += 1
+        return got  # type: ignore[return-value]
+
+    def verify_stats(self) -> dict:
+        """The verification policy and what it cost so far: shards hashed, shards the node's
+        record vouched for, bytes hashed, seconds spent hashing (summed over threads' wall)."""
+        return {"policy": self.verify_policy, "shards_verified": int(self._verified.sum()) if
+                self.verify_policy != "off" else 0, "num_shards": self.num_shards, **self._verify_counts}
 
     def _field(self, name: str) -> Field:
         f = self.fields.get(name)
@@ -172,11 +299,15 @@ class DatasetReader:
             raise KeyError(f"{name!r} is not a field of {self.path}; fields are {list(self.fields)}")
         return f
 
-    def column(self, shard: int, field: str) -> np.ndarray:
-        """Zero-copy read-only view ``(rows, *shape)`` of a tensor/scalar field in one shard."""
+    def column(self, shard: int, field: str, *, verify: bool = True) -> np.ndarray:
+        """Zero-copy read-only view ``(rows, *shape)`` of a tensor/scalar field in one shard,
+        the shard verified first (``verify=False``: the caller calls :meth:`ensure_verified`
+        before it delivers any row of the view, as the Loader does per batch)."""
         f = self._field(field)
         if not f.fixed:
             raise TypeError(f"field {field!r} is a {f.kind} field; use binary_column()")
+        if verify:
+            self.ensure_verified([shard])
         s = self.shard(shard)
         v = s.views.get(field)
         if v is None:
@@ -209,6 +340,7 @@ class DatasetReader:
         f = self._field(field)
         if f.fixed:
             raise TypeError(f"field {field!r} is a {f.kind} field; use column()")
+        self.ensure_verified([shard])
         return self._raw_column(shard, field)
 
     def _int_column(self, shard: int, name: str) -> np.ndarray:
@@ -220,10 +352,13 @@ class DatasetReader:
         return v
 
     # -- index -----------------------------------------------------------------------------
-    def locate(self, indices: np.ndarray | Sequence[int], *, check: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """Global indices -> (shard, row), both int64 arrays. Out of range -> IndexError
-        (``check=False`` skips the range check for indices known to be valid)."""
-        idx = np.asarray(indices, dtype=np.int64)
+    def locate(self, indices: np.ndarray | Sequence[int], *, check: bool = True,
+               verify: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Global indices -> (shard, row), both int64 arrays, the shards verified (as the
+        policy says) before anything reads their rows. Out of range -> IndexError, a float
+        or bool index -> ValueError (``check=False`` skips both checks for indices known to be
+        valid int64; ``verify=False`` only locates)."""
+        idx = check_index_array(indices, "indices") if check else np.asarray(indices, dtype=np.int64)
         n = len(self)
         if check and idx.size:
             lo, hi = idx.min(), idx.max()
@@ -231,6 +366,8 @@ class DatasetReader:
                 bad = int(lo if lo < 0 else hi)
                 raise IndexError(f"sample index {bad} is out of range for {self.path} ({n} samples)")
         shard = np.searchsorted(self._starts, idx, side="right") - 1
+        if verify and not self._all_verified and idx.size:
+            self.ensure_verified(shard)
         return shard, idx - self._starts[shard]
 
     def _groups(self, shard: np.ndarray):
@@ -317,10 +454,9 @@ class DatasetReader:
 
     def __getitem__(self, i: int) -> dict:
         n = len(self)
-        if isinstance(i, (np.integer,)):
-            i = int(i)
-        if not isinstance(i, int):
+        if not is_int(i):
             raise TypeError(f"dataset index must be an int, not {type(i).__name__}; use get_batch() for many")
+        i = int(i)
         if i < -n or i >= n:
             raise IndexError(f"sample index {i} is out of range for {self.path} ({n} samples)")
         b = self.get_batch([i % n])

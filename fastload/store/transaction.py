@@ -49,6 +49,9 @@ _OWN_FILE = re.compile(rf"{re.escape(MANIFEST)}|{re.escape(SKIPPED_REPORT)}|{SHA
                        rf"|{re.escape(STAGING_PREFIX)}[0-9a-f]{{12}}")
 
 
+_GENERATION = re.compile(r"shard-[0-9]{5,}-([0-9a-f]{8})\.arrow")
+
+
 def is_own_file(name: str) -> bool:
     """True for the names of the files fastload writes into a dataset directory (the whole
     name: ``"manifest.json.bak"`` or ``"manifest.json\\n"`` is someone else's)."""
@@ -153,15 +156,32 @@ def write_atomic(path: Path) -> Iterator[HashingFile]:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically and durably (temporary name, fsync, rename)."""
+    """Write ``obj`` as JSON to ``path`` atomically and durably (temporary name, fsync, rename;
+    the temporary file is removed if anything fails)."""
     tmp = path.with_name("." + path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(path.parent)
+
+
+def new_generation(existing_names: Iterable[str]) -> str:
+    """A shard-name generation token (8 hex digits) that none of ``existing_names`` uses, so
+    the shards of a dataset written over another never take a name a reader of the old one
+    may still map (see ``format.GENERATION_PATTERN``)."""
+    used = {m.group(1) for m in map(_GENERATION.fullmatch, existing_names) if m}
+    while True:
+        token = uuid.uuid4().hex[:8]
+        if token not in used:
+            return token
 
 
 class Transaction:
@@ -177,9 +197,11 @@ class Transaction:
     def __init__(self, path: Path, overwrite: bool):
         self.path = path
         self.dir = path
+        self.generation: str | None = None  # the shard-name token of a replacing dataset
         self._cleanup: weakref.finalize | None = None
         self._swapping = False
         if prepare_output_dir(path, overwrite):
+            self.generation = new_generation(os.listdir(path))
             self.dir = path / f"{STAGING_PREFIX}{uuid.uuid4().hex[:12]}"
             self.dir.mkdir()
             self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.dir), True)

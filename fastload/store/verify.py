@@ -1,71 +1,99 @@
-"""verify: recompute every shard's checksum and run Arrow's full validation."""
+"""verify: check a whole dataset now — manifest schema, every shard's checksum, size, schema
+(field shapes included) and Arrow's full validation.
+
+The manifest is checked on reading (:func:`~fastload.store.reader.read_manifest` raises a
+FormatError naming the bad key). Each shard is mapped like a reader maps it (regular files
+only, no descriptor kept), hashed in C++ with the GIL released, several shards at once.
+Shards that pass are added to the node's verified record (see
+:mod:`fastload.store.integrity`), so a Loader with ``verify="first-use"`` on this node does not
+hash them again.
+"""
 from __future__ import annotations
 
 import os
+import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
-import xxhash
 
-from .format import CHECKSUM_ALGO, MANIFEST, arrow_schema
-from .reader import manifest_fields, read_manifest
+from ..files import printable
+from ..system import usable_cores
+from .format import MANIFEST, SHARD_FILE_RE, schema_mismatch
+from .integrity import VerifiedRecord
+from .reader import _read_manifest
 
-_CHUNK = 8 * 1024 * 1024
+__all__ = ["file_checksum", "verify"]
+
+_SHARD_FILE = re.compile(SHARD_FILE_RE)
 
 
 def file_checksum(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(_CHUNK)
-            if not b:
-                break
-            h.update(b)
-    return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
+    """``"xxh3_128:<hex>"`` of a regular file (ValueError naming it if it is not one)."""
+    from .. import _C
+
+    return _C.map_file(os.fspath(path)).hash_xxh3_128()
 
 
-def verify(path: str | os.PathLike) -> list[str]:
+def _check_shard(path: Path, entry: dict, fields: dict, record: VerifiedRecord | None) -> list[str]:
+    from .. import _C
+
+    name = entry["file"]
+    try:
+        mm = _C.map_file(os.fspath(path))
+    except FileNotFoundError:
+        return [f"{name}: missing"]
+    except ValueError as e:  # not a regular file
+        return [f"{name}: {printable(str(e)).replace(os.fspath(path), 'the file')}"]
+    except OSError as e:
+        return [f"{name}: cannot be read ({e.strerror or e})"]
+    problems = []
+    if mm.size != entry["bytes"]:
+        problems.append(f"{name}: size {mm.size} bytes, manifest says {entry['bytes']}")
+    got = mm.hash_xxh3_128()
+    if got != entry["checksum"]:
+        problems.append(f"{name}: checksum mismatch (file {got}, manifest {entry['checksum']})")
+    try:
+        reader = pa.ipc.open_file(pa.py_buffer(mm))
+        why = schema_mismatch(reader.schema, fields)
+        if why is not None:
+            problems.append(f"{name}: schema differs from the manifest's fields ({why})")
+        rows = 0
+        for i in range(reader.num_record_batches):
+            b = reader.get_batch(i)
+            b.validate(full=True)
+            rows += b.num_rows
+        if reader.num_record_batches != 1:
+            problems.append(f"{name}: {reader.num_record_batches} record batches, expected 1")
+        if rows != entry["num_samples"]:
+            problems.append(f"{name}: {rows} rows, manifest says {entry['num_samples']}")
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+        problems.append(f"{name}: not a valid Arrow IPC file ({str(e).splitlines()[0][:200]})")
+    if not problems and record is not None:
+        record.add(record.key(mm, got), mm, got)
+    return problems
+
+
+def verify(path: str | os.PathLike, *, remember: bool = True) -> list[str]:
     """Check a dataset; return one line per problem found (an empty list: all good).
 
-    Raises FormatError / FileNotFoundError when the manifest itself cannot be read.
+    Raises FormatError / FileNotFoundError when the manifest itself cannot be read or does
+    not follow the schema (the message names the key). ``remember``: add the shards that
+    pass to this node's verified record (so Loaders here need not hash them again).
     """
     path = Path(path)
-    m = read_manifest(path)
-    schema = arrow_schema(manifest_fields(m, path))
-    problems: list[str] = []
-    total = 0
-    for s in m["shards"]:
-        p = path / s["file"]
-        total += s["num_samples"]
-        if not p.exists():
-            problems.append(f"{s['file']}: missing")
-            continue
-        size = p.stat().st_size
-        if size != s["bytes"]:
-            problems.append(f"{s['file']}: size {size} bytes, manifest says {s['bytes']}")
-        got = file_checksum(p)
-        if got != s["checksum"]:
-            problems.append(f"{s['file']}: checksum mismatch (file {got}, manifest {s['checksum']})")
-        try:
-            with pa.memory_map(str(p), "r") as mm:
-                reader = pa.ipc.open_file(mm)
-                if not reader.schema.equals(schema, check_metadata=False):
-                    problems.append(f"{s['file']}: schema differs from the manifest's fields")
-                rows = 0
-                for i in range(reader.num_record_batches):
-                    b = reader.get_batch(i)
-                    b.validate(full=True)
-                    rows += b.num_rows
-                if reader.num_record_batches != 1:
-                    problems.append(f"{s['file']}: {reader.num_record_batches} record batches, expected 1")
-                if rows != s["num_samples"]:
-                    problems.append(f"{s['file']}: {rows} rows, manifest says {s['num_samples']}")
-        except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
-            problems.append(f"{s['file']}: not a valid Arrow IPC file ({str(e).splitlines()[0]})")
-    if total != m["num_samples"]:
-        problems.append(f"{MANIFEST}: shard counts add up to {total}, num_samples is {m['num_samples']}")
-    listed = {s["file"] for s in m["shards"]}
-    for extra in sorted(path.glob("shard-*.arrow")):
-        if extra.name not in listed:
-            problems.append(f"{extra.name}: not listed in {MANIFEST} (left over from another write?)")
+    m, fields = _read_manifest(path)
+    record = VerifiedRecord() if remember else None
+    shards = m["shards"]
+    workers = max(1, min(len(shards), usable_cores()))
+    if workers == 1:
+        results = [_check_shard(path / s["file"], s, fields, record) for s in shards]
+    else:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fastload-verify") as pool:
+            results = list(pool.map(lambda s: _check_shard(path / s["file"], s, fields, record), shards))
+    problems = [p for r in results for p in r]
+    listed = {s["file"] for s in shards}
+    for extra in sorted(os.listdir(path)):
+        if _SHARD_FILE.fullmatch(extra) and extra not in listed:
+            problems.append(f"{extra}: not listed in {MANIFEST} (left over from another write?)")
     return problems

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from ..errors import SampleError
+from ..errors import NO_SPACE_ERRNOS, NoSpaceError, SampleError
 from .format import (
     CHECKSUM_ALGO, DEFAULT_SHARD_SIZE, FORMAT_NAME, FORMAT_VERSION, KEY_COLUMN, arrow_schema,
     check_field_names, parse_field, parse_size, shard_name,
@@ -222,12 +222,19 @@ class ShardWriter:
             return
         batch = pa.RecordBatch.from_arrays(self._arrays(), schema=self.schema)
         index = len(self._shards)
-        name = shard_name(index)
-        with write_atomic(self.dir / name) as hf:
-            sink = pa.PythonFile(hf, mode="w")
-            with pa.ipc.new_file(sink, self.schema) as w:
-                w.write_batch(batch)
-            sink.close() if not sink.closed else None
+        name = shard_name(index, self._txn.generation)
+        try:
+            with write_atomic(self.dir / name) as hf:
+                sink = pa.PythonFile(hf, mode="w")
+                with pa.ipc.new_file(sink, self.schema) as w:
+                    w.write_batch(batch)
+                sink.close() if not sink.closed else None
+        except OSError as e:
+            if e.errno not in NO_SPACE_ERRNOS:
+                raise
+            written = sum(s["bytes"] for s in self._shards)
+            self.abort()  # nothing of the new dataset stays behind (an old one being replaced does)
+            raise NoSpaceError(self.path, needed=written + batch.nbytes, written=written, detail=name) from None
         self._shards.append({
             "file": name,
             "num_samples": int(batch.num_rows),
@@ -268,7 +275,14 @@ class ShardWriter:
             raise RuntimeError(f"ShardWriter for {self.path} is already closed")
         self._flush()
         m = self.manifest()
-        self._txn.commit(m)
+        try:
+            self._txn.commit(m)
+        except OSError as e:
+            if e.errno not in NO_SPACE_ERRNOS:
+                raise
+            self.abort()
+            raise NoSpaceError(self.path, needed=m["total_bytes"] + 4096, written=m["total_bytes"],
+                               detail="manifest.json") from None
         self._closed = True
         return m
 
