@@ -40,7 +40,7 @@ from . import _C
 from .ringspec import as_index as _as_index
 from .ringspec import parse_fields as _parse_fields
 from .ringspec import parse_sources as _parse_sources
-from .system import usable_cores
+from .system import check_fits_in_memory, usable_cores
 from .validate import is_int as _is_int
 
 __all__ = ["FillSlot", "Ring", "RingBatch", "default_slots", "default_threads"]
@@ -209,6 +209,9 @@ class Ring:
         if slot_bytes > _MAX_SLOT_BYTES:
             raise ValueError(f"batch_size={batch_size} rows of {row_bytes} bytes need a {slot_bytes:,}-byte slot; "
                              "lower batch_size")
+        check_fits_in_memory(int(slots) * slot_bytes,
+                             f"a ring of {slots} slots of batch_size={batch_size} rows ({row_bytes:,} bytes each)",
+                             "lower batch_size or the number of slots (a Loader's prefetch)")
         if max_slots is None:
             max_slots = int(slots) + max(2, min(64, _GROWTH_BUDGET // max(slot_bytes, 1)))
         if not _is_int(max_slots) or max_slots < slots:
@@ -379,14 +382,27 @@ class Ring:
         while self.pending > 0:
             yield self.get()
 
-    def drain(self) -> None:
-        """Take (and drop) every pending batch, errors included, so all slots are free."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Take (and drop) every pending batch, errors included, so all slots are free.
+        With ``timeout`` (seconds), give up when no batch became ready for that long (a fill
+        that never completes); returns True when nothing is pending any more."""
+        import time
+
         while not self._closed and self.pending > 0:
+            t0 = time.monotonic()
             try:
-                self.get_arrays()
-            except Exception:  # a batch's error (a failed fill raises its own): dropped too
-                pass
+                got = self._live().get(-1 if timeout is None else int(timeout * 1000))
+            except _C.FillFailed as e:  # a failed fill: dropped too
+                self._fill_errors.pop(e.args[1], None)
+                continue
+            except Exception:  # a batch's error: dropped too
+                continue
+            if got is None:
+                logger.warning("fastload ring: %d batch(es) still pending after %.1f s; giving up draining",
+                               self.pending, time.monotonic() - t0)
+                return False
         self._fill_errors.clear()
+        return True
 
     # ------------------------------------------------------------------ lifetime
     def _live(self) -> Any:

@@ -50,6 +50,9 @@ from typing import Any
 
 import numpy as np
 
+from .system import check_fits_in_memory
+from .validate import check_bool, check_int, check_seed
+
 SAMPLER_STATE_VERSION = 2  # 2: plain permutations by fastload._C.permutation (1: numpy's)
 SHUFFLE_MODES = ("full", "window")
 
@@ -260,9 +263,12 @@ def _digest(a: np.ndarray | None) -> str | None:
 
 
 def _int(name: str, v: Any, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"{name}={v!r} must be an int >= {lo}")
-    return int(v)
+    return check_int(name, v, min=lo)
+
+
+# Bytes per stream position while drawing an epoch (the stream itself, sorted uniforms and
+# the drawn indices of weighted draws, the class slots of balanced draws).
+_DRAW_BYTES = 24
 
 
 # -- the object ------------------------------------------------------------------------------
@@ -301,11 +307,11 @@ class Sampler:
         self.rank = _int("rank", rank, 0)
         if self.rank >= self.world_size:
             raise ValueError(f"rank={rank} must be < world_size={world_size}")
-        self.seed = _int("seed", seed, 0)
-        self.shuffle = bool(shuffle)
-        self.drop_last = bool(drop_last)
-        self.drop_last_batch = bool(drop_last_batch)
-        self.replacement = bool(replacement)
+        self.seed = check_seed("seed", seed)
+        self.shuffle = check_bool("shuffle", shuffle)
+        self.drop_last = check_bool("drop_last", drop_last)
+        self.drop_last_batch = check_bool("drop_last_batch", drop_last_batch)
+        self.replacement = check_bool("replacement", replacement)
         if weights is not None and balance_labels is not None:
             raise ValueError("pass weights= or balance_labels=, not both")
 
@@ -339,6 +345,8 @@ class Sampler:
             if self.weights is None and self.labels is None:
                 raise ValueError("num_draws applies to weighted or class-balanced sampling only")
             num_draws = _int("num_draws", num_draws, 1)
+            check_fits_in_memory(num_draws * _DRAW_BYTES, f"num_draws={num_draws:,} (the epoch's stream of draws)",
+                                 "lower num_draws (it is the number of samples drawn per epoch, all ranks together)")
             if self.weights is not None and not self.replacement and num_draws > positive:
                 raise ValueError(f"num_draws={num_draws} without replacement exceeds the {positive} "
                                  "samples with a positive weight")
@@ -481,6 +489,17 @@ class Sampler:
                                  f"{key}={mine!r}; resume with the same {key}")
         epoch = _int("state['epoch']", state.get("epoch"), 0)
         consumed = _int("state['consumed']", state.get("consumed"), 0)
+        saved_world = _int("state['world_size']", state.get("world_size"), 1)
+        saved_drop = state.get("drop_last")
+        if not isinstance(saved_drop, bool):
+            raise ValueError(f"sampler state has drop_last={saved_drop!r}; not a fastload Sampler state?")
+        # The most a run can have consumed: the whole stream, padded to whole steps of the
+        # world size it was saved at (a state at the end of an epoch resumes to nothing).
+        end = max(self.stream_len, per_rank_count(self.stream_len, saved_world, saved_drop) * saved_world)
+        if consumed > end:
+            raise ValueError(f"sampler state has consumed={consumed}, beyond the end of an epoch of {self.stream_len} "
+                             f"stream positions (at most {end} with world_size={saved_world}); the state is damaged "
+                             "or belongs to another dataset")
         self.epoch = epoch
         self._consumed = consumed
         self._resume_pending = True

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["local_world_size", "usable_cores"]
+__all__ = ["available_memory", "check_fits_in_memory", "local_world_size", "usable_cores"]
 
 
 def usable_cores() -> int:
@@ -25,3 +25,54 @@ def local_world_size() -> int:
     A malformed value counts as 1."""
     v = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     return int(v) if v.isdigit() and int(v) > 0 else 1
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate without swapping or being killed: the kernel's
+    ``MemAvailable``, lowered to what the cgroup (container) memory limit leaves; None where
+    it cannot be told."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < (1 << 60):
+            left = max(0, limit - usage)
+            avail = left if avail is None else min(avail, left)
+            break
+    return avail
+
+
+def check_fits_in_memory(nbytes: int, what: str, hint: str) -> None:
+    """ValueError before allocating ``nbytes`` that this machine cannot hold: ``what`` needs
+    N bytes, M are available; ``hint`` says what to lower."""
+    avail = available_memory()
+    if avail is not None and nbytes > avail:
+        raise ValueError(f"{what} needs {_gb(nbytes)} of memory, but only {_gb(avail)} is available; {hint}")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .validate import check_int
+
 
 @dataclass(frozen=True)
 class World:
@@ -17,15 +19,19 @@ class World:
     source: str = "default"
 
     def __post_init__(self):
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world_size={self.world_size!r} must be an int >= 1")
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+        check_int("world_size", self.world_size, min=1)
+        check_int("rank", self.rank, min=0)
+        if not self.rank < self.world_size:
             raise ValueError(f"rank={self.rank!r} must be an int in [0, world_size={self.world_size})")
 
     @classmethod
     def detect(cls, rank: int | None = None, world_size: int | None = None) -> "World":
+        if rank is not None:
+            rank = check_int("rank", rank, min=0)
+        if world_size is not None:
+            world_size = check_int("world_size", world_size, min=1)
         if rank is not None and world_size is not None:
-            return cls(int(rank), int(world_size), "arguments")
+            return cls(rank, world_size, "arguments")
         src = "default"
         r, w = 0, 1
         try:
@@ -37,14 +43,14 @@ class World:
             pass
         if src == "default" and ("RANK" in os.environ or "WORLD_SIZE" in os.environ):
             try:
-                r = int(os.environ.get("RANK", "0"))
-                w = int(os.environ.get("WORLD_SIZE", "1"))
+                r = int(os.environ.get("RANK", "0").strip())
+                w = int(os.environ.get("WORLD_SIZE", "1").strip())
             except ValueError:
                 raise ValueError(f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
                                  "must be integers") from None
             src = "environment"
         if rank is not None:
-            r, src = int(rank), "arguments"
+            r, src = rank, "arguments"
         if world_size is not None:
-            w, src = int(world_size), "arguments"
+            w, src = world_size, "arguments"
         return cls(r, w, src)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -48,6 +49,7 @@ class EpochIterator:
         self._nbytes: dict[int, int] = {}  # batch bytes by row count
         self._done_sampling = False
         self.closed = False
+        self._pid = os.getpid()
         progress.position = plan.start
         stats.begin_epoch()
         try:
@@ -76,6 +78,9 @@ class EpochIterator:
         return self
 
     def __next__(self) -> dict[str, Any]:
+        if os.getpid() != self._pid:
+            raise RuntimeError("this Loader iterator was created before os.fork(); its threads do not exist in "
+                               "this process. Create a new fastload.Loader in the child process.")
         if self.closed or not self._pending:
             finished = not self.closed
             self.close()
@@ -109,10 +114,13 @@ class EpochIterator:
         return batch
 
     def close(self) -> None:
-        """End this pass: stats stop their clock, the source joins its threads and drains."""
+        """End this pass: stats stop their clock, the source joins its threads and drains
+        (in a forked child, whose copy of the source has no threads: nothing)."""
         if self.closed:
             return
         self.closed = True
+        if os.getpid() != self._pid:
+            return
         self._stats.end_epoch()
         self._pending.clear()
         self._source.close()

@@ -27,6 +27,7 @@ __all__ = ["HostImageFeeder", "HostSource"]
 logger = logging.getLogger("fastload")
 
 INDEX = "index"
+DRAIN_TIMEOUT_S = 30.0  # close() never waits longer for a batch that does not come
 
 
 def submit_batches(ring, dataset, batches: Sequence[np.ndarray]) -> None:
@@ -78,7 +79,7 @@ class HostSource:
         self._closed = True
         if self._feeder is not None:
             self._feeder.close()
-        self._ring.drain()  # slots free for the next epoch
+        self._ring.drain(timeout=DRAIN_TIMEOUT_S)  # slots free for the next epoch
 
 
 class HostImageFeeder:

@@ -22,7 +22,8 @@ from typing import Any, Iterator, Mapping, Sequence
 from ..store import Dataset, DatasetReader
 from ..world import World
 from .epoch import EpochIterator, Progress
-from .options import Options, build_options, make_sampler
+from ..store.integrity import DEFAULT_VERIFY
+from .options import Options, build_options, fit_to_epoch, make_sampler
 from .parts import Parts
 from .stats import Stats
 
@@ -54,13 +55,18 @@ class Loader:
             bytes fields are delivered as lists when named here).
         transforms: ``{image_field: fastload.vision.train(224) | eval(...) | custom(...)}``.
         threads: gather threads (default: the usable cores minus one, at most 7);
-            prefetch: batches in flight (default: up to 8, fewer for big batches to aim at 256 MB of slots).
+            prefetch: batches in flight (default: up to 8, fewer for big batches to aim at 256 MB of slots;
+            at most the batches of an epoch). Slots hold min(batch_size, samples per rank) rows and
+            must fit in the available memory (else a ValueError before anything is allocated).
         weights, replacement, num_draws, balance: weighted / class-balanced sampling
             (``weights`` may name a field of the dataset; ``balance=True`` balances the label
             field); shuffle_mode / window: locality-preserving shuffle (see Sampler).
         on_error: for undecodable images: "raise" (an error naming shard, row and key) or
             "skip" (replaced deterministically by the next decodable sample, counted in stats).
         log_every: log ``stats()`` every this many batches (``logging`` at INFO).
+        verify: when ``dataset`` is a path, how its shards are checked against the manifest's
+            checksums: "first-use" (default: each shard hashed once before its rows are
+            delivered, remembered for the node), "always" (every process hashes), "off".
 
     Every batch is a dict of tensors (plus ``batch["index"]``, the global sample indices);
     ``len(loader)`` is the number of batches per epoch on this rank. The configuration is
@@ -73,10 +79,17 @@ class Loader:
                  transforms: Mapping[str, Any] | None = None, threads: int | None = None,
                  prefetch: int | None = None, weights: Any = None, replacement: bool = True,
                  num_draws: int | None = None, balance: bool | str = False, shuffle_mode: str = "full",
-                 window: int | None = None, on_error: str = "raise", log_every: int | None = None):
+                 window: int | None = None, on_error: str = "raise", log_every: int | None = None,
+                 verify: str | None = None):
         self._closed = True  # until fully built (__del__ / close() of a half-built Loader)
         self._parts = None
-        ds = dataset if isinstance(dataset, DatasetReader) else Dataset(dataset)
+        if isinstance(dataset, DatasetReader):
+            if verify is not None and verify != dataset.verify_policy:
+                raise ValueError(f"verify={verify!r}: the dataset was opened with verify={dataset.verify_policy!r}; "
+                                 f"open it with fastload.Dataset(path, verify={verify!r}) or pass the path")
+            ds = dataset
+        else:
+            ds = Dataset(dataset, verify=DEFAULT_VERIFY if verify is None else verify)
         self._dataset = ds
         self._world = World.detect(rank, world_size)
         self._options = build_options(ds, batch_size=batch_size, seed=seed, device=device, fields=fields,
@@ -85,6 +98,7 @@ class Loader:
         self._sampler = make_sampler(ds, self._world, batch_size=self._options.batch_size, seed=self._options.seed,
                                      shuffle=shuffle, drop_last=drop_last, weights=weights, replacement=replacement,
                                      num_draws=num_draws, balance=balance, shuffle_mode=shuffle_mode, window=window)
+        self._options = fit_to_epoch(self._options, ds, self._sampler, prefetch_given=prefetch is not None)
         self._stats = Stats()
         self._progress = Progress()
         # Threads, the ring and DALI pipelines live in Parts, which holds no reference to
@@ -130,6 +144,7 @@ class Loader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._closed:
             raise RuntimeError("this Loader is closed")
+        self._parts.check_process()
         self._parts.stop_iter()
         plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
         o = self._options
@@ -176,15 +191,21 @@ class Loader:
         means data loading keeps up; near 1 means the loop is starved."""
         out = self._stats.snapshot()
         out["epoch"] = self._sampler.epoch
+        out["verify"] = self._dataset.verify_stats()
         ring = self._parts.ring_stats() if self._parts is not None else None
         if ring is not None:
             out["ring"] = ring
         return out
 
     def close(self) -> None:
-        """Stop and join every thread, release the ring and DALI pipelines. Idempotent."""
+        """Stop and join every thread, release the ring and DALI pipelines. Idempotent. Every
+        wait has a deadline. In a child forked from the process that made this Loader, it
+        only marks it closed (the threads belong to the parent)."""
         self._closed = True
         if self._parts is None:
+            return
+        if self._parts.forked:
+            self._parts.close()
             return
         self._parts.stop_iter()
         self._stats.detach_all()  # stats() stays complete after close()

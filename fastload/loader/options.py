@@ -8,7 +8,7 @@ transform, string/bytes fields as lists), the device, and the thread and prefetc
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
@@ -19,9 +19,10 @@ from ..pipeline.presets import Transform
 from ..ring import default_threads
 from ..sampling import Sampler
 from ..store.format import INDEX_KEY
-from ..validate import check_choice, check_int
+from ..system import check_fits_in_memory
+from ..validate import check_bool, check_choice, check_int, check_seed
 
-__all__ = ["ON_ERROR", "Options", "build_options", "default_prefetch", "make_sampler"]
+__all__ = ["ON_ERROR", "Options", "build_options", "default_prefetch", "fit_to_epoch", "make_sampler", "ring_slots"]
 
 logger = logging.getLogger("fastload")
 
@@ -43,6 +44,8 @@ class Options:
     prefetch: int  # batches in flight
     on_error: str
     log_every: int | None
+    verify: str  # the dataset's shard verification policy
+    slot_rows: int = 0  # rows a ring slot / DALI batch holds: min(batch_size, samples per rank)
 
 
 def default_prefetch(threads: int, batch_bytes: int) -> int:
@@ -92,9 +95,19 @@ def _resolve_fields(ds, fields: Sequence[str] | None, transforms: Any) -> tuple[
     return fields, transforms
 
 
+def _row_bytes(ds, raw: Sequence[str], transforms: Mapping[str, Transform], host_images: bool) -> int:
+    """Bytes of one row in a ring slot: raw fields, the index, and (on the host path) each
+    image field's decoded output."""
+    n = sum(ds.fields[f].row_nbytes for f in raw) + 8
+    if host_images:
+        n += sum(np.dtype(t.out_dtype).itemsize * int(np.prod(t.out_shape)) for t in transforms.values())
+    return int(n)
+
+
 def build_options(ds, *, batch_size: Any, seed: Any, device: Any, fields: Sequence[str] | None, transforms: Any,
                   threads: Any, prefetch: Any, on_error: Any, log_every: Any) -> Options:
     batch_size = check_int("batch_size", batch_size, min=1)
+    seed = check_seed("seed", seed)
     check_choice("on_error", on_error, ON_ERROR)
     if log_every is not None:
         log_every = check_int("log_every", log_every, min=1)
@@ -107,14 +120,38 @@ def build_options(ds, *, batch_size: Any, seed: Any, device: Any, fields: Sequen
     # cores, 1 gather thread beat 2 on both MNIST rows (54% vs 47% of memcpy) and
     # 3x224x224 rows (106% vs 101%), interleaved A/B in one process.
     threads = max(1, default_threads() - 1) if threads is None else check_int("threads", threads, min=1, max=256)
-    batch_bytes = batch_size * (sum(ds.fields[n].row_nbytes for n in raw) + 8)  # + the index
-    batch_bytes += batch_size * sum(np.dtype(t.out_dtype).itemsize * int(np.prod(t.out_shape))
-                                    for t in transforms.values())
+    device = resolve_device(device)
+    batch_bytes = batch_size * _row_bytes(ds, raw, transforms, device.type != "cuda")
     prefetch = default_prefetch(threads, batch_bytes) if prefetch is None else check_int("prefetch", prefetch, min=1)
-    return Options(batch_size=batch_size, seed=check_int("seed", seed, min=0), device=resolve_device(device),
+    return Options(batch_size=batch_size, seed=seed, device=device,
                    fields=tuple(fields), raw_fields=raw, image_fields=images, list_fields=lists,
                    transforms=MappingProxyType(transforms), threads=threads, prefetch=prefetch,
-                   on_error=on_error, log_every=log_every)
+                   on_error=on_error, log_every=log_every, verify=ds.verify_policy, slot_rows=batch_size)
+
+
+def fit_to_epoch(o: Options, ds, sampler, *, prefetch_given: bool) -> Options:
+    """Size the ring from what the dataset can fill, not from the nominal arguments: a batch
+    never holds more rows than this rank reads per epoch (``batch_size=10**7`` on a 60,000-sample
+    dataset makes 60,000-row slots), no more batches are in flight than an epoch has, and the
+    slots must fit in the memory available — else a ValueError naming batch_size and prefetch,
+    before anything is allocated."""
+    rows = max(1, min(o.batch_size, sampler.num_samples_per_rank))
+    row_bytes = _row_bytes(ds, o.raw_fields, o.transforms, o.device.type != "cuda")
+    prefetch = o.prefetch if prefetch_given else default_prefetch(o.threads, rows * row_bytes)
+    prefetch = max(1, min(prefetch, sampler.batches_per_epoch))
+    slots = ring_slots(prefetch)
+    check_fits_in_memory(
+        slots * rows * row_bytes,
+        f"batch_size={o.batch_size} ({rows:,} rows per batch on this rank) with prefetch={prefetch} "
+        f"({slots} ring slots of {rows * row_bytes:,} bytes)",
+        "lower batch_size or prefetch")
+    return replace(o, slot_rows=rows, prefetch=prefetch)
+
+
+def ring_slots(prefetch: int) -> int:
+    """Ring slots for ``prefetch`` batches in flight: one held by the training loop, one in
+    the hand-off, at least three."""
+    return max(prefetch + 2, 3)
 
 
 def make_sampler(ds, world, *, batch_size: int, seed: int, shuffle: bool, drop_last: bool, weights: Any,
@@ -128,6 +165,8 @@ def make_sampler(ds, world, *, batch_size: int, seed: int, shuffle: bool, drop_l
             raise ValueError(f"weights={weights!r} must name a scalar field of {ds.path}")
         weights = ds.get_batch(np.arange(len(ds)), fields=[weights])[weights].astype(np.float64)
     labels = None
+    if not isinstance(balance, str):
+        balance = check_bool("balance", balance)
     if balance:
         lf = balance if isinstance(balance, str) else ds.label_field
         if lf is None or lf not in ds.fields or ds.fields[lf].kind != "scalar":

@@ -8,15 +8,17 @@ the ring's threads.
 """
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
 
 import numpy as np
 
+from .. import lifecycle
 from ..ring import Ring
 from .decode import Decoders
 from .host import INDEX, HostSource
-from .options import Options
+from .options import Options, ring_slots
 from .source import BatchSource
 from .stats import Stats
 
@@ -32,6 +34,26 @@ class Parts:
         self._decoders: Decoders | None = None
         self._delivery = None  # CudaDelivery on a CUDA device
         self._iter_ref: weakref.ref | None = None
+        self._pid = os.getpid()
+        self.forked = False  # True in a child forked from the process that built these parts
+        lifecycle.track(self)
+
+    # -- process lifecycle (see fastload/lifecycle.py) ---------------------------------------
+    def _after_fork_in_child(self) -> None:
+        # None of the threads exist here and their locks may be held: never touch them. The
+        # ring is inert by itself (C++), the DALI runners leak their pipelines (runner.py).
+        self.forked = True
+
+    def _close_at_exit(self, deadline_s: float) -> None:
+        if not self.forked:
+            self.close()
+
+    def check_process(self) -> None:
+        """RuntimeError in a child forked after these parts were built (they are inert there)."""
+        if self.forked or lifecycle.forked(self._pid):
+            raise RuntimeError(
+                f"this Loader was created in process {self._pid}, before os.fork(); its threads do not exist in "
+                f"this process ({os.getpid()}). Create a new fastload.Loader in the child process.")
 
     @property
     def cuda(self) -> bool:
@@ -47,21 +69,22 @@ class Parts:
             for n in o.raw_fields:
                 f = ds.fields[n]
                 specs[n] = (f.np_dtype, f.shape)
-                sources[n] = [ds.column(s, n) for s in range(ds.num_shards)]
+                # views of every shard; each shard is verified before a batch reads it (locate)
+                sources[n] = [ds.column(s, n, verify=False) for s in range(ds.num_shards)]
             if not self.cuda:
                 for n in o.image_fields:
                     t = o.transforms[n]
                     specs[n] = (np.dtype(t.out_dtype), tuple(t.out_shape))
             specs[INDEX] = (np.int64, ())
-            ring = Ring(specs, o.batch_size, sources, index_field=INDEX, threads=o.threads,
-                        slots=max(o.prefetch + 2, 3))
+            ring = Ring(specs, o.slot_rows, sources, index_field=INDEX, threads=o.threads,
+                        slots=ring_slots(o.prefetch))
             self._ring = ring
             self._stats.attach("ring", lambda: {"gather_s": ring.stats()["gather_ns"] / 1e9})
         return self._ring
 
     def ring_stats(self) -> dict | None:
         ring = self._ring
-        if ring is None or ring.closed:
+        if ring is None or ring.closed or self.forked:
             return None
         s = ring.stats()
         if self._delivery is not None:
@@ -73,7 +96,7 @@ class Parts:
             o = self._opts
             self._decoders = Decoders(o.transforms, device=o.device.type,
                                       device_id=o.device.index if self.cuda else None,
-                                      batch_size=o.batch_size, seed=o.seed)
+                                      batch_size=o.slot_rows, seed=o.seed)
         return self._decoders
 
     def delivery(self):
@@ -104,10 +127,14 @@ class Parts:
     def stop_iter(self) -> None:
         it = self._iter_ref() if self._iter_ref is not None else None
         self._iter_ref = None
-        if it is not None:
+        if it is not None and not self.forked:
             it.close()
 
     def close(self) -> None:
+        if self.forked:  # a child's inert copy: drop references, join and lock nothing
+            self._iter_ref = None
+            return
+        lifecycle.untrack(self)
         self.stop_iter()
         decoders, self._decoders = self._decoders, None
         if decoders is not None:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..validate import check_int
 from .runner import Runner
 from .crops import train_params
 
@@ -18,7 +19,8 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 DTYPES = ("float32", "float16", "uint8")
 LAYOUTS = ("CHW", "HWC")
-DEFAULT_MAX_PIXELS = 2**26  # 67 MP: 200 MB decoded; larger headers are refused before decoding
+# 67 MP (200 MB decoded): larger headers are refused before decoding, here and by convert
+from ..store.geometry import DEFAULT_MAX_PIXELS  # noqa: E402
 
 __all__ = ["Transform", "train", "eval", "custom", "IMAGENET_MEAN", "IMAGENET_STD", "DEFAULT_MAX_PIXELS"]
 
@@ -106,9 +108,7 @@ class _Normalized(Transform):
             self.std = _channels("std", IMAGENET_STD if std is None else std)
             if min(self.std) <= 0:
                 raise ValueError(f"std={std!r} must be > 0")
-        if isinstance(max_pixels, bool) or not isinstance(max_pixels, (int, np.integer)) or max_pixels <= 0:
-            raise ValueError(f"max_pixels={max_pixels!r} must be a positive int")
-        self.max_pixels = int(max_pixels)
+        self.max_pixels = check_int("max_pixels", max_pixels, min=1)
         h, w = self.size
         self.out_shape = (3, h, w) if layout == "CHW" else (h, w, 3)
         self.out_dtype = dtype
@@ -220,7 +220,7 @@ class Custom(Transform):
         self.out_dtype = dtype
         self.build = build
         self.name = name or f"{getattr(build, '__module__', '?')}.{getattr(build, '__qualname__', repr(build))}"
-        self.max_pixels = int(max_pixels)
+        self.max_pixels = check_int("max_pixels", max_pixels, min=1)
 
     def describe(self) -> dict:
         return {"kind": "custom", "name": self.name, "shape": list(self.out_shape), "dtype": self.out_dtype,

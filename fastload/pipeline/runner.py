@@ -8,10 +8,12 @@ the failing samples, raised as :class:`fastload.errors.BadSamples`.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
 
+from .. import lifecycle
 from ..errors import BadSamples
 from ..system import usable_cores
 
@@ -71,12 +73,18 @@ class Runner:
         self.max_pixels = transform.max_pixels
         self._pipe = None
         self._copied = None  # CUDA: event after the last copy out of DALI's output buffer
+        self._pid = os.getpid()
         self.rebuilds = 0
         self.copy_s = 0.0  # time copying DALI's output out (into a ring slot / a CUDA tensor)
 
     # -- the graph ---------------------------------------------------------------------------
     def _build(self):
         from nvidia.dali import fn, pipeline_def, types
+
+        # DALI shuts its pipelines down in an atexit hook; ours (registered after DALI's
+        # import, so it runs first) closes live Loaders before that, while DALI still runs.
+        lifecycle.close_at_exit("nvidia.dali")
+        lifecycle.track(self)
 
         t = self.transform
         gpu = self.device == "cuda"
@@ -101,7 +109,21 @@ class Runner:
             self._pipe = self._build()
         return self._pipe
 
+    def _after_fork_in_child(self) -> None:
+        """In a forked child the pipeline's threads do not exist: shutting it down (DALI's own
+        atexit hook does, and so does its destructor) would wait for them forever. Keep the
+        backend pipeline alive for good and out of DALI's registry; the child builds its own."""
+        pipe, self._pipe = self._pipe, None
+        self._copied = None
+        if pipe is not None:
+            _leak_in_child(pipe)
+
     def _drop_pipeline(self) -> None:
+        if os.getpid() != self._pid:  # a forked child's copy (see _after_fork_in_child)
+            pipe, self._pipe = self._pipe, None
+            if pipe is not None:
+                _leak_in_child(pipe)
+            return
         if self._copied is not None:  # CUDA: the last copy out of DALI's buffer must be done
             self._copied.synchronize()
             self._copied = None
@@ -230,6 +252,26 @@ class Runner:
 
 
 _CANARY_SIZE = 256
+_LEAKED: list = []  # pipelines inherited by a forked child: never shut down there
+
+
+def _leak_in_child(pipe) -> None:
+    """Make an inherited DALI pipeline inert in a forked child: out of DALI's exit-time
+    registry, its backend object referenced forever (an extra reference that even the
+    interpreter's teardown does not drop), so nothing ever joins the parent's threads."""
+    import ctypes
+    import weakref
+
+    backend = getattr(pipe, "_pipe", None)
+    try:
+        type(pipe)._pipes.discard(weakref.ref(pipe))
+    except Exception:  # pragma: no cover - another DALI version
+        pass
+    if backend is not None:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(backend))
+        pipe._pipe = None  # Pipeline.__del__ / _shutdown now have nothing to shut down
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pipe))
+    _LEAKED.append(pipe)
 
 
 def _canary_jpeg() -> np.ndarray:

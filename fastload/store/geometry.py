@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import io
 
-__all__ = ["displayed_size", "image_size"]
+__all__ = ["DEFAULT_MAX_PIXELS", "displayed_size", "image_size"]
+
+# The one image-size limit: the Loader's transforms refuse images with more pixels than this
+# (before decoding), and convert refuses them at conversion time by default, so a dataset that
+# converts is a dataset that loads. 2**26 = 67 MP, about 200 MB decoded as RGB.
+DEFAULT_MAX_PIXELS = 2**26
 
 # EXIF orientations 5-8 rotate by 90 degrees: the decoders (DALI, like PIL's exif_transpose)
 # deliver the image upright, so its width and height are swapped relative to the pixel data.
