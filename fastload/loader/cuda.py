@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .decode import Decoders, decode_fields, runner_decoder
-from .host import INDEX, submit_batches
+from .host import DRAIN_TIMEOUT_S, INDEX, submit_batches
 from .source import Ready
 
 __all__ = ["CudaDelivery", "CudaImageFeeder", "CudaSource"]
@@ -167,7 +167,7 @@ class CudaSource:
         self._closed = True
         if self._feeder is not None:
             self._feeder.close()
-        self._ring.drain()
+        self._ring.drain(timeout=DRAIN_TIMEOUT_S)
 
 
 class CudaImageFeeder:
@@ -191,6 +191,7 @@ class CudaImageFeeder:
         self._outbox: queue.Queue = queue.Queue()  # finished batches (or errors), in order
         self._stop = threading.Event()
         self._runners = decoders.for_worker(self._image_fields, 0)
+        self._known_bad = decoders.known_bad
         self._thread = threading.Thread(target=self._run, name="fastload-feeder-cuda", daemon=True)
         self._thread.start()
 
@@ -229,7 +230,7 @@ class CudaImageFeeder:
         decoders = {name: runner_decoder(self._runners[name], ds, name, self._epoch, None, self._stats)
                     for name in self._image_fields}
         images, final, replaced = decode_fields(decoders, idx, num_samples=len(ds), on_error=self._on_error,
-                                                describe=ds.describe)
+                                                describe=ds.describe, known_bad=self._known_bad)
         if replaced:
             self._stats.add("replaced_samples", replaced)
         self._ring.submit(*ds.locate(final), index=final)

@@ -13,8 +13,9 @@ first use and closed with the Loader.
 """
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import numpy as np
 
@@ -22,18 +23,43 @@ from ..errors import BadSamples, DecodeError
 
 __all__ = ["MAX_REPLACEMENT_ROUNDS", "Decoders", "decode_fields", "decode_with_replacement"]
 
+logger = logging.getLogger("fastload")
+
 MAX_REPLACEMENT_ROUNDS = 64
 
 
+def _skip_known(idx: np.ndarray, known_bad: Mapping[int, str], num_samples: int) -> int:
+    """Replace (in place) every index already known to be undecodable by the next one that
+    is not; returns the number of replacements."""
+    if not known_bad:
+        return 0
+    bad = np.fromiter(known_bad.keys(), dtype=np.int64, count=len(known_bad))
+    replaced = 0
+    for _ in range(min(num_samples, MAX_REPLACEMENT_ROUNDS)):
+        hit = np.isin(idx, bad)
+        if not hit.any():
+            break
+        idx[hit] = (idx[hit] + 1) % num_samples
+        replaced += int(hit.sum())
+    return replaced
+
+
 def decode_with_replacement(decode: Callable[[np.ndarray], Any], idx: np.ndarray, *, num_samples: int,
-                            on_error: str, describe: Callable[[int], str], field: str
-                            ) -> tuple[Any, np.ndarray, int]:
+                            on_error: str, describe: Callable[[int], str], field: str,
+                            known_bad: MutableMapping[int, str] | None = None) -> tuple[Any, np.ndarray, int]:
     """``(decode(final), final, replaced)``: ``final`` is ``idx`` with every sample the
     decoder refused replaced by the next sample (``on_error="skip"``), ``replaced`` how many
     replacements were made. With ``on_error="raise"`` the first refusal raises DecodeError
-    naming shard, row and key of each refused sample (``describe(index)``)."""
+    naming shard, row and key of each refused sample (``describe(index)``).
+
+    ``known_bad`` (``{index: reason}``, kept by the caller across epochs): samples already
+    found undecodable are replaced before decoding (the same result, without running the
+    decoder on them again and bisecting every epoch); a newly found one is added and logged
+    once (one line naming shard, row, key and the reason)."""
     idx = np.array(idx, dtype=np.int64, copy=True)
     replaced = 0
+    if known_bad is not None and on_error == "skip":
+        replaced += _skip_known(idx, known_bad, num_samples)
     for _round in range(MAX_REPLACEMENT_ROUNDS):
         try:
             return decode(idx), idx, replaced
@@ -42,25 +68,35 @@ def decode_with_replacement(decode: Callable[[np.ndarray], Any], idx: np.ndarray
                 lines = [f"{describe(int(idx[p]))}: {r}" for p, r in zip(e.positions, e.reasons)]
                 raise DecodeError(f"cannot decode image field {field!r}: " + "; ".join(lines)
                                   + " (pass on_error='skip' to replace such samples)") from None
-            for p in e.positions:
+            for p, r in zip(e.positions, e.reasons):
+                bad = int(idx[p])
+                if known_bad is not None and bad not in known_bad:
+                    known_bad[bad] = r
+                    logger.warning("fastload: image field %r of %s cannot be decoded (%s); on_error='skip' "
+                                   "replaces it by the next sample", field, describe(bad), r)
                 idx[p] = (idx[p] + 1) % num_samples  # deterministic: the next sample
             replaced += len(e.positions)
+            if known_bad is not None:
+                replaced += _skip_known(idx, known_bad, num_samples)
     raise DecodeError(f"image field {field!r}: gave up replacing undecodable samples near index {int(idx[0])} "
                       f"after {MAX_REPLACEMENT_ROUNDS} rounds (is most of the dataset undecodable?)")
 
 
 def decode_fields(decoders: Mapping[str, Callable[[np.ndarray], Any]], idx: np.ndarray, *, num_samples: int,
-                  on_error: str, describe: Callable[[int], str]) -> tuple[dict[str, Any], np.ndarray, int]:
+                  on_error: str, describe: Callable[[int], str],
+                  known_bad: MutableMapping[str, dict] | None = None) -> tuple[dict[str, Any], np.ndarray, int]:
     """Decode every image field of one batch: ``(results by field, final indices,
     replacements)``. If a field replaces samples, the fields decoded before it are decoded
-    again with the replacements, so every field of a row comes from the same sample."""
+    again with the replacements, so every field of a row comes from the same sample.
+    ``known_bad``: ``{field: {index: reason}}`` (see :func:`decode_with_replacement`)."""
     replaced = 0
     while True:
         results: dict[str, Any] = {}
         restart = False
         for i, (name, decode) in enumerate(decoders.items()):
             results[name], final, n = decode_with_replacement(
-                decode, idx, num_samples=num_samples, on_error=on_error, describe=describe, field=name)
+                decode, idx, num_samples=num_samples, on_error=on_error, describe=describe, field=name,
+                known_bad=None if known_bad is None else known_bad.setdefault(name, {}))
             replaced += n
             if n:
                 idx = final
@@ -101,6 +137,12 @@ class Decoders:
         self._batch_size = batch_size
         self._seed = seed
         self._runners: dict[tuple[str, int], Any] = {}
+        # {field: {global index: reason}}: samples found undecodable, kept across epochs
+        self.known_bad: dict[str, dict[int, str]] = {}
+
+    def undecodable(self) -> int:
+        """Distinct samples found undecodable so far (over all image fields)."""
+        return len({i for d in self.known_bad.values() for i in d})
 
     def get(self, field: str, worker: int = 0):
         r = self._runners.get((field, worker))

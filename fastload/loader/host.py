@@ -97,6 +97,7 @@ class HostImageFeeder:
         self._acquired: queue.Queue = queue.Queue()  # None per slot acquired, or the error
         self._stop = threading.Event()
         self._take_lock = threading.Lock()
+        self._decoders = decoders
         self._runners = [decoders.for_worker(self._image_fields, k) for k in range(workers)]
         self._threads = [threading.Thread(target=self._run, args=(k,), name=f"fastload-feeder-{k}", daemon=True)
                          for k in range(workers)]
@@ -161,7 +162,7 @@ class HostImageFeeder:
         decoders = {name: runner_decoder(runners[name], ds, name, self._epoch, tensors[name][:n], self._stats)
                     for name in self._image_fields}
         _, final, replaced = decode_fields(decoders, idx, num_samples=len(ds), on_error=self._on_error,
-                                           describe=ds.describe)
+                                           describe=ds.describe, known_bad=self._decoders.known_bad)
         if replaced:
             self._stats.add("replaced_samples", replaced)
             slot.gather(*ds.locate(final), index=final)  # replaced samples: their raw fields too

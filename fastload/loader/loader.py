@@ -192,6 +192,8 @@ class Loader:
         out = self._stats.snapshot()
         out["epoch"] = self._sampler.epoch
         out["verify"] = self._dataset.verify_stats()
+        if self._options.image_fields:
+            out["undecodable_samples"] = self._parts.undecodable() if self._parts is not None else 0
         ring = self._parts.ring_stats() if self._parts is not None else None
         if ring is not None:
             out["ring"] = ring

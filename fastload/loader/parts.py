@@ -91,6 +91,10 @@ class Parts:
             s["pinned"] = self._delivery.pinned
         return s
 
+    def undecodable(self) -> int:
+        """Distinct samples the decoders refused so far (``on_error="skip"`` replaced them)."""
+        return 0 if self._decoders is None else self._decoders.undecodable()
+
     def decoders(self) -> Decoders:
         if self._decoders is None:
             o = self._opts

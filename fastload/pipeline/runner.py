@@ -16,6 +16,7 @@ import numpy as np
 from .. import lifecycle
 from ..errors import BadSamples
 from ..system import usable_cores
+from .quiet import decoder_output_captured, messages_since
 
 logger = logging.getLogger("fastload")
 
@@ -47,6 +48,13 @@ def _reason(e: BaseException) -> str:
     if "cropping window" in msg:
         msg += " (the stored width/height do not match the encoded image)"
     return (op + msg)[:400]
+
+
+def _strip_tags(line: str) -> str:
+    """'\x1b[0;31m[ERROR] \x1b[0m[jpeg_parser] Invalid marker' -> '[jpeg_parser] Invalid marker'."""
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m|^\[(?:ERROR|WARNING|WARN|INFO)\]\s*", "", re.sub(r"\x1b\[[0-9;]*m", "", line)).strip()
 
 
 class Runner:
@@ -147,14 +155,19 @@ class Runner:
         if self._copied is not None:  # DALI may reuse its output buffer once run() is called
             self._copied.synchronize()  # again: the last copy out of it must have finished
             self._copied = None
-        out, = pipe.run()
+        with decoder_output_captured():  # the decoders' own [ERROR] lines: reported by fastload instead
+            out, = pipe.run()
         return out
 
     def _try(self, encoded, params):
+        seen, _ = messages_since(0)
         try:
             return self._run_once(encoded, params), None
         except Exception as e:  # DALI raises RuntimeError/IndexError; the pipeline is dead
             reason = _reason(e)  # keep the text, not the traceback (it holds the pipeline)
+            _, said = messages_since(seen)  # what the decoder printed (kept off the terminal)
+            if said:
+                reason = f"{reason} [decoder: {'; '.join(_strip_tags(m) for m in said[-2:])}]"[:500]
         self._drop_pipeline()
         self.rebuilds += 1
         return None, reason
