@@ -26,17 +26,22 @@ def _human(n: float) -> str:
 
 # -- convert -----------------------------------------------------------------------------
 def cmd_convert(a) -> int:
-    from .convert import ConvertError, convert
+    from .convert import convert
+    from .errors import FastloadError
+    from .files import printable
 
     try:
         r = convert(a.kind, a.src, a.dst, workers=a.workers, shard_size=a.shard_size, on_error=a.on_error,
                     overwrite=a.overwrite, label=a.label, image_columns=a.image_column or (),
-                    max_pixels=a.max_pixels, progress=not a.quiet)
-    except (ConvertError, FileExistsError, FileNotFoundError, ValueError) as e:
-        raise _Fail(str(e)) from None
+                    max_pixels=a.max_pixels, progress=not a.quiet, allow_small_shards=a.force_small_shards)
+    except (FastloadError, OSError, ValueError) as e:  # ENOSPC, a FIFO, a bad option: one line
+        raise _Fail(printable(str(e))) from None
     rate = r["num_samples"] / r["seconds"] if r["seconds"] else float("inf")
     print(f"wrote {r['num_samples']} samples in {r['num_shards']} shard(s), {_human(r['bytes'])}, to {r['dst']} "
           f"in {r['seconds']:.1f} s ({rate:,.0f} samples/s)")
+    if r.get("max_pixels"):
+        print(f"images were checked with PIL and DALI (the Loader's decoder) and limited to {r['max_pixels']:,} "
+              "pixels each (--max-pixels; the Loader's transforms refuse larger ones too)")
     if r["skipped"]:
         print(f"skipped {r['skipped']} sample(s) that could not be read; the list is in {r['report']}")
     return 0
@@ -128,7 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true", help="replace the fastload dataset already in DST")
     c.add_argument("--label", default=None, help="label column / array name (default: 'label' or 'labels' if present)")
     c.add_argument("--image-column", action="append", help="table column holding image paths or bytes (repeatable)")
-    c.add_argument("--max-pixels", type=int, default=None, help="refuse images with more pixels than this")
+    c.add_argument("--max-pixels", type=int, default=None,
+                   help="refuse images with more pixels than this (default 2**26 = 67,108,864, the Loader's limit)")
+    c.add_argument("--force-small-shards", action="store_true",
+                   help="allow --shard-size below 1 MB (one shard per few samples)")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
 
@@ -153,8 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    a = parser.parse_args(argv)
+    try:
+        parser = build_parser()
+        a = parser.parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the command started: the same one line
+        print("fastload: interrupted", file=sys.stderr)
+        return 130
     try:
         return int(a.func(a) or 0)
     except _Fail as e:

@@ -26,7 +26,12 @@ MAX_SAMPLE_BYTES = 1 << 30
 
 
 class NotRegularFile(ValueError):
-    """A path that is not a regular file (or is too large); the message names it."""
+    """A path that is not a regular file (or is too large); the message names it, ``detail``
+    says what is wrong without the name ("is a FIFO (named pipe), not a regular file; ...")."""
+
+    def __init__(self, what: str, path, detail: str):
+        super().__init__(f"{what} {printable(os.fspath(path))} {detail}")
+        self.detail = detail
 
 
 def _kind(mode: int) -> str:
@@ -45,11 +50,10 @@ def _kind(mode: int) -> str:
 
 def _check(st: os.stat_result, path, what: str, max_bytes: int | None) -> None:
     if not stat.S_ISREG(st.st_mode):
-        raise NotRegularFile(f"{what} {printable(os.fspath(path))} is {_kind(st.st_mode)}, not a regular file; "
-                             "fastload reads only regular files")
+        raise NotRegularFile(what, path, f"is {_kind(st.st_mode)}, not a regular file; fastload reads only "
+                                         "regular files")
     if max_bytes is not None and st.st_size > max_bytes:
-        raise NotRegularFile(f"{what} {printable(os.fspath(path))} holds {st.st_size:,} bytes, more than the "
-                             f"limit of {max_bytes:,}")
+        raise NotRegularFile(what, path, f"holds {st.st_size:,} bytes, more than the limit of {max_bytes:,}")
 
 
 def check_regular(path: str | os.PathLike, *, what: str = "file", max_bytes: int | None = None) -> os.stat_result:
@@ -81,8 +85,7 @@ def read_regular(path: str | os.PathLike, *, what: str = "file", max_bytes: int 
     with os.fdopen(fd, "rb", closefd=True) as f:
         data = f.read() if max_bytes is None else f.read(max_bytes + 1)
     if max_bytes is not None and len(data) > max_bytes:
-        raise NotRegularFile(f"{what} {printable(os.fspath(path))} grew past the limit of {max_bytes:,} bytes "
-                             "while being read")
+        raise NotRegularFile(what, path, f"grew past the limit of {max_bytes:,} bytes while being read")
     return data
 
 

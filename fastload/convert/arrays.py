@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import NotRegularFile, check_regular
 from ..store.format import SUPPORTED_DTYPES, Field
 from .common import ConvertError, Source, bulk_chunks, resolve_label
 
@@ -23,7 +24,11 @@ def _load(path: Path) -> dict[str, np.ndarray]:
             files = sorted(path.glob("*.npy"))
             if not files:
                 raise ConvertError(f"{path}: a directory with no .npy files")
+            for p in files:  # only regular files: a FIFO would block np.load, /dev/zero never end
+                check_regular(p, what="array file")
             return {p.stem: np.load(p, mmap_mode="r", allow_pickle=False) for p in files}
+        if path.suffix in (".npy", ".npz"):
+            check_regular(path, what="array file")
         if path.suffix == ".npy":
             return {path.stem: np.load(path, mmap_mode="r", allow_pickle=False)}
         if path.suffix == ".npz":
@@ -31,6 +36,8 @@ def _load(path: Path) -> dict[str, np.ndarray]:
                 return {k: z[k] for k in z.files}
     except ConvertError:
         raise
+    except NotRegularFile as e:
+        raise ConvertError(str(e)) from None
     except FileNotFoundError:
         raise ConvertError(f"{path}: no such file") from None
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:

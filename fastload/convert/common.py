@@ -11,21 +11,26 @@ import contextlib
 import io
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from ..errors import ConvertError, SampleError
-from ..store.format import DEFAULT_SHARD_SIZE, MANIFEST, SKIPPED_REPORT, Field, parse_size
-from ..store.geometry import displayed_size
+from ..errors import NO_SPACE_ERRNOS, ConvertError, NoSpaceError, SampleError
+from ..files import printable
+from ..store.format import DEFAULT_SHARD_SIZE, MANIFEST, MIN_SHARD_SIZE, SKIPPED_REPORT, Field, parse_size
+from ..store.geometry import DEFAULT_MAX_PIXELS, displayed_size
 from ..store.report import write_report
 from ..store.writer import ShardWriter
 from ..system import usable_cores
+from ..validate import check_bool, check_choice, check_int
+from .imagecheck import DaliImageCheck, MAX_BATCH as MAX_CHECK_BATCH
 
-# What DALI's decoders read (fn.decoders.image): anything else must be re-encoded first.
-DECODABLE_FORMATS = {"JPEG", "PNG", "BMP", "TIFF", "WEBP", "PPM", "JPEG2000"}
+# What DALI's decoders read (fn.decoders.image): anything else must be re-encoded first. MPO is
+# the multi-picture JPEG phones write (PIL's name for it); DALI decodes its first picture, as PIL.
+DECODABLE_FORMATS = {"JPEG", "MPO", "PNG", "BMP", "TIFF", "WEBP", "PPM", "JPEG2000"}
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".pbm", ".pnm", ".bmp", ".tif",
                     ".tiff", ".webp", ".jp2", ".j2k")
 ON_ERROR = ("raise", "skip")
@@ -43,7 +48,9 @@ def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
             if fmt not in DECODABLE_FORMATS:
                 raise ValueError(f"image format {fmt} cannot be decoded by DALI; re-encode it as JPEG or PNG")
             if max_pixels is not None and w * h > max_pixels:
-                raise ValueError(f"image of {w}x{h} = {w * h} pixels exceeds max_pixels={max_pixels}")
+                raise ValueError(f"image of {w}x{h} = {w * h} pixels exceeds max_pixels={max_pixels} (the "
+                                 "Loader would refuse it too; raise --max-pixels and the transform's max_pixels "
+                                 "together if it is genuine)")
             im.load()
             w, h = displayed_size(im)  # after load(): a PNG's eXIf chunk may follow its pixels
     except ValueError:
@@ -64,7 +71,7 @@ class Source:
     label: str | None = None
     class_names: list[str] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    max_pixels: int | None = None
+    max_pixels: int | None = DEFAULT_MAX_PIXELS
 
     def key(self, i: int) -> str:
         return str(i)
@@ -109,6 +116,14 @@ def _validate_chunk(bounds: tuple[int, int]) -> list[tuple[int, Any, str | None]
     return out
 
 
+def _ignore_sigint() -> None:
+    """Validation workers leave Ctrl-C (SIGINT to the process group) to the main process,
+    which stops them and prints one line; they never print a traceback of their own. (They
+    start with SIGINT blocked, see _validated, so none arrives before this runs.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _validated(source: Source, workers: int) -> Iterator[tuple[int, Any, str | None]]:
     n = source.num_samples
     chunk = 32
@@ -119,7 +134,13 @@ def _validated(source: Source, workers: int) -> Iterator[tuple[int, Any, str | N
         return
     global _SOURCE
     ctx = mp.get_context("fork")
-    pool = ctx.Pool(workers)
+    # Forked with SIGINT blocked (the workers ignore it before unblocking); here a Ctrl-C that
+    # came meanwhile is delivered when it is unblocked, as a KeyboardInterrupt.
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        pool = ctx.Pool(workers, initializer=_ignore_sigint)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     try:
         for res in pool.imap(_validate_chunk, bounds):
             yield from res
@@ -131,17 +152,28 @@ def _validated(source: Source, workers: int) -> Iterator[tuple[int, Any, str | N
         pool.join()
 
 
+def check_shard_size(shard_size: int | str, allow_small_shards: bool) -> int:
+    """``shard_size`` in bytes; below MIN_SHARD_SIZE (1 MB) only when forced: ``--shard-size 10``
+    means 10 bytes, one shard per sample."""
+    n = parse_size(shard_size)
+    if n < MIN_SHARD_SIZE and not allow_small_shards:
+        raise ValueError(f"shard_size={shard_size!r} is {n:,} bytes, below the floor of {MIN_SHARD_SIZE:,} "
+                         "(1 MB): that writes one small shard per few samples (sizes are bytes: use e.g. 256MB). "
+                         "Pass --force-small-shards (allow_small_shards=True) if you mean it")
+    return n
+
+
 def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None = None,
                 shard_size: int | str = DEFAULT_SHARD_SIZE, on_error: str = "raise",
-                overwrite: bool = False, progress: bool = True, desc: str = "convert") -> dict:
+                overwrite: bool = False, progress: bool = True, desc: str = "convert",
+                allow_small_shards: bool = False) -> dict:
     """Write ``source`` into the dataset directory ``dst``; return a summary."""
     global _SOURCE
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
-    workers = usable_cores() if workers is None else int(workers)
-    if workers < 0:
-        raise ValueError(f"workers={workers} must be >= 0")
-    parse_size(shard_size)
+    check_choice("on_error", on_error, ON_ERROR)
+    workers = usable_cores() if workers is None else check_int("workers", workers, min=0)
+    check_bool("overwrite", overwrite)
+    check_bool("allow_small_shards", allow_small_shards)
+    check_shard_size(shard_size, allow_small_shards)
     from tqdm import tqdm as _tqdm
 
     class tqdm(_tqdm):  # noqa: N801
@@ -150,28 +182,69 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
     t0 = time.perf_counter()
     skipped: list[dict] = []
     dst = Path(dst)
+    image_fields = [n for n, f in source.fields.items() if f.kind == "image"]
+    metadata = dict(source.metadata)
+    if image_fields:
+        metadata["max_pixels"] = source.max_pixels
     writer = ShardWriter(dst, source.fields, shard_size=shard_size, label=source.label,
-                         class_names=source.class_names, overwrite=overwrite, metadata=source.metadata)
+                         class_names=source.class_names, overwrite=overwrite, metadata=metadata)
     bar = tqdm(total=source.num_samples, unit="samples", desc=desc, disable=not progress,
                file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+    checker = DaliImageCheck() if image_fields else None
+    pending: list[tuple[int, dict, dict]] = []  # read, waiting for the DALI check, in source order
     _SOURCE = source
     try:
         with writer:
+            def key_of(i: int) -> str:
+                return printable(source.key(i))  # any file name: one line of valid UTF-8
+
+            def bad(i: int, err: str) -> None:
+                err = printable(err)
+                if on_error == "raise":
+                    raise ConvertError(f"{key_of(i)}: {err} (use --on-error skip to leave it out)")
+                skipped.append({"index": i, "key": key_of(i), "reason": err})
+
+            def write(i: int, sample: dict, sizes: dict) -> None:
+                try:  # the writer checks shapes, dtypes and value ranges
+                    writer.write(sample, key=key_of(i), image_sizes=sizes)
+                except SampleError as e:  # refused before buffering: the writer goes on
+                    bad(i, str(e))
+
+            def flush_pending() -> None:
+                """Decode the pending images with DALI (the Loader's decoder); write in order."""
+                if not pending:
+                    return
+                errors: dict[int, str] = {}
+                for name in image_fields:
+                    ok = [j for j in range(len(pending)) if j not in errors]
+                    verdicts = checker.check([pending[j][1][name] for j in ok],
+                                             [pending[j][2][name] for j in ok])
+                    for j, v in zip(ok, verdicts):
+                        if v is not None:
+                            errors[j] = v if len(image_fields) == 1 else f"field {name!r}: {v}"
+                for j, (i, sample, sizes) in enumerate(pending):
+                    if j in errors:
+                        bad(i, errors[j])
+                    else:
+                        write(i, sample, sizes)
+                pending.clear()
+
             def one(i: int, sizes: dict, err: str | None) -> None:
                 if err is None:
                     try:
                         sample = source.read(i)
                     except Exception as e:
                         err = str(e) or type(e).__name__
-                if err is None:
-                    try:  # the writer checks shapes, dtypes and value ranges
-                        writer.write(sample, key=source.key(i), image_sizes=sizes)
-                    except SampleError as e:  # refused before buffering: the writer goes on
-                        err = str(e)
                 if err is not None:
-                    if on_error == "raise":
-                        raise ConvertError(f"{source.key(i)}: {err} (use --on-error skip to leave it out)")
-                    skipped.append({"index": i, "key": source.key(i), "reason": err})
+                    flush_pending()  # keep the order of errors and writes
+                    bad(i, err)
+                elif checker is not None and sizes:
+                    pending.append((i, sample, sizes))
+                    if len(pending) >= MAX_CHECK_BATCH:
+                        flush_pending()
+                else:
+                    flush_pending()
+                    write(i, sample, sizes)
 
             def bulk(start: int, stop: int, batch: dict, keys: list[str]) -> None:
                 try:  # all rows are checked before any is buffered
@@ -201,15 +274,27 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
                     for i, sizes, err in it:
                         one(i, sizes, err)
                         bar.update(1)
+                flush_pending()
             if writer.num_samples == 0:
                 first = "; ".join(f"{r['key']}: {r['reason']}" for r in skipped[:3])
                 raise ConvertError(f"no sample of {source.num_samples} could be converted"
                                    + (f" ({first}{'; …' if len(skipped) > 3 else ''})" if skipped else ""))
             if skipped:
                 write_report(writer.dir / SKIPPED_REPORT, skipped)  # moves with the new dataset
+    except NoSpaceError as e:  # one line: the destination, what it needs, what it has
+        done = max(writer.num_written, 1)
+        e.needed = max(e.needed, e.written * source.num_samples // done)
+        raise
+    except OSError as e:
+        if e.errno in NO_SPACE_ERRNOS:  # e.g. the skipped report: the writer already aborted
+            raise NoSpaceError(dst, needed=writer.num_written_bytes + 4096, written=writer.num_written_bytes,
+                               detail=os.path.basename(getattr(e, "filename", "") or "")) from None
+        raise
     finally:
         _SOURCE = None
         bar.close()
+        if checker is not None:
+            checker.close()
         # A failed conversion into a fresh directory keeps its report there; one that was
         # to replace a dataset leaves the old dataset (and its directory) untouched.
         if skipped and not (dst / MANIFEST).exists():
@@ -221,7 +306,8 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
     m = writer.manifest()
     return {"dst": str(dst), "num_samples": m["num_samples"], "num_shards": len(m["shards"]),
             "bytes": m["total_bytes"], "skipped": len(skipped), "seconds": seconds,
-            "report": str(dst / SKIPPED_REPORT) if skipped else None}
+            "report": str(dst / SKIPPED_REPORT) if skipped else None,
+            "max_pixels": source.max_pixels if image_fields else None}
 
 
 def label_from_strings(values: Sequence[str]) -> tuple[list[str], Any]:

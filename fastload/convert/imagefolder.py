@@ -1,8 +1,15 @@
 """imagefolder: ``SRC/<class>/<image>`` like torchvision's ImageFolder.
 
 Classes are the sorted sub-folder names (label i = i-th name); files are taken in sorted
-order within each class; the key of a sample is its path relative to SRC. Files whose
-extension is not an image extension are ignored (and counted), as ImageFolder does.
+order within each class; the key of a sample is its path relative to SRC (any bytes: names
+that are not UTF-8, or hold a newline, are escaped as ``\\xNN`` / ``\\n`` in keys and reports).
+Files whose extension is not an image extension are ignored (and counted), as ImageFolder does.
+
+Symbolic links to directories are followed, but every real directory is read at most once
+(a link back to an ancestor, or two links to one directory, add no duplicate samples; the
+directories skipped are counted in the manifest's metadata as ``repeated_dirs``). Only
+regular files are read (a FIFO, a device or a directory named like an image is an error
+naming it), each at most ``files.MAX_SAMPLE_BYTES``.
 """
 from __future__ import annotations
 
@@ -11,12 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import NotRegularFile, read_regular
 from ..store.format import Field
+from ..store.geometry import DEFAULT_MAX_PIXELS
 from .common import IMAGE_EXTENSIONS, ConvertError, Source
 
 
 class ImageFolderSource(Source):
-    def __init__(self, src: str | os.PathLike, max_pixels: int | None = None):
+    def __init__(self, src: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS):
         root = Path(src)
         if not root.is_dir():
             raise ConvertError(f"{root}: not a directory; imagefolder expects SRC/<class>/<image files>")
@@ -30,9 +39,27 @@ class ImageFolderSource(Source):
         labels: list[int] = []
         ignored = 0
         empty = []
+        seen: set[tuple[int, int]] = set()  # (st_dev, st_ino) of every real directory read
+        repeated = 0
+        try:
+            st = os.stat(root)
+            seen.add((st.st_dev, st.st_ino))
+        except OSError:
+            pass
         for ci, c in enumerate(classes):
             before = len(paths)
             for dirpath, dirnames, filenames in os.walk(root / c, followlinks=True):
+                try:
+                    st = os.stat(dirpath)
+                    ident = (st.st_dev, st.st_ino)
+                except OSError:
+                    ident = None
+                if ident is not None and ident in seen:  # a directory already read (a link loop)
+                    dirnames[:] = []
+                    repeated += 1
+                    continue
+                if ident is not None:
+                    seen.add(ident)
                 dirnames.sort()
                 for fn in sorted(filenames):
                     if fn.lower().endswith(IMAGE_EXTENSIONS):
@@ -51,7 +78,7 @@ class ImageFolderSource(Source):
                                "would still be a class)")
         super().__init__(fields={"image": Field("image"), "label": Field("scalar", "int64")},
                          num_samples=len(paths), label="label", class_names=classes,
-                         metadata={"source": "imagefolder", "ignored_files": ignored},
+                         metadata={"source": "imagefolder", "ignored_files": ignored, "repeated_dirs": repeated},
                          max_pixels=max_pixels)
         self.root = root
         # One numpy array of fixed-width strings rather than a list of Python str.
@@ -65,8 +92,9 @@ class ImageFolderSource(Source):
     def read(self, i: int) -> dict:
         p = self.root / str(self.paths[i])
         try:
-            with open(p, "rb") as f:
-                data = f.read()
+            data = read_regular(p, what="image file")
+        except NotRegularFile as e:  # the key names the file already
+            raise ValueError(f"it {e.detail}") from None
         except OSError as e:
             raise ValueError(f"cannot read file ({e.strerror or e})") from None
         return {"image": data, "label": int(self.labels[i])}

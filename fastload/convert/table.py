@@ -17,7 +17,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..files import NotRegularFile, check_regular, printable, read_regular
 from ..store.format import SUPPORTED_DTYPES, Field
+from ..store.geometry import DEFAULT_MAX_PIXELS
 from .common import IMAGE_EXTENSIONS, ConvertError, Source, bulk_chunks, check_image, label_from_strings, resolve_label
 
 TABLE_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv",
@@ -28,8 +30,12 @@ def read_table(path: Path) -> pa.Table:
     kind = TABLE_SUFFIXES.get(path.suffix.lower())
     if kind is None:
         raise ConvertError(f"{path}: unknown table type {path.suffix!r}; use one of {', '.join(sorted(TABLE_SUFFIXES))}")
-    if not path.is_file():
+    if not path.exists():
         raise ConvertError(f"{path}: no such file")
+    try:
+        check_regular(path, what="table file")
+    except NotRegularFile as e:
+        raise ConvertError(str(e)) from None
     try:
         if kind == "parquet":
             import pyarrow.parquet as pq
@@ -54,7 +60,7 @@ def _looks_like_image(value) -> bool:
 
 class TableSource(Source):
     def __init__(self, src: str | os.PathLike, label: str | None = None,
-                 image_columns: Sequence[str] = (), max_pixels: int | None = None):
+                 image_columns: Sequence[str] = (), max_pixels: int | None = DEFAULT_MAX_PIXELS):
         path = Path(src)
         table = read_table(path).combine_chunks()
         if table.num_rows == 0:
@@ -137,10 +143,9 @@ class TableSource(Source):
                 p = Path(str(col[i]))
                 p = p if p.is_absolute() else self.root / p
                 try:
-                    with open(p, "rb") as fh:
-                        out[name] = fh.read()
+                    out[name] = read_regular(p, what="image file")
                 except OSError as e:
-                    raise ValueError(f"cannot read image file {p} ({e.strerror or e})") from None
+                    raise ValueError(f"cannot read image file {printable(str(p))} ({e.strerror or e})") from None
             elif isinstance(col, pa.Array):
                 out[name] = col[i].as_py()
             else:

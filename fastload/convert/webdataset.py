@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import MAX_SAMPLE_BYTES, NotRegularFile, check_regular, printable
 from ..store.format import SUPPORTED_DTYPES, Field
+from ..store.geometry import DEFAULT_MAX_PIXELS
 from .common import ConvertError, Source
 
 _IMAGE = {"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "pnm"}
@@ -39,16 +41,21 @@ def _split(name: str) -> tuple[str, str]:
 
 
 class WebDatasetSource(Source):
-    def __init__(self, src: str | os.PathLike):
+    def __init__(self, src: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS):
         root = Path(src)
         if root.is_dir():
             tars = sorted(root.glob("*.tar"))
-        elif root.is_file():
+        elif root.exists():
             tars = [root]
         else:
             raise ConvertError(f"{root}: no such file or directory")
         if not tars:
             raise ConvertError(f"{root}: holds no .tar files")
+        for tp in tars:  # a FIFO named x.tar would block tarfile.open; /dev/zero would never end
+            try:
+                check_regular(tp, what="tar file")
+            except (NotRegularFile, OSError) as e:
+                raise ConvertError(f"{printable(str(tp))}: cannot be read ({e})") from None
         keys: list[str] = []
         members: dict[str, list] = {}
         exts: list[str] | None = None
@@ -60,6 +67,9 @@ class WebDatasetSource(Source):
                     for m in tf:
                         if not m.isfile():
                             continue
+                        if m.size > MAX_SAMPLE_BYTES:
+                            raise ConvertError(f"{printable(str(tp))}: member {printable(m.name)} holds {m.size:,} bytes, "
+                                               f"more than the limit of {MAX_SAMPLE_BYTES:,} for one sample file")
                         k, e = _split(m.name)
                         if not k:
                             continue
@@ -108,7 +118,8 @@ class WebDatasetSource(Source):
                 fields[name] = Field("bytes")
         self._ext = {_field_name(e): e for e in exts}
         super().__init__(fields=fields, num_samples=len(keys), label="cls" if "cls" in fields else None,
-                         metadata={"source": "webdataset", "tars": [t.name for t in tars]})
+                         metadata={"source": "webdataset", "tars": [printable(t.name) for t in tars]},
+                         max_pixels=max_pixels)
 
     def key(self, i: int) -> str:
         return str(self._keys[i])

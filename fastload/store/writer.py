@@ -85,6 +85,16 @@ class ShardWriter:
     def num_samples(self) -> int:
         return sum(s["num_samples"] for s in self._shards) + self._rows
 
+    @property
+    def num_written(self) -> int:
+        """Samples in the shards written to disk so far (not counting the buffered ones)."""
+        return sum(s["num_samples"] for s in self._shards)
+
+    @property
+    def num_written_bytes(self) -> int:
+        """Bytes of the shards written to disk so far."""
+        return sum(s["bytes"] for s in self._shards)
+
     def _check_open(self):
         if self._closed:
             raise RuntimeError(f"ShardWriter for {self.path} is closed")
