@@ -12,8 +12,8 @@ import os
 import shutil
 from collections.abc import Sequence
 
-__all__ = ["BadSamples", "ConvertError", "DecodeError", "FastloadError", "FormatError", "NoSpaceError",
-           "SampleError", "UsageError"]
+__all__ = ["BadSamples", "ConvertError", "DecodeError", "FastloadError", "FormatError", "MissingFileError",
+           "NoSpaceError", "SampleError", "UsageError"]
 
 
 class FastloadError(Exception):
@@ -27,6 +27,11 @@ class FormatError(FastloadError, ValueError):
 class SampleError(FastloadError, ValueError):
     """One sample cannot be written (wrong shape, dtype, range, missing field, bad image);
     nothing of it was buffered, so the writer can go on with the next sample."""
+
+
+class MissingFileError(FastloadError, FileNotFoundError):
+    """A file a dataset's manifest lists is gone (deleted, or the dataset was replaced since it
+    was opened); the message names it."""
 
 
 class ConvertError(FastloadError):

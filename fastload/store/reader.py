@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import lifecycle
-from ..errors import FormatError
+from ..errors import FormatError, MissingFileError
 from ..files import NotRegularFile, printable, read_regular
 from ..system import usable_cores
 from ..validate import check_choice, check_index_array, is_int
@@ -49,7 +49,7 @@ def read_manifest(path: Path) -> dict:
 def _read_manifest(path: Path) -> tuple[dict, dict[str, Field]]:
     mpath = path / MANIFEST
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; create a dataset with `fastload convert`")
+        raise MissingFileError(f"{path} does not exist; create a dataset with `fastload convert`")
     if not path.is_dir():
         raise FormatError(f"{path} is not a directory; a fastload dataset is a directory with {MANIFEST}")
     if not mpath.exists():
@@ -95,7 +95,7 @@ class _Shard:
         try:
             self.mm = _C.map_file(os.fspath(path), entry["bytes"])
         except FileNotFoundError:
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"shard {path} listed in the manifest is missing: the dataset was damaged or replaced "
                 "(e.g. by convert --overwrite) since it was opened; reopen it, or run `fastload verify`") from None
         except ValueError as e:  # not a regular file, or not the manifest's size

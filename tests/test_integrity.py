@@ -1,0 +1,413 @@
+"""Never silently wrong: checked shards, a validated manifest, readers that keep the dataset they
+opened (issue 19, "Silent wrong data" and "Manifest and arguments").
+
+Property tests flip random bytes (fixed seeds) in shards, their footers and the manifest: every
+outcome is either the very same batches or a named fastload error, never different data and
+never another exception.
+"""
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import fastload
+from fastload.errors import FastloadError, FormatError, MissingFileError
+from fastload.store.integrity import VerifiedRecord
+
+N = 300
+
+
+def _raw(path, n=N, shard_size=2000, seed=0):
+    rng = np.random.default_rng(seed)
+    with fastload.ShardWriter(path, {"x": "float32[4]", "label": "int64"}, label="label", shard_size=shard_size) as w:
+        w.write_batch({"x": rng.standard_normal((n, 4)).astype(np.float32), "label": np.arange(n) % 3},
+                      keys=[f"{i:06d}" for i in range(n)])  # equal-size shards
+    return path
+
+
+def _images(path, n=24):
+    from PIL import Image
+    rng = np.random.default_rng(1)
+    with fastload.ShardWriter(path, {"image": "image", "label": "int64"}, label="label", shard_size=20_000) as w:
+        for i in range(n):
+            b = io.BytesIO()
+            Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(b, "JPEG", quality=90)
+            w.write({"image": b.getvalue(), "label": i % 2})
+    return path
+
+
+def _batches(path, **kw):
+    """Every batch of one unshuffled epoch, as numpy."""
+    with fastload.Loader(path, batch_size=64, shuffle=False, device="cpu", **kw) as loader:
+        return [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+                                    for x, y in zip(a, b))
+
+
+def _flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset % len(data)] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def _manifest(path):
+    return json.loads((path / "manifest.json").read_text())
+
+
+# -- the verification policy ------------------------------------------------------------------
+def test_a_flipped_byte_is_refused_before_any_row_of_its_shard_is_delivered(tmp_path):
+    d = _raw(tmp_path / "ds")
+    ref = _batches(d)
+    shard = d / _manifest(d)["shards"][1]["file"]
+    x1 = fastload.Dataset(d).column(1, "x")[3].tobytes()  # a row's bytes: flip one of them in the file
+    _flip(shard, shard.read_bytes().index(x1) + 2)
+    with pytest.raises(FormatError, match=f"{shard.name} does not match the manifest: its checksum"):
+        _batches(d)
+    ds = fastload.Dataset(d)
+    assert ds.get_batch([0])["x"].tolist() == [ref[0]["x"][0].tolist()]  # shard 0 is fine
+    with pytest.raises(FormatError, match=shard.name):
+        ds.get_batch([ds.shard_starts[1]])
+    with pytest.raises(FormatError, match=shard.name):  # and again: the verdict is kept
+        ds.column(1, "x")
+    # off: no hashing, the structure alone is checked (a same-size flip in the data passes)
+    got = _batches(d, verify="off")
+    assert not _same(got, ref) and len(got) == len(ref)
+
+
+def test_shards_are_hashed_once_per_node_and_again_when_the_file_changes(tmp_path):
+    d = _raw(tmp_path / "ds")
+    ds = fastload.Dataset(d)
+    ds.get_batch(np.arange(N))
+    s = ds.verify_stats()
+    assert s["policy"] == "first-use" and s["shards_hashed"] == ds.num_shards and s["shards_remembered"] == 0
+    ds2 = fastload.Dataset(d)  # a restart on the same node: nothing hashed again
+    ds2.get_batch(np.arange(N))
+    assert ds2.verify_stats()["shards_hashed"] == 0 and ds2.verify_stats()["shards_remembered"] == ds.num_shards
+    with fastload.Loader(d, batch_size=50, device="cpu") as loader:
+        for _ in loader:
+            pass
+        assert loader.stats()["verify"]["shards_hashed"] == 0
+    # "always" ignores the record; "off" hashes nothing
+    ds3 = fastload.Dataset(d, verify="always")
+    ds3.get_batch(np.arange(N))
+    assert ds3.verify_stats()["shards_hashed"] == ds.num_shards
+    ds4 = fastload.Dataset(d, verify="off")
+    ds4.get_batch(np.arange(N))
+    assert ds4.verify_stats()["shards_hashed"] == 0
+    # the same bytes written again (a restore, a copy): a new identity, hashed again
+    f = d / _manifest(d)["shards"][0]["file"]
+    f.write_bytes(f.read_bytes())
+    ds5 = fastload.Dataset(d)
+    ds5.get_batch([0])
+    assert ds5.verify_stats()["shards_hashed"] == 1
+    # verify (the command) fills the record too
+    rec = VerifiedRecord()
+    shutil.rmtree(rec.dir)
+    assert fastload.verify(d) == []
+    ds6 = fastload.Dataset(d)
+    ds6.get_batch(np.arange(N))
+    assert ds6.verify_stats()["shards_hashed"] == 0
+
+
+def test_swapped_or_relinked_shards_are_refused(tmp_path):
+    d = _raw(tmp_path / "ds")
+    other = _raw(tmp_path / "other", seed=5)  # same layout, other values: equal-size shards
+    ref = _batches(d)
+    m = _manifest(d)
+    a, b = (d / m["shards"][i]["file"] for i in (0, 1))
+    assert a.stat().st_size == b.stat().st_size
+    a_bytes, b_bytes = a.read_bytes(), b.read_bytes()
+    a.write_bytes(b_bytes)
+    b.write_bytes(a_bytes)
+    with pytest.raises(FormatError, match="does not match the manifest"):
+        _batches(d)
+    a.write_bytes(a_bytes)
+    b.write_bytes(b_bytes)
+    assert _same(_batches(d), ref)
+    b.unlink()
+    b.symlink_to(other / _manifest(other)["shards"][1]["file"])  # a shard linked into another dataset
+    with pytest.raises(FormatError, match="does not match the manifest"):
+        _batches(d)
+    assert any("checksum mismatch" in p for p in fastload.verify(d))
+
+
+@pytest.mark.parametrize("policy", ["first-use", "off"])
+def test_random_byte_flips_in_shards_and_footers_give_the_same_batches_or_a_named_error(tmp_path, policy):
+    d = _raw(tmp_path / "ds", n=200, shard_size=1500)
+    ref = _batches(d)
+    files = [d / s["file"] for s in _manifest(d)["shards"]]
+    rng = np.random.default_rng(19)
+    outcomes = {"same": 0, "error": 0, "different": 0}
+    for trial in range(30):
+        f = files[int(rng.integers(len(files)))]
+        orig = f.read_bytes()
+        n = len(orig)
+        # half the flips in the footer (schema, record batch offsets), half anywhere
+        off = int(rng.integers(max(0, n - 400), n)) if trial % 2 else int(rng.integers(n))
+        _flip(f, off)
+        try:
+            got = _batches(d, verify=policy)
+            outcomes["same" if _same(got, ref) else "different"] += 1
+        except FastloadError as e:
+            assert f.name in str(e), e  # the error names the shard
+            outcomes["error"] += 1
+        finally:
+            f.write_bytes(orig)
+    if policy == "first-use":  # a flip always changes the checksum: always refused
+        assert outcomes == {"same": 0, "error": 30, "different": 0}
+    else:  # off: structure only, never a crash or a foreign exception (data flips pass unseen)
+        assert outcomes["error"] > 0 and sum(outcomes.values()) == 30
+    assert _same(_batches(d), ref)
+
+
+@pytest.mark.slow
+def test_byte_flips_in_an_image_dataset_are_refused_not_decoded_differently(tmp_path):
+    d = _images(tmp_path / "ds")
+    t = {"image": fastload.vision.eval(32, resize=36)}
+    ref = _batches(d, transforms=t)
+    files = [d / s["file"] for s in _manifest(d)["shards"]]
+    rng = np.random.default_rng(7)
+    for _ in range(6):
+        f = files[int(rng.integers(len(files)))]
+        orig = f.read_bytes()
+        _flip(f, int(rng.integers(len(orig))))
+        try:
+            with pytest.raises(FormatError, match=f.name):
+                _batches(d, transforms=t)
+        finally:
+            f.write_bytes(orig)
+    assert _same(_batches(d, transforms=t), ref)
+
+
+# -- the manifest --------------------------------------------------------------------------
+BAD_MANIFESTS = [
+    ("shards", None, "shards must be a list"),
+    ("shards", {"a": 1}, "shards must be a list"),
+    ("shards.0.file", None, r"shards\[0\].file must be a plain shard file name"),
+    ("shards.0.file", 7, r"shards\[0\].file must be a plain shard file name"),
+    ("shards.0.file", "../../etc/passwd", r"shards\[0\].file must be a plain shard file name"),
+    ("shards.0.file", "/etc/passwd", r"shards\[0\].file must be a plain shard file name"),
+    ("shards.0.file", "../other/shard-00000.arrow", r"shards\[0\].file must be a plain shard file name"),
+    ("shards.0.file", "shard-00001.arrow", r"shards\[1\].file names 'shard-00001.arrow' a second time"),
+    ("shards.0.num_samples", "12", r"shards\[0\].num_samples must be an integer >= 0"),
+    ("shards.0.num_samples", True, r"shards\[0\].num_samples must be an integer >= 0"),
+    ("shards.0.num_samples", 1.5, r"shards\[0\].num_samples must be an integer >= 0"),
+    ("shards.0.bytes", -3, r"shards\[0\].bytes must be an integer >= 1"),
+    ("shards.0.checksum", "md5:abc", r"shards\[0\].checksum must be 'xxh3_128:'"),
+    ("shards.0.-num_samples", None, r"shards\[0\].num_samples is missing"),
+    ("shards.0.-file", None, r"shards\[0\].file is missing"),
+    ("num_samples", 5, "num_samples is 5, but the shards hold"),
+    ("num_samples", "300", "num_samples must be an integer"),
+    ("fields", [["x", "float32[4]"]], "fields must be an object"),
+    ("fields", {}, "fields must name at least one field"),
+    ("fields.x.kind", "sparse", r"fields\['x'\] is not a valid field description"),
+    ("fields.x.shape", ["4"], r"fields\['x'\] is not a valid field description"),
+    ("fields.x.shape", [4.0], r"fields\['x'\] is not a valid field description"),
+    ("fields.x.shape", 4, r"fields\['x'\] is not a valid field description"),
+    ("fields.x.dtype", "float", r"fields\['x'\] is not a valid field description"),
+    ("fields.x.-shape", None, r"fields\['x'\] is not a valid field description"),
+    ("fields.x", "float32[4]", r"fields\['x'\] is not a valid field description"),
+    ("label.counts", "garbage", "label.counts must be a list of integers"),
+    ("label.counts", [1, 2], "label.counts add up to 3"),
+    ("label.counts", [100, 100, -100, 200], "label.counts must be a list of integers >= 0"),
+    ("label.field", "x", "label.field must name an integer scalar field"),
+    ("label.class_names", [1, 2, 3], "label.class_names must be a list of strings"),
+    ("label", [], "label must be an object"),
+    ("total_bytes", 1, "total_bytes is 1, but the shards' bytes add up to"),
+    ("metadata", "x", "metadata must be an object"),
+    ("format_version", True, "format_version True"),
+    ("-fields", None, "fields is missing"),
+]
+
+
+def _set(m, path, value):
+    keys = path.split(".")
+    node = m
+    for k in keys[:-1]:
+        node = node[int(k)] if isinstance(node, list) else node[k]
+    last = keys[-1]
+    if last.startswith("-"):
+        del node[last[1:]]
+    else:
+        node[int(last) if isinstance(node, list) else last] = value
+
+
+@pytest.mark.parametrize("path,value,message", BAD_MANIFESTS)
+def test_a_malformed_manifest_is_refused_naming_the_key(tmp_path, path, value, message, capsys):
+    d = _raw(tmp_path / "ds")
+    m = _manifest(d)
+    m["shards"][1]["file"] = m["shards"][1]["file"]  # (shards[1] exists for the duplicate case)
+    _set(m, path, value)
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match=message):
+        fastload.Dataset(d)
+    with pytest.raises(FormatError, match=message):
+        fastload.verify(d)
+    from fastload.cli import main
+    assert main(["verify", str(d)]) == 1 and main(["inspect", str(d)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 2
+
+
+def test_manifest_fuzzer_opens_identically_or_names_the_problem(tmp_path):
+    """Random edits of manifest.json (values of other types, deleted keys, flipped bytes of the
+    text): the dataset either reads exactly as before or raises a fastload error."""
+    d = _raw(tmp_path / "ds", n=120, shard_size=1000)
+    text = (d / "manifest.json").read_text()
+    ref = fastload.Dataset(d).get_batch(np.arange(120))
+    junk = [None, "", "x", -1, 0, 1, 1.5, True, [], {}, [1], {"a": 1}, 2**70, "../x", "shard-00009.arrow"]
+
+    def paths(node, prefix=""):
+        yield prefix
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            yield from paths(v, f"{prefix}.{k}" if prefix else str(k))
+
+    all_paths = [p for p in paths(json.loads(text)) if p]
+    rng = np.random.default_rng(2019)
+    kinds = {"same": 0, "error": 0}
+    for trial in range(150):
+        m = json.loads(text)
+        if trial % 3 == 2:  # flip a byte of the text itself
+            raw = bytearray(text.encode())
+            raw[int(rng.integers(len(raw)))] ^= 1 << int(rng.integers(8))
+            body = bytes(raw)
+        else:
+            p = all_paths[int(rng.integers(len(all_paths)))]
+            head, _, last = p.rpartition(".")
+            target = p if trial % 3 == 0 else (f"{head}.-{last}" if head else f"-{last}")
+            try:
+                _set(m, target, junk[int(rng.integers(len(junk)))])
+            except (KeyError, TypeError, IndexError, ValueError):
+                continue  # deleting a list element by name: not a manifest
+            body = json.dumps(m).encode()
+        (d / "manifest.json").write_bytes(body)
+        try:
+            got = fastload.Dataset(d).get_batch(np.arange(120))
+        except FastloadError:
+            kinds["error"] += 1
+            continue
+        except IndexError:  # fewer samples than before: a named out-of-range index
+            kinds["error"] += 1
+            continue
+        assert all(np.array_equal(got[k], ref[k]) for k in ref), (trial, body[:300])
+        kinds["same"] += 1
+    (d / "manifest.json").write_text(text)
+    assert kinds["error"] > 50 and kinds["same"] > 5  # both outcomes are exercised
+
+
+def test_the_manifest_agrees_with_each_shards_schema_including_shapes(tmp_path):
+    with fastload.ShardWriter(tmp_path / "ds", {"x": "float32[16]"}) as w:
+        w.write_batch({"x": np.arange(32, dtype=np.float32).reshape(2, 16)})
+    d = tmp_path / "ds"
+    m = _manifest(d)
+    m["fields"]["x"]["shape"] = [8, 2]  # the same Arrow type (16 floats), another shape
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match=r"column 'x' holds float32\[16\], the manifest says float32\[8,2\]"):
+        fastload.Dataset(d).get_batch([0])
+    with pytest.raises(FormatError, match=r"float32\[8,2\]"):
+        _batches(d)  # every shard is mapped and checked when the first epoch starts
+    assert any("schema differs" in p and "float32[8,2]" in p for p in fastload.verify(d))
+
+
+def test_a_huge_or_non_regular_manifest_is_refused(tmp_path):
+    d = _raw(tmp_path / "ds")
+    (d / "manifest.json").unlink()
+    os.mkfifo(d / "manifest.json")
+    t0 = time.perf_counter()
+    with pytest.raises(FormatError, match="FIFO"):
+        fastload.Dataset(d)
+    assert time.perf_counter() - t0 < 5
+    (d / "manifest.json").unlink()
+    (d / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # nesting deeper than Python recurses
+    with pytest.raises(FormatError, match="not readable JSON|not a fastload manifest"):
+        fastload.Dataset(d)
+    (d / "manifest.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(FormatError, match="not readable JSON"):
+        fastload.Dataset(d)
+
+
+# -- shards that are not files -------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dev_zero", "truncated"])
+def test_a_non_regular_or_truncated_shard_is_named_not_hung_on(tmp_path, kind):
+    d = _raw(tmp_path / "ds")
+    f = d / _manifest(d)["shards"][0]["file"]
+    data = f.read_bytes()
+    f.unlink()
+    if kind == "fifo":
+        os.mkfifo(f)
+    elif kind == "directory":
+        f.mkdir()
+    elif kind == "dev_zero":
+        f.symlink_to("/dev/zero")
+    else:
+        f.write_bytes(data[: len(data) // 2])
+    what = {"fifo": "FIFO", "directory": "directory", "dev_zero": "character device", "truncated": "holds"}[kind]
+    with pytest.raises(FormatError, match=f"{f.name}.*{what}|{what}.*{f.name}"):
+        fastload.Dataset(d).get_batch([0])
+    with pytest.raises(FormatError, match=what):
+        _batches(d, verify="off")
+    problems = fastload.verify(d)
+    assert problems and problems[0].startswith(f.name)
+
+
+# -- readers keep the dataset they opened -------------------------------------------------
+def test_an_overwrite_never_serves_the_new_rows_under_the_old_manifest(tmp_path):
+    d = tmp_path / "ds"
+    for policy in ("off", "first-use"):
+        shutil.rmtree(d, ignore_errors=True)
+        with fastload.ShardWriter(d, {"x": "int64"}, shard_size=200) as w:
+            w.write_batch({"x": np.arange(100)})
+        old = fastload.Dataset(d, verify=policy)
+        assert old.get_batch([0])["x"].tolist() == [0]  # maps shard 0 only
+        loader = fastload.Loader(d, batch_size=10, shuffle=False, device="cpu", verify=policy)
+        with fastload.ShardWriter(d, {"x": "int64"}, shard_size=200, overwrite=True) as w:
+            w.write_batch({"x": np.arange(100) + 1000})
+        new_names = {s["file"] for s in _manifest(d)["shards"]}
+        assert not new_names & {p.name for p in old.shard_files}  # no name reused
+        assert old.get_batch([1])["x"].tolist() == [1]  # a mapped shard: still the old data
+        with pytest.raises(MissingFileError, match="replaced .* since it was opened"):
+            old.get_batch([99])
+        # a Loader built before the overwrite (it maps shards when its first epoch starts)
+        with pytest.raises(MissingFileError, match="replaced"):
+            next(iter(loader))
+        loader.close()
+        assert fastload.Dataset(d).get_batch([99])["x"].tolist() == [1099]
+        with fastload.ShardWriter(d, {"x": "int64"}, shard_size=200, overwrite=True) as w:  # and again
+            w.write_batch({"x": np.arange(100) + 2000})
+        assert not {s["file"] for s in _manifest(d)["shards"]} & new_names
+
+
+# -- many shards: more than the open-file limit -------------------------------------------
+@pytest.mark.slow
+def test_more_shards_than_the_open_file_limit(tmp_path):
+    d = tmp_path / "ds"
+    n = 500
+    with fastload.ShardWriter(d, {"x": "int64"}, shard_size=8) as w:  # one sample a shard
+        w.write_batch({"x": np.arange(n)})
+    script = textwrap.dedent(f"""
+        import os, resource, numpy as np, fastload
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        ds = fastload.Dataset({str(d)!r})
+        assert ds.num_shards == {n}
+        with fastload.Loader(ds, batch_size=100, shuffle=True, device="cpu") as loader:
+            seen = np.sort(np.concatenate([b["x"].numpy() for b in loader]))
+        assert seen.tolist() == list(range({n})), seen[:10]
+        assert ds.get_batch(np.arange({n}))["x"].tolist() == list(range({n}))
+        assert fastload.verify({str(d)!r}) == []
+        print("fds", len(os.listdir("/proc/self/fd")))
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert int(p.stdout.split()[-1]) < 100
