@@ -140,10 +140,11 @@ def fit_to_epoch(o: Options, ds, sampler, *, prefetch_given: bool) -> Options:
     prefetch = o.prefetch if prefetch_given else default_prefetch(o.threads, rows * row_bytes)
     prefetch = max(1, min(prefetch, sampler.batches_per_epoch))
     slots = ring_slots(prefetch)
+    slot_bytes = -(-(rows * row_bytes + 256 * (len(o.raw_fields) + len(o.image_fields) + 1)) // 4096) * 4096  # pages
     check_fits_in_memory(
-        slots * rows * row_bytes,
+        slots * slot_bytes,
         f"batch_size={o.batch_size} ({rows:,} rows per batch on this rank) with prefetch={prefetch} "
-        f"({slots} ring slots of {rows * row_bytes:,} bytes)",
+        f"({slots} ring slots of {slot_bytes:,} bytes)",
         "lower batch_size or prefetch")
     return replace(o, slot_rows=rows, prefetch=prefetch)
 
