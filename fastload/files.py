@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from typing import Any
 
 __all__ = ["MAX_SAMPLE_BYTES", "NotRegularFile", "check_regular", "open_regular", "printable", "read_regular"]
 
@@ -78,9 +79,15 @@ def open_regular(path: str | os.PathLike, *, what: str = "file", max_bytes: int 
     return fd
 
 
-def read_regular(path: str | os.PathLike, *, what: str = "file", max_bytes: int | None = MAX_SAMPLE_BYTES) -> bytes:
-    """The whole content of a regular file of at most ``max_bytes`` bytes (see
-    :func:`open_regular`); a file that grows past the cap while being read is refused too."""
+_SAMPLE_CAP = object()
+
+
+def read_regular(path: str | os.PathLike, *, what: str = "file", max_bytes: Any = _SAMPLE_CAP) -> bytes:
+    """The whole content of a regular file of at most ``max_bytes`` bytes (default
+    ``MAX_SAMPLE_BYTES``; None: no cap; see :func:`open_regular`); a file that grows past the
+    cap while being read is refused too."""
+    if max_bytes is _SAMPLE_CAP:
+        max_bytes = MAX_SAMPLE_BYTES
     fd = open_regular(path, what=what, max_bytes=max_bytes)
     with os.fdopen(fd, "rb", closefd=True) as f:
         data = f.read() if max_bytes is None else f.read(max_bytes + 1)

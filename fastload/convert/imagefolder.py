@@ -24,6 +24,15 @@ from ..store.geometry import DEFAULT_MAX_PIXELS
 from .common import IMAGE_EXTENSIONS, ConvertError, Source
 
 
+def _ident(path) -> tuple[int, int] | None:
+    """A directory's identity (device, inode), following links; None if it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class ImageFolderSource(Source):
     def __init__(self, src: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS):
         root = Path(src)
@@ -39,28 +48,31 @@ class ImageFolderSource(Source):
         labels: list[int] = []
         ignored = 0
         empty = []
-        seen: set[tuple[int, int]] = set()  # (st_dev, st_ino) of every real directory read
+        # Directories are read once each, through their real path when SRC holds one: a link
+        # to a directory SRC also holds without links (or to one read already) is not followed.
+        plain = {i for c in classes for i in (_ident(d) for d, _, _ in os.walk(root / c)) if i is not None}
+        seen: set[tuple[int, int]] = set()
         repeated = 0
-        try:
-            st = os.stat(root)
-            seen.add((st.st_dev, st.st_ino))
-        except OSError:
-            pass
         for ci, c in enumerate(classes):
             before = len(paths)
             for dirpath, dirnames, filenames in os.walk(root / c, followlinks=True):
-                try:
-                    st = os.stat(dirpath)
-                    ident = (st.st_dev, st.st_ino)
-                except OSError:
-                    ident = None
-                if ident is not None and ident in seen:  # a directory already read (a link loop)
+                me = _ident(dirpath)
+                if me is not None and me in seen:  # e.g. a class folder linking to another one
                     dirnames[:] = []
                     repeated += 1
                     continue
-                if ident is not None:
-                    seen.add(ident)
-                dirnames.sort()
+                if me is not None:
+                    seen.add(me)
+                keep = []
+                for dn in sorted(dirnames):
+                    full = os.path.join(dirpath, dn)
+                    if os.path.islink(full):
+                        target = _ident(full)
+                        if target is None or target in seen or target in plain:
+                            repeated += 1  # a loop, or a second way into a directory read anyway
+                            continue
+                    keep.append(dn)
+                dirnames[:] = keep
                 for fn in sorted(filenames):
                     if fn.lower().endswith(IMAGE_EXTENSIONS):
                         paths.append(os.path.relpath(os.path.join(dirpath, fn), root))
