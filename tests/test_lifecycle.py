@@ -78,8 +78,8 @@ def test_a_forked_child_does_not_inherit_running_engines(datasets, kind):
                     print("child: no error", flush=True)
                 except RuntimeError as e:
                     print("child:", "os.fork()" in str(e) and "new fastload.Loader" in str(e), flush=True)
-            with fastload.Loader({str(datasets / kind)!r}, batch_size=8, device="cpu",
-                                 transforms={transforms}) as own:  # a Loader of its own works
+            # a Loader of its own works (a raw one: DALI itself is not documented to be fork-safe)
+            with fastload.Loader({str(datasets / 'raw')!r}, batch_size=8, device="cpu") as own:
                 print("child batches", sum(1 for _ in own), flush=True)
             del it
             loader.close()
@@ -92,7 +92,7 @@ def test_a_forked_child_does_not_inherit_running_engines(datasets, kind):
     p = _python(script, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     n = {"raw": 250, "img": 6}[kind]
-    assert p.stdout.split("\n")[:5] == ["child: True", "child: True", f"child batches {n}",
+    assert p.stdout.split("\n")[:5] == ["child: True", "child: True", "child batches 250",
                                         "parent: child exit 0", f"parent batches {n}"], (p.stdout, p.stderr[-2000:])
 
 

@@ -139,6 +139,26 @@ def messages_since(count: int) -> tuple[int, list[str]]:
     return now, [m.decode("utf-8", "replace") for m in recent]
 
 
+def _after_fork_in_child() -> None:
+    """A child forked while a parent thread had standard error captured: give the child its
+    real standard error back and a fresh lock (the parent's may have been held)."""
+    global _lock, _depth, _saved_fd, _capture_fd, _offset, _partial
+    _lock = threading.Lock()
+    if _depth > 0 and _saved_fd is not None:
+        try:
+            os.dup2(_saved_fd, 2)
+            os.close(_saved_fd)
+            if _capture_fd is not None:
+                os.close(_capture_fd)
+        except OSError:  # pragma: no cover
+            pass
+    _depth, _saved_fd, _capture_fd, _offset, _partial = 0, None, None, 0, b""
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @contextlib.contextmanager
 def decoder_output_captured() -> Iterator[None]:
     """Standard error captured while the block runs (see the module docstring). A no-op in
