@@ -742,3 +742,55 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
     if isinstance(t, FakeCudaTensor):
         return t._host().numpy()
     return t.numpy()
+
+
+def fake_dali_on_gpu(fake: FakeCuda, monkeypatch) -> list[tuple[str, int]]:
+    """Make a CUDA :class:`fastload.pipeline.Runner` work without a GPU: its graph is built for
+    the CPU (the same operators, the decoder on the CPU), and DALI's ``feed_ndarray`` into a
+    fake device tensor becomes a copy on the given stream, as DALI 2.4 does it
+    (``CopyToExternal`` on ``cuda_stream``: asynchronous when a stream is given, else
+    host-synchronous). The copy reads DALI's output when called: on a GPU DALI's own stream
+    waits for the copy before it reuses that buffer (``wait_order.wait(copy_order)``), which a
+    CPU pipeline does not model. Returns the list of (thread, runner id) of every CUDA graph
+    built, to count pipeline (re)builds."""
+    import copy
+
+    import nvidia.dali.plugin.pytorch as dali_torch
+
+    from fastload.pipeline import Runner
+
+    builds: list[tuple[str, int]] = []
+    real_build = Runner._build
+
+    def build(self):
+        if self.device != "cuda":
+            return real_build(self)
+        cpu = copy.copy(self)
+        cpu.device, cpu.device_id = "cpu", None
+        with fake._lock:
+            builds.append((threading.current_thread().name, id(self)))
+        return real_build(cpu)
+
+    real_feed = dali_torch.feed_ndarray
+
+    def feed_ndarray(dali_tensor, arr, cuda_stream=None):
+        if not isinstance(arr, FakeCudaTensor):
+            return real_feed(dali_tensor, arr, cuda_stream=cuda_stream)
+        data = torch.from_numpy(np.array(dali_tensor.as_cpu() if hasattr(dali_tensor, "as_cpu") else dali_tensor))
+        idx = arr._fake_device
+        stream = cuda_stream if cuda_stream is not None else fake._default[idx]
+        dst = arr._host()
+        nbytes = dst.element_size() * dst.nelement()
+        fake._call("dali_copy", idx, stream=stream, nbytes=nbytes, non_blocking=cuda_stream is not None)
+        with fake._lock:
+            fake.copies.append(Copy(threading.current_thread().name, "dali", f"cuda:{idx}", nbytes,
+                                    cuda_stream is not None, stream, False))
+        stream._enqueue(_Op("copy", lambda: dst.copy_(data.reshape(dst.shape))))
+        if cuda_stream is None:
+            fake._host_wait("copy", blocking=False, device=idx)
+            fake._execute(stream, len(stream.ops))
+        return arr
+
+    monkeypatch.setattr(Runner, "_build", build)
+    monkeypatch.setattr(dali_torch, "feed_ndarray", feed_ndarray)
+    return builds

@@ -59,21 +59,6 @@ def test_preset_cpu_graph_is_the_same_graph_on_the_cpu(name):
     assert [op.args for op in cpu.ops] == [op.args for op in gpu.ops]
 
 
-def test_offline_definition_is_the_runner_s_own_graph(monkeypatch):
-    """The checker defines the graph the way Runner._build does: same ops, devices, args."""
-    from nvidia.dali import pipeline as dali_pipeline
-
-    blobs = []
-    monkeypatch.setattr(dali_pipeline.Pipeline, "build", lambda self: blobs.append(self.serialize()))
-    for name in sorted(PRESETS):
-        t = PRESETS[name]()
-        r = t.runner(device="cuda", batch_size=8, num_threads=1, seed=3, device_id=None)
-        r._build()
-        header, ops, outputs = offline.parse_pipeline_def(blobs.pop())
-        header2, ops2, outputs2 = offline.parse_pipeline_def(offline.define(r).serialize())
-        assert (header, ops, outputs) == (header2, ops2, outputs2), name
-
-
 def test_custom_graph_on_cuda():
     r = offline.check(vision.custom(_crop, shape=(32, 32, 3), dtype="uint8"), device="cuda")
     assert r.problems() == []

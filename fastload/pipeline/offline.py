@@ -5,16 +5,15 @@ operator's arguments against its schema, every input's device against what the o
 accepts, and that named arguments stay on the CPU. ``Pipeline.serialize()`` runs all of that
 without building the executor, and with ``device_id=None`` it never touches CUDA: a
 ``mixed``/``gpu`` graph can be validated on a machine without a GPU (with ``device_id=0``
-it fails in ``cuInit``). :func:`check` does that for a runner's graph and reads the
-serialized ``PipelineDef`` back, so the report says where DALI will run every operator.
+it fails in ``cuInit``). :func:`check` does that for the graph a runner defines
+(``Runner._define``, the same definition ``Runner`` builds) and reads the serialized
+``PipelineDef`` back, so the report says where DALI will run every operator.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
-__all__ = ["GraphReport", "Op", "check", "define", "parse_pipeline_def"]
+__all__ = ["GraphReport", "Op", "check", "parse_pipeline_def"]
 
 
 @dataclass(frozen=True)
@@ -87,27 +86,6 @@ class GraphReport:
         return f"{ops} -> {', '.join(d for _, d in self.outputs)}"
 
 
-def define(runner):
-    """The runner's DALI pipeline, defined but not built (no threads, no device)."""
-    from nvidia.dali import fn, pipeline_def, types
-
-    t = runner.transform
-    gpu = runner.device == "cuda"
-    names = t.param_names()
-
-    @pipeline_def(batch_size=runner.batch_size, num_threads=runner.num_threads,
-                  device_id=runner.device_id if gpu else None, prefetch_queue_depth=1,
-                  exec_dynamic=False, seed=runner.seed & 0x7FFFFFFF)
-    def graph():
-        enc = fn.external_source(name="encoded", dtype=types.UINT8, no_copy=True)
-        params = {n: fn.external_source(name=n, dtype=types.FLOAT if d == np.float32 else types.INT32,
-                                        no_copy=True) for n, d in names.items()}
-        return t.graph(enc, params, decode_device="mixed" if gpu else "cpu",
-                       device="gpu" if gpu else "cpu")
-
-    return graph()
-
-
 def check(transform, *, device: str = "cuda", batch_size: int = 8, num_threads: int = 1,
           seed: int = 0) -> GraphReport:
     """Define ``transform``'s graph for ``device`` as a runner would, let DALI validate and
@@ -115,7 +93,7 @@ def check(transform, *, device: str = "cuda", batch_size: int = 8, num_threads: 
     errors (a misspelled argument, an input on the wrong device, ...) propagate."""
     runner = transform.runner(device=device, batch_size=batch_size, num_threads=num_threads, seed=seed,
                               device_id=None)
-    pipe = define(runner)
+    pipe = runner._define()
     try:
         blob = pipe.serialize()
         header, ops, outputs = parse_pipeline_def(blob)
