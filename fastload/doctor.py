@@ -61,6 +61,7 @@ class Facts:
     shm: tuple[int, int] | None = None  # /dev/shm (total, free) bytes; None when missing
     cores: int = 1
     local_world_size: int = 1
+    local_world_size_set: bool = False  # LOCAL_WORLD_SIZE is in the environment
     local_rank: int | None = None
     torch_threads: int = 1
     gather_threads: int = 1  # fastload's plan for this rank
@@ -203,14 +204,16 @@ def check_shm(f: Facts) -> Check:
 
 def check_threads(f: Facts) -> Check:
     per_rank = max(1, f.cores // f.local_world_size)
-    ours = f.gather_threads + f.dali_threads
     rank = f"LOCAL_WORLD_SIZE={f.local_world_size}" + (f", LOCAL_RANK={f.local_rank}" if f.local_rank is not None
                                                        else "")
     msg = (f"{f.cores} usable cores, {rank}: {per_rank} core(s) per rank; fastload starts {f.gather_threads} gather "
-           f"+ {f.dali_threads} DALI thread(s) per rank")
-    if f.local_world_size * ours > 2 * f.cores:
-        return Check(WARN, "threads", f"{msg}: {f.local_world_size * ours} busy threads on {f.cores} cores "
-                     "(pass threads=... to the Loader)")
+           f"+ {f.dali_threads} DALI thread(s) per rank ({DECODE_WORKERS} {f.device.upper()} pipelines)")
+    if f.local_rank is not None and not f.local_world_size_set:
+        return Check(WARN, "threads", f"{msg}; LOCAL_RANK is set but LOCAL_WORLD_SIZE is not, so every rank sizes "
+                     "its threads as if it had the node to itself: export LOCAL_WORLD_SIZE (torchrun does)")
+    if per_rank < 2:
+        return Check(WARN, "threads", f"{msg}; one core per rank runs the training loop, the gather and DALI's "
+                     "host work together: expect the loader to be the bottleneck")
     return Check(OK, "threads", msg)
 
 
@@ -347,13 +350,16 @@ def _shm() -> tuple[int, int] | None:
     return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
-def _thread_plan(f: Facts) -> None:
-    """fastload's per-rank threads, as the Loader sizes them."""
-    from .pipeline import default_threads as dali_default
-    from .ring import default_threads as ring_default
+DECODE_WORKERS = 2  # image feeder workers per Loader (host and CUDA), each with its own DALI pipeline
 
-    f.gather_threads = max(1, ring_default() - 1)
-    f.dali_threads = dali_default()
+
+def _thread_plan(f: Facts) -> None:
+    """fastload's per-rank threads, from the functions the Loader sizes them with."""
+    from .loader.options import default_gather_threads
+    from .pipeline import default_threads as dali_default
+
+    f.gather_threads = default_gather_threads()
+    f.dali_threads = DECODE_WORKERS * dali_default(f.device)
 
 
 def _dataset(f: Facts, batch_size: int) -> None:
@@ -399,6 +405,7 @@ def gather(device: str = "cuda", dataset: str | None = None, batch_size: int = 2
         f.dali_error = _first_line(e)
     f.memlock, f.nofile, f.shm = _rlimit("RLIMIT_MEMLOCK"), _rlimit("RLIMIT_NOFILE"), _shm()
     f.cores, f.local_world_size = usable_cores(), local_world_size()
+    f.local_world_size_set = bool(os.environ.get("LOCAL_WORLD_SIZE", "").strip())
     lr = os.environ.get("LOCAL_RANK", "").strip()
     f.local_rank = int(lr) if lr.isdigit() else None
     f.torch_threads = torch.get_num_threads()

@@ -777,6 +777,9 @@ def fake_dali_on_gpu(fake: FakeCuda, monkeypatch) -> list[tuple[str, int]]:
         if not isinstance(arr, FakeCudaTensor):
             return real_feed(dali_tensor, arr, cuda_stream=cuda_stream)
         data = torch.from_numpy(np.array(dali_tensor.as_cpu() if hasattr(dali_tensor, "as_cpu") else dali_tensor))
+        if tuple(data.shape) != tuple(arr.shape) or data.dtype != arr.dtype:  # DALI asserts both
+            raise AssertionError(f"feed_ndarray: DALI tensor {tuple(data.shape)} {data.dtype} into torch "
+                                 f"{tuple(arr.shape)} {arr.dtype}")
         idx = arr._fake_device
         stream = cuda_stream if cuda_stream is not None else fake._default[idx]
         dst = arr._host()
@@ -785,7 +788,7 @@ def fake_dali_on_gpu(fake: FakeCuda, monkeypatch) -> list[tuple[str, int]]:
         with fake._lock:
             fake.copies.append(Copy(threading.current_thread().name, "dali", f"cuda:{idx}", nbytes,
                                     cuda_stream is not None, stream, False))
-        stream._enqueue(_Op("copy", lambda: dst.copy_(data.reshape(dst.shape))))
+        stream._enqueue(_Op("copy", lambda: dst.copy_(data)))
         if cuda_stream is None:
             fake._host_wait("copy", blocking=False, device=idx)
             fake._execute(stream, len(stream.ops))

@@ -21,7 +21,7 @@ def gpu_host(**kw) -> Facts:
     base = dict(device="cuda", driver="550.54.15", driver_cuda=12040, gpus=["NVIDIA H100 80GB HBM3"] * 8,
                 torch_version="2.13.0+cu124", torch_cuda="12.4", torch_gpus=8, dali_version="2.4.0",
                 dali_cuda_major=12, memlock=(-1, -1), nofile=(65536, 65536), shm=(64 << 30, 60 << 30),
-                cores=64, local_world_size=8, local_rank=3, torch_threads=1, gather_threads=7, dali_threads=8)
+                cores=64, local_world_size=8, local_world_size_set=True, local_rank=3, torch_threads=1, gather_threads=7, dali_threads=8)
     base.update(kw)
     return Facts(**base)
 
@@ -59,7 +59,8 @@ def test_a_healthy_gpu_node_is_all_ok():
     (dict(shm=(64 << 20, 64 << 20)), "/dev/shm", WARN, "--shm-size"),
     (dict(shm=None), "/dev/shm", WARN, "missing"),
     (dict(shm=(64 << 20, 64 << 20), local_world_size=1), "/dev/shm", OK, "does not use it"),
-    (dict(cores=16), "threads", WARN, "120 busy threads on 16 cores"),
+    (dict(cores=8), "threads", WARN, "one core per rank"),
+    (dict(local_world_size=1, local_world_size_set=False, torch_gpus=8), "threads", WARN, "export LOCAL_WORLD_SIZE"),
     (dict(torch_threads=16), "torch threads", WARN, "OMP_NUM_THREADS=8"),
     (dict(dataset="/d", dataset_error="no manifest.json"), "dataset", FAIL, "/d: no manifest.json"),
 ])
