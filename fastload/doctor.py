@@ -415,8 +415,10 @@ def gather(device: str = "cuda", dataset: str | None = None, batch_size: int = 2
     if f.dali_version is not None:
         dev_id = None
         if device == "cuda" and f.gpu_usable:
-            dev_id = (f.local_rank or 0) % f.torch_gpus if f.local_world_size == f.torch_gpus else \
-                torch.cuda.current_device()
+            from .device import resolve_device, select
+
+            dev_id = resolve_device("cuda").index  # the GPU a Loader of this rank would use
+            select(dev_id)  # and nothing of this process on another one
         f.graphs = check_graphs(device, f.gpu_usable, dev_id)
     return f
 

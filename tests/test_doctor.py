@@ -133,3 +133,19 @@ def test_doctor_warns_when_shards_exceed_the_open_file_limit(tmp_path):
     line, = [ln for ln in r.stdout.splitlines() if "open files" in ln]
     assert line.startswith("warn") and f"ulimit -n {soft}" in line and f"{shards} shard(s)" in line
     assert f"dataset           {path}: 200 samples in {shards} shard(s)" in r.stdout
+
+
+def test_graphs_are_built_and_run_on_the_gpu_when_there_is_one(monkeypatch):
+    from fake_cuda import FakeCuda, fake_dali_on_gpu
+
+    from fastload.pipeline import Runner
+
+    fake = FakeCuda.install(monkeypatch, device_count=2)
+    builds = fake_dali_on_gpu(fake, monkeypatch)
+    checks = doctor.check_graphs("cuda", gpu_usable=True, device_id=1)
+    assert len(builds) == len(checks) == len(doctor.presets())  # each preset's CUDA graph built once
+    for c in checks:
+        assert c.status == OK and c.message.startswith("built and ran a JPEG on cuda:1: decoders.") and "@mixed" in c.message
+    monkeypatch.setattr(Runner, "_canary_error", lambda self: "nvImageCodec failure")
+    assert {(c.status, c.message) for c in doctor.check_graphs("cuda", gpu_usable=True, device_id=1)} == {
+        (FAIL, "fails on a valid JPEG on cuda:1: nvImageCodec failure")}
