@@ -535,6 +535,7 @@ class FakeCuda:
                     self._execute(other, pos)
                 if op.run is not None:
                     op.run()
+                op.run = op.wait_for = None  # like a GPU, hold no reference to what the work read
                 op.done = True
                 stream.executed += 1
 

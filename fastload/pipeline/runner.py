@@ -31,6 +31,7 @@ __all__ = ["Runner", "default_threads"]
 
 
 GPU_PIPELINE_THREADS = 4  # CPU threads of a GPU pipeline: parsing and nvJPEG's host stage
+CPU_SEARCH_CHUNK = 16  # samples per CPU run when locating the bad samples of a failed GPU batch
 
 
 def default_threads(device: str = "cpu") -> int:
@@ -211,17 +212,23 @@ class Runner:
         n = len(encoded)
         bad: dict[int, str] = {}
         if self.device == "cuda":
+            # In chunks of CPU_SEARCH_CHUNK: DALI 2.4's CPU decoder intermittently crashes the
+            # process when a pipeline is torn down after a failed batch with many samples
+            # still behind the failing one (seen from ~32 on; never up to 24).
             cpu = self._cpu_runner()
-            _, cpu_err = cpu._try(encoded, params)
-            if cpu_err is not None:
-                cpu._find_bad(encoded, params, np.arange(n), cpu_err, bad)
+            for start in range(0, n, CPU_SEARCH_CHUNK):
+                part = np.arange(start, min(n, start + CPU_SEARCH_CHUNK))
+                _, cpu_err = cpu._try([encoded[i] for i in part], {k: a[part] for k, a in params.items()})
+                if cpu_err is not None:
+                    cpu._find_bad(encoded, params, part, cpu_err, bad)
+            if bad:
                 return bad
         self._find_bad(encoded, params, np.arange(n), err, bad)
         return bad
 
     def _cpu_runner(self) -> "Runner":
         if self._cpu is None:
-            self._cpu = Runner(self.transform, device="cpu", batch_size=self.batch_size,
+            self._cpu = Runner(self.transform, device="cpu", batch_size=min(self.batch_size, CPU_SEARCH_CHUNK),
                                num_threads=min(2, self.num_threads), prefetch=None, seed=self.seed, device_id=None)
         return self._cpu
 
