@@ -23,8 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .decode import Decoders, decode_fields, runner_decoder
-from .host import INDEX, submit_batches
-from .source import Ready
+from .source import INDEX, Ready, RingFedSource
 
 __all__ = ["CudaDelivery", "CudaImageFeeder", "CudaSource"]
 
@@ -123,7 +122,7 @@ class CudaDelivery:
         return len(self._pinned)
 
 
-class CudaSource:
+class CudaSource(RingFedSource):
     """See the module docstring. ``ring`` holds the raw fields and ``"index"``."""
 
     def __init__(self, *, ring, delivery: CudaDelivery, dataset, device, image_fields: Sequence[str],
@@ -131,22 +130,11 @@ class CudaSource:
         import torch
 
         self._torch = torch
-        self._ring = ring
         self._delivery = delivery
-        self._dataset = dataset
         self._device = device
-        self._feeder = (CudaImageFeeder(ring=ring, delivery=delivery, dataset=dataset, device=device,
-                                        image_fields=image_fields, decoders=decoders, epoch=epoch,
-                                        on_error=on_error, stats=stats) if image_fields else None)
-        self.amortize = self._feeder is None
-        self._closed = False
-
-    def put(self, batches: Sequence[np.ndarray]) -> None:
-        if self._feeder is not None:
-            for idx in batches:
-                self._feeder.put(idx)
-        elif batches:
-            submit_batches(self._ring, self._dataset, batches)
+        super().__init__(ring, dataset, CudaImageFeeder(
+            ring=ring, delivery=delivery, dataset=dataset, device=device, image_fields=image_fields,
+            decoders=decoders, epoch=epoch, on_error=on_error, stats=stats) if image_fields else None)
 
     def get(self) -> Ready:
         if self._feeder is None:
@@ -160,14 +148,6 @@ class CudaSource:
             if isinstance(v, self._torch.Tensor) and v.is_cuda:
                 v.record_stream(cur)
         return Ready(batch, index)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._feeder is not None:
-            self._feeder.close()
-        self._ring.drain()
 
 
 class CudaImageFeeder:
