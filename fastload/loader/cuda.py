@@ -32,8 +32,7 @@ import numpy as np
 
 from ..device import clear_cuda_error, guard, select
 from .decode import Decoders, decode_fields, runner_decoder
-from .host import INDEX, submit_batches
-from .source import Ready
+from .source import INDEX, Ready, RingFedSource
 
 __all__ = ["CudaDelivery", "CudaImageFeeder", "CudaSource"]
 
@@ -150,7 +149,7 @@ class CudaDelivery:
         return len(self._pinned)
 
 
-class CudaSource:
+class CudaSource(RingFedSource):
     """See the module docstring. ``ring`` holds the raw fields and ``"index"``."""
 
     def __init__(self, *, ring, delivery: CudaDelivery, dataset, device, image_fields: Sequence[str],
@@ -158,22 +157,11 @@ class CudaSource:
         import torch
 
         self._torch = torch
-        self._ring = ring
         self._delivery = delivery
-        self._dataset = dataset
         self._device = device
-        self._feeder = (CudaImageFeeder(ring=ring, dataset=dataset, device=device, image_fields=image_fields,
-                                        decoders=decoders, epoch=epoch, on_error=on_error, stats=stats,
-                                        workers=workers) if image_fields else None)
-        self.amortize = self._feeder is None
-        self._closed = False
-
-    def put(self, batches: Sequence[np.ndarray]) -> None:
-        if self._feeder is not None:
-            for idx in batches:
-                self._feeder.put(idx)
-        elif batches:
-            submit_batches(self._ring, self._dataset, batches)
+        super().__init__(ring, dataset, CudaImageFeeder(
+            ring=ring, dataset=dataset, device=device, image_fields=image_fields, decoders=decoders, epoch=epoch,
+            on_error=on_error, stats=stats, workers=workers) if image_fields else None)
 
     def get(self) -> Ready:
         images, events = {}, ()
@@ -193,14 +181,6 @@ class CudaSource:
                     v.record_stream(cur)  # allocated on a copy stream, used on `cur`
             out.update(images)
         return Ready(out, index)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._feeder is not None:
-            self._feeder.close()
-        self._ring.drain()
 
 
 class CudaImageFeeder:

@@ -15,9 +15,9 @@ import numpy as np
 
 from ..ring import Ring
 from .decode import Decoders
-from .host import INDEX, HostSource
+from .host import HostSource
 from .options import Options
-from .source import BatchSource
+from .source import INDEX, BatchSource
 from .stats import Stats
 
 __all__ = ["Parts"]
