@@ -124,13 +124,14 @@ class HostWait:
 
 
 class _Op:
-    __slots__ = ("kind", "run", "wait_for", "done")
+    __slots__ = ("kind", "run", "wait_for", "done", "seconds")
 
-    def __init__(self, kind: str, run: Callable[[], None] | None = None, wait_for=None):
+    def __init__(self, kind: str, run: Callable[[], None] | None = None, wait_for=None, seconds: float = 0.0):
         self.kind = kind
         self.run = run
         self.wait_for = wait_for  # (stream, position) for a wait op
         self.done = False
+        self.seconds = seconds  # how long the GPU takes for it (kernels of known length: _sleep)
 
 
 class FakeStream:
@@ -249,7 +250,11 @@ class FakeEvent:
         stream._enqueue(_Op("wait", wait_for=(self.stream, self.position)))
 
     def elapsed_time(self, end: "FakeEvent") -> float:
-        return 0.0
+        """Milliseconds of modelled GPU time between two events of one stream (the kernels of
+        known length between them, e.g. ``torch.cuda._sleep`` at ``FakeCuda.clock_hz``)."""
+        if self.stream is None or end.stream is not self.stream:
+            raise RuntimeError("elapsed_time: both events must be recorded on the same (fake) stream")
+        return 1e3 * sum(op.seconds for op in self.stream.ops[self.position:end.position])
 
     @property
     def done(self) -> bool:
@@ -399,6 +404,7 @@ class FakeCuda:
         self.free_memory = int(total_memory)
         self.name = name
         self.cuda_version = cuda_version
+        self.clock_hz = 1.5e9  # cycles per second of torch.cuda._sleep
         self.register_error: int | Callable[[int, int], int] | None = None  # inject cudaHostRegister failures
         self._lock = threading.RLock()
         self._local = threading.local()
@@ -442,7 +448,8 @@ class FakeCuda:
         mp.setattr(c, "stream", lambda s: _StreamContext(self, s))
         mp.setattr(c, "synchronize", self.synchronize)
         mp.setattr(c, "cudart", lambda: self.cudart)
-        mp.setattr(c, "_sleep", lambda cycles: self.launch_kernel("_sleep", cycles=cycles))
+        mp.setattr(c, "_sleep", lambda cycles: self.launch_kernel("_sleep", seconds=cycles / self.clock_hz,
+                                                                  cycles=cycles))
         mp.setattr(c, "get_device_name", lambda device=None: self.name)
         mp.setattr(c, "get_device_capability", lambda device=None: (9, 0))
         mp.setattr(c, "get_device_properties", lambda device=None: types.SimpleNamespace(
@@ -553,13 +560,14 @@ class FakeCuda:
         with self._lock:
             return sum(len(s.ops) - s.executed for s in [*self._default.values(), *self.streams])
 
-    def launch_kernel(self, name: str = "kernel", stream: FakeStream | None = None, **info) -> None:
+    def launch_kernel(self, name: str = "kernel", stream: FakeStream | None = None, seconds: float = 0.0,
+                      **info) -> None:
         """A kernel launch as torch does it: enqueue, then ``C10_CUDA_KERNEL_LAUNCH_CHECK()``
         (``cudaGetLastError``), which raises — and clears — an error left by any earlier
         runtime call of this thread."""
         stream = stream or self.current_stream()
         self._call("kernel", stream.device_index, name=name, stream=stream, **info)
-        stream._enqueue(_Op("kernel"))
+        stream._enqueue(_Op("kernel", seconds=seconds))
         tls = self._tls()
         if tls.last_error != SUCCESS:
             code, tls.last_error = tls.last_error, SUCCESS
