@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Check", "Facts", "assess", "gather", "main", "run"]
+__all__ = ["Check", "Facts", "add_arguments", "assess", "gather", "main", "run", "run_command"]
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 NO_GPU_NOTE = "no GPU: nothing ran on a device"
@@ -436,16 +436,8 @@ def run(device: str = "cuda", dataset: str | None = None, batch_size: int = 256,
     return 1 if fails else 0
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
-    d = sub.add_parser("doctor", help="check this machine (GPUs, CUDA builds, limits, threads, DALI graphs) "
-                       "before a long job", description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    _arguments(d)
-    d.set_defaults(func=lambda a: run(a.device, a.dataset, a.batch_size))
-    return d
-
-
-def _arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command's arguments (standard library only: ``fastload --help`` loads no torch)."""
     p.add_argument("dataset", nargs="?", default=None, help="a dataset to check the limits against")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device the job will use "
                    "(default cuda)")
@@ -453,9 +445,18 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    "ring's pinned memory")
 
 
+def run_command(a: argparse.Namespace, out) -> int:
+    """``fastload doctor`` (``fastload.cli``): the report on ``out.text``."""
+    from .errors import UsageError
+
+    if a.batch_size < 1:
+        raise UsageError(f"--batch-size={a.batch_size} must be >= 1", code=2)
+    return run(a.device, a.dataset, a.batch_size, out=out.text)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fastload doctor", description=__doc__.split("\n\n")[0])
-    _arguments(p)
+    add_arguments(p)
     a = p.parse_args(argv)
     if a.batch_size < 1:
         p.error(f"--batch-size={a.batch_size} must be >= 1")

@@ -99,9 +99,9 @@ def test_graph_failures_are_reported(monkeypatch):
     assert checks[0].message == 'DALI rejects the cuda graph: Argument "resize_xx" is not defined for operator "Resize".'
 
 
-def _doctor(*args, preexec=None, env=None):
-    return subprocess.run([sys.executable, "-m", "fastload.doctor", *args], capture_output=True, text=True,
-                          timeout=300, preexec_fn=preexec, env=env)
+def _doctor(*args, preexec=None, env=None, module="fastload"):
+    cmd = [sys.executable, "-m", module, *(["doctor"] if module == "fastload" else []), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=preexec, env=env)
 
 
 def test_doctor_here_validates_cuda_graphs_offline_and_exits_0():
@@ -149,3 +149,10 @@ def test_graphs_are_built_and_run_on_the_gpu_when_there_is_one(monkeypatch):
     monkeypatch.setattr(Runner, "_canary_error", lambda self: "nvImageCodec failure")
     assert {(c.status, c.message) for c in doctor.check_graphs("cuda", gpu_usable=True, device_id=1)} == {
         (FAIL, "fails on a valid JPEG on cuda:1: nvImageCodec failure")}
+
+
+def test_the_module_runs_alone_and_bad_usage_exits_2():
+    r = _doctor("--device", "cpu", "--batch-size", "0")
+    assert r.returncode == 2 and r.stderr.strip() == "fastload doctor: error: --batch-size=0 must be >= 1"
+    r = _doctor("--device", "tpu", module="fastload.doctor")
+    assert r.returncode == 2 and "invalid choice: 'tpu'" in r.stderr
