@@ -197,3 +197,30 @@ def test_cuda_image_prefetch_is_budgeted_in_device_bytes(fake, images):
     assert (big.prefetch, mid.prefetch, small.prefetch) == (2, 3, 3)  # 308 MB, 154 MB, 25 KB a batch (F9)
     assert Loader(images, batch_size=256, device="cpu", transforms={"image": vision.train(224)}).prefetch == 2
     assert Loader(images, batch_size=8, device="cuda:0", transforms={"image": EVAL}, prefetch=5).prefetch == 5
+
+
+def test_a_slot_is_held_until_its_copy_has_run(fake):
+    """The ring's slot stays leased while the GPU has not run the copy out of it, and only
+    then goes back to the free list (review test B: leases held until their events complete)."""
+    from fastload.device import guard
+    from fastload.loader.cuda import CudaDelivery
+    from fastload.ring import Ring
+
+    x = np.arange(64 * 4, dtype=np.int64).reshape(64, 4)
+    with Ring({"x": (np.int64, (4,)), "index": (np.int64, ())}, 8, {"x": [x]}, index_field="index", threads=1,
+              slots=4) as ring:
+        delivery = CudaDelivery(ring, torch.device("cuda", 1))
+        try:
+            ring.submit(np.zeros(8, np.int64), np.arange(8, 16), index=np.arange(8, 16))
+            out = delivery.deliver(ring.get_batch())  # the RingBatch is dropped at once
+            assert ring.stats()["in_use"] == 1  # held by the copy the GPU has not run yet
+            with guard(torch.device("cuda", 1)):  # as deliver() does before it reaps
+                delivery._reap(block=False)
+                assert ring.stats()["in_use"] == 1
+                fake.run_gpu()
+                delivery._reap(block=False)
+            assert ring.stats()["in_use"] == 0
+            assert out["x"].cpu().numpy().tolist() == x[8:16].tolist() and out["index"].cpu().tolist() == list(range(8, 16))
+        finally:
+            delivery.close()
+    assert fake.registered == {} and fake.contexts == {1}
