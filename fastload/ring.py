@@ -40,7 +40,7 @@ from . import _C
 from .ringspec import as_index as _as_index
 from .ringspec import parse_fields as _parse_fields
 from .ringspec import parse_sources as _parse_sources
-from .system import check_fits_in_memory, usable_cores
+from .system import check_fits_in_memory, rank_cores
 from .validate import is_int as _is_int
 
 __all__ = ["FillSlot", "Ring", "RingBatch", "default_slots", "default_threads"]
@@ -53,8 +53,9 @@ _MAX_SLOT_BYTES = 1 << 40  # a slot this large is a mistake (batch_size or shape
 
 
 def default_threads() -> int:
-    """Producer threads used when ``threads=None``: the usable cores, at most 8."""
-    return max(1, min(8, usable_cores()))
+    """Producer threads used when ``threads=None``: this rank's share of the usable cores
+    (:func:`fastload.system.rank_cores`), at most 8."""
+    return max(1, min(8, rank_cores()))
 
 
 def default_slots(threads: int) -> int:
@@ -382,7 +383,7 @@ class Ring:
         while self.pending > 0:
             yield self.get()
 
-    def drain(self, timeout: float | None = None) -> bool:
+    def drain(self, timeout: float | None = None, warn: bool = True) -> bool:
         """Take (and drop) every pending batch, errors included, so all slots are free.
         With ``timeout`` (seconds), give up when no batch became ready for that long (a fill
         that never completes); returns True when nothing is pending any more."""
@@ -398,6 +399,8 @@ class Ring:
             except Exception:  # a batch's error: dropped too
                 continue
             if got is None:
+                if not warn:
+                    return False
                 logger.warning("fastload ring: %d batch(es) still pending after %.1f s; giving up draining",
                                self.pending, time.monotonic() - t0)
                 return False

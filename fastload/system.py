@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["available_memory", "check_fits_in_memory", "local_world_size", "usable_cores"]
+__all__ = ["available_memory", "check_fits_in_memory", "local_world_size", "rank_cores", "usable_cores"]
 
 
 def usable_cores() -> int:
@@ -76,3 +76,10 @@ def check_fits_in_memory(nbytes: int, what: str, hint: str) -> None:
 def _gb(n: int) -> str:
     return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
 
+
+def rank_cores() -> int:
+    """This rank's share of the cores: the usable cores divided among the ``LOCAL_WORLD_SIZE``
+    processes of the node (torchrun sets no affinity, so every rank sees every core), at
+    least 1. A launcher that already binds each rank to its own cores makes this an
+    underestimate; pass ``threads=`` to the Loader then."""
+    return max(1, usable_cores() // local_world_size())

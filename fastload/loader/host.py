@@ -10,7 +10,6 @@ keep the cores busy (bench/bench_jpeg.py: +~10%).
 """
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
@@ -20,66 +19,27 @@ from typing import Sequence
 import numpy as np
 
 from .decode import Decoders, decode_fields, runner_decoder
-from .source import Ready
+from .source import INDEX, Ready, RingFedSource
 
 __all__ = ["HostImageFeeder", "HostSource"]
 
 logger = logging.getLogger("fastload")
 
-INDEX = "index"
-DRAIN_TIMEOUT_S = 30.0  # close() never waits longer for a batch that does not come
-
-
-def submit_batches(ring, dataset, batches: Sequence[np.ndarray]) -> None:
-    """Locate and submit consecutive batches with one call when they have equal sizes (the
-    sampler only shortens the last one), else one by one."""
-    idx_all = np.concatenate(batches) if len(batches) > 1 else batches[0]
-    shard, row = dataset.locate(idx_all, check=False)
-    sizes = {len(b) for b in batches[:-1]}
-    if len(sizes) <= 1 and (not sizes or len(batches[-1]) <= next(iter(sizes))):
-        ring.submit_many(shard, row, len(batches[0]), index=idx_all)
-        return
-    start = 0  # pragma: no cover - the sampler only shortens the last batch
-    for b in batches:
-        stop = start + len(b)
-        ring.submit(shard[start:stop], row[start:stop], index=idx_all[start:stop])
-        start = stop
-
-
-class HostSource:
+class HostSource(RingFedSource):
     """See the module docstring. ``ring`` has every raw field (with sources), every image
     field's output (filled by the feeder) and the ``"index"`` field."""
 
     def __init__(self, *, ring, dataset, image_fields: Sequence[str], decoders: Decoders | None, epoch: int,
                  on_error: str, stats, workers: int = 2) -> None:
-        self._ring = ring
-        self._dataset = dataset
-        self._feeder = (HostImageFeeder(ring=ring, dataset=dataset, image_fields=image_fields, decoders=decoders,
-                                        epoch=epoch, on_error=on_error, stats=stats, workers=workers)
-                        if image_fields else None)
-        self.amortize = self._feeder is None
-        self._closed = False
-
-    def put(self, batches: Sequence[np.ndarray]) -> None:
-        if self._feeder is not None:
-            for idx in batches:
-                self._feeder.put(idx)
-        elif batches:
-            submit_batches(self._ring, self._dataset, batches)
+        super().__init__(ring, dataset, HostImageFeeder(
+            ring=ring, dataset=dataset, image_fields=image_fields, decoders=decoders, epoch=epoch,
+            on_error=on_error, stats=stats, workers=workers) if image_fields else None)
 
     def get(self) -> Ready:
         if self._feeder is not None:
             self._feeder.wait_acquired()  # so that the ring has this batch pending
         batch = self._ring.get()
         return Ready(batch, batch[INDEX].numpy())
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._feeder is not None:
-            self._feeder.close()
-        self._ring.drain(timeout=DRAIN_TIMEOUT_S)  # slots free for the next epoch
 
 
 class HostImageFeeder:
@@ -175,7 +135,7 @@ class HostImageFeeder:
         # the ring until every worker has seen the stop flag and returned.
         deadline = time.monotonic() + 30
         while any(t.is_alive() for t in self._threads):
-            self._ring.drain()
+            self._ring.drain(timeout=0.1, warn=False)  # bounded: the deadline below is checked
             for t in self._threads:
                 t.join(timeout=0.01)
             if time.monotonic() > deadline:  # pragma: no cover - only if DALI hangs

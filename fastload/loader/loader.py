@@ -98,7 +98,7 @@ class Loader:
         self._sampler = make_sampler(ds, self._world, batch_size=self._options.batch_size, seed=self._options.seed,
                                      shuffle=shuffle, drop_last=drop_last, weights=weights, replacement=replacement,
                                      num_draws=num_draws, balance=balance, shuffle_mode=shuffle_mode, window=window)
-        self._options = fit_to_epoch(self._options, ds, self._sampler, prefetch_given=prefetch is not None)
+        self._options = fit_to_epoch(self._options, ds, self._sampler)
         self._stats = Stats()
         self._progress = Progress()
         # Threads, the ring and DALI pipelines live in Parts, which holds no reference to

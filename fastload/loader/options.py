@@ -22,12 +22,14 @@ from ..store.format import INDEX_KEY
 from ..system import check_fits_in_memory
 from ..validate import check_bool, check_choice, check_int, check_seed
 
-__all__ = ["ON_ERROR", "Options", "build_options", "default_prefetch", "fit_to_epoch", "make_sampler", "ring_slots"]
+__all__ = ["ON_ERROR", "Options", "build_options", "default_cuda_image_prefetch", "default_gather_threads",
+           "default_prefetch", "fit_to_epoch", "make_sampler", "ring_slots"]
 
 logger = logging.getLogger("fastload")
 
 ON_ERROR = ("raise", "skip")
 PREFETCH_BUDGET = 256 << 20  # host memory the default prefetch may use for batches in flight
+DEVICE_PREFETCH_BUDGET = 512 << 20  # GPU memory decoded images in flight may use (per rank)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Options:
     log_every: int | None
     verify: str  # the dataset's shard verification policy
     slot_rows: int = 0  # rows a ring slot / DALI batch holds: min(batch_size, samples per rank)
+    slots: int = 0  # ring slots: for min(prefetch, batches per epoch) in flight
 
 
 def default_prefetch(threads: int, batch_bytes: int) -> int:
@@ -54,6 +57,21 @@ def default_prefetch(threads: int, batch_bytes: int) -> int:
     bench/bench_tensor.py), capped so the slots stay within PREFETCH_BUDGET."""
     fit = PREFETCH_BUDGET // max(1, batch_bytes)
     return int(max(2, min(8, max(threads + 1, fit))))
+
+
+def default_gather_threads() -> int:
+    """Gather threads: this rank's share of the cores (``ring.default_threads``) minus one
+    core left to the training loop's own Python thread. On 2 cores, 1 gather thread beat 2
+    on both MNIST rows (54% vs 47% of memcpy) and 3x224x224 rows (106% vs 101%),
+    interleaved A/B in one process."""
+    return max(1, default_threads() - 1)
+
+
+def default_cuda_image_prefetch(image_batch_bytes: int) -> int:
+    """Batches in flight when DALI decodes on the GPU: each one holds its decoded images in
+    device memory, so 2 (one decoding while one is consumed) or 3 when a batch's images fit
+    DEVICE_PREFETCH_BUDGET three times (256x3x224x224 float32: 154 MB, so 3)."""
+    return int(max(2, min(3, DEVICE_PREFETCH_BUDGET // max(1, image_batch_bytes))))
 
 
 def _resolve_fields(ds, fields: Sequence[str] | None, transforms: Any) -> tuple[list[str], dict]:
@@ -116,37 +134,46 @@ def build_options(ds, *, batch_size: Any, seed: Any, device: Any, fields: Sequen
     images = tuple(n for n in fields if ds.fields[n].kind == "image")
     lists = tuple(n for n in fields if ds.fields[n].kind in ("string", "bytes"))
     transforms = {n: transforms[n] for n in images}
-    # Gather threads: one core is left to the training loop's own Python thread. On 2
-    # cores, 1 gather thread beat 2 on both MNIST rows (54% vs 47% of memcpy) and
-    # 3x224x224 rows (106% vs 101%), interleaved A/B in one process.
-    threads = max(1, default_threads() - 1) if threads is None else check_int("threads", threads, min=1, max=256)
+    threads = default_gather_threads() if threads is None else check_int("threads", threads, min=1, max=256)
     device = resolve_device(device)
-    batch_bytes = batch_size * _row_bytes(ds, raw, transforms, device.type != "cuda")
-    prefetch = default_prefetch(threads, batch_bytes) if prefetch is None else check_int("prefetch", prefetch, min=1)
+    if prefetch is not None:
+        prefetch = check_int("prefetch", prefetch, min=1)
+    else:
+        prefetch = _default_prefetch(ds, raw, transforms, device, threads, batch_size)
     return Options(batch_size=batch_size, seed=seed, device=device,
                    fields=tuple(fields), raw_fields=raw, image_fields=images, list_fields=lists,
                    transforms=MappingProxyType(transforms), threads=threads, prefetch=prefetch,
                    on_error=on_error, log_every=log_every, verify=ds.verify_policy, slot_rows=batch_size)
 
 
-def fit_to_epoch(o: Options, ds, sampler, *, prefetch_given: bool) -> Options:
+def _default_prefetch(ds, raw: Sequence[str], transforms: Mapping[str, Transform], device, threads: int,
+                      rows: int) -> int:
+    """The default batches in flight for batches of ``rows`` rows (see default_prefetch and
+    default_cuda_image_prefetch)."""
+    batch_bytes = rows * (sum(ds.fields[n].row_nbytes for n in raw) + 8)  # + the index
+    image_bytes = rows * sum(np.dtype(t.out_dtype).itemsize * int(np.prod(t.out_shape)) for t in transforms.values())
+    if device.type == "cuda" and transforms:
+        return default_cuda_image_prefetch(image_bytes)
+    return default_prefetch(threads, batch_bytes + image_bytes)
+
+
+def fit_to_epoch(o: Options, ds, sampler) -> Options:
     """Size the ring from what the dataset can fill, not from the nominal arguments: a batch
     never holds more rows than this rank reads per epoch (``batch_size=10**7`` on a 60,000-sample
-    dataset makes 60,000-row slots), no more batches are in flight than an epoch has, and the
-    slots must fit in the memory available — else a ValueError naming batch_size and prefetch,
-    before anything is allocated."""
+    dataset makes 60,000-row slots), there are no more slots than an epoch has batches to put
+    in them (``prefetch=10**7``), and the slots must fit in the memory available — else a
+    ValueError naming batch_size and prefetch, before anything is allocated."""
     rows = max(1, min(o.batch_size, sampler.num_samples_per_rank))
     row_bytes = _row_bytes(ds, o.raw_fields, o.transforms, o.device.type != "cuda")
-    prefetch = o.prefetch if prefetch_given else default_prefetch(o.threads, rows * row_bytes)
-    prefetch = max(1, min(prefetch, sampler.batches_per_epoch))
-    slots = ring_slots(prefetch)
+    prefetch = o.prefetch
+    slots = ring_slots(max(1, min(prefetch, sampler.batches_per_epoch)))  # prefetch itself stays as asked
     slot_bytes = -(-(rows * row_bytes + 256 * (len(o.raw_fields) + len(o.image_fields) + 1)) // 4096) * 4096  # pages
     check_fits_in_memory(
         slots * slot_bytes,
         f"batch_size={o.batch_size} ({rows:,} rows per batch on this rank) with prefetch={prefetch} "
         f"({slots} ring slots of {slot_bytes:,} bytes)",
         "lower batch_size or prefetch")
-    return replace(o, slot_rows=rows, prefetch=prefetch)
+    return replace(o, slot_rows=rows, slots=slots)
 
 
 def ring_slots(prefetch: int) -> int:

@@ -17,9 +17,9 @@ import numpy as np
 from .. import lifecycle
 from ..ring import Ring
 from .decode import Decoders
-from .host import INDEX, HostSource
+from .host import HostSource
 from .options import Options, ring_slots
-from .source import BatchSource
+from .source import INDEX, BatchSource
 from .stats import Stats
 
 __all__ = ["Parts"]
@@ -77,7 +77,7 @@ class Parts:
                     specs[n] = (np.dtype(t.out_dtype), tuple(t.out_shape))
             specs[INDEX] = (np.int64, ())
             ring = Ring(specs, o.slot_rows, sources, index_field=INDEX, threads=o.threads,
-                        slots=ring_slots(o.prefetch))
+                        slots=o.slots or ring_slots(o.prefetch))
             self._ring = ring
             self._stats.attach("ring", lambda: {"gather_s": ring.stats()["gather_ns"] / 1e9})
         return self._ring

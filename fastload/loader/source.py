@@ -16,7 +16,11 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-__all__ = ["BatchSource", "Ready"]
+__all__ = ["DRAIN_TIMEOUT_S", "INDEX", "BatchSource", "Ready", "RingFedSource", "submit_batches"]
+
+DRAIN_TIMEOUT_S = 30.0  # close() waits at most this long for a batch in flight
+
+INDEX = "index"  # the ring field (and batch key) holding each batch's global sample indices
 
 
 class Ready(NamedTuple):
@@ -37,3 +41,47 @@ class BatchSource(Protocol):
 
     def close(self) -> None:
         """Stop this epoch's work: join its threads, drain what is in flight. Idempotent."""
+
+
+def submit_batches(ring, dataset, batches: Sequence[np.ndarray]) -> None:
+    """Locate and submit consecutive batches with one call when they have equal sizes (the
+    sampler only shortens the last one), else one by one; their indices fill ``INDEX``."""
+    idx_all = np.concatenate(batches) if len(batches) > 1 else batches[0]
+    shard, row = dataset.locate(idx_all, check=False)
+    sizes = {len(b) for b in batches[:-1]}
+    if len(sizes) <= 1 and (not sizes or len(batches[-1]) <= next(iter(sizes))):
+        ring.submit_many(shard, row, len(batches[0]), index=idx_all)
+        return
+    start = 0  # pragma: no cover - the sampler only shortens the last batch
+    for b in batches:
+        stop = start + len(b)
+        ring.submit(shard[start:stop], row[start:stop], index=idx_all[start:stop])
+        start = stop
+
+
+class RingFedSource:
+    """What both sources share: batches go to the image feeder when there is one (it fills
+    the ring or hands over device batches), else straight to the ring in runs; ``close()``
+    joins the feeder and drains the ring so its slots are free for the next epoch."""
+
+    def __init__(self, ring, dataset, feeder) -> None:
+        self._ring = ring
+        self._dataset = dataset
+        self._feeder = feeder
+        self.amortize = feeder is None
+        self._closed = False
+
+    def put(self, batches: Sequence[np.ndarray]) -> None:
+        if self._feeder is not None:
+            for idx in batches:
+                self._feeder.put(idx)
+        elif batches:
+            submit_batches(self._ring, self._dataset, batches)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._feeder is not None:
+            self._feeder.close()
+        self._ring.drain(timeout=DRAIN_TIMEOUT_S)  # never waits longer for a batch that does not come
