@@ -21,15 +21,13 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import headline, system_info  # noqa: E402
+from fastload.bench.report import headline, system_info
 
 
 def _epoch_seconds(loader) -> float:

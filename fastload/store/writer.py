@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import NO_SPACE_ERRNOS, NoSpaceError, SampleError
+from ..files import printable
 from .format import (
     CHECKSUM_ALGO, DEFAULT_SHARD_SIZE, FORMAT_NAME, FORMAT_VERSION, KEY_COLUMN, arrow_schema,
     check_field_names, parse_field, parse_size, shard_name,
@@ -27,6 +28,16 @@ from .transaction import Transaction, write_atomic
 from .values import check_label_field, check_labels, encoded, fixed_rows
 
 __all__ = ["DEFAULT_SHARD_SIZE", "SampleError", "ShardWriter"]
+
+
+def _storable_key(key: str) -> str:
+    """A key Arrow can store as UTF-8: one that is not (a file name's undecodable bytes carried
+    as surrogates) is escaped (``\\xNN``) rather than failing the whole shard at flush."""
+    try:
+        key.encode("utf-8")
+        return key
+    except UnicodeEncodeError:
+        return printable(key)
 
 
 class ShardWriter:
@@ -106,7 +117,7 @@ class ShardWriter:
         ``image_sizes`` may give (width, height) of image fields already known to the caller
         (convert reads them while validating); otherwise they are read from the header."""
         self._check_open()
-        key = str(self.num_samples) if key is None else str(key)
+        key = str(self.num_samples) if key is None else _storable_key(str(key))
         missing = [n for n in self.fields if n not in sample]
         if missing:
             raise SampleError(f"sample {key!r} lacks field(s) {missing}; fields are {list(self.fields)}")
@@ -184,7 +195,7 @@ class ShardWriter:
                 if keys is None:
                     self._keys.extend(map(str, range(base + start, base + stop)))
                 else:
-                    self._keys.extend(map(str, keys[start:stop]))
+                    self._keys.extend(_storable_key(str(k)) for k in keys[start:stop])
                 self._rows += stop - start
                 self._bytes += (stop - start) * row_bytes
                 start = stop
