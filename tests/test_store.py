@@ -504,7 +504,9 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
 def test_store_convert_and_verify_never_import_torch_or_dali(tmp_path):
     """With ``fastload/__init__`` bypassed (another module's job), the store and convert
     themselves import neither torch nor DALI: write, read, verify and convert (with worker
-    processes) run, and only ``fastload.store.Dataset`` brings torch in."""
+    processes) run, and only ``fastload.store.Dataset`` brings torch in. Converting images
+    imports DALI (never torch): each image is also decoded by the Loader's decoder, DALI on
+    the CPU, in the main process (issue 19)."""
     from PIL import Image
     src = tmp_path / "src"
     for c in ("a", "b"):
@@ -534,7 +536,7 @@ def test_store_convert_and_verify_never_import_torch_or_dali(tmp_path):
             r = convert("imagefolder", {str(src)!r}, {str(tmp_path)!r} + f"/img{{workers}}", workers=workers,
                         progress=False)
             assert r["num_samples"] == 80, r
-        assert heavy() == [], heavy()
+        assert [m for m in heavy() if not m.startswith("nvidia")] == [], heavy()
         from fastload.store import Dataset  # PEP 562: torch only now
         assert "torch" in sys.modules and issubclass(Dataset, DatasetReader)
         print("ok")
