@@ -53,7 +53,7 @@ def test_interpreter_exit_with_a_live_image_iterator_does_not_hang(datasets):
         next(it)  # the iterator (feeder threads, DALI pipelines, batches in flight) stays alive
         print("leaving", flush=True)
     """
-    for _ in range(3):  # it hung in 7 of 10 runs: DALI's atexit hook shut its pipelines first
+    for _ in range(2):  # it hung in 7 of 10 runs: DALI's atexit hook shut its pipelines first
         t0 = time.perf_counter()
         p = _python(script, timeout=60)
         assert p.returncode == 0 and p.stdout.strip() == "leaving", p.stderr[-2000:]
@@ -115,6 +115,7 @@ def test_ctrl_c_to_converts_process_group_prints_one_line(tmp_path):
         (src / c).mkdir(parents=True)
         for i in range(1500):
             (src / c / f"{i:05d}.jpg").write_bytes(data)
+    codes = []
     for delay in (0.0, 0.3, 1.0):
         dst = tmp_path / f"out{delay}"
         p = subprocess.Popen([sys.executable, "-m", "fastload", "convert", "imagefolder", str(src), str(dst),
@@ -132,11 +133,13 @@ def test_ctrl_c_to_converts_process_group_prints_one_line(tmp_path):
             pass
         out, err = p.communicate(timeout=120)
         assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+        codes.append(p.returncode)
         if p.returncode == 130:
             assert err.rstrip().splitlines()[-1] == "fastload convert: interrupted", err[-500:]
             assert not (dst / "manifest.json").exists()  # nothing that opens
         else:  # finished before the signal
             assert p.returncode == 0, err[-2000:]
+    assert 130 in codes, codes  # the signal did land during a conversion
 
 
 def _no_space_after(monkeypatch, limit: int):
