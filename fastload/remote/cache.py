@@ -183,6 +183,8 @@ class ShardCache:
         self._write_remote_json()
         self._check_present()
         self.limit = self._resolve_limit(limit)
+        # the whole dataset fits: a mirror, nothing is deleted (a rerun reads it all locally)
+        self.mirror = self.limit >= int(self.sizes.sum())
         biggest = int(self.sizes.max()) if self.num_shards else 0
         if self.limit < biggest:
             raise CacheTooSmall(
@@ -223,6 +225,7 @@ class ShardCache:
         self._release_ptr = 0
         self._by_last = np.zeros(0, np.int64)
         self._inflight: set[int] = set()
+        self._fetched: set[int] = set()  # downloaded by this process, not yet counted by the prefetcher
         self._errors: dict[int, BaseException] = {}
         self._released: set[int] = set()
         self._release_hooks: list[Callable[[int], None]] = []
@@ -587,7 +590,7 @@ class ShardCache:
             live, nxt = self._classify(s, node_t)
             if live:
                 continue
-            if nxt == float("inf"):  # every planned use is behind the node: exact eviction
+            if nxt == float("inf") and not self.mirror:  # every planned use is behind the node
                 if self._delete(s):
                     freed += size
             else:
@@ -644,8 +647,9 @@ class ShardCache:
                     continue
                 owner = self.owner(s)
                 if self.path(s).exists():
-                    if owner == self.local_rank:
-                        self.cache_hits += 1
+                    if owner == self.local_rank and s not in self._fetched:
+                        self.cache_hits += 1  # there before this run needed it (an earlier run, epoch, rank)
+                    self._fetched.discard(s)
                     continue
                 if owner != self.local_rank and self._is_alive(owner):
                     continue  # the owner fetches it
@@ -687,6 +691,7 @@ class ShardCache:
                                   part=part, label=self.names[s], deadline=deadline)
             with self._cond:
                 self.downloads += 1
+                self._fetched.add(s)
                 self._errors.pop(s, None)
         finally:
             lock.close()

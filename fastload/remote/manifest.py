@@ -90,6 +90,8 @@ class RemoteDataset:
         self.total_bytes = int(sum(self.shard_bytes))
 
     def __repr__(self) -> str:
+        if not hasattr(self, "shard_files"):
+            return f"RemoteDataset({getattr(self, 'url', '?')!r})"
         return f"RemoteDataset({self.url!r}, {len(self.shard_files)} shards, {self.total_bytes} bytes)"
 
     def shard_url(self, i: int) -> str:

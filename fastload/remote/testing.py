@@ -341,7 +341,7 @@ class FaultProxy:
         self.port = 0
         self._server: _ProxyServer | None = None
         self._thread: threading.Thread | None = None
-        self._down_until = 0.0
+        self._conns: set[socket.socket] = set()
         self._revive: threading.Timer | None = None
 
     @property
@@ -380,6 +380,18 @@ class FaultProxy:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = 30  # an idle keep-alive connection does not pin a thread forever
+
+            def setup(self):
+                super().setup()
+                with proxy._lock:
+                    proxy._conns.add(self.connection)
+
+            def finish(self):
+                with proxy._lock:
+                    proxy._conns.discard(self.connection)
+                with contextlib.suppress(OSError):
+                    super().finish()
 
             def log_message(self, *a):  # quiet
                 pass
@@ -388,6 +400,18 @@ class FaultProxy:
                 method = self.command
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                chunked = "chunked" in (self.headers.get("Transfer-Encoding") or "").lower()
+                if chunked:  # de-chunk: forwarded with a Content-Length
+                    parts = []
+                    while True:
+                        n = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                        if n == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass
+                            break
+                        parts.append(self.rfile.read(n))
+                        self.rfile.readline()
+                    body = b"".join(parts)
                 auth = self.headers.get("Authorization", "")
                 fault = proxy._pick(method, self.path, auth)
                 rec = RequestLog(method, self.path, self.headers.get("Range"), 0, fault.kind if fault else None)
@@ -416,7 +440,10 @@ class FaultProxy:
                 host, port = proxy.upstream.rsplit(":", 1)
                 conn = http.client.HTTPConnection(host, int(port), timeout=60)
                 try:
-                    headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                    headers = {k: v for k, v in self.headers.items()
+                               if k.lower() not in ("connection", "transfer-encoding")}
+                    if chunked:
+                        headers["Content-Length"] = str(len(body))
                     conn.request(method, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
@@ -428,7 +455,8 @@ class FaultProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("connection", "transfer-encoding", "content-length", "date", "server"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", resp.getheader("Content-Length", "0") if method == "HEAD"
+                                 else str(len(data)))
                 self.end_headers()
                 if method == "HEAD":
                     return
@@ -463,6 +491,10 @@ class FaultProxy:
     def _shutdown(self) -> None:
         if self._server is not None:
             self._server.shutdown()
+            with self._lock:  # connections kept alive by clients: their threads end now
+                for c in list(self._conns):
+                    with contextlib.suppress(OSError):
+                        c.shutdown(socket.SHUT_RDWR)
             self._server.server_close()  # joins the request threads (block_on_close)
             self._server = None
         if self._thread is not None:
