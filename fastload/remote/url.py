@@ -89,7 +89,7 @@ class FaultKind:
     TRANSIENT = "transient"  # connection reset, truncated body, timeout, 5xx: retry (resume)
 
 
-_THROTTLE_RE = re.compile(r"SLOW_DOWN|SlowDown|\b503\b|Service Unavailable|\b429\b|Too Many Requests|"
+_THROTTLE_RE = re.compile(r"SLOW_DOWN|SlowDown|SERVICE_UNAVAILABLE|ServiceUnavailable|\b503\b|Service Unavailable|\b429\b|Too Many Requests|"
                           r"TooManyRequests|RequestLimitExceeded|Throttl", re.I)
 _AUTH_RE = re.compile(r"EXPIRED_TOKEN|ExpiredToken|TokenRefreshRequired|RequestExpired|ACCESS_DENIED|"
                       r"AccessDenied|InvalidAccessKeyId|INVALID_ACCESS_KEY_ID|SignatureDoesNotMatch|"
