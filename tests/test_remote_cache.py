@@ -35,7 +35,7 @@ def test_manifest_fingerprint_and_no_secret_kept(moto, local_ds, s3_env, tmp_pat
         assert json.loads(text)["manifest"] == r.manifest
         # a partial cache is not a dataset: it has no manifest.json
         c.ensure(0)
-        with pytest.raises(ValueError, match="manifest.json is missing"):  # store.FormatError
+        with pytest.raises(FormatError, match="manifest.json is missing"):
             Dataset(c.dir)
 
 
