@@ -22,7 +22,8 @@ namespace fastload {
 // What went wrong, translated to a Python exception type once, at the binding.
 enum class ErrKind : int { None = 0, Index = 1, Value = 2, Runtime = 3, External = 4 };
 
-// One shard of one field: `rows` rows, C-contiguous, of the field's row size.
+// One shard of one field: `rows` rows, C-contiguous, of the field's row size. `ptr` is null
+// while the shard is not loaded (a ring can install and drop a shard's sources while running).
 struct Source {
   const std::uint8_t* ptr = nullptr;
   std::int64_t rows = 0;
@@ -70,9 +71,11 @@ inline ErrKind gather_rows(const Layout& L, const std::int64_t* shard, const std
                            const std::int64_t* index, std::int64_t begin, std::int64_t end,
                            std::uint8_t* const* dst_of, std::string& msg) {
   const std::int64_t nshards = L.num_shards();
-  bool any_sourced = false;
-  for (std::size_t f = 0; f < L.sources.size(); ++f) any_sourced = any_sourced || L.sourced(f);
-  if (any_sourced) {
+  int first_sourced = -1;
+  for (std::size_t f = 0; f < L.sources.size() && first_sourced < 0; ++f)
+    if (L.sourced(f)) first_sourced = static_cast<int>(f);
+  if (first_sourced >= 0) {
+    const std::vector<Source>& probe = L.sources[first_sourced];
     for (std::int64_t i = begin; i < end; ++i) {
       const std::int64_t s = shard[i], r = row[i];
       if (s < 0 || s >= nshards) {
@@ -85,6 +88,12 @@ inline ErrKind gather_rows(const Layout& L, const std::int64_t* shard, const std
               " is out of range for shard " + std::to_string(s) + " (" +
               std::to_string(L.shard_rows[s]) + " rows)";
         return ErrKind::Index;
+      }
+      // A shard's sources are installed and dropped for every field at once (Ring::set_source).
+      if (probe[s].ptr == nullptr && L.shard_rows[s] > 0) {
+        msg = "sample " + std::to_string(i) + ": shard " + std::to_string(s) +
+              " is not loaded (its source was never installed or was dropped)";
+        return ErrKind::Value;
       }
     }
   }

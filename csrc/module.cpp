@@ -89,8 +89,15 @@ struct FieldDesc {
 };
 
 // A shard source taken through the buffer protocol, checked against the field's row size.
+// An int instead of a buffer is a shard that is not loaded yet: just its row count.
 Source load_source(const FieldDesc& fd, py::handle h,
                    std::vector<std::unique_ptr<py::buffer_info>>& keep) {
+  if (py::isinstance<py::int_>(h)) {
+    Source unloaded;
+    unloaded.rows = h.cast<std::int64_t>();
+    keep.push_back(nullptr);
+    return unloaded;
+  }
   auto info = std::make_unique<py::buffer_info>(py::reinterpret_borrow<py::buffer>(h).request());
   std::size_t bytes = static_cast<std::size_t>(info->itemsize);
   for (py::ssize_t d = 1; d < info->ndim; ++d) bytes *= static_cast<std::size_t>(info->shape[d]);
@@ -190,14 +197,43 @@ class BoundRing {
       for (py::ssize_t d : fd.shape) fd.row_bytes *= static_cast<std::size_t>(d);
       layout.row_bytes.push_back(fd.row_bytes);
       layout.sources.emplace_back();
+      bufs_.emplace_back();
       py::object fs = sources[f];
       if (!fs.is_none())
-        for (py::handle h : fs) layout.sources.back().push_back(load_source(fd, h, bufs_));
+        for (py::handle h : fs) layout.sources.back().push_back(load_source(fd, h, bufs_.back()));
       fields_.push_back(std::move(fd));
     }
     // Starts C++ threads; does not touch Python (GIL stays held, see the file comment).
     ring_ = std::make_shared<Ring>(std::move(layout), batch_size, threads, slots, max_slots,
                                    static_cast<std::size_t>(min_part_bytes));
+  }
+
+  // Install (arrays, one per field; None for fields without sources) or drop (every entry
+  // None) one shard's sources. The ring waits until no gather runs (GIL released meanwhile);
+  // the buffers it no longer reads are released afterwards, with the GIL held.
+  void set_source(std::int64_t shard, const py::list& per_field) {
+    const std::size_t nf = fields_.size();
+    if (py::len(per_field) != nf) throw py::value_error("set_source: one entry per field");
+    const Layout& L = ring_->layout();
+    if (shard < 0 || shard >= L.num_shards())
+      throw py::index_error("set_source: shard " + std::to_string(shard) + " is out of range");
+    std::vector<Source> srcs(nf);
+    std::vector<std::unique_ptr<py::buffer_info>> fresh(nf);
+    for (std::size_t f = 0; f < nf; ++f) {
+      py::handle h = per_field[f];
+      if (h.is_none() || !L.sourced(f)) continue;
+      std::vector<std::unique_ptr<py::buffer_info>> one;
+      srcs[f] = load_source(fields_[f], h, one);
+      fresh[f] = std::move(one.back());
+    }
+    {
+      py::gil_scoped_release nogil;
+      ring_->set_source(shard, srcs);
+    }
+    for (std::size_t f = 0; f < nf; ++f) {
+      if (!L.sourced(f)) continue;
+      bufs_[f][static_cast<std::size_t>(shard)] = std::move(fresh[f]);  // the old one is released
+    }
   }
 
   // Joins the producers with the GIL held: they never take the GIL, so this cannot deadlock;
@@ -314,7 +350,8 @@ class BoundRing {
 
  private:
   std::vector<FieldDesc> fields_;
-  std::vector<std::unique_ptr<py::buffer_info>> bufs_;  // keep the sources exported
+  // keep the sources exported: [field][shard] (null: not loaded)
+  std::vector<std::vector<std::unique_ptr<py::buffer_info>>> bufs_;
   std::shared_ptr<Ring> ring_;
 };
 
@@ -428,6 +465,9 @@ PYBIND11_MODULE(_C, m) {
            "(rows, arrays, slot, copied).")
       .def("acquire", &BoundRing::acquire,
            "Reserve the next batch for an external fill; returns (FillHandle, arrays).")
+      .def("set_source", &BoundRing::set_source, py::arg("shard"), py::arg("sources"),
+           "Install (one array per field, None for unsourced fields) or drop (all None) one "
+           "shard's sources while the ring runs; waits until no gather is running.")
       .def("close", &BoundRing::close, "Stop and join the producer threads. Idempotent.")
       .def("slot_memory", &BoundRing::slot_memory, py::arg("slot"))
       .def("stats", &BoundRing::stats)

@@ -247,9 +247,9 @@ void Ring::worker() {
 #endif
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
-    if (jobs_.empty() && !stop_) {
+    if ((jobs_.empty() || paused_) && !stop_) {
       ++idle_workers_;
-      cv_work_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      cv_work_.wait(lk, [&] { return stop_ || (!jobs_.empty() && !paused_); });
       --idle_workers_;
     }
     if (stop_) return;
@@ -262,6 +262,7 @@ void Ring::worker() {
 void Ring::run_front_job(std::unique_lock<std::mutex>& lk) {
   Job j = jobs_.front();
   jobs_.pop_front();
+  ++running_;
   lk.unlock();
   std::string msg;
   ErrKind e;
@@ -277,6 +278,7 @@ void Ring::run_front_job(std::unique_lock<std::mutex>& lk) {
     msg = "unknown C++ exception in a ring producer";
   }
   lk.lock();
+  if (--running_ == 0 && paused_) cv_idle_.notify_all();
   finish_part_locked(*j.req, e, std::move(msg));
 }
 
@@ -324,7 +326,7 @@ Ring::Status Ring::wait_head_locked(std::unique_lock<std::mutex>& lk, int timeou
     // its parts are taken, of a later one) ourselves. For small batches this saves two
     // thread wake-ups per batch; when the loop is input-bound it adds a core. Cost: get()
     // may return up to one part's copy time after its batch became ready.
-    if (!jobs_.empty()) {
+    if (!jobs_.empty() && !paused_) {
       run_front_job(lk);
       continue;
     }
@@ -332,7 +334,7 @@ Ring::Status Ring::wait_head_locked(std::unique_lock<std::mutex>& lk, int timeou
     ++waiters_;
     cv_cons_.wait_for(lk, std::chrono::milliseconds(timeout_ms), [&] {
       return stop_ || reqs_.empty() || reqs_.front()->state == Request::State::Ready ||
-             !jobs_.empty();
+             (!jobs_.empty() && !paused_);
     });
     --waiters_;
     waited = true;
@@ -465,7 +467,8 @@ ErrKind Ring::gather_external(const std::shared_ptr<Request>& r, const std::int6
   }
   std::uint8_t* base;
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_idle_.wait(lk, [&] { return stop_ || !paused_; });
     if (stop_) {
       msg = "the ring is closed";
       return ErrKind::Runtime;
@@ -485,8 +488,32 @@ ErrKind Ring::gather_external(const std::shared_ptr<Request>& r, const std::int6
     msg = ex.what();
   }
   std::lock_guard<std::mutex> lk(mu_);
-  if (--sync_gathers_ == 0 && stop_) cv_idle_.notify_all();
+  if (--sync_gathers_ == 0 && (stop_ || paused_)) cv_idle_.notify_all();
   return e;
+}
+
+void Ring::set_source(std::int64_t shard, const std::vector<Source>& per_field) {
+  if (shard < 0 || shard >= layout_.num_shards())
+    throw std::out_of_range("set_source: shard " + std::to_string(shard) + " is out of range (" +
+                            std::to_string(layout_.num_shards()) + " shards)");
+  if (per_field.size() != layout_.sources.size())
+    throw std::invalid_argument("set_source: one source per field");
+  for (std::size_t f = 0; f < per_field.size(); ++f)
+    if (layout_.sourced(f) && per_field[f].ptr != nullptr &&
+        per_field[f].rows != layout_.shard_rows[shard])
+      throw std::invalid_argument("set_source: a source has the wrong number of rows");
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_idle_.wait(lk, [&] { return !paused_; });  // one set_source at a time
+  paused_ = true;
+  cv_idle_.wait(lk, [&] { return running_ == 0 && sync_gathers_ == 0; });
+  for (std::size_t f = 0; f < per_field.size(); ++f) {
+    if (!layout_.sourced(f)) continue;
+    layout_.sources[f][shard].ptr = per_field[f].ptr;
+  }
+  paused_ = false;
+  cv_idle_.notify_all();
+  cv_work_.notify_all();
+  if (waiters_ > 0) cv_cons_.notify_all();
 }
 
 void Ring::publish_external(const std::shared_ptr<Request>& r, std::int64_t rows, ErrKind err,

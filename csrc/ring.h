@@ -59,6 +59,15 @@
 // published as ErrKind::External: the Python layer raises the fill's own exception then.
 // Later batches are unaffected.
 //
+// Note [Shard sources]
+// ~~~~~~~~~~~~~~~~~~~~
+// Every sourced field has one Source per shard. A shard may start unloaded (ptr null) and be
+// installed, dropped and installed again while the ring runs (a remote dataset's cache maps a
+// shard when it arrives and unmaps it after its last use). Gathers read the sources without
+// the lock, so set_source() pauses the start of new gathers (paused_), waits for the running
+// ones (running_ jobs, sync_gathers_) to finish, swaps the pointers under mu_, and resumes:
+// pointer writes happen-before every later gather through mu_. A pause lasts one gather part.
+//
 // Shutdown. close() sets stop_, drops queued jobs, wakes everyone, joins the producers and
 // waits for in-flight synchronous gathers (gather_external). Afterwards submit/take/commit
 // report "closed"; leases still release their slots (the memory lives until the Ring dies).
@@ -140,6 +149,12 @@ class Ring : public std::enable_shared_from_this<Ring> {
   // drops the handle's holder on the slot.
   void drop_external(const std::shared_ptr<Request>& r);
 
+  // Install (ptr != null) or drop (ptr == null) one shard's sources, one Source per field
+  // (entries of unsourced fields are ignored; rows must equal the shard's rows). Waits until
+  // no gather is running, so no producer reads the old pointers afterwards; batches gathered
+  // later from a dropped shard fail with ErrKind::Value naming it. See Note [Shard sources].
+  void set_source(std::int64_t shard, const std::vector<Source>& per_field);
+
   void close();
 
   // Introspection.
@@ -216,6 +231,8 @@ class Ring : public std::enable_shared_from_this<Ring> {
   int growing_ = 0;                   // slots being allocated
   int in_use_ = 0;                    // slots in state InUse
   int sync_gathers_ = 0;              // gather_external calls in flight
+  int running_ = 0;                   // producer / consumer gather parts in flight
+  bool paused_ = false;               // set_source(): no new gather starts
   bool stop_ = false;
   std::int64_t delivered_ = 0, grown_ = 0, copies_ = 0;
   mutable std::atomic<std::int64_t> gather_ns_{0};  // no lock: updated after each gather part

@@ -38,6 +38,7 @@ import numpy as np
 
 from . import _C
 from .ringspec import as_index as _as_index
+from .ringspec import check_source as _check_source
 from .ringspec import parse_fields as _parse_fields
 from .ringspec import parse_sources as _parse_sources
 from .system import usable_cores
@@ -169,6 +170,11 @@ class Ring:
         max_slots: growth cap when the user holds batches (default: ``slots`` plus about
             512 MiB worth of slots, at least 2 and at most 64 extra).
         min_part_bytes: batches with more bytes than this are split across producer threads.
+        shard_rows: rows per shard; with it, a shard's source may be ``None`` (not loaded yet)
+            and :meth:`set_source` installs or drops a shard's sources while the ring runs
+            (a remote dataset's cache maps shards as they arrive and releases them after
+            their last use). A batch that needs a shard that is not loaded fails with a
+            ValueError naming the shard.
     """
 
     def __init__(
@@ -182,13 +188,14 @@ class Ring:
         slots: int | None = None,
         max_slots: int | None = None,
         min_part_bytes: int = _MIN_PART_BYTES,
+        shard_rows: Sequence[int] | None = None,
     ) -> None:
         self._core = None
         self._closed = True
         if not _is_int(batch_size) or batch_size <= 0:
             raise ValueError(f"batch_size={batch_size!r} must be an int > 0")
         names, dtypes, shapes = _parse_fields(fields)
-        srcs = _parse_sources(sources, names, dtypes, shapes)
+        srcs = _parse_sources(sources, names, dtypes, shapes, shard_rows)
         index = -1
         if index_field is not None:
             if index_field not in names:
@@ -222,6 +229,9 @@ class Ring:
         self._batch_size = int(batch_size)
         self._index_field = index_field
         self._needs_sources = [n for n, s, i in zip(names, srcs, range(len(names))) if s is None and i != index]
+        self._sourced = [s is not None for s in srcs]
+        first = next((s for s in srcs if s is not None), [])
+        self._shard_rows = [a if isinstance(a, int) else a.shape[0] for a in first]
         self._fill_errors: dict[int, BaseException] = {}  # seq -> the exception a fill failed with
         self._warned_copy = False
         self._core = _C.Ring(
@@ -324,6 +334,31 @@ class Ring:
             raise ValueError(f"field {self._needs_sources[0]!r} has no sources, so submit() cannot gather it; "
                              "fill it with acquire() instead")
         return self._core.submit_many(s, r, ix, per)
+
+    def set_source(self, shard: int, arrays: Mapping[str, np.ndarray] | None) -> None:
+        """Install one shard's source arrays (``{field: array}`` for every sourced field) or
+        drop them (``None``) while the ring runs. Waits until no gather is running, so the
+        ring never reads a dropped array again (the caller may unmap it afterwards); batches
+        submitted later that need a dropped shard fail naming it."""
+        core = self._live()
+        if not _is_int(shard) or not 0 <= shard < len(self._shard_rows):
+            raise ValueError(f"shard={shard!r} must be an int in [0, {len(self._shard_rows)})")
+        per_field: list[np.ndarray | None] = [None] * len(self._names)
+        if arrays is not None:
+            if not isinstance(arrays, Mapping):
+                raise ValueError("arrays must be a dict {field: array} or None (to drop the shard)")
+            want = {n for n, src in zip(self._names, self._sourced) if src}
+            if set(arrays) != want:
+                raise ValueError(f"shard {shard}: set_source needs arrays for exactly the sourced fields "
+                                 f"{sorted(want)}, got {sorted(arrays)}")
+            for f, (n, dt, shape) in enumerate(zip(self._names, self._dtypes, self._shapes)):
+                if n in arrays:
+                    a = _check_source(n, int(shard), arrays[n], dt, shape)
+                    if a.shape[0] != self._shard_rows[shard]:
+                        raise ValueError(f"field {n!r} shard {shard}: source has {a.shape[0]} rows, "
+                                         f"the shard {self._shard_rows[shard]}")
+                    per_field[f] = a
+        core.set_source(int(shard), per_field)
 
     def acquire(self) -> FillSlot:
         """Reserve the next batch for an external fill; waits (GIL released, Ctrl-C aware)

@@ -12,7 +12,7 @@ import numpy as np
 
 from .validate import is_int as _is_int
 
-__all__ = ["as_index", "parse_fields", "parse_sources"]
+__all__ = ["as_index", "check_source", "parse_fields", "parse_sources"]
 
 _INT64 = np.dtype(np.int64)
 
@@ -59,9 +59,26 @@ def parse_fields(fields: Mapping[str, Any]) -> tuple[list[str], list[np.dtype], 
     return names, dtypes, shapes
 
 
+def check_source(name: str, s: int, a: Any, dt: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """One shard's source array of field ``name``, checked (dtype, row shape, contiguity)."""
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"field {name!r} shard {s}: source must be a numpy array, got {type(a).__name__}")
+    if a.dtype != dt:
+        raise ValueError(f"field {name!r} shard {s}: source dtype {a.dtype} != field dtype {dt}")
+    if a.ndim < 1 or a.shape[1:] != shape:
+        raise ValueError(f"field {name!r} shard {s}: source shape {a.shape} is not (rows, *{shape})")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"field {name!r} shard {s}: source must be C-contiguous (use np.ascontiguousarray)")
+    return a
+
+
 def parse_sources(
-    sources: Mapping[str, Any] | None, names: list[str], dtypes: list[np.dtype], shapes: list[tuple[int, ...]]
-) -> list[list[np.ndarray] | None]:
+    sources: Mapping[str, Any] | None, names: list[str], dtypes: list[np.dtype], shapes: list[tuple[int, ...]],
+    shard_rows: Any = None,
+) -> list[list[np.ndarray | int] | None]:
+    """Per field, one array per shard, or None for a field without sources. With
+    ``shard_rows`` (rows per shard), a shard's entry may be None: not loaded yet (the ring
+    gets its row count; ``Ring.set_source`` installs it later)."""
     sources = {} if sources is None else sources
     if not isinstance(sources, Mapping):
         raise ValueError("sources must be a dict of field name -> list of per-shard arrays")
@@ -78,22 +95,18 @@ def parse_sources(
         if isinstance(shards, np.ndarray):
             shards = [shards]
         shards = list(shards)
-        checked = []
+        if shard_rows is not None and len(shards) != len(shard_rows):
+            raise ValueError(f"field {name!r} has {len(shards)} shard sources for {len(shard_rows)} shards")
+        checked: list[np.ndarray | int] = []
         for s, a in enumerate(shards):
-            if not isinstance(a, np.ndarray):
-                raise ValueError(f"field {name!r} shard {s}: source must be a numpy array, got {type(a).__name__}")
-            if a.dtype != dt:
-                raise ValueError(f"field {name!r} shard {s}: source dtype {a.dtype} != field dtype {dt}")
-            if a.ndim < 1 or a.shape[1:] != shape:
-                raise ValueError(
-                    f"field {name!r} shard {s}: source shape {a.shape} is not (rows, *{shape})"
-                )
-            if not a.flags.c_contiguous:
-                raise ValueError(
-                    f"field {name!r} shard {s}: source must be C-contiguous (use np.ascontiguousarray)"
-                )
+            if a is None and shard_rows is not None:
+                checked.append(int(shard_rows[s]))  # not loaded yet
+                continue
+            a = check_source(name, s, a, dt, shape)
+            if shard_rows is not None and a.shape[0] != int(shard_rows[s]):
+                raise ValueError(f"field {name!r} shard {s}: source has {a.shape[0]} rows, the shard {shard_rows[s]}")
             checked.append(a)
-        rows = [a.shape[0] for a in checked]
+        rows = [a if isinstance(a, int) else a.shape[0] for a in checked]
         if ref_rows is None:
             ref_name, ref_rows = name, rows
         elif rows != ref_rows:
