@@ -126,7 +126,7 @@ class CudaSource(RingFedSource):
     """See the module docstring. ``ring`` holds the raw fields and ``"index"``."""
 
     def __init__(self, *, ring, delivery: CudaDelivery, dataset, device, image_fields: Sequence[str],
-                 decoders: Decoders | None, epoch: int, on_error: str, stats) -> None:
+                 decoders: Decoders | None, epoch: int, on_error: str, stats, prepare=None) -> None:
         import torch
 
         self._torch = torch
@@ -134,7 +134,7 @@ class CudaSource(RingFedSource):
         self._device = device
         super().__init__(ring, dataset, CudaImageFeeder(
             ring=ring, delivery=delivery, dataset=dataset, device=device, image_fields=image_fields,
-            decoders=decoders, epoch=epoch, on_error=on_error, stats=stats) if image_fields else None)
+            decoders=decoders, epoch=epoch, on_error=on_error, stats=stats) if image_fields else None, prepare)
 
     def get(self) -> Ready:
         if self._feeder is None:

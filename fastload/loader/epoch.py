@@ -32,9 +32,21 @@ class Progress:
     position: int | None = None
 
 
+def _download_line(s: dict) -> str:
+    """The remote cache's part of a log line (empty for a local dataset)."""
+    if "bytes_downloaded" not in s:
+        return ""
+    busy = s.get("download_busy_s", 0.0)
+    mbps = s["bytes_downloaded"] / busy / 1e6 if busy > 0 else 0.0
+    return (f"; downloaded {s['bytes_downloaded'] / 1e6:.1f} MB at {mbps:.0f} MB/s, waited "
+            f"{s['download_wait_s']:.2f} s for downloads, {s['cache_hits']} cache hits, "
+            f"{s['evictions']} evictions, {s['retries']} retries")
+
+
 class EpochIterator:
     def __init__(self, plan: EpochPlan, source: BatchSource, *, prefetch: int, stats: Stats, progress: Progress,
-                 dataset, list_fields: Sequence[str] = (), log_every: int | None = None) -> None:
+                 dataset, list_fields: Sequence[str] = (), log_every: int | None = None,
+                 on_position=None) -> None:
         self._plan = plan
         self._batches = iter(plan)
         self._source = source
@@ -44,6 +56,7 @@ class EpochIterator:
         self._dataset = dataset
         self._list_fields = list(list_fields)
         self._log_every = log_every
+        self._on_position = on_position  # a remote dataset's cache: evicts after last uses
         self._pending: collections.deque = collections.deque()  # position after each requested batch
         self._nbytes: dict[int, int] = {}  # batch bytes by row count
         self._done_sampling = False
@@ -81,6 +94,8 @@ class EpochIterator:
             self.close()
             if finished:  # the sampler marks the epoch complete (a dropped tail included)
                 self._progress.position = self._plan.end
+                if self._on_position is not None:
+                    self._on_position(self._plan.end)
             raise StopIteration
         t0 = time.perf_counter()
         try:
@@ -94,6 +109,8 @@ class EpochIterator:
         if self._list_fields:
             batch.update(self._dataset.get_batch(ready.index, fields=self._list_fields))
         self._progress.position = after
+        if self._on_position is not None:
+            self._on_position(after)
         n = len(ready.index)
         nbytes = self._nbytes.get(n) if not self._list_fields else None
         if nbytes is None:  # fixed per row count unless variable-length fields are delivered
@@ -104,8 +121,8 @@ class EpochIterator:
         self._fill()
         if self._log_every and batches % self._log_every == 0:
             s = self._stats.snapshot()
-            logger.info("fastload: %d batches, %.0f samples/s, waiting %.1f%% of the time",
-                        s["batches"], s["samples_per_s"], 100 * s["wait_fraction"])
+            logger.info("fastload: %d batches, %.0f samples/s, waiting %.1f%% of the time%s",
+                        s["batches"], s["samples_per_s"], 100 * s["wait_fraction"], _download_line(s))
         return batch
 
     def close(self) -> None:

@@ -30,10 +30,10 @@ class HostSource(RingFedSource):
     field's output (filled by the feeder) and the ``"index"`` field."""
 
     def __init__(self, *, ring, dataset, image_fields: Sequence[str], decoders: Decoders | None, epoch: int,
-                 on_error: str, stats, workers: int = 2) -> None:
+                 on_error: str, stats, workers: int = 2, prepare=None) -> None:
         super().__init__(ring, dataset, HostImageFeeder(
             ring=ring, dataset=dataset, image_fields=image_fields, decoders=decoders, epoch=epoch,
-            on_error=on_error, stats=stats, workers=workers) if image_fields else None)
+            on_error=on_error, stats=stats, workers=workers) if image_fields else None, prepare)
 
     def get(self) -> Ready:
         if self._feeder is not None:

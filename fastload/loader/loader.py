@@ -61,6 +61,14 @@ class Loader:
         on_error: for undecodable images: "raise" (an error naming shard, row and key) or
             "skip" (replaced deterministically by the next decodable sample, counted in stats).
         log_every: log ``stats()`` every this many batches (``logging`` at INFO).
+        cache_dir, cache_limit, filesystem: for a remote ``dataset`` URL (``s3://``, ``gs://``,
+            ``az://``, ``abfs://``, ``https://``): where the node-local shard cache lives (default
+            ``$FASTLOAD_CACHE`` or ``~/.cache/fastload``), its byte budget (int or ``"200GB"``;
+            default: the whole dataset if it fits in 80% of the free disk), and a
+            ``pyarrow.fs.FileSystem`` (or a callable making one) instead of the URL's default.
+            Shards are downloaded in the sampler's first-use order and deleted after their
+            last use; ``stats()`` then also reports ``bytes_downloaded``, ``download_wait_s``,
+            ``download_MBps``, ``cache_hits``, ``evictions`` and ``retries``.
 
     Every batch is a dict of tensors (plus ``batch["index"]``, the global sample indices);
     ``len(loader)`` is the number of batches per epoch on this rank. The configuration is
@@ -73,11 +81,33 @@ class Loader:
                  transforms: Mapping[str, Any] | None = None, threads: int | None = None,
                  prefetch: int | None = None, weights: Any = None, replacement: bool = True,
                  num_draws: int | None = None, balance: bool | str = False, shuffle_mode: str = "full",
-                 window: int | None = None, on_error: str = "raise", log_every: int | None = None):
+                 window: int | None = None, on_error: str = "raise", log_every: int | None = None,
+                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
+                 filesystem: Any = None):
         self._closed = True  # until fully built (__del__ / close() of a half-built Loader)
         self._parts = None
-        ds = dataset if isinstance(dataset, DatasetReader) else Dataset(dataset)
+        self._remote = None
+        self._owns_dataset = not isinstance(dataset, DatasetReader)
+        if not self._owns_dataset and (cache_dir is not None or cache_limit is not None or filesystem is not None):
+            raise ValueError("cache_dir / cache_limit / filesystem go with a URL; a Dataset passed in has its "
+                             "own (fastload.Dataset(url, cache_dir=..., cache_limit=..., filesystem=...))")
+        ds = dataset if isinstance(dataset, DatasetReader) else Dataset(
+            dataset, cache_dir=cache_dir, cache_limit=cache_limit, filesystem=filesystem)
         self._dataset = ds
+        try:
+            self._build(ds, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, device=device,
+                        rank=rank, world_size=world_size, fields=fields, transforms=transforms, threads=threads,
+                        prefetch=prefetch, weights=weights, replacement=replacement, num_draws=num_draws,
+                        balance=balance, shuffle_mode=shuffle_mode, window=window, on_error=on_error,
+                        log_every=log_every)
+        except BaseException:
+            if self._owns_dataset:
+                ds.close()
+            raise
+
+    def _build(self, ds, *, batch_size, shuffle, seed, drop_last, device, rank, world_size, fields, transforms,
+               threads, prefetch, weights, replacement, num_draws, balance, shuffle_mode, window, on_error,
+               log_every) -> None:
         self._world = World.detect(rank, world_size)
         self._options = build_options(ds, batch_size=batch_size, seed=seed, device=device, fields=fields,
                                       transforms=transforms, threads=threads, prefetch=prefetch, on_error=on_error,
@@ -87,9 +117,16 @@ class Loader:
                                      num_draws=num_draws, balance=balance, shuffle_mode=shuffle_mode, window=window)
         self._stats = Stats()
         self._progress = Progress()
+        if getattr(ds, "cache", None) is not None:  # a remote dataset (see remote.py)
+            from .remote import RemoteShards
+
+            self._remote = RemoteShards(ds, self._sampler, batch_size=self._options.batch_size,
+                                        world_size=self._world.world_size, prefetch=self._options.prefetch,
+                                        stats=self._stats)
         # Threads, the ring and DALI pipelines live in Parts, which holds no reference to
         # the Loader: the finalizer can then run when the Loader is garbage collected.
-        self._parts = Parts(ds, self._options, self._stats)
+        self._parts = Parts(ds, self._options, self._stats, remote=self._remote,
+                            owned=ds if self._owns_dataset else None)
         self._finalizer = weakref.finalize(self, self._parts.close)
         self._closed = False
 
@@ -133,9 +170,12 @@ class Loader:
         self._parts.stop_iter()
         plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
         o = self._options
+        if self._remote is not None:
+            self._remote.begin(plan)
         it = EpochIterator(plan, self._parts.source(plan.epoch), prefetch=o.prefetch, stats=self._stats,
                            progress=self._progress, dataset=self._dataset, list_fields=o.list_fields,
-                           log_every=o.log_every)
+                           log_every=o.log_every,
+                           on_position=self._remote.advance if self._remote is not None else None)
         self._parts.track(it)
         return it
 
@@ -175,6 +215,10 @@ class Loader:
         wait_fraction = time the training loop spent blocked in ``next()`` / wall time: near 0
         means data loading keeps up; near 1 means the loop is starved."""
         out = self._stats.snapshot()
+        if self._remote is not None:
+            from .remote import download_stats
+
+            download_stats(out)
         out["epoch"] = self._sampler.epoch
         ring = self._parts.ring_stats() if self._parts is not None else None
         if ring is not None:

@@ -24,8 +24,10 @@ __all__ = ["Parts"]
 
 
 class Parts:
-    def __init__(self, dataset, options: Options, stats: Stats) -> None:
+    def __init__(self, dataset, options: Options, stats: Stats, *, remote=None, owned=None) -> None:
         self._dataset = dataset
+        self._remote = remote  # RemoteShards for a remote dataset (remote.py), else None
+        self._owned = owned  # a dataset the Loader opened from a URL: closed with the parts
         self._opts = options
         self._stats = stats
         self._ring: Ring | None = None
@@ -44,18 +46,22 @@ class Parts:
             ds, o = self._dataset, self._opts
             specs: dict[str, Any] = {}
             sources: dict[str, list] = {}
+            remote = self._remote is not None
             for n in o.raw_fields:
                 f = ds.fields[n]
                 specs[n] = (f.np_dtype, f.shape)
-                sources[n] = [ds.column(s, n) for s in range(ds.num_shards)]
+                # a remote dataset's shards become sources as they arrive (RemoteShards.prepare)
+                sources[n] = [None if remote else ds.column(s, n) for s in range(ds.num_shards)]
             if not self.cuda:
                 for n in o.image_fields:
                     t = o.transforms[n]
                     specs[n] = (np.dtype(t.out_dtype), tuple(t.out_shape))
             specs[INDEX] = (np.int64, ())
             ring = Ring(specs, o.batch_size, sources, index_field=INDEX, threads=o.threads,
-                        slots=max(o.prefetch + 2, 3))
+                        slots=max(o.prefetch + 2, 3), shard_rows=ds.shard_sizes.tolist())
             self._ring = ring
+            if self._remote is not None:
+                self._remote.attach_ring(ring, o.raw_fields)
             self._stats.attach("ring", lambda: {"gather_s": ring.stats()["gather_ns"] / 1e9})
         return self._ring
 
@@ -89,7 +95,8 @@ class Parts:
         o = self._opts
         decoders = self.decoders() if o.image_fields else None
         common = dict(ring=self.ring(), dataset=self._dataset, image_fields=o.image_fields, decoders=decoders,
-                      epoch=epoch, on_error=o.on_error, stats=self._stats)
+                      epoch=epoch, on_error=o.on_error, stats=self._stats,
+                      prepare=self._remote.prepare if self._remote is not None else None)
         if self.cuda:
             from .cuda import CudaSource
 
@@ -115,6 +122,12 @@ class Parts:
         delivery, self._delivery = self._delivery, None
         if delivery is not None:
             delivery.close()
+        remote, self._remote = self._remote, None
+        if remote is not None:
+            remote.close()
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.close()
+        owned, self._owned = self._owned, None
+        if owned is not None:
+            owned.close()

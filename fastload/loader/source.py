@@ -62,14 +62,17 @@ class RingFedSource:
     the ring or hands over device batches), else straight to the ring in runs; ``close()``
     joins the feeder and drains the ring so its slots are free for the next epoch."""
 
-    def __init__(self, ring, dataset, feeder) -> None:
+    def __init__(self, ring, dataset, feeder, prepare=None) -> None:
         self._ring = ring
         self._dataset = dataset
         self._feeder = feeder
+        self._prepare = prepare  # a remote dataset: make the batches' shards local first
         self.amortize = feeder is None
         self._closed = False
 
     def put(self, batches: Sequence[np.ndarray]) -> None:
+        if self._prepare is not None and batches:
+            self._prepare(batches)
         if self._feeder is not None:
             for idx in batches:
                 self._feeder.put(idx)

@@ -12,12 +12,19 @@ injecting proxy, a latency proxy) live in :mod:`fastload.remote.testing`.
 from .cache import ShardCache, default_cache_dir, format_bytes, parse_bytes
 from .download import Concurrency, Downloader, RetryPolicy, file_checksum
 from .manifest import RemoteDataset, check_manifest, manifest_fingerprint
-from .schedule import EpochUses, admission_times, epoch_end, epoch_uses, minimum_budget, sampler_uses
+from .schedule import EpochUses, admission_times, epoch_end, epoch_uses, minimum_budget, plan_uses, sampler_uses
 from .url import REMOTE_SCHEMES, display_url, is_remote, open_transport
+
+
+def open_cache(url: str, *, cache_dir=None, cache_limit=None, filesystem=None, storage_options=None,
+               **kw) -> ShardCache:
+    """The manifest at ``url`` and this node's cache of its shards (no thread started yet)."""
+    remote = RemoteDataset(url, filesystem=filesystem, storage_options=storage_options)
+    return ShardCache(remote, cache_dir=cache_dir, limit=cache_limit, **kw)
 
 __all__ = [
     "Concurrency", "Downloader", "EpochUses", "REMOTE_SCHEMES", "RemoteDataset", "RetryPolicy", "ShardCache",
     "admission_times", "check_manifest", "default_cache_dir", "display_url", "epoch_end", "epoch_uses",
-    "file_checksum", "format_bytes", "is_remote", "manifest_fingerprint", "minimum_budget", "open_transport",
-    "parse_bytes", "sampler_uses",
+    "file_checksum", "format_bytes", "is_remote", "manifest_fingerprint", "minimum_budget", "open_cache", "open_transport",
+    "parse_bytes", "plan_uses", "sampler_uses",
 ]

@@ -218,7 +218,7 @@ class ShardCache:
         self._pass = 0
         self._base_next = 0
         self._my_t = 0
-        self._cur_base = self._cur_start = 0
+        self._cur_base = self._cur_start = self._cur_len = 0
         self._rank_t: list[int] = [0]  # timeline positions of the live local ranks (this one first)
         self._node_t = 0
         self._node_t_at = 0.0
@@ -270,13 +270,15 @@ class ShardCache:
         return max(1, min(total, int(0.8 * free)))
 
     def _claim_alive(self) -> None:
-        deadline = time.monotonic() + 2.0
+        """Hold this rank's ``alive`` lock. Another open cache of the same rank (a second
+        Dataset in this process, a DataLoader worker) already holds it: then this one runs
+        without it (peers see the rank through the first)."""
+        deadline = time.monotonic() + 0.2
         while not self._alive.try_lock():
             if time.monotonic() > deadline:
-                raise RemoteError(
-                    f"another open cache of {self.dir} already runs as local rank {self.local_rank}; "
-                    "close it first, or give each process its own LOCAL_RANK (torchrun sets it)")
-            time.sleep(0.02)
+                self._alive.close()
+                return
+            time.sleep(0.01)
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -293,6 +295,39 @@ class ShardCache:
         """Call ``fn(shard)`` when this process no longer needs a shard (its last use is
         behind the reader) and before this process deletes one: drop mappings there."""
         self._release_hooks.append(fn)
+
+    def remove_release_hook(self, fn: Callable[[int], None]) -> None:
+        try:
+            self._release_hooks.remove(fn)
+        except ValueError:
+            pass
+
+    def probe(self) -> dict[str, float]:
+        """Cumulative counters (for a Loader's per-epoch stats)."""
+        c = self.counters
+        return {"bytes_downloaded": c.bytes, "download_wait_s": self.wait_s, "download_busy_s": c.busy_s,
+                "cache_hits": self.cache_hits, "evictions": self.evictions, "retries": c.retries,
+                "downloads": self.downloads}
+
+    def stop(self) -> None:
+        """Stop and join the download threads (a Loader closing); ``ensure()`` still works,
+        and the next :meth:`plan` starts them again."""
+        with self._cond:
+            self._passes = []
+            self._u_shard = self._u_first = self._u_last = self._u_admit = np.zeros(0, np.int64)
+            self._by_shard, self._next = {}, 0
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        for t in self._workers:
+            t.join()
+        self._workers = []
+        try:
+            os.unlink(self._progress_path)
+        except FileNotFoundError:
+            pass
+        if not self._closed:
+            self._stop.clear()
 
     def minimum_limit(self, uses: EpochUses) -> int:
         """The smallest ``limit`` that lets ``uses`` be read (see schedule.minimum_budget)."""
@@ -317,7 +352,7 @@ class ShardCache:
             prev = [p for p in self._passes if p["k"] == self._pass - 1]
             self._passes = prev + [cur] + ([nxt] if nxt else [])
             self._base_next = base + length
-            self._cur_base, self._cur_start = base, uses.start
+            self._cur_base, self._cur_start, self._cur_len = base, uses.start, length
             self._rebuild_timeline(len(prev), base)
             self._my_t = base
             self._release_ptr = 0
@@ -332,7 +367,7 @@ class ShardCache:
         if not self._passes:
             return
         base, start = self._cur_base, self._cur_start
-        t = base + max(0, int(consumed) - start)
+        t = base + min(self._cur_len, max(0, int(consumed) - start))
         if t <= self._my_t:
             return
         self._my_t = t
@@ -410,16 +445,7 @@ class ShardCache:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        for t in self._workers:
-            t.join()
-        self._workers = []
-        try:
-            os.unlink(self._progress_path)
-        except FileNotFoundError:
-            pass
+        self.stop()
         for f in (self._alive, self._admission, *self._peer_alive.values()):
             f.close()
 

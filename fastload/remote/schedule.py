@@ -27,7 +27,7 @@ import numpy as np
 
 from ..sampling import per_rank_count, rank_batch_bounds
 
-__all__ = ["EpochUses", "epoch_end", "epoch_uses", "sampler_uses", "minimum_budget", "admission_times"]
+__all__ = ["EpochUses", "epoch_end", "epoch_uses", "plan_uses", "sampler_uses", "minimum_budget", "admission_times"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,13 @@ def sampler_uses(sampler, shard_starts: np.ndarray, *, epoch: int | None = None,
     end = epoch_end(sampler.stream_len, world_size=sampler.world_size, batch_size=sampler.batch_size,
                     drop_last=sampler.drop_last, drop_last_batch=sampler.drop_last_batch, start=s)
     return epoch_uses(sampler.stream(e), shard_starts, epoch=e, start=s, end=end)
+
+
+def plan_uses(plan, shard_starts: np.ndarray) -> EpochUses:
+    """:func:`epoch_uses` of a :class:`fastload.sampling.EpochPlan` (one rank's pass): the
+    positions every rank of the job reads in it (all ranks step together)."""
+    end = plan.bounds[-1][2] if plan.bounds else plan.start
+    return epoch_uses(plan.stream, shard_starts, epoch=plan.epoch, start=plan.start, end=end)
 
 
 def _merged_intervals(shards: np.ndarray, lo: np.ndarray, hi: np.ndarray):

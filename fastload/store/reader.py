@@ -109,13 +109,35 @@ class DatasetReader:
 
     _repr_name = "fastload.store.DatasetReader"
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.manifest = read_manifest(self.path)
+    def __init__(self, path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = None, filesystem: Any = None,
+                 storage_options: dict | None = None):
+        # A remote dataset (s3://, gs://, az://, https://): the manifest comes from the URL, the
+        # shards from a node-local cache (fastload.remote); self.path is then the display URL.
+        self.url: str | None = None
+        self.cache = None
+        from ..remote.url import is_remote
+
+        if is_remote(path) or filesystem is not None:
+            from ..remote import open_cache
+
+            self.cache = open_cache(path, cache_dir=cache_dir, cache_limit=cache_limit, filesystem=filesystem,
+                                    storage_options=storage_options)
+            self.url = self.path = self.cache.url
+            self.manifest = self.cache.remote.manifest
+            base = self.cache.dir
+            self.cache.on_release(self._release_shard)
+        else:
+            if cache_dir is not None or cache_limit is not None or storage_options is not None:
+                raise ValueError(f"cache_dir / cache_limit / storage_options apply to remote datasets "
+                                 f"(s3://, gs://, az://, https://); {str(path)!r} is a local path")
+            self.path = Path(path)
+            self.manifest = read_manifest(self.path)
+            base = self.path
         m = self.manifest
-        self.fields: dict[str, Field] = manifest_fields(m, self.path)
+        self.fields: dict[str, Field] = manifest_fields(m, Path(str(self.path)))
         self.schema = arrow_schema(self.fields)
-        self.shard_files = [self.path / s["file"] for s in m["shards"]]
+        self.shard_files = [base / s["file"] for s in m["shards"]]
         self.shard_sizes = np.array([s["num_samples"] for s in m["shards"]], dtype=np.int64)
         self._starts = np.zeros(len(self.shard_sizes) + 1, dtype=np.int64)
         np.cumsum(self.shard_sizes, out=self._starts[1:])
@@ -130,11 +152,26 @@ class DatasetReader:
         self.class_counts = np.asarray(lab["counts"], dtype=np.int64) if lab else None
 
     # -- pickling for spawn-started DataLoader workers: the path only, never the data ----
+    # (a remote dataset: its URL and cache settings; never a filesystem or a secret)
     def __getstate__(self):
+        if self.cache is not None:
+            return {"path": self.url, "cache_dir": str(self.cache.root), "cache_limit": self.cache.limit}
         return {"path": str(self.path)}
 
     def __setstate__(self, state):
-        self.__init__(state["path"])
+        self.__init__(state["path"], cache_dir=state.get("cache_dir"), cache_limit=state.get("cache_limit"))
+
+    def close(self) -> None:
+        """Stop a remote dataset's download threads and release its cache (the shards
+        downloaded stay for the next run). Nothing to do for a local dataset."""
+        if self.cache is not None:
+            self.cache.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}: {f}" for n, f in self.fields.items())
@@ -156,6 +193,8 @@ class DatasetReader:
     def shard(self, i: int) -> _Shard:
         s = self._shards[i]
         if s is None:
+            if self.cache is not None:
+                return self._remote_shard(i)
             with self._lock:
                 s = self._shards[i]
                 if s is None:
@@ -165,6 +204,30 @@ class DatasetReader:
                     s = _Shard(self.shard_files[i], self.schema, int(self.shard_sizes[i]))
                     self._shards[i] = s
         return s
+
+    def _remote_shard(self, i: int) -> _Shard:
+        """Map shard ``i`` of a remote dataset, fetching it into the cache first (blocking)."""
+        for attempt in range(3):
+            self.cache.ensure(i)  # outside the lock: other shards map meanwhile
+            with self._lock:
+                s = self._shards[i]
+                if s is not None:
+                    return s
+                try:
+                    s = _Shard(self.shard_files[i], self.schema, int(self.shard_sizes[i]))
+                except FormatError:
+                    if self.shard_files[i].exists() or attempt == 2:
+                        raise
+                    continue  # evicted between ensure() and the mapping (another rank): again
+                self._shards[i] = s
+                return s
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _release_shard(self, i: int) -> None:
+        """The cache no longer needs shard ``i`` here: drop this reader's mapping (views
+        handed out keep the memory alive until they go)."""
+        with self._lock:
+            self._shards[i] = None
 
     def _field(self, name: str) -> Field:
         f = self.fields.get(name)
