@@ -36,6 +36,7 @@ class RemoteShards:
         if need > self._cache.limit:
             raise CacheTooSmall(self._cache._too_small_message(uses, need), minimum=need)
         self._ring = None
+        self._pending_plan = None
         self._fields: tuple[str, ...] = ()
         self._installed: set[int] = set()
         self._lock = threading.Lock()
@@ -43,7 +44,13 @@ class RemoteShards:
 
     # -- the schedule --------------------------------------------------------------------
     def begin(self, plan) -> None:
-        """A pass starts: this one's schedule, and the next epoch's (predicted: epoch + 1)."""
+        """A pass starts: this one's schedule, and the next epoch's (predicted: epoch + 1),
+        handed to the cache with the first batches (so its downloads count in this epoch's
+        stats, which begin with the pass)."""
+        self._pending_plan = plan
+
+    def _start_pass(self) -> None:
+        plan, self._pending_plan = self._pending_plan, None
         starts = self._ds.shard_starts
         nxt = sampler_uses(self._sampler, starts, epoch=plan.epoch + 1, start=0)
         self._cache.plan(plan_uses(plan, starts), next_uses=nxt)
@@ -58,6 +65,8 @@ class RemoteShards:
 
     def prepare(self, batches: Sequence[np.ndarray]) -> None:
         """Make the shards of these batches local and (for raw fields) ring sources."""
+        if self._pending_plan is not None:
+            self._start_pass()
         idx = np.concatenate(batches) if len(batches) > 1 else batches[0]
         shards = np.unique(self._ds.locate(idx, check=False)[0]).tolist()
         for s in shards:

@@ -204,6 +204,7 @@ class ShardCache:
         self._peer_alive = {r: _Flock(self.dir / ".locks" / f"alive-{r}")
                             for r in range(lws) if r != self.local_rank}
         self._progress_path = self.dir / ".progress" / f"rank-{self.local_rank}"
+        self._t_open, self._t_open_mono = time.time(), time.monotonic()
 
         # The timeline (see schedule.py): uses of the kept passes, in first-use order.
         self._u_shard = np.zeros(0, np.int64)
@@ -322,10 +323,8 @@ class ShardCache:
         for t in self._workers:
             t.join()
         self._workers = []
-        try:
-            os.unlink(self._progress_path)
-        except FileNotFoundError:
-            pass
+        if self.local_world_size > 1 and self._alive.fd is not None:
+            _write_atomic(self._progress_path, "done\n")  # peers stop counting this rank
         if not self._closed:
             self._stop.clear()
 
@@ -557,18 +556,40 @@ class ShardCache:
             return self._node_t
         t = self._my_t
         ranks = [t]
+        hold = self._passes[0]["base"] if self._passes else 0  # nothing of this run evicted yet
         for r in self._peer_alive:
-            if not self._is_alive(r):
+            peer = self._peer_position(r, hold, now)
+            if peer is None:
                 continue
-            try:
-                with open(self.dir / ".progress" / f"rank-{r}", encoding="utf-8") as f:
-                    peer = int(f.read().split()[0])
-            except (OSError, ValueError, IndexError):
-                peer = self._passes[0]["base"] if self._passes else 0  # alive, not started: hold all
             t = min(t, peer)
             ranks.append(peer)
         self._node_t, self._node_t_at, self._rank_t = t, now, ranks
         return t
+
+    def _peer_position(self, r: int, hold: int, now: float) -> int | None:
+        """Local rank ``r``'s timeline position; None when it does not count (it finished or
+        died in this run); ``hold`` while it has not started this run yet (a rank slower to
+        start must not find its first shards evicted), for at most ``owner_grace_s``."""
+        alive = self._is_alive(r)
+        fresh = None
+        try:
+            p = self.dir / ".progress" / f"rank-{r}"
+            if p.stat().st_mtime >= self._t_open - 1.0:  # written in this run
+                fresh = p.read_text(encoding="utf-8").split()
+        except (OSError, ValueError):
+            fresh = None
+        if fresh:
+            if fresh[0] == "done":
+                return None
+            if alive:
+                try:
+                    return int(fresh[0])
+                except ValueError:
+                    return hold
+            return None  # it ran in this run and its process is gone: it died
+        if alive or now - self._t_open_mono < self.owner_grace_s:
+            return hold  # not started yet (or between opening its cache and its first pass)
+        return None
 
     # -- eviction ------------------------------------------------------------------------------
     def _present(self) -> tuple[dict[int, int], int]:
