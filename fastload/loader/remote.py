@@ -34,13 +34,28 @@ class RemoteShards:
         uses = sampler_uses(sampler, dataset.shard_starts)
         need = self._cache.minimum_limit(uses)
         if need > self._cache.limit:
-            raise CacheTooSmall(self._cache._too_small_message(uses, need), minimum=need)
+            raise CacheTooSmall(self._cache._too_small_message(uses, need, self._hint(prefetch)), minimum=need)
         self._ring = None
         self._pending_plan = None
         self._fields: tuple[str, ...] = ()
         self._installed: set[int] = set()
         self._lock = threading.Lock()
         stats.attach("remote", self._cache.probe)
+
+    def _hint(self, prefetch: int) -> str:
+        """What else to change: the window's minimum for a full shuffle, else smaller windows."""
+        s = self._sampler
+        if s.shuffle_mode == "window":
+            return (f"use a smaller window (window={s.window}), fewer batches in flight (prefetch={prefetch}) "
+                    f"or smaller batches: the shards a window and the batches in flight touch must fit")
+        if s.weights is not None or s.labels is not None or not s.shuffle:
+            return "read in shard windows with shuffle_mode=\"window\""
+        from ..remote.schedule import epoch_uses
+        from ..sampling import window_permutation
+
+        w1 = epoch_uses(window_permutation(self._ds.shard_sizes, 1, s.seed, s.epoch), self._ds.shard_starts)
+        return (f"read in shard windows with shuffle_mode=\"window\" (window=1 needs "
+                f"{self._cache.minimum_limit(w1)} bytes here; each shard of window w is in use at once)")
 
     # -- the schedule --------------------------------------------------------------------
     def begin(self, plan) -> None:

@@ -784,12 +784,12 @@ class ShardCache:
             f"it comes from {self.remote.shard_url(s)}: check the network and the server, or raise download_timeout",
             shard=self.names[s], url=self.remote.shard_url(s))
 
-    def _too_small_message(self, uses: EpochUses, need: int) -> str:
+    def _too_small_message(self, uses: EpochUses, need: int, hint: str | None = None) -> str:
         return (f"cache_limit={format_bytes(self.limit)} is too small for this order of {self.url}: reading it needs "
                 f"{format_bytes(need)} of shards on disk at the same time (of {format_bytes(int(self.sizes.sum()))} "
-                f"in all). Raise cache_limit to at least {format_bytes(need)} ({need} bytes), or read in "
-                "shard windows with shuffle_mode=\"window\" (a window of w shards needs about 2*w+1 shards "
-                "of cache), which keeps only a few shards in use at a time")
+                f"in all). Raise cache_limit to at least {format_bytes(need)} ({need} bytes), or "
+                + (hint or "read in shard windows with shuffle_mode=\"window\" (a window of w shards needs about "
+                            "2*w+1 shards of cache), which keeps only a few shards in use at a time"))
 
     def _check_open(self) -> None:
         if self._closed:
