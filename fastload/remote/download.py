@@ -29,6 +29,7 @@ from typing import Callable
 import xxhash
 
 from ..errors import ChecksumMismatch, DownloadError, DownloadTimeout
+from ..store.verify import file_checksum  # noqa: F401  (re-exported: the one home of the checksum)
 from .url import FaultKind, Transport, classify
 
 __all__ = ["Concurrency", "DownloadCounters", "Downloader", "RetryPolicy", "Cancelled", "file_checksum"]
@@ -38,17 +39,6 @@ CHECKSUM_PREFIX = "xxh3_128:"
 
 class Cancelled(Exception):
     """The cache is closing: the download stopped (not an error the user sees)."""
-
-
-def file_checksum(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return CHECKSUM_PREFIX + h.hexdigest()
 
 
 @dataclass(frozen=True)

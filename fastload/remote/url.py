@@ -307,6 +307,9 @@ class ArrowTransport(Transport):
 
         return self._fs.get_file_info(self._path(name)).type != pafs.FileType.NotFound
 
+    def delete(self, name: str) -> None:
+        self._fs.delete_file(self._path(name))
+
     def list_names(self) -> list[str]:
         import pyarrow.fs as pafs
 
