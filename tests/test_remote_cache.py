@@ -13,7 +13,8 @@ from _remote import (  # noqa: F401  (fixtures)
     upload, window_stream,
 )
 from fastload.errors import CacheTooSmall, DownloadError, FormatError, RemoteError
-from fastload.remote import RemoteDataset, epoch_uses, file_checksum, manifest_fingerprint
+from fastload.remote import RemoteDataset, epoch_uses, manifest_fingerprint
+from fastload.store.verify import file_checksum
 from fastload.remote.testing import FaultProxy
 
 

@@ -15,7 +15,8 @@ from _remote import (  # noqa: F401  (fixtures)
     s3_env, shard_starts, window_stream,
 )
 from fastload.errors import ChecksumMismatch, DownloadError, DownloadTimeout, RemoteError
-from fastload.remote import RemoteDataset, RetryPolicy, epoch_uses, file_checksum
+from fastload.remote import RemoteDataset, RetryPolicy, epoch_uses
+from fastload.store.verify import file_checksum
 from fastload.remote.testing import FaultProxy, HttpFileServer, s3_filesystem, upload_dir
 
 

@@ -10,7 +10,7 @@ Nothing here imports torch. Test servers (SeaweedFS, moto, Range-capable HTTP, a
 injecting proxy, a latency proxy) live in :mod:`fastload.remote.testing`.
 """
 from .cache import ShardCache, default_cache_dir, format_bytes, parse_bytes
-from .download import Concurrency, Downloader, RetryPolicy, file_checksum
+from .download import Concurrency, Downloader, RetryPolicy
 from .manifest import RemoteDataset, check_manifest, manifest_fingerprint
 from .schedule import EpochUses, admission_times, epoch_end, epoch_uses, minimum_budget, plan_uses, sampler_uses
 from .url import REMOTE_SCHEMES, display_url, is_remote, open_transport
@@ -25,6 +25,6 @@ def open_cache(url: str, *, cache_dir=None, cache_limit=None, filesystem=None, s
 __all__ = [
     "Concurrency", "Downloader", "EpochUses", "REMOTE_SCHEMES", "RemoteDataset", "RetryPolicy", "ShardCache",
     "admission_times", "check_manifest", "default_cache_dir", "display_url", "epoch_end", "epoch_uses",
-    "file_checksum", "format_bytes", "is_remote", "manifest_fingerprint", "minimum_budget", "open_cache", "open_transport",
+    "format_bytes", "is_remote", "manifest_fingerprint", "minimum_budget", "open_cache", "open_transport",
     "parse_bytes", "plan_uses", "sampler_uses",
 ]

@@ -29,10 +29,9 @@ from typing import Callable
 import xxhash
 
 from ..errors import ChecksumMismatch, DownloadError, DownloadTimeout
-from ..store.verify import file_checksum  # noqa: F401  (re-exported: the one home of the checksum)
 from .url import FaultKind, Transport, classify
 
-__all__ = ["Concurrency", "DownloadCounters", "Downloader", "RetryPolicy", "Cancelled", "file_checksum"]
+__all__ = ["Concurrency", "DownloadCounters", "Downloader", "RetryPolicy", "Cancelled"]
 
 CHECKSUM_PREFIX = "xxh3_128:"
 

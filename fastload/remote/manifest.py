@@ -29,17 +29,13 @@ def manifest_fingerprint(m: Mapping[str, Any]) -> str:
 
 
 def check_manifest(m: Any, where: str) -> dict:
-    """The checks a reader makes on a manifest, plus the ones a *remote* manifest needs:
-    every shard has a byte size and a checksum (the cache verifies every download), and its
-    file name is a plain name (it becomes a file name in the cache directory)."""
-    from ..store.format import FORMAT_NAME, FORMAT_VERSION
-
-    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
-        raise FormatError(f"{where} is not a fastload manifest (no \"format\": \"{FORMAT_NAME}\")")
-    v = m.get("format_version")
-    if v != FORMAT_VERSION:
-        raise FormatError(f"{where} has format_version {v!r}; this fastload reads version "
-                          f"{FORMAT_VERSION}. Convert the source again with this version.")
+    """The checks a *remote* manifest needs to be cached safely: every shard has a byte size
+    and a checksum (the cache verifies every download), and its file name is a plain name (it
+    becomes a file name in the cache directory). The format and its version are checked by
+    the reader (``fastload.store.reader.check_manifest``): this package sits below the store
+    and does not import it."""
+    if not isinstance(m, dict):
+        raise FormatError(f"{where} is not a fastload manifest (not a JSON object)")
     for k in ("fields", "shards", "num_samples"):
         if k not in m:
             raise FormatError(f"{where} lacks the key {k!r}; the manifest is damaged")

@@ -98,7 +98,10 @@ def prefetch(url: str, dest: str | os.PathLike, *, threads: int = 8, filesystem:
     from ..store.reader import manifest_fields
     from ..store.verify import check_shard
 
+    from ..store.reader import check_manifest
+
     remote = RemoteDataset(url, filesystem=filesystem, storage_options=storage_options)
+    check_manifest(remote.manifest, remote.transport.file_url(MANIFEST))
     dest = Path(dest)
     if (dest / MANIFEST).exists():
         raise RemoteError(f"{dest} already holds a dataset ({MANIFEST}); prefetch into a new directory")
@@ -148,8 +151,10 @@ def verify_remote(url: str, *, local: str | os.PathLike | None = None, threads: 
     from ..store.reader import manifest_fields
     from ..store.verify import check_shard
 
+    from ..store.reader import check_manifest
+
     remote = RemoteDataset(url, filesystem=filesystem, storage_options=storage_options)
-    m = remote.manifest
+    m = check_manifest(remote.manifest, remote.transport.file_url(MANIFEST))
     problems: list[str] = []
     total = sum(int(s["num_samples"]) for s in m["shards"])
     if total != m["num_samples"]:

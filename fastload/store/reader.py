@@ -25,7 +25,7 @@ from ..errors import FormatError
 from .format import FORMAT_NAME, FORMAT_VERSION, KEY_COLUMN, MANIFEST, Field, arrow_schema, image_size_columns
 from .transaction import STAGING_PREFIX
 
-__all__ = ["DatasetReader", "manifest_fields", "read_manifest"]
+__all__ = ["DatasetReader", "check_manifest", "manifest_fields", "read_manifest"]
 
 
 def read_manifest(path: Path) -> dict:
@@ -52,15 +52,20 @@ def read_manifest(path: Path) -> dict:
             m = json.load(f)
     except (OSError, ValueError) as e:
         raise FormatError(f"{mpath} is not readable JSON ({e}); the dataset is damaged") from None
+    return check_manifest(m, mpath)
+
+
+def check_manifest(m: Any, where: Any) -> dict:
+    """The checks every manifest passes, wherever it was read (``where`` names it)."""
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
-        raise FormatError(f"{mpath} is not a fastload manifest (no \"format\": \"{FORMAT_NAME}\")")
+        raise FormatError(f"{where} is not a fastload manifest (no \"format\": \"{FORMAT_NAME}\")")
     v = m.get("format_version")
     if v != FORMAT_VERSION:
-        raise FormatError(f"{mpath} has format_version {v!r}; this fastload reads version "
+        raise FormatError(f"{where} has format_version {v!r}; this fastload reads version "
                           f"{FORMAT_VERSION}. Convert the source again with this version.")
     for k in ("fields", "shards", "num_samples"):
         if k not in m:
-            raise FormatError(f"{mpath} lacks the key {k!r}; the manifest is damaged")
+            raise FormatError(f"{where} lacks the key {k!r}; the manifest is damaged")
     return m
 
 
@@ -124,7 +129,11 @@ class DatasetReader:
             self.cache = open_cache(path, cache_dir=cache_dir, cache_limit=cache_limit, filesystem=filesystem,
                                     storage_options=storage_options)
             self.url = self.path = self.cache.url
-            self.manifest = self.cache.remote.manifest
+            try:
+                self.manifest = check_manifest(self.cache.remote.manifest, f"{self.url}/{MANIFEST}")
+            except BaseException:
+                self.cache.close()
+                raise
             base = self.cache.dir
             self.cache.on_release(self._release_shard)
         else:
