@@ -50,7 +50,9 @@ def test_a_pass_completes_with_identical_data_under_mixed_faults(proxy, remote, 
             read_pass(c, remote, stream)  # checks every row it reads
         st = c.stats()
     assert ds.peak <= limit
-    assert st["retries"] >= 10 and st["throttled"] >= 6 and st["checksum_failures"] == 2
+    assert sum(1 for r in proxy.log if r.fault) == 6 + 3 + 1 + 1 + 3  # every fault was met...
+    # ...and handled (faults on ranges of one shard in flight together cost one retry)
+    assert st["retries"] >= 4 and st["throttled"] >= 1 and st["checksum_failures"] == 2
     assert st["downloads"] == len(remote.shard_files)
 
 
@@ -72,10 +74,13 @@ def test_cut_body_resumes_where_it_stopped(proxy, remote, tmp_path):
         p = c.ensure(3)
         assert file_checksum(p) == remote.checksums[3]
         assert c.stats()["retries"] == 1
-    ranges = [g.range for g in _gets(proxy, name)]
-    # chunk 0 once, chunk 1 cut, then resumed at chunk 1 (chunk 0 is not fetched again)
-    assert ranges[:3] == ["bytes=0-8191", "bytes=8192-16383", "bytes=8192-16383"]
-    assert ranges.count("bytes=0-8191") == 1
+    gets = _gets(proxy, name)
+    ranges = [g.range for g in gets]
+    # the shard comes in 8 KB ranges fetched in parallel; the cut one is fetched again, the
+    # others are not (the partial file keeps them)
+    cut = [g.range for g in gets if g.fault == "cut"]
+    assert len(cut) == 1 and ranges.count(cut[0]) == 2
+    assert len(ranges) == len(set(ranges)) + 1 == -(-remote.shard_bytes[3] // 8192) + 1
 
 
 def test_wrong_bytes_are_downloaded_again_then_reported(proxy, remote, tmp_path):

@@ -323,6 +323,7 @@ class ShardCache:
         for t in self._workers:
             t.join()
         self._workers = []
+        self.downloader.close()
         if self.local_world_size > 1 and self._alive.fd is not None:
             _write_atomic(self._progress_path, "done\n")  # peers stop counting this rank
         if not self._closed:
@@ -702,7 +703,7 @@ class ShardCache:
                     continue  # the owner fetches it
                 self._inflight.add(s)
             try:
-                self._obtain(s, time.monotonic() + self.policy.timeout_s)
+                self._obtain(s, time.monotonic() + self.policy.timeout_s, priority=j)
             except Cancelled:
                 return
             except BaseException as e:  # kept for the reader: ensure() raises it, naming the shard
@@ -716,7 +717,7 @@ class ShardCache:
                     self._inflight.discard(s)
                     self._cond.notify_all()
 
-    def _obtain(self, s: int, deadline: float) -> None:
+    def _obtain(self, s: int, deadline: float, priority: float = -1) -> None:
         """Download shard ``s`` unless it is (or gets) there: under its flock, after the
         budget admitted it. The caller has put ``s`` in ``_inflight``."""
         path = self.path(s)
@@ -735,7 +736,7 @@ class ShardCache:
             part = self.dir / f".{self.names[s]}.part"
             self._reserve(s, part, deadline)
             self.downloader.fetch(self.names[s], path, size=int(self.sizes[s]), checksum=self.remote.checksums[s],
-                                  part=part, label=self.names[s], deadline=deadline)
+                                  part=part, label=self.names[s], deadline=deadline, priority=priority)
             with self._cond:
                 self.downloads += 1
                 self._fetched.add(s)

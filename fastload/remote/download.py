@@ -15,7 +15,9 @@ Layers of fault handling, innermost first:
 """
 from __future__ import annotations
 
+import heapq
 import http.client
+import itertools
 import os
 import random
 import socket
@@ -97,6 +99,77 @@ class Concurrency:
                 self._cond.notify_all()
 
 
+class _Job:
+    __slots__ = ("fn", "done", "error")
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class RangePool:
+    """Threads that fetch byte ranges of shards, most urgent first (lowest priority value:
+    the shard the reader waits for, then the order of first use), so the next shard needed
+    gets the bandwidth instead of sharing it with shards needed later."""
+
+    def __init__(self, threads: int, concurrency: Concurrency, stop: threading.Event):
+        self._n = max(1, int(threads))
+        self._concurrency = concurrency
+        self._stop = stop
+        self._heap: list = []
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+
+    def submit(self, priority, fn: Callable[[], None]) -> _Job:
+        job = _Job(fn)
+        with self._cond:
+            if not self._threads:
+                self._closing = False
+                self._threads = [threading.Thread(target=self._run, name=f"fastload-range-{i}", daemon=True)
+                                 for i in range(self._n)]
+                for t in self._threads:
+                    t.start()
+            heapq.heappush(self._heap, (priority, next(self._seq), job))
+            self._cond.notify()
+        return job
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap and not self._closing:
+                    self._cond.wait()
+                if not self._heap:
+                    return
+                _, _, job = heapq.heappop(self._heap)
+            try:
+                if self._stop.is_set():
+                    raise Cancelled()
+                self._concurrency.acquire(self._stop)
+                try:
+                    job.fn()
+                finally:
+                    self._concurrency.release()
+            except BaseException as e:  # handed to the waiting download
+                job.error = e
+            job.done.set()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+        with self._cond:
+            self._threads = []
+            for _, _, job in self._heap:  # never run: their downloads are being cancelled
+                job.error = Cancelled()
+                job.done.set()
+            self._heap.clear()
+
+
 class DownloadCounters:
     """Thread-safe counters; ``busy_s`` is wall time with at least one download running."""
 
@@ -167,9 +240,17 @@ class Downloader:
         self.stop = stop or threading.Event()
         self.counters = counters or DownloadCounters()
         self.fsync = fsync
+        # object stores: a shard bigger than one chunk comes as byte ranges fetched in
+        # parallel, the most urgent shard's first (RangePool); http(s): one streamed GET
+        self.ranges = RangePool(threads, self.concurrency, self.stop) if getattr(transport, "ranged", False) else None
+
+    def close(self) -> None:
+        """Join the range threads (they start again with the next download)."""
+        if self.ranges is not None:
+            self.ranges.close()
 
     def fetch(self, name: str, dest: Path, *, size: int, checksum: str | None, part: Path | None = None,
-              label: str | None = None, deadline: float | None = None,
+              label: str | None = None, deadline: float | None = None, priority: float = 0,
               on_progress: Callable[[int], None] | None = None) -> None:
         """Download ``name`` to ``dest`` (atomically: via ``part``, then ``os.replace``).
 
@@ -184,6 +265,8 @@ class Downloader:
         mismatches = 0
         last: BaseException | None = None
         rebuilt_for: int | None = None
+        ranged = self.ranges is not None and size > self.chunk
+        done: set[int] = set()  # offsets of ranges already in the partial file (ranged path)
         while True:
             if self.stop.is_set():
                 raise Cancelled()
@@ -193,14 +276,19 @@ class Downloader:
                     f"({attempt} attempt(s); last error: {_short(last)}) from {url}; check the network and "
                     "the server, or raise download_timeout", shard=label, url=url)
             generation = self.transport.generation
-            self.concurrency.acquire(self.stop)
+            if not ranged:  # the range threads take a slot per request instead
+                self.concurrency.acquire(self.stop)
             self.counters.start()
             try:
-                self._attempt(name, dest, part, size, checksum, deadline, on_progress)
+                if ranged:
+                    self._attempt_ranges(name, dest, part, size, checksum, priority, done, on_progress)
+                else:
+                    self._attempt(name, dest, part, size, checksum, deadline, on_progress)
             except _Mismatch as m:
                 mismatches += 1
                 self.counters.incr("checksum_failures")
                 _unlink(part)
+                done.clear()
                 if mismatches >= 2:
                     raise ChecksumMismatch(
                         f"shard {label} downloaded from {url} twice has checksum {m.actual}, but the manifest "
@@ -241,7 +329,8 @@ class Downloader:
                 return
             finally:
                 self.counters.stop()
-                self.concurrency.release()
+                if not ranged:
+                    self.concurrency.release()
             attempt += 1
             if attempt >= self.policy.attempts:
                 raise DownloadError(
@@ -252,6 +341,56 @@ class Downloader:
             pause = min(self.policy.pause(attempt - 1), max(0.0, deadline - time.monotonic()))
             if self.stop.wait(pause):
                 raise Cancelled()
+
+    def _attempt_ranges(self, name: str, dest: Path, part: Path, size: int, checksum: str | None, priority: float,
+                        done: set[int], on_progress: Callable[[int], None] | None) -> None:
+        """One attempt in byte ranges (object stores): open once (the size is checked against
+        the manifest), fetch the ranges not yet in ``part`` in parallel into a preallocated
+        file, then hash it whole (page-cached: memory speed) and rename it into place."""
+        f, _ = self.transport.open_read(name, 0)
+        try:
+            remote_size = f.size()
+            if remote_size != size:
+                raise _Mismatch(f"(an object of {remote_size} bytes, the manifest says {size})")
+            if not done or not part.exists():
+                done.clear()
+                with open(part, "wb") as out:
+                    out.truncate(size)
+            fd = os.open(part, os.O_WRONLY)
+            try:
+                def get(o: int, n: int) -> None:
+                    b = f.read_at(n, o)
+                    if len(b) != n:
+                        raise _Truncated(f"range at {o}: {len(b)} of {n} bytes")
+                    os.pwrite(fd, memoryview(b), o)
+                    done.add(o)
+                    self.counters.add_bytes(n)
+                    if on_progress is not None:
+                        on_progress(n)
+
+                jobs = [self.ranges.submit((priority, o), lambda o=o: get(o, min(self.chunk, size - o)))
+                        for o in range(0, size, self.chunk) if o not in done]
+                error = None
+                for job in jobs:
+                    while not job.done.wait(0.05):
+                        pass
+                    if job.error is not None and (error is None or isinstance(error, Cancelled)):
+                        error = job.error
+                if error is not None:
+                    raise error
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        finally:
+            try:
+                f.close()
+            except Exception:
+                pass
+        actual = file_checksum_of(part)
+        if checksum is not None and actual != checksum:
+            raise _Mismatch(actual)
+        os.replace(part, dest)
 
     def _attempt(self, name: str, dest: Path, part: Path, size: int, checksum: str | None, deadline: float,
                  on_progress: Callable[[int], None] | None) -> None:
@@ -313,6 +452,17 @@ class Downloader:
         if checksum is not None and actual != checksum:
             raise _Mismatch(actual)
         os.replace(part, dest)
+
+
+def file_checksum_of(path: Path, chunk: int = 8 << 20) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return CHECKSUM_PREFIX + h.hexdigest()
 
 
 def _unlink(p: Path) -> None:

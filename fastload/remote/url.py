@@ -248,6 +248,8 @@ def _build_arrow_fs(url: str, options: Mapping[str, Any]):
 class ArrowTransport(Transport):
     """Files under ``base`` in a ``pyarrow.fs.FileSystem``."""
 
+    ranged = True  # open_read returns a random-access file: read_at(nbytes, offset) from many threads
+
     def __init__(self, url: str, *, filesystem: Any = None, storage_options: Mapping[str, Any] | None = None):
         self.url = display_url(url)
         self._options = dict(storage_options or {})
