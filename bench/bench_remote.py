@@ -12,7 +12,7 @@ Goal (issue 15): at 25 ms with a 4-shard budget, steady >= 90% of local disk, an
 <= one shard download + 2 round trips (printed beside it: a single shard's download measured
 through the same proxy, and the round trip).
 
-    python bench/bench_remote.py [--shards 16] [--shard-mb 8] [--step-ms 10] [--smoke]
+    python bench/bench_remote.py [--shards 12] [--shard-mb 32] [--step-ms 10] [--smoke]
 """
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def _one_shard_s(endpoint: str, name: str, size: int, repeats: int = 3) -> float
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shards", type=int, default=16)
-    ap.add_argument("--shard-mb", type=float, default=8.0)
+    ap.add_argument("--shards", type=int, default=12)
+    ap.add_argument("--shard-mb", type=float, default=32.0)
     ap.add_argument("--dim", type=int, default=1024, help="float32 values per sample (4 KB at 1024)")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--step-ms", type=float, default=10.0, help="simulated training step per batch")

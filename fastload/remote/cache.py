@@ -149,7 +149,7 @@ class ShardCache:
     def __init__(self, remote: RemoteDataset, *, cache_dir: str | os.PathLike | None = None,
                  limit: int | str | None = None, ahead: int = 0, threads: int = 4,
                  local_rank: int | None = None, local_world_size: int | None = None,
-                 retry: RetryPolicy | None = None, chunk_bytes: int = 16 << 20, owner_grace_s: float = 30.0,
+                 retry: RetryPolicy | None = None, chunk_bytes: int = 8 << 20, owner_grace_s: float = 30.0,
                  poll_s: float = 0.01, fsync: bool = True):
         from ..system import local_world_size as _lws
 
