@@ -56,7 +56,7 @@ def inspect_text(path: str | os.PathLike) -> str:
              "fields"]
     for name, f in ds.fields.items():
         extra = " (label)" if name == ds.label_field else ""
-        lines.append(f"  {name:<20} {f.kind:<7} {str(f) if f.fixed else ''}{extra}")
+        lines.append(f"  {name:<20} {f.kind:<7} {str(f) if f.fixed or f.ragged else ''}{extra}")
     if ds.class_counts is not None:
         counts = ds.class_counts
         names = ds.class_names or [str(i) for i in range(len(counts))]
