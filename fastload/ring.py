@@ -37,13 +37,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _C
+from .ringspec import RaggedField, batch_dict, parse_ragged, ragged_descs
 from .ringspec import as_index as _as_index
 from .ringspec import parse_fields as _parse_fields
 from .ringspec import parse_sources as _parse_sources
 from .system import usable_cores
 from .validate import is_int as _is_int
 
-__all__ = ["FillSlot", "Ring", "RingBatch", "default_slots", "default_threads"]
+__all__ = ["FillSlot", "RaggedField", "Ring", "RingBatch", "default_slots", "default_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,9 @@ class Ring:
     """A ring of host slots filled by C++ producer threads; batches come out in order.
 
     Args:
-        fields: ``{name: (dtype, shape)}``; ``shape`` is the per-row shape (``()`` for scalars).
+        fields: ``{name: (dtype, shape)}``; ``shape`` is the per-row shape (``()`` for scalars);
+            or ``{name: RaggedField(...)}`` for a variable number of items per row (a batch
+            then holds ``name`` and ``name + "_offsets"``, see :class:`RaggedField`).
         batch_size: rows per slot (the largest batch ``submit`` accepts).
         sources: ``{name: [array per shard]}``; each array is C-contiguous with shape
             ``(rows, *shape)`` and the field's exact dtype (read-only / memory-mapped is fine).
@@ -188,7 +191,8 @@ class Ring:
         if not _is_int(batch_size) or batch_size <= 0:
             raise ValueError(f"batch_size={batch_size!r} must be an int > 0")
         names, dtypes, shapes = _parse_fields(fields)
-        srcs = _parse_sources(sources, names, dtypes, shapes)
+        ragged = parse_ragged(fields, names, dtypes, shapes)
+        srcs = _parse_sources(sources, names, dtypes, shapes, ragged)
         index = -1
         if index_field is not None:
             if index_field not in names:
@@ -204,8 +208,10 @@ class Ring:
             slots = default_slots(int(threads))
         if not _is_int(slots) or slots < 1:
             raise ValueError(f"slots={slots!r} must be an int >= 1")
-        row_bytes = sum(dt.itemsize * int(np.prod(s, dtype=np.int64)) for dt, s in zip(dtypes, shapes))
-        slot_bytes = int(batch_size) * row_bytes  # Python ints: no overflow
+        row_bytes = sum(dt.itemsize * int(np.prod(s, dtype=np.int64))
+                        for dt, s, r in zip(dtypes, shapes, ragged) if r is None)
+        descs, ragged_bytes = ragged_descs(ragged, srcs, int(batch_size), dtypes, shapes)
+        slot_bytes = int(batch_size) * row_bytes + ragged_bytes  # Python ints: no overflow
         if slot_bytes > _MAX_SLOT_BYTES:
             raise ValueError(f"batch_size={batch_size} rows of {row_bytes} bytes need a {slot_bytes:,}-byte slot; "
                              "lower batch_size")
@@ -226,7 +232,7 @@ class Ring:
         self._warned_copy = False
         self._core = _C.Ring(
             names, dtypes, [list(s) for s in shapes], int(batch_size), srcs, index,
-            int(threads), int(slots), int(max_slots), int(min_part_bytes),
+            int(threads), int(slots), int(max_slots), int(min_part_bytes), descs,
         )
         self._closed = False
 
@@ -276,6 +282,16 @@ class Ring:
         return self._live().slot_memory(int(slot))
 
     # ------------------------------------------------------------------ producer side
+    def _windows(self, start: Any, count: Any, n: int) -> tuple:
+        out = []
+        for name, a in (("start", start), ("count", count)):
+            if a is not None:
+                a = _as_index(a, name)
+                if len(a) != n:
+                    raise ValueError(f"{name} has {len(a)} entries for {n} rows")
+            out.append(a)
+        return tuple(out)
+
     def _rows(self, shard: Any, row: Any, index: Any) -> tuple:
         s, r = _as_index(shard, "shard"), _as_index(row, "row")
         if len(s) != len(r):
@@ -291,9 +307,11 @@ class Ring:
             raise ValueError(f"index has {len(ix)} entries for {len(s)} rows")
         return s, r, ix
 
-    def submit(self, shard: Any, row: Any, index: Any = None) -> None:
+    def submit(self, shard: Any, row: Any, index: Any = None, *, start: Any = None, count: Any = None) -> None:
         """Enqueue one batch: row ``row[i]`` of shard ``shard[i]`` for every field (and
-        ``index[i]`` for the index field).
+        ``index[i]`` for the index field). ``start``/``count`` give each row's window of items
+        in the ragged fields (items ``start[i]..start[i]+count[i]-1``; ``count[i] < 0``: to
+        the end).
 
         Never blocks (the request queue is unbounded; index arrays are copied). Bad ids are
         reported by ``get()`` for this batch (IndexError); bad arguments raise ValueError now.
@@ -302,9 +320,10 @@ class Ring:
         n = len(s)
         if not 1 <= n <= self._batch_size:
             raise ValueError(f"a batch must have between 1 and batch_size={self._batch_size} rows, got {n}")
-        self._submit(s, r, ix, n)
+        self._submit(s, r, ix, n, *self._windows(start, count, n))
 
-    def submit_many(self, shard: Any, row: Any, batch_size: int | None = None, index: Any = None) -> int:
+    def submit_many(self, shard: Any, row: Any, batch_size: int | None = None, index: Any = None, *,
+                    start: Any = None, count: Any = None) -> int:
         """Enqueue many rows at once as consecutive batches of ``batch_size`` rows (default:
         the ring's), the last one possibly shorter — e.g. a whole epoch from
         ``Dataset.locate(order)``. Same rules as :meth:`submit`; returns the number of batches.
@@ -315,21 +334,21 @@ class Ring:
             raise ValueError(f"batch_size={per!r} must be an int between 1 and the ring's batch_size={self._batch_size}")
         if len(s) == 0:
             raise ValueError("submit_many() needs at least one row")
-        return self._submit(s, r, ix, int(per))
+        return self._submit(s, r, ix, int(per), *self._windows(start, count, len(s)))
 
-    def _submit(self, s, r, ix, per: int) -> int:
+    def _submit(self, s, r, ix, per: int, start=None, count=None) -> int:
         if self._closed:
             raise RuntimeError("this Ring is closed; create a new one")
         if self._needs_sources:
             raise ValueError(f"field {self._needs_sources[0]!r} has no sources, so submit() cannot gather it; "
                              "fill it with acquire() instead")
-        return self._core.submit_many(s, r, ix, per)
+        return self._core.submit_many(s, r, ix, per, start, count)
 
     def acquire(self) -> FillSlot:
         """Reserve the next batch for an external fill; waits (GIL released, Ctrl-C aware)
         until a slot is free. See :class:`FillSlot`."""
         handle, arrays = self._live().acquire()
-        return FillSlot(self, handle, dict(zip(self._names, arrays)))
+        return FillSlot(self, handle, batch_dict(self._names, arrays))
 
     # ------------------------------------------------------------------ consumer side
     def get_arrays(self) -> dict[str, np.ndarray]:
@@ -339,7 +358,7 @@ class Ring:
         this batch raises here (IndexError for bad shard/row ids; a failed external fill
         raises its own exception; RuntimeError otherwise).
         """
-        return dict(zip(self._names, self._next()[0]))
+        return batch_dict(self._names, self._next()[0])
 
     def get(self) -> dict[str, Any]:
         """The next batch in submission order as ``{name: torch.Tensor}`` (host memory,
@@ -352,7 +371,7 @@ class Ring:
 
         arrays, slot, copied = self._next()
         from_numpy = torch.from_numpy
-        return RingBatch({k: from_numpy(a) for k, a in zip(self._names, arrays)}, slot, copied)
+        return RingBatch({k: from_numpy(a) for k, a in batch_dict(self._names, arrays).items()}, slot, copied)
 
     def _next(self) -> tuple:
         core = self._live()

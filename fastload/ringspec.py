@@ -6,13 +6,35 @@ the field and shard at fault; the C++ side then only asserts its invariants.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .validate import is_int as _is_int
 
-__all__ = ["as_index", "parse_fields", "parse_sources"]
+__all__ = ["RaggedField", "as_index", "batch_dict", "parse_fields", "parse_ragged", "parse_sources", "ragged_descs"]
+
+
+@dataclass(frozen=True)
+class RaggedField:
+    """A ring field with a variable number of items per row (see Note [Ragged gather] in
+    csrc/gather.h). Its sources are ``(values, offsets)`` per shard: ``values`` of shape
+    ``(items, *item_shape)``, ``offsets`` int64 ``(rows + 1,)``. A batch delivers ``name``
+    (packed: ``(total, *item_shape)``; ``padded``: ``(rows, width, *item_shape)``, rows
+    filled up with ``pad_value``) and ``name + "_offsets"`` (int64, ``rows + 1``, rebased to
+    0: row ``i`` has ``offsets[i + 1] - offsets[i]`` items). ``max_items`` truncates each
+    row; ``multiple`` rounds the padded width up (at least one multiple); ``capacity`` is
+    the items a slot holds (default: ``batch_size`` times the longest row) — a larger batch
+    gets memory of its own rather than failing."""
+
+    dtype: Any
+    item_shape: tuple = ()
+    padded: bool = False
+    pad_value: Any = 0
+    max_items: int | None = None
+    multiple: int = 1
+    capacity: int | None = None
 
 _INT64 = np.dtype(np.int64)
 
@@ -35,6 +57,8 @@ def parse_fields(fields: Mapping[str, Any]) -> tuple[list[str], list[np.dtype], 
     for name, spec in fields.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"field names must be non-empty strings, got {name!r}")
+        if isinstance(spec, RaggedField):
+            spec = (spec.dtype, spec.item_shape)
         try:
             dt, shape = spec
         except (TypeError, ValueError):
@@ -59,9 +83,60 @@ def parse_fields(fields: Mapping[str, Any]) -> tuple[list[str], list[np.dtype], 
     return names, dtypes, shapes
 
 
+def parse_ragged(fields: Mapping[str, Any], names: list[str], dtypes: list[np.dtype],
+                 shapes: list[tuple[int, ...]]) -> list[RaggedField | None]:
+    """Per field: its checked RaggedField, or None for a fixed field."""
+    out: list[RaggedField | None] = []
+    taken = set(names)
+    for name, dt, shape in zip(names, dtypes, shapes):
+        spec = fields[name]
+        if not isinstance(spec, RaggedField):
+            out.append(None)
+            continue
+        if name + "_offsets" in taken:
+            raise ValueError(f"field {name!r}: its offsets are delivered as {name + '_offsets'!r}, which is "
+                             "also a field name")
+        for what, v, lo in (("max_items", spec.max_items, 0), ("multiple", spec.multiple, 1),
+                            ("capacity", spec.capacity, 0)):
+            if v is not None and (not _is_int(v) or v < lo):
+                raise ValueError(f"field {name!r}: {what}={v!r} must be an int >= {lo}")
+        try:
+            pad = np.asarray(spec.pad_value)
+            cast = pad.astype(dt)
+            if pad.ndim != 0 or (pad.dtype.kind in "iufcb" and np.asarray(cast).astype(pad.dtype) != pad):
+                raise ValueError
+        except (ValueError, TypeError, OverflowError):
+            raise ValueError(f"field {name!r}: pad_value={spec.pad_value!r} is not a value of dtype {dt}") from None
+        out.append(spec)
+    return out
+
+
+def ragged_sources(name: str, shards: Any, dt: np.dtype, shape: tuple[int, ...]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Checked ``(values, offsets)`` per shard of a ragged field."""
+    if isinstance(shards, tuple) and len(shards) == 2 and isinstance(shards[0], np.ndarray):
+        shards = [shards]
+    out = []
+    for s, pair in enumerate(shards):
+        try:
+            values, offsets = pair
+        except (TypeError, ValueError):
+            raise ValueError(f"field {name!r} shard {s}: a ragged source is a (values, offsets) pair") from None
+        if not isinstance(values, np.ndarray) or values.dtype != dt or values.shape[1:] != shape or values.ndim < 1:
+            raise ValueError(f"field {name!r} shard {s}: values must be a numpy array of dtype {dt} and shape "
+                             f"(items, *{shape})")
+        if not values.flags.c_contiguous:
+            raise ValueError(f"field {name!r} shard {s}: values must be C-contiguous")
+        if (not isinstance(offsets, np.ndarray) or offsets.dtype != np.int64 or offsets.ndim != 1
+                or len(offsets) < 1 or not offsets.flags.c_contiguous):
+            raise ValueError(f"field {name!r} shard {s}: offsets must be a contiguous 1-d int64 array (rows + 1)")
+        out.append((values, offsets))
+    return out
+
+
 def parse_sources(
-    sources: Mapping[str, Any] | None, names: list[str], dtypes: list[np.dtype], shapes: list[tuple[int, ...]]
-) -> list[list[np.ndarray] | None]:
+    sources: Mapping[str, Any] | None, names: list[str], dtypes: list[np.dtype], shapes: list[tuple[int, ...]],
+    ragged: list[RaggedField | None] | None = None,
+) -> list[list | None]:
     sources = {} if sources is None else sources
     if not isinstance(sources, Mapping):
         raise ValueError("sources must be a dict of field name -> list of per-shard arrays")
@@ -70,11 +145,21 @@ def parse_sources(
         raise ValueError(f"sources has fields {unknown} that are not in fields {names}")
     out: list[list[np.ndarray] | None] = []
     ref_name, ref_rows = None, None
-    for name, dt, shape in zip(names, dtypes, shapes):
+    for name, dt, shape, rag in zip(names, dtypes, shapes, ragged or [None] * len(names)):
         if name not in sources or sources[name] is None:
             out.append(None)
             continue
         shards = sources[name]
+        if rag is not None:
+            pairs = ragged_sources(name, shards, dt, shape)
+            rows = [len(o) - 1 for _, o in pairs]
+            if ref_rows is None:
+                ref_name, ref_rows = name, rows
+            elif rows != ref_rows:
+                raise ValueError(f"field {name!r} has shard sizes {rows[:8]} but field {ref_name!r} has "
+                                 f"{ref_rows[:8]}; every field must have the same shards")
+            out.append(pairs)
+            continue
         if isinstance(shards, np.ndarray):
             shards = [shards]
         shards = list(shards)
@@ -103,4 +188,43 @@ def parse_sources(
                 "every field must have the same shards"
             )
         out.append(checked)
+    return out
+
+
+def ragged_descs(ragged: list[RaggedField | None], srcs: list, batch_size: int, dtypes: list[np.dtype],
+                 shapes: list[tuple[int, ...]]) -> tuple[list[tuple | None], int]:
+    """What the C++ ring takes for each ragged field — ``(padded, pad bytes, max_items or -1,
+    multiple, capacity)`` — and the slot bytes of all ragged regions."""
+    descs: list[tuple | None] = []
+    nbytes = 0
+    for rag, src, dt, shape in zip(ragged, srcs, dtypes, shapes):
+        if rag is None:
+            descs.append(None)
+            continue
+        item = dt.itemsize * int(np.prod(shape, dtype=np.int64))
+        cap = rag.capacity
+        if cap is None:  # room for batch_size of the longest rows: a batch never needs more
+            longest = max((int(np.max(o[1:] - o[:-1])) for _, o in (src or []) if len(o) > 1), default=0)
+            if rag.max_items is not None:
+                longest = min(longest, rag.max_items)
+            m = rag.multiple
+            if rag.padded:
+                longest = max(-(-longest // m) * m, m if m > 1 else 0)
+            cap = batch_size * longest
+        pad = np.asarray(rag.pad_value).astype(dt).tobytes() if rag.padded else b""
+        descs.append((bool(rag.padded), pad, -1 if rag.max_items is None else int(rag.max_items),
+                      int(rag.multiple), int(cap)))
+        nbytes += (batch_size + 1) * 8 + int(cap) * item
+    return descs, nbytes
+
+
+def batch_dict(names: list[str], arrays: tuple) -> dict:
+    """The ring's arrays as ``{name: array}``: a ragged field's ``(values, offsets)`` pair as
+    ``name`` and ``name + "_offsets"``; fields without an array (None) left out."""
+    out = {}
+    for n, a in zip(names, arrays):
+        if type(a) is tuple:
+            out[n], out[n + "_offsets"] = a
+        elif a is not None:
+            out[n] = a
     return out
