@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = ["BadSamples", "ConvertError", "DecodeError", "FastloadError", "FormatError", "SampleError",
-           "UsageError"]
+           "TransformError", "UsageError"]
 
 
 class FastloadError(Exception):
@@ -32,6 +32,12 @@ class ConvertError(FastloadError):
 
 class DecodeError(FastloadError, RuntimeError):
     """An image could not be decoded (or was refused); names shard, row and source key."""
+
+
+class TransformError(FastloadError, RuntimeError):
+    """A Loader's ``batch_transform`` / ``device_transform`` raised (or returned something
+    that is not a dict of tensors); names the batch's stream position and sample indices,
+    with the transform's own exception as ``__cause__``."""
 
 
 class UsageError(FastloadError, ValueError):

@@ -25,7 +25,7 @@ import numpy as np
 from .decode import Decoders, decode_fields, runner_decoder
 from .source import INDEX, Ready, RingFedSource
 
-__all__ = ["CudaDelivery", "CudaImageFeeder", "CudaSource"]
+__all__ = ["CudaDelivery", "CudaImageFeeder", "CudaSource", "StreamHandoff"]
 
 logger = logging.getLogger("fastload")
 
@@ -53,30 +53,52 @@ class CudaDelivery:
     def probe(self) -> dict:
         return {"copy_s": self.copy_s}
 
-    def deliver(self, rb) -> dict[str, Any]:
-        """One ``RingBatch`` -> ``{name: device tensor}`` ordered before the current stream."""
+    def deliver(self, rb, host: dict | None = None, device_fn=None) -> dict[str, Any]:
+        """One ``RingBatch`` -> ``{name: device tensor}`` ordered before the current stream.
+        ``host``: the batch to copy when it is not ``rb.tensors`` as is (finished on the host
+        from them: ragged forms, a batch transform; values that are no tensor pass through);
+        ``device_fn(batch)`` runs on the copy stream after the copies (``device_transform``)."""
         torch = self._torch
         self._reap(block=False)
         if self._pin and not rb.copied and rb.slot not in self._pinned:
             self._pin_slot(rb.slot)
         t0 = time.perf_counter()
-        host = rb.tensors
+        lease = rb.tensors
+        host = lease if host is None else host
         # Keep the number of slots waiting on copies below the ring size so the ring does
         # not grow just because the GPU is behind.
         while len(self._inflight) >= max(1, self._ring.num_slots - 2):
             ev, _ = self._inflight.popleft()
             ev.synchronize()
         with torch.cuda.stream(self._stream):
-            out = {k: t.to(self._device, non_blocking=True) for k, t in host.items()}
+            out = {k: t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+                   for k, t in host.items()}
+            if device_fn is not None:
+                out = device_fn(out)
             ev = torch.cuda.Event()
             ev.record(self._stream)
         current = torch.cuda.current_stream(self._device)
         current.wait_stream(self._stream)  # the training stream never sees a half copy
         for t in out.values():
-            t.record_stream(current)  # output memory is not reused before `current` is done
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(current)  # output memory is not reused before `current` is done
         # The host tensors hold the slot lease: the slot is refilled only after `ev`.
-        self._inflight.append((ev, host))
+        self._inflight.append((ev, (lease, host)))
         self.copy_s += time.perf_counter() - t0
+        return out
+
+    def run_on_stream(self, fn, batch: dict) -> dict:
+        """``fn(batch)`` on the copy stream, after the current stream's work, ordered before
+        the current stream again (``device_transform`` of a batch with GPU-decoded images)."""
+        torch = self._torch
+        current = torch.cuda.current_stream(self._device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            out = fn(batch)
+        current.wait_stream(self._stream)
+        for t in out.values():
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(current)
         return out
 
     def _reap(self, block: bool) -> None:
@@ -126,21 +148,28 @@ class CudaSource(RingFedSource):
     """See the module docstring. ``ring`` holds the raw fields and ``"index"``."""
 
     def __init__(self, *, ring, delivery: CudaDelivery, dataset, device, image_fields: Sequence[str],
-                 decoders: Decoders | None, epoch: int, on_error: str, stats) -> None:
+                 decoders: Decoders | None, epoch: int, on_error: str, stats, finish=None,
+                 device_transform=None) -> None:
         import torch
 
         self._torch = torch
         self._delivery = delivery
         self._device = device
+        # Host-side finishing (ragged forms, lists, batch_transform) and the device transform.
+        self._finish = None if finish is None or finish.trivial else finish
+        self._device_fn = device_transform
         super().__init__(ring, dataset, CudaImageFeeder(
             ring=ring, delivery=delivery, dataset=dataset, device=device, image_fields=image_fields,
-            decoders=decoders, epoch=epoch, on_error=on_error, stats=stats) if image_fields else None)
+            decoders=decoders, epoch=epoch, on_error=on_error, stats=stats, finish=self._finish,
+            device_transform=device_transform) if image_fields else None)
 
     def get(self) -> Ready:
+        req = self.next_request()
         if self._feeder is None:
             rb = self._ring.get_batch()
             index = rb.tensors[INDEX].numpy().copy()  # the slot is recycled after its copy
-            return Ready(self._delivery.deliver(rb), index)
+            host = None if self._finish is None else self._finish(dict(rb.tensors), req)
+            return Ready(self._delivery.deliver(rb, host, self._device_fn), index)
         batch, index, ev = self._feeder.get()
         cur = self._torch.cuda.current_stream(self._device)
         cur.wait_event(ev)  # the training stream waits for DALI's work and the copies
@@ -155,9 +184,12 @@ class CudaImageFeeder:
     through the ring and the device delivery, and hand the batch over with an event."""
 
     def __init__(self, *, ring, delivery: CudaDelivery, dataset, device, image_fields: Sequence[str],
-                 decoders: Decoders, epoch: int, on_error: str, stats) -> None:
+                 decoders: Decoders, epoch: int, on_error: str, stats, finish=None,
+                 device_transform=None) -> None:
         import torch
 
+        self._finish = finish  # host-side finishing of the raw fields (images are on the GPU)
+        self._device_fn = device_transform
         self._torch = torch
         self._ring = ring
         self._delivery = delivery
@@ -174,8 +206,8 @@ class CudaImageFeeder:
         self._thread = threading.Thread(target=self._run, name="fastload-feeder-cuda", daemon=True)
         self._thread.start()
 
-    def put(self, idx: np.ndarray) -> None:
-        self._inbox.put(idx)
+    def put(self, req) -> None:
+        self._inbox.put(req)
 
     def get(self):
         while True:
@@ -204,8 +236,9 @@ class CudaImageFeeder:
                     return
                 self._outbox.put(e)
 
-    def _one(self, idx: np.ndarray):
+    def _one(self, req):
         torch, ds = self._torch, self._dataset
+        idx = req.index
         decoders = {name: runner_decoder(self._runners[name], ds, name, self._epoch, None, self._stats)
                     for name in self._image_fields}
         images, final, replaced = decode_fields(decoders, idx, num_samples=len(ds), on_error=self._on_error,
@@ -213,8 +246,12 @@ class CudaImageFeeder:
         if replaced:
             self._stats.add("replaced_samples", replaced)
         self._ring.submit(*ds.locate(final), index=final)
-        out = self._delivery.deliver(self._ring.get_batch())  # raw fields and index
+        rb = self._ring.get_batch()  # raw fields and index
+        host = None if self._finish is None else self._finish(dict(rb.tensors), req)
+        out = self._delivery.deliver(rb, host)
         out.update(images)
+        if self._device_fn is not None:
+            out = self._delivery.run_on_stream(self._device_fn, out)
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self._device))
         return out, final, ev
@@ -227,3 +264,27 @@ class CudaImageFeeder:
             logger.warning("fastload: the CUDA feeder thread did not stop within 30 s")
         while not self._outbox.empty():
             self._outbox.get_nowait()
+
+
+class StreamHandoff:
+    """Orders the consumer's stream after a batch made on another thread's stream (for
+    ``ThreadedSource``): ``record()`` in the producing thread, ``wait(batch, ev)`` in the
+    consumer (which also keeps the batch's memory from reuse until its stream is done)."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self._torch = torch
+        self._device = device
+
+    def record(self):
+        ev = self._torch.cuda.Event()
+        ev.record(self._torch.cuda.current_stream(self._device))
+        return ev
+
+    def wait(self, batch: dict, ev) -> None:
+        cur = self._torch.cuda.current_stream(self._device)
+        cur.wait_event(ev)
+        for v in batch.values():
+            if isinstance(v, self._torch.Tensor) and v.is_cuda:
+                v.record_stream(cur)

@@ -19,6 +19,7 @@ import os
 import weakref
 from typing import Any, Iterator, Mapping, Sequence
 
+from ..packing import pack_plan
 from ..store import Dataset, DatasetReader
 from ..world import World
 from .epoch import EpochIterator, Progress
@@ -61,6 +62,20 @@ class Loader:
         on_error: for undecodable images: "raise" (an error naming shard, row and key) or
             "skip" (replaced deterministically by the next decodable sample, counted in stats).
         log_every: log ``stats()`` every this many batches (``logging`` at INFO).
+        ragged: how ragged fields (``int32[]``, ``float32[*,4]``) are delivered: ``"padded"``
+            (default: ``(B, L, ...)`` plus ``batch[name + "_lengths"]``) or ``"packed"``
+            (``(T, ...)`` plus int32 ``batch[name + "_offsets"]``, the cu_seqlens form); one
+            value for every ragged field or a dict per field. ``pad_value``, ``max_length``
+            (truncation) and ``pad_to_multiple`` (static shapes) likewise.
+        pack_to: ``N``: pack the ragged field's documents into rows of exactly ``N`` tokens
+            (``batch_size`` rows per batch), with ``name + "_offsets"`` (piece boundaries,
+            cu_seqlens) and ``name + "_positions"``; see :mod:`fastload.packing`. The state
+            counts tokens, so a resume continues inside a document, at any world size.
+        batch_transform: ``fn(batch) -> batch`` (or ``fn(batch, info)``, ``info`` a
+            :class:`~fastload.loader.finish.BatchInfo` with a per-batch seed) run on host
+            tensors in a fastload thread, before the device copy; errors name the samples.
+        device_transform: ``fn(batch) -> batch`` on the device, on fastload's copy stream
+            (on the CPU: right after ``batch_transform``).
 
     Every batch is a dict of tensors (plus ``batch["index"]``, the global sample indices);
     ``len(loader)`` is the number of batches per epoch on this rank. The configuration is
@@ -73,7 +88,9 @@ class Loader:
                  transforms: Mapping[str, Any] | None = None, threads: int | None = None,
                  prefetch: int | None = None, weights: Any = None, replacement: bool = True,
                  num_draws: int | None = None, balance: bool | str = False, shuffle_mode: str = "full",
-                 window: int | None = None, on_error: str = "raise", log_every: int | None = None):
+                 window: int | None = None, on_error: str = "raise", log_every: int | None = None,
+                 ragged: Any = None, pad_value: Any = None, max_length: Any = None, pad_to_multiple: Any = None,
+                 pack_to: Any = None, batch_transform: Any = None, device_transform: Any = None):
         self._closed = True  # until fully built (__del__ / close() of a half-built Loader)
         self._parts = None
         ds = dataset if isinstance(dataset, DatasetReader) else Dataset(dataset)
@@ -81,7 +98,9 @@ class Loader:
         self._world = World.detect(rank, world_size)
         self._options = build_options(ds, batch_size=batch_size, seed=seed, device=device, fields=fields,
                                       transforms=transforms, threads=threads, prefetch=prefetch, on_error=on_error,
-                                      log_every=log_every)
+                                      log_every=log_every, ragged=ragged, pad_value=pad_value,
+                                      max_length=max_length, pad_to_multiple=pad_to_multiple, pack_to=pack_to,
+                                      batch_transform=batch_transform, device_transform=device_transform)
         self._sampler = make_sampler(ds, self._world, batch_size=self._options.batch_size, seed=self._options.seed,
                                      shuffle=shuffle, drop_last=drop_last, weights=weights, replacement=replacement,
                                      num_draws=num_draws, balance=balance, shuffle_mode=shuffle_mode, window=window)
@@ -113,7 +132,17 @@ class Loader:
 
     # -- iteration -----------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._sampler)
+        if self._options.pack is None:
+            return len(self._sampler)
+        s = self._sampler
+        return len(self._pack_plan(s.epoch, s._start(), s.stream(s.epoch)))  # a loaded position, or 0
+
+    def _pack_plan(self, epoch: int, start: int, stream):
+        name, d = self._options.pack
+        s = self._sampler
+        return pack_plan(epoch, start, stream, self._dataset.lengths(name), rows=self._options.batch_size,
+                         length=d.pack_to, world_size=s.world_size, rank=s.rank, drop_last=s.drop_last,
+                         max_length=d.max_length)
 
     @property
     def epoch(self) -> int:
@@ -131,11 +160,14 @@ class Loader:
         if self._closed:
             raise RuntimeError("this Loader is closed")
         self._parts.stop_iter()
-        plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
         o = self._options
+        if o.pack is None:
+            plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
+        else:  # the same stream of samples, read as tokens (the position counts tokens)
+            plan = self._pack_plan(*self._sampler.begin_pass())
+        fixed = o.fixed_size and o.batch_transform is None and o.device_transform is None
         it = EpochIterator(plan, self._parts.source(plan.epoch), prefetch=o.prefetch, stats=self._stats,
-                           progress=self._progress, dataset=self._dataset, list_fields=o.list_fields,
-                           log_every=o.log_every)
+                           progress=self._progress, fixed_size=fixed, log_every=o.log_every)
         self._parts.track(it)
         return it
 
@@ -148,6 +180,7 @@ class Loader:
             "batch_size": self.batch_size,
             "fields": self.fields,
             "transforms": {n: t.describe() for n, t in self._options.transforms.items()},
+            "ragged": {n: d.describe() for n, d in self._options.ragged.items()},
             "seed": self.seed,
             "sampler": self._sampler.state_dict(consumed=self._progress.position),
         }
@@ -160,8 +193,8 @@ class Loader:
         if state.get("version") != LOADER_STATE_VERSION:
             raise ValueError(f"Loader state version {state.get('version')!r} is not {LOADER_STATE_VERSION}")
         mine = self.state_dict()
-        for key in ("dataset", "seed", "fields", "transforms"):
-            if state.get(key) != mine[key]:
+        for key in ("dataset", "seed", "fields", "transforms", "ragged"):
+            if state.get(key, {} if key == "ragged" else None) != mine[key]:
                 raise ValueError(f"Loader state mismatch in {key}: saved {state.get(key)!r}, "
                                  f"this loader has {mine[key]!r}")
         self._parts.stop_iter()
