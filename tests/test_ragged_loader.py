@@ -182,3 +182,16 @@ def test_batches_larger_than_the_slot_region_and_held_batches(corpus, monkeypatc
     for b in held:
         items = [_sample(corpus, i, "tokens") for i in b["index"].numpy()]
         assert b["tokens"].numpy().tobytes() == np.concatenate(items).tobytes()
+
+
+def test_packed_resume_on_real_ranks_at_another_world_size(corpus):
+    from _dist import run_ranks
+
+    stream = fastload.Sampler(len(corpus), batch_size=2, seed=9).stream(0)
+    tokens = np.concatenate([_sample(corpus, i, "tokens") for i in stream])
+    first = run_ranks(3, "dist_jobs:packed_epoch", {"path": str(corpus.path), "stop_after": 3})
+    state = first[0]["state"]
+    assert state["sampler"]["consumed"] == 3 * 3 * 2 * 48  # tokens, not samples
+    rest = run_ranks(2, "dist_jobs:packed_epoch", {"path": str(corpus.path), "state": state})
+    got = np.array(first[0]["read"] + rest[0]["read"])
+    assert len(got) > len(tokens) // 2 and np.array_equal(got, tokens[:len(got)])

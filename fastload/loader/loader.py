@@ -19,11 +19,12 @@ import os
 import weakref
 from typing import Any, Iterator, Mapping, Sequence
 
+from ..mixture import Mixture
 from ..packing import pack_plan
 from ..store import Dataset, DatasetReader
 from ..world import World
 from .epoch import EpochIterator, Progress
-from .options import Options, build_options, make_sampler
+from .options import Options, as_mixture, build_options, make_sampler
 from .parts import Parts
 from .stats import Stats
 
@@ -76,13 +77,17 @@ class Loader:
             tensors in a fastload thread, before the device copy; errors name the samples.
         device_transform: ``fn(batch) -> batch`` on the device, on fastload's copy stream
             (on the CPU: right after ``batch_transform``).
+        mix, epoch_size, stop_on: with a list (or dict) of datasets as ``dataset``: their
+            proportions and how long an epoch is (see :class:`fastload.Mixture`, which may
+            also be passed as ``dataset``). Each batch then has ``batch["source"]``.
 
     Every batch is a dict of tensors (plus ``batch["index"]``, the global sample indices);
     ``len(loader)`` is the number of batches per epoch on this rank. The configuration is
     fixed at construction (``loader.options``).
     """
 
-    def __init__(self, dataset: DatasetReader | str | os.PathLike, *, batch_size: int, shuffle: bool = True,
+    def __init__(self, dataset: DatasetReader | Mixture | Sequence | str | os.PathLike, *, batch_size: int,
+                 shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False, device=None, rank: int | None = None,
                  world_size: int | None = None, fields: Sequence[str] | None = None,
                  transforms: Mapping[str, Any] | None = None, threads: int | None = None,
@@ -90,10 +95,15 @@ class Loader:
                  num_draws: int | None = None, balance: bool | str = False, shuffle_mode: str = "full",
                  window: int | None = None, on_error: str = "raise", log_every: int | None = None,
                  ragged: Any = None, pad_value: Any = None, max_length: Any = None, pad_to_multiple: Any = None,
-                 pack_to: Any = None, batch_transform: Any = None, device_transform: Any = None):
+                 pack_to: Any = None, batch_transform: Any = None, device_transform: Any = None,
+                 mix: Any = None, epoch_size: int | None = None, stop_on: Any = None):
         self._closed = True  # until fully built (__del__ / close() of a half-built Loader)
         self._parts = None
-        ds = dataset if isinstance(dataset, DatasetReader) else Dataset(dataset)
+        self._mixture = as_mixture(dataset, mix=mix, epoch_size=epoch_size, stop_on=stop_on, fields=fields)
+        if self._mixture is not None:
+            ds = self._mixture.reader
+        else:
+            ds = dataset if isinstance(dataset, DatasetReader) else Dataset(dataset)
         self._dataset = ds
         self._world = World.detect(rank, world_size)
         self._options = build_options(ds, batch_size=batch_size, seed=seed, device=device, fields=fields,
@@ -103,7 +113,8 @@ class Loader:
                                       batch_transform=batch_transform, device_transform=device_transform)
         self._sampler = make_sampler(ds, self._world, batch_size=self._options.batch_size, seed=self._options.seed,
                                      shuffle=shuffle, drop_last=drop_last, weights=weights, replacement=replacement,
-                                     num_draws=num_draws, balance=balance, shuffle_mode=shuffle_mode, window=window)
+                                     num_draws=num_draws, balance=balance, shuffle_mode=shuffle_mode, window=window,
+                                     mixture=self._mixture)
         self._stats = Stats()
         self._progress = Progress()
         # Threads, the ring and DALI pipelines live in Parts, which holds no reference to
@@ -114,6 +125,7 @@ class Loader:
 
     # -- the configuration (read-only) ------------------------------------------------------
     dataset = property(lambda self: self._dataset)
+    mixture = property(lambda self: self._mixture)  # the Mixture being read, or None
     sampler = property(lambda self: self._sampler)
     world = property(lambda self: self._world)
     options: Options = property(lambda self: self._options)

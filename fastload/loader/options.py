@@ -161,11 +161,41 @@ def _check_keys(ds, fields: Sequence[str], deliveries: Mapping[str, RaggedDelive
                          f"field(s) {images} out with fields=[...]")
 
 
+def as_mixture(dataset: Any, *, mix: Any, epoch_size: Any, stop_on: Any, fields: Any):
+    """The Mixture a Loader reads: ``dataset`` itself, or one built from a list / dict of
+    datasets with ``mix`` (weights); None for a single dataset."""
+    from ..mixture import Mixture
+
+    given = {k: v for k, v in (("mix", mix), ("epoch_size", epoch_size), ("stop_on", stop_on)) if v is not None}
+    if isinstance(dataset, Mixture):
+        if given:
+            raise ValueError(f"{next(iter(given))}= is set on the Mixture itself, not the Loader")
+        return dataset
+    if isinstance(dataset, (list, tuple, Mapping)):
+        if mix is None:
+            raise ValueError("a list of datasets is a mixture: pass mix=[weights] (and epoch_size= or stop_on=), "
+                             "or a fastload.Mixture")
+        return Mixture(dataset, mix, epoch_size=epoch_size, stop_on=stop_on, fields=fields)
+    if given:
+        raise ValueError(f"{next(iter(given))}= mixes several datasets; pass a list of datasets (or a fastload.Mixture)")
+    return None
+
+
 def make_sampler(ds, world, *, batch_size: int, seed: int, shuffle: bool, drop_last: bool, weights: Any,
                  replacement: bool, num_draws: int | None, balance: bool | str, shuffle_mode: str,
-                 window: int | None) -> Sampler:
+                 window: int | None, mixture: Any = None) -> Sampler:
     """The Sampler of a Loader: ``weights`` may name a scalar field, ``balance=True``
-    balances the label field (or the named one)."""
+    balances the label field (or the named one); a mixture's is a MixtureSampler."""
+    if mixture is not None:
+        from ..mixture import MixtureSampler
+
+        other = {"weights": weights is not None, "num_draws": num_draws is not None, "balance": bool(balance),
+                 "shuffle_mode": shuffle_mode != "full", "window": window is not None}
+        bad = [k for k, v in other.items() if v]
+        if bad:
+            raise ValueError(f"{bad[0]}= does not apply to a mixture (its proportions are the mixture's weights)")
+        return MixtureSampler(mixture, batch_size=batch_size, world_size=world.world_size, rank=world.rank,
+                              seed=seed, shuffle=shuffle, drop_last=drop_last)
     if isinstance(weights, str):
         wf = ds.fields.get(weights)
         if wf is None or wf.kind != "scalar":
