@@ -104,6 +104,9 @@ class Loader:
             ds = self._mixture.reader
         else:
             ds = dataset if isinstance(dataset, DatasetReader) else Dataset(dataset)
+            if getattr(ds, "transform", None) is not None:
+                raise ValueError("Dataset(transform=...) is per-sample code for DataLoader use; the Loader gathers "
+                                 "whole batches: pass batch_transform= (or a DALI graph in transforms=) instead")
         self._dataset = ds
         self._world = World.detect(rank, world_size)
         self._options = build_options(ds, batch_size=batch_size, seed=seed, device=device, fields=fields,

@@ -16,7 +16,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -110,13 +110,19 @@ class DatasetReader:
     (a whole batch, gathered with vectorised numpy), and ``ds.__getitems__`` so a plain
     ``torch.utils.data.DataLoader`` fetches whole batches (through :class:`fastload.Dataset`,
     this class as a ``torch.utils.data.Dataset``). Tensor fields come back as numpy arrays,
-    scalars as numpy scalars, images and bytes as ``bytes``, strings as ``str``. Pickles as
-    its path only (a worker process reopens it), never its data.
+    ragged fields as arrays ``(k, *item)``, scalars as numpy scalars, images and bytes as
+    ``bytes`` (``fastload.vision.decode`` makes a uint8 tensor), strings as ``str``.
+    ``transform(sample) -> anything`` is applied by ``ds[i]`` and ``__getitems__`` (per-sample
+    Python code in DataLoader workers; ``get_batch`` returns the stored values). Pickles as
+    its path and transform (a worker process reopens it), never its data.
     """
 
     _repr_name = "fastload.store.DatasetReader"
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, transform: Callable[[dict], Any] | None = None):
+        if transform is not None and not callable(transform):
+            raise ValueError(f"transform={transform!r} must be a function sample -> sample")
+        self.transform = transform
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         m = self.manifest
@@ -138,10 +144,10 @@ class DatasetReader:
 
     # -- pickling for spawn-started DataLoader workers: the path only, never the data ----
     def __getstate__(self):
-        return {"path": str(self.path)}
+        return {"path": str(self.path), "transform": self.transform}
 
     def __setstate__(self, state):
-        self.__init__(state["path"])
+        self.__init__(state["path"], transform=state.get("transform"))
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}: {f}" for n, f in self.fields.items())
@@ -376,14 +382,16 @@ class DatasetReader:
         if i < -n or i >= n:
             raise IndexError(f"sample index {i} is out of range for {self.path} ({n} samples)")
         b = self.get_batch([i % n])
-        return {k: v[0] for k, v in b.items()}
+        sample = {k: v[0] for k, v in b.items()}
+        return sample if self.transform is None else self.transform(sample)
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict]:
         """Batched fetch for ``torch.utils.data.DataLoader``: one vectorised gather, then
         split into the list of samples that ``collate_fn`` expects."""
         b = self.get_batch(indices)
         n = len(indices)
-        return [{k: v[j] for k, v in b.items()} for j in range(n)]
+        samples = [{k: v[j] for k, v in b.items()} for j in range(n)]
+        return samples if self.transform is None else [self.transform(s) for s in samples]
 
 
 def _ragged_views(col: pa.Array, f: Field, path: Path) -> tuple[np.ndarray, np.ndarray]:
