@@ -68,24 +68,17 @@ def pieces(cum: np.ndarray, begin: int, end: int, length: int) -> tuple[np.ndarr
     every document boundary: ``(stream position of the document, first token within it,
     tokens)``. Positions past ``cum[-1]`` wrap around; empty documents yield no piece."""
     total = int(cum[-1])
-    docs, firsts, counts = [], [], []
-    for row0 in range(begin, end, length):
-        a = row0
-        stop = min(row0 + length, end)
-        while a < stop:  # one row, split where the stream wraps around
-            lo = a % total
-            hi = min(lo + (stop - a), total)
-            i0 = int(np.searchsorted(cum, lo, side="right")) - 1
-            i1 = int(np.searchsorted(cum, hi, side="left"))
-            d = np.arange(i0, i1, dtype=np.int64)
-            s = np.maximum(cum[d], lo)
-            c = np.minimum(cum[d + 1], hi) - s
-            keep = c > 0
-            docs.append(d[keep])
-            firsts.append((s - cum[d])[keep])
-            counts.append(c[keep])
-            a += hi - lo
-    return np.concatenate(docs), np.concatenate(firsts), np.concatenate(counts)
+    cuts = [np.arange(begin, end, length, dtype=np.int64)]  # row starts
+    for k in range(begin // total, (end - 1) // total + 1):  # each pass of the stream the range touches
+        lo, hi = max(begin - k * total, 0), min(end - k * total, total)
+        inner = cum[np.searchsorted(cum, lo, side="right"):np.searchsorted(cum, hi, side="left")]
+        cuts.append(inner + k * total)  # document boundaries inside the range
+        if 0 < k * total < end and k * total > begin:
+            cuts.append(np.array([k * total], dtype=np.int64))  # the wrap-around
+    at = np.union1d(np.concatenate(cuts), [end])  # sorted, unique: empty documents vanish
+    first_tok = at[:-1] % total
+    docs = np.searchsorted(cum, first_tok, side="right") - 1
+    return docs.astype(np.int64), first_tok - cum[docs], np.diff(at)
 
 
 @dataclass(frozen=True)
