@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import shutil
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Measurement, headline, median_seconds, print_table, system_info  # noqa: E402
+from fastload.bench.report import Measurement, headline, median_seconds, print_table, system_info
+from fastload.system import usable_cores
 
 
 def main(argv=None) -> list:
@@ -63,8 +60,7 @@ def main(argv=None) -> list:
         t_dec = median_seconds(read_decode, repeats=a.repeats)
         rows = [Measurement("raw read", a.images, nbytes, t_raw, "limit", "I/O limit, page cache warm"),
                 Measurement("read + PIL decode", a.images, nbytes, t_dec, "other", "what validation must do")]
-        cpus = len(os.sched_getaffinity(0))
-        for w in sorted({0, cpus}):
+        for w in sorted({0, usable_cores()}):
             rows.append(Measurement(f"fastload convert workers={w}", a.images, nbytes,
                                     median_seconds(convert(w), repeats=a.repeats), "ours"))
         for r in rows[2:]:

@@ -23,7 +23,6 @@ memory bandwidth drifts. Batches are consumed as torch tensors, like a training 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -33,11 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
-sys.path.insert(0, os.path.dirname(_HERE))
-
-from _common import Measurement, headline, interleaved_medians, median_seconds, print_table, system_info  # noqa: E402
+from fastload.bench.report import Measurement, headline, interleaved_medians, median_seconds, print_table, system_info
 
 ROWS, SEQ = 8, 2048
 BATCH_TOKENS = ROWS * SEQ
