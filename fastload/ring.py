@@ -37,8 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _C
-from .ringspec import RaggedField, batch_dict, parse_ragged, ragged_descs
-from .ringspec import as_index as _as_index
+from .ringspec import RaggedField, batch_dict, parse_ragged, ragged_descs, ring_sizes, row_args, window_args
 from .ringspec import parse_fields as _parse_fields
 from .ringspec import parse_sources as _parse_sources
 from .system import usable_cores
@@ -49,8 +48,6 @@ __all__ = ["FillSlot", "RaggedField", "Ring", "RingBatch", "default_slots", "def
 logger = logging.getLogger(__name__)
 
 _MIN_PART_BYTES = 256 << 10  # split a batch across producers above this many bytes per part
-_GROWTH_BUDGET = 512 << 20  # default max_slots lets the ring grow by about this many bytes
-_MAX_SLOT_BYTES = 1 << 40  # a slot this large is a mistake (batch_size or shapes), not a plan
 
 
 def default_threads() -> int:
@@ -200,27 +197,14 @@ class Ring:
             index = names.index(index_field)
             if dtypes[index] != _INT64 or shapes[index] != () or srcs[index] is not None:
                 raise ValueError(f"index_field={index_field!r} must be an int64 scalar field without sources")
-        if threads is None:
-            threads = default_threads()
-        if not _is_int(threads) or not 1 <= threads <= 256:
-            raise ValueError(f"threads={threads!r} must be an int in [1, 256]")
-        if slots is None:
-            slots = default_slots(int(threads))
-        if not _is_int(slots) or slots < 1:
-            raise ValueError(f"slots={slots!r} must be an int >= 1")
         row_bytes = sum(dt.itemsize * int(np.prod(s, dtype=np.int64))
                         for dt, s, r in zip(dtypes, shapes, ragged) if r is None)
         descs, ragged_bytes = ragged_descs(ragged, srcs, int(batch_size), dtypes, shapes)
-        slot_bytes = int(batch_size) * row_bytes + ragged_bytes  # Python ints: no overflow
-        if slot_bytes > _MAX_SLOT_BYTES:
-            raise ValueError(f"batch_size={batch_size} rows of {row_bytes} bytes need a {slot_bytes:,}-byte slot; "
-                             "lower batch_size")
-        if max_slots is None:
-            max_slots = int(slots) + max(2, min(64, _GROWTH_BUDGET // max(slot_bytes, 1)))
-        if not _is_int(max_slots) or max_slots < slots:
-            raise ValueError(f"max_slots={max_slots!r} must be an int >= slots={slots}")
-        if not _is_int(min_part_bytes) or min_part_bytes < 1:
-            raise ValueError(f"min_part_bytes={min_part_bytes!r} must be an int > 0")
+        threads = default_threads() if threads is None else threads
+        threads, slots, max_slots, min_part_bytes = ring_sizes(
+            batch_size, row_bytes, ragged_bytes, threads=threads,
+            slots=default_slots(threads) if slots is None and _is_int(threads) else slots,
+            max_slots=max_slots, min_part_bytes=min_part_bytes)
 
         self._names = names
         self._dtypes = dtypes
@@ -282,30 +266,11 @@ class Ring:
         return self._live().slot_memory(int(slot))
 
     # ------------------------------------------------------------------ producer side
-    def _windows(self, start: Any, count: Any, n: int) -> tuple:
-        out = []
-        for name, a in (("start", start), ("count", count)):
-            if a is not None:
-                a = _as_index(a, name)
-                if len(a) != n:
-                    raise ValueError(f"{name} has {len(a)} entries for {n} rows")
-            out.append(a)
-        return tuple(out)
-
     def _rows(self, shard: Any, row: Any, index: Any) -> tuple:
-        s, r = _as_index(shard, "shard"), _as_index(row, "row")
-        if len(s) != len(r):
-            raise ValueError(f"shard and row must have the same length (got {len(s)} and {len(r)})")
-        if self._index_field is None:
-            if index is not None:
-                raise ValueError("index= needs a ring with an index_field")
-            return s, r, None
-        if index is None:
-            raise ValueError(f"this ring's index field {self._index_field!r} needs index= (the global indices)")
-        ix = _as_index(index, "index")
-        if len(ix) != len(s):
-            raise ValueError(f"index has {len(ix)} entries for {len(s)} rows")
-        return s, r, ix
+        return row_args(shard, row, index, self._index_field)
+
+    def _windows(self, start: Any, count: Any, n: int) -> tuple:
+        return window_args(start, count, n)
 
     def submit(self, shard: Any, row: Any, index: Any = None, *, start: Any = None, count: Any = None) -> None:
         """Enqueue one batch: row ``row[i]`` of shard ``shard[i]`` for every field (and

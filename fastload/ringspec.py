@@ -13,7 +13,11 @@ import numpy as np
 
 from .validate import is_int as _is_int
 
-__all__ = ["RaggedField", "as_index", "batch_dict", "parse_fields", "parse_ragged", "parse_sources", "ragged_descs"]
+__all__ = ["RaggedField", "as_index", "batch_dict", "parse_fields", "parse_ragged", "parse_sources", "ragged_descs",
+           "ring_sizes", "row_args", "window_args"]
+
+_GROWTH_BUDGET = 512 << 20  # default max_slots lets the ring grow by about this many bytes
+_MAX_SLOT_BYTES = 1 << 40  # a slot this large is a mistake (batch_size or shapes), not a plan
 
 
 @dataclass(frozen=True)
@@ -228,3 +232,54 @@ def batch_dict(names: list[str], arrays: tuple) -> dict:
         elif a is not None:
             out[n] = a
     return out
+
+
+def ring_sizes(batch_size: int, row_bytes: int, ragged_bytes: int, *, threads: Any, slots: Any, max_slots: Any,
+               min_part_bytes: Any) -> tuple[int, int, int, int]:
+    """Checked ``(threads, slots, max_slots, min_part_bytes)``; ``max_slots`` defaults to
+    ``slots`` plus about 512 MiB of slots (at least 2, at most 64 more)."""
+    if not _is_int(threads) or not 1 <= threads <= 256:
+        raise ValueError(f"threads={threads!r} must be an int in [1, 256]")
+    if not _is_int(slots) or slots < 1:
+        raise ValueError(f"slots={slots!r} must be an int >= 1")
+    slot_bytes = int(batch_size) * row_bytes + ragged_bytes  # Python ints: no overflow
+    if slot_bytes > _MAX_SLOT_BYTES:
+        raise ValueError(f"batch_size={batch_size} rows of {row_bytes} bytes need a {slot_bytes:,}-byte slot; "
+                         "lower batch_size")
+    if max_slots is None:
+        max_slots = int(slots) + max(2, min(64, _GROWTH_BUDGET // max(slot_bytes, 1)))
+    if not _is_int(max_slots) or max_slots < slots:
+        raise ValueError(f"max_slots={max_slots!r} must be an int >= slots={slots}")
+    if not _is_int(min_part_bytes) or min_part_bytes < 1:
+        raise ValueError(f"min_part_bytes={min_part_bytes!r} must be an int > 0")
+    return int(threads), int(slots), int(max_slots), int(min_part_bytes)
+
+
+def row_args(shard: Any, row: Any, index: Any, index_field: str | None) -> tuple:
+    """Checked ``(shard, row, index)`` int64 arrays of one request (``index`` only with an
+    index field)."""
+    s, r = as_index(shard, "shard"), as_index(row, "row")
+    if len(s) != len(r):
+        raise ValueError(f"shard and row must have the same length (got {len(s)} and {len(r)})")
+    if index_field is None:
+        if index is not None:
+            raise ValueError("index= needs a ring with an index_field")
+        return s, r, None
+    if index is None:
+        raise ValueError(f"this ring's index field {index_field!r} needs index= (the global indices)")
+    ix = as_index(index, "index")
+    if len(ix) != len(s):
+        raise ValueError(f"index has {len(ix)} entries for {len(s)} rows")
+    return s, r, ix
+
+
+def window_args(start: Any, count: Any, n: int) -> tuple:
+    """Checked per-row ``(start, count)`` windows of the ragged fields (each may be None)."""
+    out = []
+    for name, a in (("start", start), ("count", count)):
+        if a is not None:
+            a = as_index(a, name)
+            if len(a) != n:
+                raise ValueError(f"{name} has {len(a)} entries for {n} rows")
+        out.append(a)
+    return tuple(out)
