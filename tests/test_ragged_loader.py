@@ -195,3 +195,39 @@ def test_packed_resume_on_real_ranks_at_another_world_size(corpus):
     rest = run_ranks(2, "dist_jobs:packed_epoch", {"path": str(corpus.path), "state": state})
     got = np.array(first[0]["read"] + rest[0]["read"])
     assert len(got) > len(tokens) // 2 and np.array_equal(got, tokens[:len(got)])
+
+
+def test_images_with_ragged_captions_and_a_replaced_undecodable_image(tmp_path):
+    """The image feeder fills the slot; the ring gathers the captions into it (also again for
+    samples that replace an undecodable image), padded per batch."""
+    import io
+
+    from PIL import Image
+
+    from fastload.sample_data import photos
+
+    p = photos(["coffee"])["coffee"]
+    caps = [np.arange(i % 5 + i // 5, dtype=np.int32) + 100 * i for i in range(16)]
+    with ShardWriter(tmp_path / "ds", {"image": "image", "caption": "int32[]"}) as w:
+        for i in range(16):
+            buf = io.BytesIO()
+            Image.fromarray(p[i:i + 80, i:i + 90]).save(buf, format="JPEG")
+            data = buf.getvalue() if i != 6 else b"\xff\xd8\xff" + b"junk" * 40
+            w.write({"image": data, "caption": caps[i]}, image_sizes={"image": (90, 80)})
+    with fastload.Loader(tmp_path / "ds", batch_size=4, shuffle=False, on_error="skip", pad_value=-1,
+                         transforms={"image": fastload.vision.eval(32, resize=36, dtype="uint8")}) as loader:
+        batches = list(loader)
+    idx = np.concatenate([b["index"].numpy() for b in batches])
+    assert 6 not in idx and 7 in idx and len(idx) == 16  # sample 6 replaced by the next one
+    for b in batches:
+        want, lengths = padded_reference_list([caps[i] for i in b["index"].tolist()], -1)
+        assert b["caption"].tolist() == want.tolist() and b["caption_lengths"].tolist() == lengths
+        assert b["image"].shape == (4, 32, 32, 3) or b["image"].shape == (4, 3, 32, 32)
+
+
+def padded_reference_list(items, pad):
+    width = max(len(x) for x in items)
+    out = np.full((len(items), width), pad, np.int32)
+    for k, x in enumerate(items):
+        out[k, :len(x)] = x
+    return out, [len(x) for x in items]
