@@ -161,6 +161,18 @@ def shape_batch(batch: dict, name: str, d: RaggedDelivery, start: np.ndarray | N
         off = offsets.numpy()
         # position of each token within its document: the piece's first token + its place in
         # the piece (numpy: torch.repeat_interleave takes milliseconds here)
-        pos = np.arange(values.shape[0], dtype=np.int64)
-        pos += np.repeat(np.asarray(start, dtype=np.int64) - off[:-1], np.diff(off))
+        pos = np.repeat(np.asarray(start, dtype=np.int64) - off[:-1], off[1:] - off[:-1])
+        pos += _arange(values.shape[0])
         batch[name + "_positions"] = torch.from_numpy(pos).view(rows, d.pack_to)
+
+
+_ARANGE = np.arange(0, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int64), kept between batches (a packed batch always has the same size)."""
+    global _ARANGE
+    if len(_ARANGE) < n:
+        _ARANGE = np.arange(n, dtype=np.int64)
+        _ARANGE.flags.writeable = False
+    return _ARANGE[:n]
