@@ -40,7 +40,7 @@ from . import _C
 from .ringspec import RaggedField, batch_dict, parse_ragged, ragged_descs, ring_sizes, row_args, window_args
 from .ringspec import parse_fields as _parse_fields
 from .ringspec import parse_sources as _parse_sources
-from .system import usable_cores
+from .system import rank_cores
 from .validate import is_int as _is_int
 
 __all__ = ["FillSlot", "RaggedField", "Ring", "RingBatch", "default_slots", "default_threads"]
@@ -51,8 +51,9 @@ _MIN_PART_BYTES = 256 << 10  # split a batch across producers above this many by
 
 
 def default_threads() -> int:
-    """Producer threads used when ``threads=None``: the usable cores, at most 8."""
-    return max(1, min(8, usable_cores()))
+    """Producer threads used when ``threads=None``: this rank's share of the usable cores
+    (:func:`fastload.system.rank_cores`), at most 8."""
+    return max(1, min(8, rank_cores()))
 
 
 def default_slots(threads: int) -> int:

@@ -95,8 +95,6 @@ class HostImageFeeder:
                     idx = self._inbox.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                if idx is not None:
-                    idx = idx.index  # a Request
                 if idx is None:
                     self._inbox.put(None)  # let the other workers see it too
                     return None

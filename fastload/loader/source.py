@@ -81,7 +81,7 @@ class RingFedSource:
         self._requests.extend(batches)  # before the ring can deliver them
         if self._feeder is not None:
             for req in batches:
-                self._feeder.put(req)
+                self._feeder.put(req.index)
         elif batches:
             submit_batches(self._ring, self._dataset, batches)
 
