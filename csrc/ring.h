@@ -92,6 +92,9 @@ struct Request {
   std::int64_t seq = 0;
   bool external = false;
   std::vector<std::int64_t> shard, row, index;  // gather requests only (index: may be empty)
+  std::vector<std::int64_t> start, count;       // per-row item windows of ragged fields (may be empty)
+  std::vector<RaggedPlan> ragged;               // one per ragged field, planned before the copy
+  std::size_t ragged_bytes = 0;                 // bytes the ragged fields copy (to split parts)
   std::int64_t rows = 0;                        // rows in the batch (external: set by commit)
   int slot = -1;
   int parts_left = 0;
@@ -109,6 +112,7 @@ struct Delivery {
   bool copy = false;  // deliver as a copy, then release(slot)
   ErrKind err = ErrKind::None;
   std::string msg;
+  std::vector<RaggedPlan> ragged;  // extents of each ragged field (and memory of its own, if any)
 };
 
 class Ring : public std::enable_shared_from_this<Ring> {
@@ -121,9 +125,12 @@ class Ring : public std::enable_shared_from_this<Ring> {
   Ring& operator=(const Ring&) = delete;
 
   // Enqueue n rows as consecutive batches of `per` rows (the last may be shorter), under one
-  // lock; `index` (n values, or null) fills the index field. Returns the number of batches.
+  // lock; `index` (n values, or null) fills the index field; `start`/`count` (n values, or
+  // null) are each row's item window in the ragged fields. Ragged fields are planned here,
+  // before the lock (see Note [Ragged gather] in gather.h). Returns the number of batches.
   std::int64_t submit_many(const std::int64_t* shard, const std::int64_t* row,
-                           const std::int64_t* index, std::int64_t n, std::int64_t per);
+                           const std::int64_t* index, std::int64_t n, std::int64_t per,
+                           const std::int64_t* start = nullptr, const std::int64_t* count = nullptr);
 
   enum class Status { Got, Timeout, Closed, Empty };
   // Wait up to timeout_ms for the next batch in sequence; on Got, fills `d`. A delivered
@@ -198,6 +205,10 @@ class Ring : public std::enable_shared_from_this<Ring> {
   bool hand_out_locked(Delivery& d);  // true: a slot must be grown
   void grow_slot(Delivery& d);
   std::uint8_t* alloc_slot_memory();  // no lock held
+  // Plan a request's ragged fields (and give a batch too large for its slot region memory of
+  // its own). No lock held. Returns ErrKind::None or the error with `msg` set.
+  ErrKind plan_locked_free(Request& r, const std::int64_t* start, const std::int64_t* count,
+                           std::string& msg) const;
   // The gather kernel on rows begin..end-1 of a request, timed into gather_ns_; the message
   // of an error is prefixed with the batch's sequence number.
   ErrKind gather(const Request& r, const std::int64_t* shard, const std::int64_t* row,

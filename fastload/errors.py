@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = ["BadSamples", "CacheTooSmall", "ChecksumMismatch", "ConvertError", "DecodeError", "DownloadError",
-           "DownloadTimeout", "FastloadError", "FormatError", "RemoteError", "SampleError", "UsageError"]
+           "DownloadTimeout", "FastloadError", "FormatError", "RemoteError", "SampleError", "TransformError",
+           "UsageError"]
 
 
 class FastloadError(Exception):
@@ -32,6 +33,12 @@ class ConvertError(FastloadError):
 
 class DecodeError(FastloadError, RuntimeError):
     """An image could not be decoded (or was refused); names shard, row and source key."""
+
+
+class TransformError(FastloadError, RuntimeError):
+    """A Loader's ``batch_transform`` / ``device_transform`` raised (or returned something
+    that is not a dict of tensors); names the batch's stream position and sample indices,
+    with the transform's own exception as ``__cause__``."""
 
 
 class UsageError(FastloadError, ValueError):

@@ -52,7 +52,7 @@ def _text(ds: DatasetReader) -> str:
              "fields"]
     for name, f in ds.fields.items():
         extra = " (label)" if name == ds.label_field else ""
-        lines.append(f"  {name:<20} {f.kind:<7} {str(f) if f.fixed else ''}{extra}")
+        lines.append(f"  {name:<20} {f.kind:<7} {str(f) if f.fixed or f.ragged else ''}{extra}")
     if ds.class_counts is not None:
         counts = [int(c) for c in ds.class_counts]
         names = ds.class_names or [str(i) for i in range(len(counts))]
