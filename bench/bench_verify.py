@@ -41,7 +41,7 @@ def run_case(path: Path, policy: str, cache: Path, *, batch_size: int, transform
     """Seconds of the first and second epoch of a new Loader, and of a restart's first epoch."""
     import fastload
 
-    os.environ["FASTLOAD_CACHE_DIR"] = str(cache)
+    os.environ["FASTLOAD_CACHE"] = str(cache)
     shutil.rmtree(cache, ignore_errors=True)  # a cold node
     kw = dict(batch_size=batch_size, device="cpu", verify=policy, transforms=transforms)
     with fastload.Loader(path, **kw) as loader:
@@ -100,7 +100,7 @@ def main(argv=None) -> dict:
         a.samples, a.repeats, a.images = 6_000, 1, min(a.images, 64)
     import fastload
 
-    old_cache = os.environ.get("FASTLOAD_CACHE_DIR")
+    old_cache = os.environ.get("FASTLOAD_CACHE")
     tmp = Path(tempfile.mkdtemp(prefix="fastload-bench-verify-"))
     try:
         n = a.samples
@@ -133,9 +133,9 @@ def main(argv=None) -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if old_cache is None:
-            os.environ.pop("FASTLOAD_CACHE_DIR", None)
+            os.environ.pop("FASTLOAD_CACHE", None)
         else:
-            os.environ["FASTLOAD_CACHE_DIR"] = old_cache
+            os.environ["FASTLOAD_CACHE"] = old_cache
 
 
 if __name__ == "__main__":

@@ -65,13 +65,13 @@ def _native_threads() -> dict[str, str] | None:
 def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory):
     """fastload's node-local cache (the verified-shard record) in a temporary directory, not
     the user's ~/.cache (subprocesses the tests start inherit it)."""
-    old = os.environ.get("FASTLOAD_CACHE_DIR")
-    os.environ["FASTLOAD_CACHE_DIR"] = str(tmp_path_factory.mktemp("fastload-cache"))
+    old = os.environ.get("FASTLOAD_CACHE")
+    os.environ["FASTLOAD_CACHE"] = str(tmp_path_factory.mktemp("fastload-cache"))
     yield
     if old is None:
-        os.environ.pop("FASTLOAD_CACHE_DIR", None)
+        os.environ.pop("FASTLOAD_CACHE", None)
     else:
-        os.environ["FASTLOAD_CACHE_DIR"] = old
+        os.environ["FASTLOAD_CACHE"] = old
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,7 +7,7 @@ manifest's checksum, unless told to (``verify="off"``):
     Each shard is hashed (xxh3-128 of the mapped file, in C++ with the GIL released, several
     shards in parallel) the first time a read touches it, before any of its rows is
     delivered. A shard that matches is remembered in a per-node record
-    (``$FASTLOAD_CACHE_DIR/verified``, default ``~/.cache/fastload/verified``) keyed by the
+    (``$FASTLOAD_CACHE/verified``, default ``~/.cache/fastload/verified``) keyed by the
     file's identity (device, inode, size, modification and change times) and the expected
     checksum, so a restarted job, another rank on the same node, or the next epoch does not
     hash it again. Ranks on a node share the work: a shard another process is hashing is
@@ -47,17 +47,14 @@ logger = logging.getLogger("fastload")
 
 VERIFY_POLICIES = ("first-use", "always", "off")
 DEFAULT_VERIFY = "first-use"
-CACHE_ENV = "FASTLOAD_CACHE_DIR"
+CACHE_ENV = "FASTLOAD_CACHE"
 
 
 def cache_root() -> Path:
-    """fastload's node-local cache directory: ``$FASTLOAD_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/fastload``, else ``~/.cache/fastload``."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg) / "fastload" if xdg else Path.home() / ".cache" / "fastload"
+    """fastload's node-local cache directory (shared with the remote shard cache):
+    ``$FASTLOAD_CACHE``, else ``~/.cache/fastload``."""
+    env = os.environ.get(CACHE_ENV, "").strip()
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fastload"
 
 
 def hash_mapped(mapped: Sequence[Any]) -> list[str]:

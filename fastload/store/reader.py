@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -32,7 +32,7 @@ from .integrity import DEFAULT_VERIFY, VERIFY_POLICIES, VerifiedRecord, hash_map
 from .schema import validate_manifest
 from .transaction import STAGING_PREFIX
 
-__all__ = ["DatasetReader", "manifest_fields", "read_manifest"]
+__all__ = ["DatasetReader", "check_manifest", "manifest_fields", "read_manifest"]
 
 
 # A manifest larger than this is not one fastload wrote (a million shards take ~150 MB).
@@ -40,13 +40,8 @@ MAX_MANIFEST_BYTES = 1 << 30
 
 
 def read_manifest(path: Path) -> dict:
-    """The parsed, schema-checked ``manifest.json`` of the dataset at ``path``
-    (:func:`~fastload.store.schema.validate_manifest`: a FormatError names the bad key)."""
-    m, _ = _read_manifest(path)
-    return m
-
-
-def _read_manifest(path: Path) -> tuple[dict, dict[str, Field]]:
+    """The parsed ``manifest.json`` of the dataset at ``path``, checked against the schema
+    (:func:`check_manifest`: a FormatError names the bad key)."""
     mpath = path / MANIFEST
     if not path.exists():
         raise MissingFileError(f"{path} does not exist; create a dataset with `fastload convert`")
@@ -75,12 +70,23 @@ def _read_manifest(path: Path) -> tuple[dict, dict[str, Field]]:
         m = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise FormatError(f"{mpath} is not readable JSON ({str(e)[:200]}); the dataset is damaged") from None
-    return m, validate_manifest(m, mpath)
+    return check_manifest(m, mpath)
+
+
+def check_manifest(m: Any, where: Any) -> dict:
+    """Every key of a manifest, wherever it was read (``where`` names it), against the schema
+    (:func:`fastload.store.schema.validate_manifest`); returns ``m``."""
+    validate_manifest(m, where)
+    return m
 
 
 def manifest_fields(m: dict, path: Path) -> dict[str, Field]:
-    """The fields of a manifest read from the dataset at ``path``, in column order."""
-    return validate_manifest(m, path / MANIFEST)
+    """The fields of a manifest (checked by :func:`check_manifest`) read from the dataset at
+    ``path``, in column order."""
+    try:
+        return {n: Field.from_json(d) for n, d in m["fields"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise FormatError(f"{path / MANIFEST}: bad field description ({e})") from None
 
 
 class _Shard:
@@ -130,8 +136,11 @@ class DatasetReader:
     (a whole batch, gathered with vectorised numpy), and ``ds.__getitems__`` so a plain
     ``torch.utils.data.DataLoader`` fetches whole batches (through :class:`fastload.Dataset`,
     this class as a ``torch.utils.data.Dataset``). Tensor fields come back as numpy arrays,
-    scalars as numpy scalars, images and bytes as ``bytes``, strings as ``str``. Pickles as
-    its path and verification policy only (a worker process reopens it), never its data.
+    ragged fields as arrays ``(k, *item)``, scalars as numpy scalars, images and bytes as
+    ``bytes`` (``fastload.vision.decode`` makes a uint8 tensor), strings as ``str``.
+    ``transform(sample) -> anything`` is applied by ``ds[i]`` and ``__getitems__`` (per-sample
+    Python code in DataLoader workers; ``get_batch`` returns the stored values). Pickles as
+    its path, transform and verification policy (a worker process reopens it), never its data.
 
     ``verify`` ("first-use", the default; "always"; "off"): whether each shard's bytes are
     checked against the manifest's checksum before any of its rows is delivered, and whether
@@ -140,13 +149,43 @@ class DatasetReader:
 
     _repr_name = "fastload.store.DatasetReader"
 
-    def __init__(self, path: str | os.PathLike, *, verify: str = DEFAULT_VERIFY):
+    def __init__(self, path: str | os.PathLike, *, transform: Callable[[dict], Any] | None = None,
+                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
+                 filesystem: Any = None, storage_options: dict | None = None, verify: str = DEFAULT_VERIFY):
         self.verify_policy: str = check_choice("verify", verify, VERIFY_POLICIES)
-        self.path = Path(path)
-        self.manifest, self.fields = _read_manifest(self.path)
+        if transform is not None and not callable(transform):
+            raise ValueError(f"transform={transform!r} must be a function sample -> sample")
+        self.transform = transform
+        # A remote dataset (s3://, gs://, az://, https://): the manifest comes from the URL, the
+        # shards from a node-local cache (fastload.remote); self.path is then the display URL.
+        self.url: str | None = None
+        self.cache = None
+        from ..remote.url import is_remote
+
+        if is_remote(path) or filesystem is not None:
+            from ..remote import open_cache
+
+            self.cache = open_cache(path, cache_dir=cache_dir, cache_limit=cache_limit, filesystem=filesystem,
+                                    storage_options=storage_options)
+            self.url = self.path = self.cache.url
+            try:
+                self.manifest = check_manifest(self.cache.remote.manifest, f"{self.url}/{MANIFEST}")
+            except BaseException:
+                self.cache.close()
+                raise
+            base = self.cache.dir
+            self.cache.on_release(self._release_shard)
+        else:
+            if cache_dir is not None or cache_limit is not None or storage_options is not None:
+                raise ValueError(f"cache_dir / cache_limit / storage_options apply to remote datasets "
+                                 f"(s3://, gs://, az://, https://); {str(path)!r} is a local path")
+            self.path = Path(path)
+            self.manifest = read_manifest(self.path)
+            base = self.path
         m = self.manifest
+        self.fields: dict[str, Field] = manifest_fields(m, Path(str(self.path)))  # (checked with the manifest)
         self.schema = arrow_schema(self.fields)
-        self.shard_files = [self.path / s["file"] for s in m["shards"]]
+        self.shard_files = [base / s["file"] for s in m["shards"]]
         self.shard_sizes = np.array([s["num_samples"] for s in m["shards"]], dtype=np.int64)
         self._starts = np.zeros(len(self.shard_sizes) + 1, dtype=np.int64)
         np.cumsum(self.shard_sizes, out=self._starts[1:])
@@ -160,23 +199,40 @@ class DatasetReader:
         self._verify_lock = threading.Lock()
         self._record = VerifiedRecord() if self.verify_policy == "first-use" else None
         self._verify_counts = {"shards_hashed": 0, "shards_remembered": 0, "bytes_hashed": 0, "hash_s": 0.0}
+        lifecycle.track(self)
         lab = m.get("label")
         self.label_field: str | None = lab["field"] if lab else None
         self.class_names: list[str] | None = lab.get("class_names") if lab else None
         self.class_counts = np.asarray(lab["counts"], dtype=np.int64) if lab else None
-        lifecycle.track(self)
+
+    # -- pickling for spawn-started DataLoader workers: the path only, never the data ----
+    # (a remote dataset: its URL and cache settings; never a filesystem or a secret)
+    def __getstate__(self):
+        if self.cache is not None:
+            return {"path": self.url, "transform": self.transform, "cache_dir": str(self.cache.root),
+                    "cache_limit": self.cache.limit, "verify": self.verify_policy}
+        return {"path": str(self.path), "transform": self.transform, "verify": self.verify_policy}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"], transform=state.get("transform"), cache_dir=state.get("cache_dir"),
+                      cache_limit=state.get("cache_limit"), verify=state.get("verify", DEFAULT_VERIFY))
 
     def _after_fork_in_child(self) -> None:
         # A thread of the parent may have held these at fork time; the mappings stay valid.
         self._lock = threading.Lock()
         self._verify_lock = threading.Lock()
 
-    # -- pickling for spawn-started DataLoader workers: the path only, never the data ----
-    def __getstate__(self):
-        return {"path": str(self.path), "verify": self.verify_policy}
+    def close(self) -> None:
+        """Stop a remote dataset's download threads and release its cache (the shards
+        downloaded stay for the next run). Nothing to do for a local dataset."""
+        if self.cache is not None:
+            self.cache.close()
 
-    def __setstate__(self, state):
-        self.__init__(state["path"], verify=state.get("verify", DEFAULT_VERIFY))
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}: {f}" for n, f in self.fields.items())
@@ -196,9 +252,10 @@ class DatasetReader:
 
     # -- shards --------------------------------------------------------------------------
     def shard(self, i: int) -> _Shard:
-        """Shard ``i`` mapped and structurally checked (not hashed: see :meth:`ensure_verified`)."""
         s = self._shards[i]
         if s is None:
+            if self.cache is not None:
+                return self._remote_shard(i)
             with self._lock:
                 s = self._shards[i]
                 if s is None:
@@ -293,6 +350,30 @@ class DatasetReader:
         return {"policy": self.verify_policy, "shards_verified": int(self._verified.sum()) if
                 self.verify_policy != "off" else 0, "num_shards": self.num_shards, **self._verify_counts}
 
+    def _remote_shard(self, i: int) -> _Shard:
+        """Map shard ``i`` of a remote dataset, fetching it into the cache first (blocking)."""
+        for attempt in range(3):
+            self.cache.ensure(i)  # outside the lock: other shards map meanwhile
+            with self._lock:
+                s = self._shards[i]
+                if s is not None:
+                    return s
+                try:
+                    s = _Shard(self.shard_files[i], self.manifest["shards"][i], self.fields)
+                except (FormatError, MissingFileError):
+                    if self.shard_files[i].exists() or attempt == 2:
+                        raise
+                    continue  # evicted between ensure() and the mapping (another rank): again
+                self._shards[i] = s
+                return s
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _release_shard(self, i: int) -> None:
+        """The cache no longer needs shard ``i`` here: drop this reader's mapping (views
+        handed out keep the memory alive until they go)."""
+        with self._lock:
+            self._shards[i] = None
+
     def _field(self, name: str) -> Field:
         f = self.fields.get(name)
         if f is None:
@@ -305,7 +386,8 @@ class DatasetReader:
         before it delivers any row of the view, as the Loader does per batch)."""
         f = self._field(field)
         if not f.fixed:
-            raise TypeError(f"field {field!r} is a {f.kind} field; use binary_column()")
+            use = "ragged_column()" if f.ragged else "binary_column()"
+            raise TypeError(f"field {field!r} is a {f.kind} field; use {use}")
         if verify:
             self.ensure_verified([shard])
         s = self.shard(shard)
@@ -338,10 +420,43 @@ class DatasetReader:
     def binary_column(self, shard: int, field: str) -> tuple[np.ndarray, np.ndarray]:
         """Zero-copy ``(offsets int32[rows+1], values uint8[...])`` of an image/bytes/string field."""
         f = self._field(field)
-        if f.fixed:
-            raise TypeError(f"field {field!r} is a {f.kind} field; use column()")
+        if f.fixed or f.ragged:
+            raise TypeError(f"field {field!r} is a {f.kind} field; use {'ragged_column' if f.ragged else 'column'}()")
         self.ensure_verified([shard])
         return self._raw_column(shard, field)
+
+    def ragged_column(self, shard: int, field: str, *, verify: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Zero-copy read-only ``(offsets, values)`` of a ragged field in one shard: ``offsets``
+        int64 ``(rows + 1,)`` (sample ``r`` is ``values[offsets[r]:offsets[r + 1]]``; they
+        need not start at 0) and ``values`` of shape ``(items, *item_shape)``."""
+        f = self._field(field)
+        if not f.ragged:
+            raise TypeError(f"field {field!r} is a {f.kind} field, not a ragged one")
+        if verify:
+            self.ensure_verified([shard])
+        s = self.shard(shard)
+        v = s.views.get(field)
+        if v is None:
+            v = _ragged_views(s.batch.column(field), f, self.shard_files[shard])
+            s.views[field] = v
+        return v
+
+    def lengths(self, field: str) -> np.ndarray:
+        """Items per sample of a ragged field, for every sample (int64, cached): read from
+        the shards' offsets, never from the values."""
+        f = self._field(field)
+        if not f.ragged:
+            raise TypeError(f"field {field!r} is a {f.kind} field, not a ragged one")
+        cache = self.__dict__.setdefault("_lengths", {})
+        v = cache.get(field)
+        if v is None:
+            v = np.empty(len(self), dtype=np.int64)
+            for s in range(self.num_shards):
+                offsets, _ = self.ragged_column(s, field)
+                np.subtract(offsets[1:], offsets[:-1], out=v[self._starts[s]:self._starts[s + 1]])
+            v.flags.writeable = False
+            cache[field] = v
+        return v
 
     def _int_column(self, shard: int, name: str) -> np.ndarray:
         s = self.shard(shard)
@@ -389,6 +504,17 @@ class DatasetReader:
                 out[sel] = col[row[sel]]
         return out
 
+    def _gather_ragged(self, name: str, shard: np.ndarray, row: np.ndarray) -> list[np.ndarray]:
+        """One array ``(k, *item_shape)`` per row: copies, so they outlive the memory map."""
+        out: list = [None] * len(row)
+        for s, sel in self._groups(shard):
+            offsets, values = self.ragged_column(s, name)
+            pos = np.arange(len(row))[sel]
+            r = row[sel]
+            for p, a, b in zip(pos.tolist(), offsets[r].tolist(), offsets[r + 1].tolist()):
+                out[p] = values[a:b].copy()
+        return out
+
     def _gather_binary(self, name: str, shard: np.ndarray, row: np.ndarray) -> list:
         out: list = [None] * len(row)
         as_str = self.fields[name].kind == "string" if name in self.fields else True
@@ -403,7 +529,7 @@ class DatasetReader:
     def views(self, field: str, indices: np.ndarray | Sequence[int]) -> list[np.ndarray]:
         """Zero-copy uint8 views of the encoded bytes of an image/bytes field, one per index."""
         f = self._field(field)
-        if f.fixed:
+        if f.fixed or f.ragged:
             raise TypeError(f"field {field!r} is a {f.kind} field; views() is for binary fields")
         shard, row = self.locate(indices)
         out: list = [None] * len(row)
@@ -442,13 +568,15 @@ class DatasetReader:
         return f"sample {index} (shard {self.shard_files[int(shard[0])].name}, row {int(row[0])}, key {key!r})"
 
     def get_batch(self, indices: np.ndarray | Sequence[int], fields: Sequence[str] | None = None) -> dict:
-        """Gather a whole batch: fixed fields as stacked numpy arrays (vectorised), binary
-        fields as lists of ``bytes``, strings as lists of ``str``."""
+        """Gather a whole batch: fixed fields as stacked numpy arrays (vectorised), ragged
+        fields as lists of arrays ``(k, *item_shape)``, binary fields as lists of ``bytes``,
+        strings as lists of ``str``."""
         shard, row = self.locate(indices)
         out: dict[str, Any] = {}
         for name in (fields if fields is not None else self.fields):
             f = self._field(name)
             out[name] = (self._gather_fixed(name, shard, row) if f.fixed
+                         else self._gather_ragged(name, shard, row) if f.ragged
                          else self._gather_binary(name, shard, row))
         return out
 
@@ -460,11 +588,31 @@ class DatasetReader:
         if i < -n or i >= n:
             raise IndexError(f"sample index {i} is out of range for {self.path} ({n} samples)")
         b = self.get_batch([i % n])
-        return {k: v[0] for k, v in b.items()}
+        sample = {k: v[0] for k, v in b.items()}
+        return sample if self.transform is None else self.transform(sample)
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict]:
         """Batched fetch for ``torch.utils.data.DataLoader``: one vectorised gather, then
         split into the list of samples that ``collate_fn`` expects."""
         b = self.get_batch(indices)
         n = len(indices)
-        return [{k: v[j] for k, v in b.items()} for j in range(n)]
+        samples = [{k: v[j] for k, v in b.items()} for j in range(n)]
+        return samples if self.transform is None else [self.transform(s) for s in samples]
+
+
+def _ragged_views(col: pa.Array, f: Field, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Zero-copy (offsets int64, values (items, *item_shape)) of a large_list column."""
+    if not isinstance(col.type, pa.LargeListType):
+        raise FormatError(f"shard {path}: ragged field column has type {col.type}, not large_list")
+    offsets = col.offsets.to_numpy(zero_copy_only=True)  # indices into col.values, slice-aware
+    items = col.values
+    base, per_item = f.storage()
+    if isinstance(items.type, pa.FixedSizeListType):
+        flat = items.values.to_numpy(zero_copy_only=True)[items.offset * per_item:(items.offset + len(items)) * per_item]
+    else:
+        flat = items.to_numpy(zero_copy_only=True)
+    n_items = len(items)
+    values = flat.view(f.np_dtype).reshape((n_items, *f.shape))
+    if len(offsets) and (offsets[0] < 0 or offsets[-1] > n_items):
+        raise FormatError(f"shard {path}: ragged field offsets run past its {n_items} items; the shard is damaged")
+    return offsets, values

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..errors import FormatError
-from .format import CHECKSUM_ALGO, FORMAT_NAME, FORMAT_VERSION, KEY_COLUMN, SHARD_FILE_RE, Field
+from .format import CHECKSUM_ALGO, FORMAT_NAME, KEY_COLUMN, READABLE_VERSIONS, SHARD_FILE_RE, Field, format_version_for
 
 __all__ = ["CHECKSUM_RE", "validate_manifest"]
 
@@ -59,9 +59,10 @@ def validate_manifest(m: Any, where: str | Path) -> dict[str, Field]:
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise FormatError(f"{where} is not a fastload manifest (no \"format\": \"{FORMAT_NAME}\")")
     v = m.get("format_version")
-    if v != FORMAT_VERSION or isinstance(v, bool):
-        raise FormatError(f"{where} has format_version {v!r}; this fastload reads version "
-                          f"{FORMAT_VERSION}. Convert the source again with this version.")
+    if v not in READABLE_VERSIONS or isinstance(v, bool):
+        raise FormatError(f"{where} has format_version {v!r}; this fastload reads versions "
+                          f"{', '.join(map(str, READABLE_VERSIONS))}. Convert the source again with this version"
+                          " (or upgrade fastload, if a newer one wrote it).")
     for k in ("fields", "shards", "num_samples"):
         if k not in m:
             c.fail(k, "is missing")
@@ -78,6 +79,9 @@ def validate_manifest(m: Any, where: str | Path) -> dict[str, Field]:
             fields[name] = Field.from_json(d)
         except (ValueError, TypeError) as e:
             c.fail(f"fields[{name!r}]", f"is not a valid field description ({e})")
+    need = format_version_for(fields)
+    if v < need:
+        c.fail("format_version", f"is {v}, which cannot hold ragged fields (version {need} or later)")
 
     shards = c.typed("shards", m["shards"], list, "a list of shard entries")
     seen: set[str] = set()

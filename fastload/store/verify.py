@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,11 +20,11 @@ import pyarrow as pa
 
 from ..files import printable
 from ..system import usable_cores
-from .format import MANIFEST, SHARD_FILE_RE, schema_mismatch
+from .format import MANIFEST, SHARD_FILE_RE, Field, field_of_arrow, schema_mismatch
 from .integrity import VerifiedRecord
-from .reader import _read_manifest
+from .reader import manifest_fields, read_manifest
 
-__all__ = ["file_checksum", "verify"]
+__all__ = ["check_shard", "file_checksum", "verify"]
 
 _SHARD_FILE = re.compile(SHARD_FILE_RE)
 
@@ -35,9 +36,17 @@ def file_checksum(path: Path) -> str:
     return _C.map_file(os.fspath(path)).hash_xxh3_128()
 
 
-def _check_shard(path: Path, entry: dict, fields: dict, record: VerifiedRecord | None) -> list[str]:
+def check_shard(path: Path, entry: dict, fields: Mapping[str, Field] | pa.Schema, checksum: str | None = None,
+                record: VerifiedRecord | None = None) -> list[str]:
+    """The problems of one shard file ``path`` against its manifest entry ``entry``: missing,
+    not a regular file, size, checksum (``checksum``: already computed, e.g. while
+    downloading), schema (including each field's dtype and shape), Arrow validity, record
+    batches, rows. ``fields``: the manifest's fields (or the Arrow schema they give). A shard
+    that passes is added to ``record``."""
     from .. import _C
 
+    if isinstance(fields, pa.Schema):
+        fields = {f.name: field_of_arrow(f) for f in fields if b"fastload" in (f.metadata or {})}
     name = entry["file"]
     try:
         mm = _C.map_file(os.fspath(path))
@@ -50,7 +59,7 @@ def _check_shard(path: Path, entry: dict, fields: dict, record: VerifiedRecord |
     problems = []
     if mm.size != entry["bytes"]:
         problems.append(f"{name}: size {mm.size} bytes, manifest says {entry['bytes']}")
-    got = mm.hash_xxh3_128()
+    got = checksum or mm.hash_xxh3_128()
     if got != entry["checksum"]:
         problems.append(f"{name}: checksum mismatch (file {got}, manifest {entry['checksum']})")
     try:
@@ -82,15 +91,16 @@ def verify(path: str | os.PathLike, *, remember: bool = True) -> list[str]:
     pass to this node's verified record (so Loaders here need not hash them again).
     """
     path = Path(path)
-    m, fields = _read_manifest(path)
+    m = read_manifest(path)
+    fields = manifest_fields(m, path)
     record = VerifiedRecord() if remember else None
     shards = m["shards"]
     workers = max(1, min(len(shards), usable_cores()))
     if workers == 1:
-        results = [_check_shard(path / s["file"], s, fields, record) for s in shards]
+        results = [check_shard(path / s["file"], s, fields, record=record) for s in shards]
     else:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fastload-verify") as pool:
-            results = list(pool.map(lambda s: _check_shard(path / s["file"], s, fields, record), shards))
+            results = list(pool.map(lambda s: check_shard(path / s["file"], s, fields, record=record), shards))
     problems = [p for r in results for p in r]
     listed = {s["file"] for s in shards}
     for extra in sorted(os.listdir(path)):
