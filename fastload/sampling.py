@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -487,9 +487,13 @@ class Sampler:
                 "world_size": self.world_size, "batch_size": self.batch_size, "drop_last": self.drop_last,
                 **self._identity()}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *,
+                        epoch_end: Callable[[int, int, bool], int] | None = None) -> None:
         """Continue from ``state``; the world size (and batch size, except for class-balanced
-        sampling, whose stream depends on it) may differ from when it was saved."""
+        sampling, whose stream depends on it) may differ from when it was saved. A position
+        beyond the end of its epoch is refused: ``epoch_end(epoch, world_size, drop_last)``
+        gives that end in the caller's unit (default: stream positions; a packing loader
+        counts tokens)."""
         if not isinstance(state, Mapping):
             raise ValueError(f"sampler state must be a dict, got {type(state).__name__}")
         if state.get("version") != SAMPLER_STATE_VERSION:
@@ -509,11 +513,15 @@ class Sampler:
             raise ValueError(f"sampler state has drop_last={saved_drop!r}; not a fastload Sampler state?")
         # The most a run can have consumed: the whole stream, padded to whole steps of the
         # world size it was saved at (a state at the end of an epoch resumes to nothing).
-        end = max(self.stream_len, per_rank_count(self.stream_len, saved_world, saved_drop) * saved_world)
+        if epoch_end is None:
+            end = max(self.stream_len, per_rank_count(self.stream_len, saved_world, saved_drop) * saved_world)
+            unit = f"an epoch of {self.stream_len} stream positions"
+        else:
+            end = int(epoch_end(epoch, saved_world, saved_drop))
+            unit = "its epoch"
         if consumed > end:
-            raise ValueError(f"sampler state has consumed={consumed}, beyond the end of an epoch of {self.stream_len} "
-                             f"stream positions (at most {end} with world_size={saved_world}); the state is damaged "
-                             "or belongs to another dataset")
+            raise ValueError(f"sampler state has consumed={consumed}, beyond the end of {unit} (at most {end} with "
+                             f"world_size={saved_world}); the state is damaged or belongs to another dataset")
         self.epoch = epoch
         self._consumed = consumed
         self._resume_pending = True

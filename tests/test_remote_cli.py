@@ -30,7 +30,7 @@ def test_convert_to_s3_then_inspect_verify_prefetch(endpoint_env, tmp_path, caps
     monkeypatch.setenv("FASTLOAD_CACHE", str(tmp_path / "cache"))
     src = _arrays(tmp_path)
     url = f"s3://{BUCKET}/conv"
-    assert main(["convert", "arrays", str(src), url, "--shard-size", "8kB", "-q"]) == 0
+    assert main(["convert", "arrays", str(src), url, "--shard-size", "8kB", "--force-small-shards", "-q"]) == 0
     assert f"to {url}" in capsys.readouterr().out
     names = endpoint_env.filesystem().get_file_info(__import__("pyarrow.fs").fs.FileSelector(f"{BUCKET}/conv"))
     assert "manifest.json" in {i.base_name for i in names}
@@ -38,7 +38,7 @@ def test_convert_to_s3_then_inspect_verify_prefetch(endpoint_env, tmp_path, caps
     # the same again is refused, --overwrite replaces it
     assert main(["convert", "arrays", str(src), url, "-q"]) == 1
     assert "already holds a fastload dataset" in capsys.readouterr().err
-    assert main(["convert", "arrays", str(src), url, "--shard-size", "16kB", "-q", "--overwrite"]) == 0
+    assert main(["convert", "arrays", str(src), url, "--shard-size", "16kB", "--force-small-shards", "-q", "--overwrite"]) == 0
     capsys.readouterr()
 
     assert main(["inspect", url]) == 0

@@ -128,11 +128,11 @@ class Loader:
         else:
             ds = Dataset(dataset, cache_dir=cache_dir, cache_limit=cache_limit, filesystem=filesystem,
                          verify=DEFAULT_VERIFY if verify is None else verify)
-            if getattr(ds, "transform", None) is not None:
-                if self._owns_dataset:
-                    ds.close()
-                raise ValueError("Dataset(transform=...) is per-sample code for DataLoader use; the Loader gathers "
-                                 "whole batches: pass batch_transform= (or a DALI graph in transforms=) instead")
+        if self._mixture is None and getattr(ds, "transform", None) is not None:
+            if self._owns_dataset:
+                ds.close()
+            raise ValueError("Dataset(transform=...) is per-sample code for DataLoader use; the Loader gathers "
+                             "whole batches: pass batch_transform= (or a DALI graph in transforms=) instead")
         self._dataset = ds
         try:
             self._build(ds, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, device=device,
@@ -272,7 +272,14 @@ class Loader:
                 raise ValueError(f"Loader state mismatch in {key}: saved {state.get(key)!r}, "
                                  f"this loader has {mine[key]!r}")
         self._parts.stop_iter()
-        self._sampler.load_state_dict(state["sampler"])  # validates seed, size, version
+        end = None
+        if self._options.pack is not None:  # the position counts tokens: at most the epoch's, padded
+            name, d = self._options.pack
+
+            def end(epoch: int, world: int, drop_last: bool) -> int:
+                plan = self._pack_plan(epoch, 0, self._sampler.stream(epoch))
+                return int(plan.cum[-1]) + world * self.batch_size * d.pack_to
+        self._sampler.load_state_dict(state["sampler"], epoch_end=end)  # validates seed, size, version, position
         self._progress.position = None
 
     # -- stats and lifetime --------------------------------------------------------------------
