@@ -25,7 +25,8 @@ __all__ = ["Check", "Facts", "add_arguments", "assess", "gather", "main", "run",
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 NO_GPU_NOTE = "no GPU: nothing ran on a device"
-FD_RESERVE = 64  # descriptors beyond the shards: Python, torch, DALI, sockets, logs
+FD_RESERVE = 64  # descriptors a process needs: Python, torch, DALI, sockets, logs
+MAP_RESERVE = 4096  # memory mappings beyond the shards: libraries, allocator arenas, ring slots
 SHM_MIN = 1 << 30  # /dev/shm below this breaks NCCL between local ranks (Docker's default is 64 MB)
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -58,6 +59,7 @@ class Facts:
     dali_missing_libs: list[str] = field(default_factory=list)  # CUDA libraries DALI did not find
     memlock: tuple[int, int] | None = None  # RLIMIT_MEMLOCK (soft, hard); -1 = unlimited
     nofile: tuple[int, int] | None = None  # RLIMIT_NOFILE (soft, hard)
+    max_map_count: int | None = None  # vm.max_map_count: memory mappings a process may hold
     shm: tuple[int, int] | None = None  # /dev/shm (total, free) bytes; None when missing
     cores: int = 1
     local_world_size: int = 1
@@ -173,20 +175,34 @@ def check_memlock(f: Facts) -> Check:
 
 
 def check_nofile(f: Facts) -> Check:
+    """Shards are memory-mapped without keeping a file descriptor (``fastload._C.map_file``),
+    so ``ulimit -n`` does not bound them: each is one memory mapping, and the limit on those
+    is ``vm.max_map_count``."""
     if f.nofile is None:
         return Check(WARN, "open files", "cannot read RLIMIT_NOFILE (ulimit -n)")
     soft, hard = f.nofile
+    base = f"ulimit -n {soft}; shards are memory-mapped without keeping a file descriptor"
+    if 0 <= soft < FD_RESERVE:
+        return Check(WARN, "open files", f"{base}, but {soft} descriptors leave too few for Python, torch, DALI "
+                     f"and sockets; raise it: ulimit -n {FD_RESERVE if hard < 0 else min(hard, 4096)}")
     if f.shards is None:
-        return Check(OK, "open files", f"ulimit -n {soft} (pass a DATASET to compare with its shards)")
-    need = f.shards + FD_RESERVE
-    msg = f"ulimit -n {soft}; the dataset keeps {f.shards} shard(s) open (+{FD_RESERVE} for the process)"
-    if soft < 0 or need <= soft:
-        return Check(OK, "open files", msg)
-    if hard < 0 or need <= hard:
-        return Check(WARN, "open files", f"{msg}: more than the limit allows; raise it up to the hard limit "
-                     f"{'unlimited' if hard < 0 else hard}: ulimit -n {need if hard < 0 else hard}")
-    return Check(WARN, "open files", f"{msg}: more than even the hard limit {hard} allows; ask for a higher "
-                 "limit (limits.conf, docker --ulimit nofile=...) or convert with a larger --shard-size")
+        return Check(OK, "open files", f"{base} (pass a DATASET to compare its shards with vm.max_map_count)")
+    need = f.shards + MAP_RESERVE
+    msg = f"{base}; the dataset's {f.shards} shard(s) are {f.shards} memory mapping(s)"
+    if f.max_map_count is None or need <= f.max_map_count:
+        limit = "" if f.max_map_count is None else f" (vm.max_map_count {f.max_map_count})"
+        return Check(OK, "open files", msg + limit)
+    return Check(WARN, "open files", f"{msg}, more than vm.max_map_count {f.max_map_count} allows with "
+                 f"{MAP_RESERVE} for the process; raise it (sysctl -w vm.max_map_count={need * 2}) or convert "
+                 "with a larger --shard-size")
+
+
+def _max_map_count() -> int | None:
+    try:
+        with open("/proc/sys/vm/max_map_count") as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def check_shm(f: Facts) -> Check:
@@ -404,6 +420,7 @@ def gather(device: str = "cuda", dataset: str | None = None, batch_size: int = 2
     except Exception as e:  # ImportError, or a broken install
         f.dali_error = _first_line(e)
     f.memlock, f.nofile, f.shm = _rlimit("RLIMIT_MEMLOCK"), _rlimit("RLIMIT_NOFILE"), _shm()
+    f.max_map_count = _max_map_count()
     f.cores, f.local_world_size = usable_cores(), local_world_size()
     f.local_world_size_set = bool(os.environ.get("LOCAL_WORLD_SIZE", "").strip())
     lr = os.environ.get("LOCAL_RANK", "").strip()
