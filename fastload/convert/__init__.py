@@ -29,7 +29,8 @@ def make_source(kind: str, src: str | os.PathLike, *, label: str | None = None,
 def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
             shard_size: int | str = "256MB", on_error: str = "raise", overwrite: bool = False,
             label: str | None = None, image_columns: Sequence[str] = (), max_pixels: int | None = None,
-            progress: bool = True) -> dict:
+            progress: bool = True, engine: str = "local", ray_address: str | None = None,
+            resume: bool = False) -> dict:
     """Convert a source into a fastload dataset at ``dst``; return a summary dict.
 
     kind: "imagefolder" (SRC/<class>/<images>), "arrays" (.npz / .npy / folder of .npy),
@@ -38,15 +39,43 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
     failed overwrite leaves the old one untouched); on failure nothing that opens is left
     behind. Samples the writer refuses (wrong shape, a value out of the field's range) are
     errors naming the sample, or skipped and reported with ``on_error="skip"``.
+
+    engine: "local" (this process writes, ``workers`` processes validate), "ray" (one Ray
+    task per group of about one shard; ``ray_address`` "auto" or HOST:PORT joins a cluster,
+    else a private local Ray with ``workers`` CPUs) or "torch" (the ranks of ``torchrun``
+    share the groups, rank 0 commits). ``workers`` is the number of tasks converting at once
+    (per rank with "torch"). With "ray" and "torch" the samples, keys, labels and image sizes
+    are those of "local"; only the cut into shards may differ. ``resume`` (ray, torch)
+    finishes an interrupted conversion of the same source into ``dst``, reusing its
+    finished parts.
     """
+    from .engines import ENGINES
+
     if kind not in KINDS:
         raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(KINDS)}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} must be one of {', '.join(ENGINES)}")
+    if ray_address is not None and engine != "ray":
+        raise ValueError("ray_address (--ray-address) is for engine='ray' (--engine ray)")
+    if resume and engine == "local":
+        raise ValueError("resume (--resume) needs engine='ray' or 'torch': the local engine writes one dataset "
+                         "in one process and leaves nothing to resume after a failure")
     if not os.path.exists(src):
         raise ConvertError(f"{src}: no such file or directory")
     s_abs, d_abs = os.path.realpath(src), os.path.realpath(dst)
     if os.path.isdir(s_abs) and (d_abs == s_abs or d_abs.startswith(s_abs.rstrip(os.sep) + os.sep)):
         raise ConvertError(f"{dst} is inside the source {src}; choose a destination outside it "
                            "(the dataset would become part of its own source)")
+    if engine != "local":
+        from ..store.writer import parse_size
+        from .common import ON_ERROR
+        from .engines import run_engine
+
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
+        return run_engine(engine, kind, src, dst, workers=workers, shard_size=parse_size(shard_size),
+                          on_error=on_error, overwrite=overwrite, resume=resume, progress=progress,
+                          ray_address=ray_address, label=label, image_columns=image_columns, max_pixels=max_pixels)
     source = make_source(kind, src, label=label, image_columns=image_columns, max_pixels=max_pixels)
     try:
         return run_convert(source, dst, workers=workers, shard_size=shard_size, on_error=on_error,
