@@ -15,9 +15,6 @@ records ``part.json`` there and renames the attempt to ``g-NNNNNNNN/``. So:
 A task returns a small dict (counts, timings, its process id and peak memory), never
 sample data. A sample error under ``on_error="raise"`` comes back as ``{"error": ...}``
 naming the sample's key, not as an exception, so an engine does not retry it.
-
-Run as ``python -m fastload.convert.task DST GROUP ON_ERROR``: one task in a fresh process
-(the torch engine's workers); prints the result as one JSON line.
 """
 from __future__ import annotations
 
@@ -205,14 +202,3 @@ def run_group(dst: str | os.PathLike, g: int, on_error: str = "raise") -> dict:
     _store.fsync_dir(plan.parts)
     return _result(rec, t0, reused=False)
 
-
-def main(argv: list[str] | None = None) -> int:
-    dst, g, on_error = (argv if argv is not None else sys.argv[1:])[:3]
-    res = run_group(dst, int(g), on_error)
-    sys.stdout.write(json.dumps(res) + "\n")
-    sys.stdout.flush()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

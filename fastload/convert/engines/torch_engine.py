@@ -1,0 +1,217 @@
+"""``--engine torch``: the ranks of ``torchrun`` share the groups; rank 0 plans and commits.
+
+    torchrun --nnodes N --nproc-per-node K -m fastload convert KIND SRC DST --engine torch
+
+Every rank runs the same command. Rank 0 writes the plan; rank r converts groups r, r+W,
+r+2W, ... (W ranks); rank 0 commits once every rank is done. DST must be a path all nodes
+see (a shared filesystem). The ranks meet three times over ``torch.distributed`` (gloo;
+the process group is created here unless the script made one): after the plan, after
+their groups, after the commit. A failing rank writes ``stop.json`` into the parts
+directory, so that the others stop early instead of converting groups in vain.
+
+Each task runs in a fresh ``python -m fastload.convert.worker`` process (``workers`` of
+them at once per rank, default 1): the converting processes import neither torch nor
+DALI, and a task whose process dies is retried (up to 3 times) by its rank. Without
+``torchrun`` (no WORLD_SIZE) this is a single rank and torch is not imported at all.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from ...system import usable_cores  # noqa: F401  (the default stays 1 task per rank: ranks are the workers)
+from .. import _store
+from ..common import ConvertError
+from ..plan import load_plan, make_plan
+from . import drive, summary
+
+MAX_RETRIES = 3
+STOP = "stop.json"
+# Our own process group waits long at its meeting points: the ranks' shares of a large
+# conversion may finish hours apart.
+PG_TIMEOUT = timedelta(days=7)
+
+
+class SubprocessExecutor:
+    """Tasks as ``python -m fastload.convert.worker`` processes, ``slots`` at once, retried
+    when the process dies without a result."""
+
+    def __init__(self, dst: str, on_error: str, slots: int):
+        self.dst, self.on_error, self.slots = dst, on_error, slots
+        self._procs: dict[int, tuple[subprocess.Popen, object, int]] = {}  # handle -> (proc, stderr file, tries)
+        self._next = 0
+        self._group: dict[int, int] = {}
+
+    def _start(self, handle: int, group: int, tries: int) -> None:
+        err = tempfile.TemporaryFile(mode="w+b")
+        p = subprocess.Popen([sys.executable, "-m", "fastload.convert.worker", self.dst, str(group), self.on_error],
+                             stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+        self._procs[handle] = (p, err, tries)
+
+    def submit(self, group: int) -> int:
+        h = self._next
+        self._next += 1
+        self._group[h] = group
+        self._start(h, group, 0)
+        return h
+
+    def wait(self, handles: list, timeout: float) -> list:
+        deadline = time.monotonic() + timeout
+        while True:
+            out = []
+            for h in handles:
+                p, err, tries = self._procs[h]
+                if p.poll() is None:
+                    continue
+                stdout = p.stdout.read().decode(errors="replace")
+                p.stdout.close()
+                err.seek(0)
+                stderr = err.read().decode(errors="replace")
+                err.close()
+                del self._procs[h]
+                line = stdout.strip().splitlines()[-1] if stdout.strip() else ""
+                if p.returncode == 0 and line.startswith("{"):
+                    out.append((h, json.loads(line)))
+                elif tries < MAX_RETRIES and p.returncode != 1:  # died (killed, os._exit): again
+                    self._start(h, self._group[h], tries + 1)
+                else:
+                    tail = stderr.strip().splitlines()[-1:] or [f"exit status {p.returncode}"]
+                    out.append((h, RuntimeError(f"the task process failed ({p.returncode}"
+                                                f"{f', after {tries} retries' if tries else ''}): {tail[0]}")))
+            if out or time.monotonic() >= deadline:
+                return out
+            time.sleep(0.02)
+
+    def cancel(self, handles) -> None:
+        for h in handles:
+            entry = self._procs.pop(h, None)
+            if entry is None:
+                continue
+            p, err, _ = entry
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+            err.close()
+
+
+class _Ranks:
+    """The meeting points of the ranks (torch.distributed), or a single rank without it."""
+
+    def __init__(self):
+        self.world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        self.rank = int(os.environ.get("RANK", "0") or 0)
+        self.dist = None
+        self._own = False
+        if "torch" in sys.modules or self.world > 1:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                self.dist, self.world, self.rank = dist, dist.get_world_size(), dist.get_rank()
+            elif self.world > 1:
+                dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+                self.dist, self._own = dist, True
+                self.world, self.rank = dist.get_world_size(), dist.get_rank()
+
+    def _reduce(self, flag: bool, op: str) -> bool:
+        if self.dist is None or self.world == 1:
+            return flag
+        import torch
+
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        if op == "broadcast":
+            self.dist.broadcast(t, src=0)
+        else:
+            self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def from_rank0(self, flag: bool) -> bool:
+        return self._reduce(flag, "broadcast")
+
+    def any(self, flag: bool) -> bool:
+        return self._reduce(flag, "max")
+
+    def close(self) -> None:
+        if self._own:
+            self.dist.destroy_process_group()
+
+
+def _stop_message(path: Path, rank: int) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+    return None if d.get("rank") == rank else f"stopped because rank {d.get('rank')} failed: {d.get('error')}"
+
+
+def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, resume, label, image_columns,
+        max_pixels) -> dict:
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers={workers} must be >= 1 with --engine torch")
+    slots = workers or 1
+    t0 = time.perf_counter()
+    ranks = _Ranks()
+    try:
+        # 1. rank 0 plans; the others wait for it, then read the plan from DST.
+        plan, err = None, None
+        if ranks.rank == 0:
+            try:
+                plan = make_plan(kind, src, dst, shard_size=shard_size, overwrite=overwrite, resume=resume,
+                                 label=label, image_columns=image_columns, max_pixels=max_pixels)
+                (plan.parts / STOP).unlink(missing_ok=True)
+            except BaseException as e:
+                err = e
+        if not ranks.from_rank0(err is None):
+            if err is not None:
+                raise err
+            raise ConvertError("rank 0 could not plan the conversion (its error says why)")
+        plan = plan or load_plan(dst)
+        # 2. every rank converts its share of the groups.
+        stop_file = plan.parts / STOP
+        mine = range(ranks.rank, plan.num_groups, ranks.world)
+        desc = f"convert {kind} (torch rank 0 of {ranks.world})" if ranks.world > 1 else f"convert {kind} (torch)"
+        failed, results = None, {}
+        try:
+            results = drive(plan, SubprocessExecutor(plan.dst, on_error, slots), mine,
+                            progress=progress and ranks.rank == 0, desc=desc,
+                            stop=lambda: _stop_message(stop_file, ranks.rank))
+        except ConvertError as e:
+            failed = e
+            if not stop_file.exists():
+                _store.write_json(stop_file, {"rank": ranks.rank, "error": str(e).splitlines()[0]})
+        if ranks.any(failed is not None):
+            if failed is not None:
+                raise failed
+            raise ConvertError(_stop_message(stop_file, ranks.rank) or "another rank failed (its error says why)")
+        # 3. rank 0 commits.
+        res, err = None, None
+        if ranks.rank == 0:
+            try:
+                from ..commit import commit
+
+                res = commit(plan, on_error)
+            except BaseException as e:
+                err = e
+        if not ranks.from_rank0(err is None):
+            if err is not None:
+                raise err
+            raise ConvertError("rank 0 could not commit the conversion (its error says why)")
+        if res is None:  # the other ranks report what rank 0 wrote
+            with open(Path(plan.dst) / _store.MANIFEST, encoding="utf-8") as f:
+                m = json.load(f)
+            res = {"dst": plan.dst, "num_samples": m["num_samples"], "num_shards": len(m["shards"]),
+                   "bytes": m["total_bytes"], "skipped": None, "report": None, "num_groups": plan.num_groups}
+        res.update(rank=ranks.rank, world_size=ranks.world)
+        return summary(res, t0, results, "torch", slots)
+    finally:
+        ranks.close()
