@@ -78,7 +78,7 @@ class SubprocessExecutor:
                 line = stdout.strip().splitlines()[-1] if stdout.strip() else ""
                 if p.returncode == 0 and line.startswith("{"):
                     out.append((h, json.loads(line)))
-                elif tries < MAX_RETRIES and p.returncode != 1:  # died (killed, os._exit): again
+                elif tries < MAX_RETRIES:  # the process died without a result (killed, os._exit): again
                     self._start(h, self._group[h], tries + 1)
                 else:
                     tail = stderr.strip().splitlines()[-1:] or [f"exit status {p.returncode}"]
