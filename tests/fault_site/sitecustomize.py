@@ -5,7 +5,7 @@ process started with that environment (the CLI driver, Ray workers, torch task p
 the first attempt of the task for group GROUP kills its own process with ``os._exit(1)``,
 as a crashed or OOM-killed worker would; ``DIR/died-GROUP`` records it (the pid). Every
 later attempt runs normally. ``FASTLOAD_TEST_HEAVY=DIR``: each task writes the heavy modules
-(torch, DALI) its process has imported to ``DIR/modules-<pid>`` and fails if there are any.
+(torch, DALI) its process has imported to ``DIR/modules-<pid>`` (the test asserts there are none).
 """
 import os
 import sys
@@ -13,7 +13,9 @@ import sys
 _fault = os.environ.get("FASTLOAD_TEST_FAULT")
 _heavy = os.environ.get("FASTLOAD_TEST_HEAVY")
 if _fault or _heavy:
-    import fastload.convert.task as _task
+    import importlib
+
+    _task = importlib.import_module("fastload.convert.task")  # (fastload.convert is also a function)
 
     _orig = _task.run_group
 
@@ -22,7 +24,6 @@ if _fault or _heavy:
             loaded = [m for m in ("torch", "nvidia.dali") if m in sys.modules]
             with open(os.path.join(_heavy, f"modules-{os.getpid()}"), "w") as f:
                 f.write(" ".join(loaded))
-            assert not loaded, f"a conversion task imported {loaded}"
         if _fault:
             group, marker_dir = _fault.split(":", 1)
             if int(g) == int(group):
