@@ -9,15 +9,16 @@ the process group is created here unless the script made one): after the plan, a
 their groups, after the commit. A failing rank writes ``stop.json`` into the parts
 directory, so that the others stop early instead of converting groups in vain.
 
-Each task runs in a fresh ``python -m fastload.convert.worker`` process (``workers`` of
-them at once per rank, default 1): the converting processes import neither torch nor
-DALI, and a task whose process dies is retried (up to 3 times) by its rank. Without
+Each rank runs its tasks in ``python -m fastload.convert.worker`` processes (``workers`` of
+them per rank, default 1, started once): the converting processes import neither torch
+nor DALI, and a task whose process dies is retried (up to 3 times) in a new one. Without
 ``torchrun`` (no WORLD_SIZE) this is a single rank and torch is not imported at all.
 """
 from __future__ import annotations
 
 import json
 import os
+import selectors
 import subprocess
 import sys
 import tempfile
@@ -38,70 +39,117 @@ STOP = "stop.json"
 PG_TIMEOUT = timedelta(days=7)
 
 
+class _Worker:
+    """One ``python -m fastload.convert.worker`` process and the group it is converting."""
+
+    def __init__(self, dst: str, on_error: str):
+        self.err = tempfile.TemporaryFile(mode="w+b")
+        self.proc = subprocess.Popen([sys.executable, "-m", "fastload.convert.worker", dst, on_error],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err)
+        self.handle: int | None = None
+        self._buf = b""
+
+    def give(self, handle: int, group: int) -> None:
+        self.handle = handle
+        self.proc.stdin.write(f"{group}\n".encode())
+        self.proc.stdin.flush()
+
+    def read_line(self) -> bytes | None:
+        """A complete result line if one is there (call when the pipe is readable); b"" at EOF."""
+        chunk = os.read(self.proc.stdout.fileno(), 65536)
+        if not chunk:
+            return b""
+        self._buf += chunk
+        if b"\n" not in self._buf:
+            return None
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
+
+    def stderr_tail(self) -> str:
+        self.err.seek(0)
+        lines = self.err.read().decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else ""
+
+    def stop(self, kill: bool = False) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        if kill:
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10 if kill else 60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self.err.close()
+
+
 class SubprocessExecutor:
-    """Tasks as ``python -m fastload.convert.worker`` processes, ``slots`` at once, retried
-    when the process dies without a result."""
+    """Tasks in ``slots`` long-lived worker processes (fastload.convert.worker); a task whose
+    process dies without a result is retried in a new process, up to MAX_RETRIES times."""
 
     def __init__(self, dst: str, on_error: str, slots: int):
         self.dst, self.on_error, self.slots = dst, on_error, slots
-        self._procs: dict[int, tuple[subprocess.Popen, object, int]] = {}  # handle -> (proc, stderr file, tries)
-        self._next = 0
+        self._idle: list[_Worker] = []
+        self._busy: dict[int, _Worker] = {}  # handle -> worker
         self._group: dict[int, int] = {}
+        self._tries: dict[int, int] = {}
+        self._next = 0
+        self._sel = selectors.DefaultSelector()
 
-    def _start(self, handle: int, group: int, tries: int) -> None:
-        err = tempfile.TemporaryFile(mode="w+b")
-        p = subprocess.Popen([sys.executable, "-m", "fastload.convert.worker", self.dst, str(group), self.on_error],
-                             stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
-        self._procs[handle] = (p, err, tries)
+    def _run(self, handle: int) -> None:
+        w = self._idle.pop() if self._idle else _Worker(self.dst, self.on_error)
+        w.give(handle, self._group[handle])
+        self._busy[handle] = w
+        self._sel.register(w.proc.stdout, selectors.EVENT_READ, w)
 
     def submit(self, group: int) -> int:
         h = self._next
         self._next += 1
-        self._group[h] = group
-        self._start(h, group, 0)
+        self._group[h], self._tries[h] = group, 0
+        self._run(h)
         return h
 
     def wait(self, handles: list, timeout: float) -> list:
-        deadline = time.monotonic() + timeout
-        while True:
-            out = []
-            for h in handles:
-                p, err, tries = self._procs[h]
-                if p.poll() is None:
-                    continue
-                stdout = p.stdout.read().decode(errors="replace")
-                p.stdout.close()
-                err.seek(0)
-                stderr = err.read().decode(errors="replace")
-                err.close()
-                del self._procs[h]
-                line = stdout.strip().splitlines()[-1] if stdout.strip() else ""
-                if p.returncode == 0 and line.startswith("{"):
-                    out.append((h, json.loads(line)))
-                elif tries < MAX_RETRIES:  # the process died without a result (killed, os._exit): again
-                    self._start(h, self._group[h], tries + 1)
-                else:
-                    tail = stderr.strip().splitlines()[-1:] or [f"exit status {p.returncode}"]
-                    out.append((h, RuntimeError(f"the task process failed ({p.returncode}"
-                                                f"{f', after {tries} retries' if tries else ''}): {tail[0]}")))
-            if out or time.monotonic() >= deadline:
-                return out
-            time.sleep(0.02)
+        out = []
+        for key, _ in self._sel.select(timeout):
+            w: _Worker = key.data
+            line = w.read_line()
+            if line is None:
+                continue
+            h = w.handle
+            self._sel.unregister(w.proc.stdout)
+            del self._busy[h]
+            if line:
+                w.handle = None
+                self._idle.append(w)
+                out.append((h, json.loads(line)))
+                continue
+            tail = w.stderr_tail()  # EOF: the process died without a result
+            w.stop(kill=True)
+            if self._tries[h] < MAX_RETRIES:
+                self._tries[h] += 1
+                self._run(h)
+            else:
+                out.append((h, RuntimeError(f"the task's process died {self._tries[h] + 1} times "
+                                            f"(exit {w.proc.returncode}): {tail}")))
+        return out
 
     def cancel(self, handles) -> None:
         for h in handles:
-            entry = self._procs.pop(h, None)
-            if entry is None:
-                continue
-            p, err, _ = entry
-            p.terminate()
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            p.stdout.close()
-            err.close()
+            w = self._busy.pop(h, None)
+            if w is not None:
+                self._sel.unregister(w.proc.stdout)
+                w.stop(kill=True)
+
+    def close(self) -> None:
+        self.cancel(list(self._busy))
+        for w in self._idle:
+            w.stop()
+        self._idle.clear()
+        self._sel.close()
 
 
 class _Ranks:
@@ -181,14 +229,16 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
         mine = range(ranks.rank, plan.num_groups, ranks.world)
         desc = f"convert {kind} (torch rank 0 of {ranks.world})" if ranks.world > 1 else f"convert {kind} (torch)"
         failed, results = None, {}
+        ex = SubprocessExecutor(plan.dst, on_error, slots)
         try:
-            results = drive(plan, SubprocessExecutor(plan.dst, on_error, slots), mine,
-                            progress=progress and ranks.rank == 0, desc=desc,
+            results = drive(plan, ex, mine, progress=progress and ranks.rank == 0, desc=desc,
                             stop=lambda: _stop_message(stop_file, ranks.rank))
         except ConvertError as e:
             failed = e
             if not stop_file.exists():
                 _store.write_json(stop_file, {"rank": ranks.rank, "error": str(e).splitlines()[0]})
+        finally:
+            ex.close()
         if ranks.any(failed is not None):
             if failed is not None:
                 raise failed
