@@ -1,20 +1,21 @@
 // fastload ring buffer: a fixed set of aligned host slots, a pool of C++ producer threads
 // that gather rows into them, and an in-order hand-off to one consumer.
 //
-// This header is pure C++ (no Python, no torch). The Python binding lives in module.cpp;
-// the torch/CUDA face lives in fastload/ring.py.
+// This header is pure C++ (no Python, no torch). The gather kernel lives in gather.h, the
+// Python binding in module.cpp (which exposes this class as fastload._C.Ring), and the
+// Python face in fastload/ring.py (fastload.ring.Ring). One concept, one name: Ring.
 //
 // Note [Ring design]
 // ~~~~~~~~~~~~~~~~~~
 // Requests. Every batch is a *request* with a sequence number, created either by
-// submit(shard, row) (the producers gather rows of every sourced field into a slot) or by
-// begin_external() ("external fill": the caller writes the slot itself, e.g. DALI output, then
-// commit()s). Requests are handed to the consumer strictly in sequence order, whatever order
-// the producers finish them in.
+// submit(shard, row, index) (the producers gather rows of every sourced field into a slot)
+// or by begin_external() ("external fill": the caller writes the slot itself, e.g. DALI
+// output, then commit()s). Requests are handed to the consumer strictly in sequence order,
+// whatever order the producers finish them in.
 //
 // Slots. A slot is one block of host memory (4096-byte aligned, size rounded up to whole
 // pages so it can be cudaHostRegister'ed), holding batch_size rows of every field; field f
-// starts at offsets_[f] (256-byte aligned). A slot moves through
+// starts at layout().offsets[f] (256-byte aligned). A slot moves through
 //
 //     FREE --assign--> FILLING --gather done / commit()--> READY --take()--> IN_USE --> FREE
 //
@@ -46,18 +47,21 @@
 // A consumer whose next batch is not ready runs queued (unstarted) parts itself instead of
 // sleeping, oldest first: small batches then need no thread wake-up at all, and an
 // input-bound loop gains a core. Batches under 32 KiB do not wake sleeping producers at all
-// (a wake-up costs more than the copy); an awake producer or the consumer does them. Producer threads
-// never touch Python and never own a reference to the Engine; the Engine is destroyed by
-// whoever drops the last shared_ptr (always a Python object's destructor, GIL held), and its
-// destructor joins the producers (they need no GIL, so this cannot deadlock).
+// (a wake-up costs more than the copy); an awake producer or the consumer does them.
+// Producer threads never touch Python and never own a reference to the Ring; the Ring is
+// destroyed by whoever drops the last shared_ptr (always a Python object's destructor, GIL
+// held), and its destructor joins the producers (they need no GIL, so this cannot deadlock).
 //
-// Errors. A bad shard/row in a request is detected by the producer that gathers it and stored
-// in the request (kind + message); take() delivers it to the consumer for that very batch.
+// Errors. Arguments are validated once, in Python (fastload/ring.py); this class only
+// asserts its invariants (std::invalid_argument / std::logic_error). A bad shard/row in a
+// request is detected by the gather kernel and stored in the request (kind + message);
+// take() delivers it to the consumer for that very batch. An external fill that failed is
+// published as ErrKind::External: the Python layer raises the fill's own exception then.
 // Later batches are unaffected.
 //
 // Shutdown. close() sets stop_, drops queued jobs, wakes everyone, joins the producers and
 // waits for in-flight synchronous gathers (gather_external). Afterwards submit/take/commit
-// report "closed"; leases still release their slots (the memory lives until the Engine dies).
+// report "closed"; leases still release their slots (the memory lives until the Ring dies).
 #pragma once
 
 #include <atomic>
@@ -71,25 +75,19 @@
 #include <thread>
 #include <vector>
 
+#include "gather.h"
+
 namespace fastload {
-
-enum class ErrKind : int { None = 0, Index = 1, Value = 2, Runtime = 3 };
-
-// One shard of one field: `rows` rows of `row_bytes` bytes each, C-contiguous.
-struct Source {
-  const std::uint8_t* ptr = nullptr;
-  std::int64_t rows = 0;
-};
 
 struct Request {
   std::int64_t seq = 0;
   bool external = false;
-  std::vector<std::int64_t> shard, row;  // gather requests only
-  std::int64_t rows = 0;                 // rows in the batch (external: set by commit)
+  std::vector<std::int64_t> shard, row, index;  // gather requests only (index: may be empty)
+  std::int64_t rows = 0;                        // rows in the batch (external: set by commit)
   int slot = -1;
   int parts_left = 0;
   enum class State { Waiting, Filling, Ready } state = State::Waiting;
-  bool committed = false;                // external: commit() or fail() happened
+  bool committed = false;                       // external: commit() or fail() happened
   ErrKind err = ErrKind::None;
   std::string msg;
 };
@@ -104,25 +102,19 @@ struct Delivery {
   std::string msg;
 };
 
-class Engine : public std::enable_shared_from_this<Engine> {
+class Ring : public std::enable_shared_from_this<Ring> {
  public:
-  // row_bytes[f]: bytes of one row of field f. sources[f]: one Source per shard, or empty for
-  // a field that is only ever filled externally. All sourced fields must agree on shard
-  // count and rows per shard. Throws std::invalid_argument on bad arguments.
-  Engine(std::vector<std::size_t> row_bytes, std::int64_t batch_size,
-         std::vector<std::vector<Source>> sources, int threads, int slots, int max_slots,
-         std::size_t min_part_bytes);
-  ~Engine();
-  Engine(const Engine&) = delete;
-  Engine& operator=(const Engine&) = delete;
+  // `layout` gives row sizes, sources and the index field (offsets are computed here).
+  Ring(Layout layout, std::int64_t batch_size, int threads, int slots, int max_slots,
+       std::size_t min_part_bytes);
+  ~Ring();
+  Ring(const Ring&) = delete;
+  Ring& operator=(const Ring&) = delete;
 
-  // Enqueue a gather request (takes ownership of the index vectors). Returns its sequence
-  // number. Throws std::invalid_argument (bad sizes) or std::logic_error (closed).
-  std::int64_t submit(std::vector<std::int64_t> shard, std::vector<std::int64_t> row);
   // Enqueue n rows as consecutive batches of `per` rows (the last may be shorter), under one
-  // lock. Returns the number of batches.
-  std::int64_t submit_many(const std::int64_t* shard, const std::int64_t* row, std::int64_t n,
-                           std::int64_t per);
+  // lock; `index` (n values, or null) fills the index field. Returns the number of batches.
+  std::int64_t submit_many(const std::int64_t* shard, const std::int64_t* row,
+                           const std::int64_t* index, std::int64_t n, std::int64_t per);
 
   enum class Status { Got, Timeout, Closed, Empty };
   // Wait up to timeout_ms for the next batch in sequence; on Got, fills `d`. A delivered
@@ -135,12 +127,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // then carries one holder for the fill handle, given back with release()).
   std::shared_ptr<Request> begin_external();
   Status wait_slot(const std::shared_ptr<Request>& r, int timeout_ms);
-  // Synchronously gather the sourced fields into the request's slot in the calling thread.
-  // Returns ErrKind::None or an error kind with `msg` set.
+  // Synchronously gather the sourced fields (and the index field) into the request's slot in
+  // the calling thread. Returns ErrKind::None or an error kind with `msg` set.
   ErrKind gather_external(const std::shared_ptr<Request>& r, const std::int64_t* shard,
-                          const std::int64_t* row, std::int64_t n, std::string& msg);
-  // commit (rows > 0) or fail (err != None): publishes the request. Throws std::logic_error
-  // if already published or the ring is closed.
+                          const std::int64_t* row, const std::int64_t* index, std::int64_t n,
+                          std::string& msg);
+  // commit (err == None, rows > 0) or fail (err != None): publishes the request. Throws
+  // std::logic_error if already published or the ring is closed.
   void publish_external(const std::shared_ptr<Request>& r, std::int64_t rows, ErrKind err,
                         const std::string& msg);
   // Called when the fill handle dies: fails the request if it was never published, then
@@ -150,17 +143,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void close();
 
   // Introspection.
+  const Layout& layout() const { return layout_; }
   std::int64_t batch_size() const { return batch_size_; }
   int threads() const { return nthreads_; }
   int max_slots() const { return max_slots_; }
   std::size_t slot_bytes() const { return slot_bytes_; }
-  std::size_t field_offset(std::size_t f) const { return offsets_[f]; }
-  std::size_t row_bytes(std::size_t f) const { return row_bytes_[f]; }
-  bool has_source(std::size_t f) const { return !sources_[f].empty(); }
-  std::size_t num_fields() const { return row_bytes_.size(); }
-  std::int64_t num_shards() const { return static_cast<std::int64_t>(shard_rows_.size()); }
   int num_slots();
-  std::uint8_t* slot_memory(int slot);  // stable for the Engine's life
+  std::uint8_t* slot_memory(int slot);  // stable for the Ring's life
   bool closed();
   std::int64_t pending();  // requests created and not yet taken
   struct Stats {
@@ -187,23 +176,25 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void assign_locked();
   void finish_part_locked(Request& r, ErrKind err, std::string&& msg);
   void release_locked(int slot);
+  void publish_ready_locked(Request& r);
+  // take(), in three steps: wait for the head request (helping with queued parts), hand it
+  // out (deciding view / grow / copy), and allocate a grown slot outside the lock.
+  Status wait_head_locked(std::unique_lock<std::mutex>& lk, int timeout_ms);
+  bool hand_out_locked(Delivery& d);  // true: a slot must be grown
+  void grow_slot(Delivery& d);
   std::uint8_t* alloc_slot_memory();  // no lock held
-  // gather_rows() timed into gather_ns_.
-  ErrKind gather(const std::int64_t* shard, const std::int64_t* row, std::int64_t begin,
-                 std::int64_t end, std::int64_t seq, std::uint8_t* base, std::string& msg) const;
-  ErrKind gather_rows(const std::int64_t* shard, const std::int64_t* row, std::int64_t begin,
-                      std::int64_t end, std::int64_t seq, std::uint8_t* base,
-                      std::string& msg) const;
+  // The gather kernel on rows begin..end-1 of a request, timed into gather_ns_; the message
+  // of an error is prefixed with the batch's sequence number.
+  ErrKind gather(const Request& r, const std::int64_t* shard, const std::int64_t* row,
+                 const std::int64_t* index, std::int64_t begin, std::int64_t end,
+                 std::uint8_t* base, std::string& msg) const;
 
   // Immutable after construction.
-  const std::vector<std::size_t> row_bytes_;
+  Layout layout_;
   const std::int64_t batch_size_;
-  const std::vector<std::vector<Source>> sources_;
-  std::vector<std::int64_t> shard_rows_;
-  std::vector<std::size_t> offsets_;
   std::size_t slot_bytes_ = 0;
-  std::size_t sourced_row_bytes_ = 0;
-  bool any_source_ = false;
+  std::size_t gathered_row_bytes_ = 0;  // bytes per row the producers copy (parts are cut by it)
+  bool any_gathered_ = false;           // some field is sourced or the index field
   int nthreads_;
   int max_slots_;
   std::size_t min_part_bytes_;

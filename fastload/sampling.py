@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,7 +53,7 @@ import numpy as np
 SAMPLER_STATE_VERSION = 2  # 2: plain permutations by fastload._C.permutation (1: numpy's)
 SHUFFLE_MODES = ("full", "window")
 
-__all__ = ["Sampler", "SAMPLER_STATE_VERSION", "epoch_stream", "rank_batch_bounds", "per_rank_count"]
+__all__ = ["EpochPlan", "Sampler", "SAMPLER_STATE_VERSION", "epoch_stream", "rank_batch_bounds", "per_rank_count"]
 
 
 # -- pure functions --------------------------------------------------------------------------
@@ -210,6 +211,45 @@ def epoch_stream(num_samples: int, *, seed: int, epoch: int, shuffle: bool = Tru
     if shuffle_mode == "window":
         return window_permutation(shard_sizes, window, seed, epoch)
     return permutation(num_samples, seed, epoch)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """One rank's pass over an epoch, as a value: what a loader iterates, with no reference
+    back to the :class:`Sampler`.
+
+    ``stream`` is the epoch's full stream (identical on every rank), ``bounds`` this rank's
+    batches as ``(begin, end, consumed_after)`` stream positions (positions past the stream
+    wrap around: ``DistributedSampler``'s padding), ``start`` the global consumed count the
+    pass begins at (a resumed position, or 0)."""
+
+    epoch: int
+    start: int
+    stream: np.ndarray
+    bounds: tuple[tuple[int, int, int], ...]
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    @property
+    def end(self) -> int:
+        """The consumed count once the pass is complete: the epoch is then over (a tail
+        dropped by ``drop_last`` included), so a state saved here resumes to nothing."""
+        last = self.bounds[-1][2] if self.bounds else self.start
+        return max(last, len(self.stream))
+
+    def indices(self, k: int) -> np.ndarray:
+        """Global sample indices (int64) of this rank's ``k``-th batch."""
+        b, e, _ = self.bounds[k]
+        m = len(self.stream)
+        if e <= m:
+            return self.stream[b:e].astype(np.int64)
+        return self.stream[np.arange(b, e) % m].astype(np.int64)  # padding: wrap around
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, int]]:
+        """``(indices, consumed_after)`` per batch, in order."""
+        for k, (_, _, after) in enumerate(self.bounds):
+            yield self.indices(k), after
 
 
 def _digest(a: np.ndarray | None) -> str | None:
@@ -377,26 +417,24 @@ class Sampler:
         self.epoch = epoch
         self._consumed = 0
 
-    def __iter__(self) -> Iterator[np.ndarray]:
+    def epoch_plan(self) -> EpochPlan:
+        """Begin a pass over the current epoch (from a loaded mid-epoch position, if any)
+        and return it as a value; what ``iter(sampler)`` walks through."""
         start = self._start()
         self._resume_pending = False
         self._consumed = start
-        bounds = self._bounds(start)
-        return self._generate(self.epoch, bounds)
+        return EpochPlan(self.epoch, start, self.stream(self.epoch), tuple(self._bounds(start)))
 
-    def _generate(self, epoch: int, bounds: list[tuple[int, int, int]]) -> Iterator[np.ndarray]:
-        stream = self.stream(epoch)
-        m = len(stream)
-        for b, e, after in bounds:
-            if e <= m:
-                idx = stream[b:e].astype(np.int64)
-            else:  # padding: wrap around to the epoch's first positions
-                idx = stream[np.arange(b, e) % m].astype(np.int64)
-            if self.epoch == epoch:
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self._generate(self.epoch_plan())
+
+    def _generate(self, plan: EpochPlan) -> Iterator[np.ndarray]:
+        for idx, after in plan:
+            if self.epoch == plan.epoch:
                 self._consumed = after
             yield idx
-        if self.epoch == epoch:
-            self._consumed = max(self._consumed, m)  # the epoch is complete (a dropped tail included)
+        if self.epoch == plan.epoch:
+            self._consumed = plan.end  # the epoch is complete (a dropped tail included)
 
     # -- resume ------------------------------------------------------------------------------
     def _identity(self) -> dict:

@@ -349,3 +349,35 @@ def test_cli_bad_invocations_give_one_clear_line(folder, tmp_path):
     assert "DAMAGED shard-00000.arrow: checksum mismatch" in p.stdout
     p = run_cli("inspect", tmp_path / "nothing", check=1)
     assert "does not exist" in p.stderr
+
+
+def test_default_workers_are_the_usable_cores(tmp_path, monkeypatch):
+    import importlib
+
+    import fastload.errors
+    common = importlib.import_module("fastload.convert.common")  # fastload.convert is also the function
+    asked = []
+
+    def one_core():
+        asked.append(True)
+        return 1
+
+    monkeypatch.setattr(common, "usable_cores", one_core)
+    np.savez(tmp_path / "a.npz", x=np.arange(4, dtype=np.float32))
+    convert("arrays", tmp_path / "a.npz", tmp_path / "ds", progress=False)
+    assert asked == [True]
+    convert("arrays", tmp_path / "a.npz", tmp_path / "ds2", progress=False, workers=3)
+    assert asked == [True]  # an explicit count is taken as given
+    assert ConvertError is fastload.errors.ConvertError and issubclass(ConvertError, fastload.errors.FastloadError)
+
+
+
+def test_the_convert_package_is_callable_as_the_function(tmp_path):
+    """``import fastload.convert`` binds the package to ``fastload.convert`` (over the function,
+    when ``fastload/__init__`` binds it lazily); calling it still converts."""
+    import importlib
+    pkg = importlib.import_module("fastload.convert")
+    np.savez(tmp_path / "a.npz", x=np.arange(6, dtype=np.int16))
+    r = pkg("arrays", tmp_path / "a.npz", tmp_path / "ds", progress=False)
+    assert r["num_samples"] == 6 and fastload.Dataset(tmp_path / "ds")[5] == {"x": 5}
+    assert pkg.convert is convert and callable(fastload.convert)

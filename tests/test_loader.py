@@ -369,6 +369,33 @@ def test_cuda_batches(raw_ds, image_ds):  # pragma: no cover - no GPU here
             assert b["image"].is_cuda and b["image"].shape[1:] == (3, 64, 64)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_delivery_pins_slots_and_copies_async():  # pragma: no cover - no GPU here
+    from fastload.loader.cuda import CudaDelivery
+    from fastload.ring import Ring
+
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((1000, 784), dtype=np.float32)
+    order = rng.permutation(1000)
+    with Ring({"x": (np.float32, (784,)), "index": (np.int64, ())}, 64, {"x": [x]}, index_field="index",
+              threads=2) as ring:
+        delivery = CudaDelivery(ring, torch.device("cuda", torch.cuda.current_device()))
+        ring.submit_many(np.zeros(1000, np.int64), order, index=order)
+        kept = []
+        for k in range(0, 1000, 64):
+            batch = delivery.deliver(ring.get_batch())
+            assert all(t.is_cuda for t in batch.values())
+            kept.append((batch, order[k:k + 64]))  # device tensors: the host slot is recycled anyway
+        torch.cuda.synchronize()
+        for batch, idx in kept:
+            assert np.array_equal(batch["x"].cpu().numpy(), x[idx]) and np.array_equal(batch["index"].cpu().numpy(), idx)
+        s = ring.stats()
+        assert delivery.pinned >= 1 and s["grown"] == 0 and s["copies"] == 0
+        delivery.close()
+        assert delivery.pinned == 0  # unregistered on close
+
+
 # -- real ranks --------------------------------------------------------------------------------
 def test_loader_on_real_gloo_ranks_with_resume_on_fewer_ranks(raw_ds):
     from _dist import run_ranks
@@ -413,16 +440,16 @@ def test_state_at_the_end_of_an_epoch_with_drop_last_resumes_to_nothing(raw_ds):
 
 def test_default_cuda_device_follows_local_rank(monkeypatch):
     """Under torchrun every rank must not pile onto cuda:0 (logic only: no GPU here)."""
-    from fastload import loader as L
+    from fastload import device as L
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     cur = {"d": 0}
     monkeypatch.setattr(torch.cuda, "current_device", lambda: cur["d"])
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert L._default_cuda_index() == 0
+    assert L.default_cuda_index() == 0
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert L._default_cuda_index() == 3
+    assert L.default_cuda_index() == 3
     monkeypatch.setenv("LOCAL_RANK", "6")  # more ranks than GPUs on the node: wrap
-    assert L._default_cuda_index() == 2
+    assert L.default_cuda_index() == 2
     cur["d"] = 1  # the script chose a device with torch.cuda.set_device: it wins
-    assert L._default_cuda_index() == 1
+    assert L.default_cuda_index() == 1

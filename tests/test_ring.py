@@ -276,10 +276,10 @@ def test_constructor_validates_fields_and_sources(shards):
         Ring(FIELDS, 4, sources, slots=3, max_slots=2)
     with pytest.raises(ValueError, match="field 'q': 'nope' is not a numpy dtype"):
         Ring({"q": ("nope", ())}, 4)
-    with pytest.raises(ValueError, match="CUDA is not available"):
-        if torch.cuda.is_available():
-            raise ValueError("CUDA is not available (skipped check on a CUDA machine)")
-        Ring(FIELDS, 4, sources, device="cuda")
+    with pytest.raises(ValueError, match="need a 8,000,000,000,000,000-byte slot; lower batch_size"):
+        Ring({"x": (np.uint8, (1000,))}, 8 * 10**12)  # checked before any allocation
+    with pytest.raises(ValueError, match="index_field='y' must be an int64 scalar field without sources"):
+        Ring(FIELDS, 4, sources, index_field="y")
     with pytest.raises(ValueError, match="field 'img' has no sources"):
         with Ring(FIELDS, 4, {"x": sources["x"], "y": sources["y"]}, threads=1) as ring:
             ring.submit([0], [0])
@@ -471,22 +471,72 @@ def test_ctrl_c_interrupts_a_blocked_get(shards):
         ring.get()  # the ring still works after the interrupt
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_batches_are_pinned_async_copies(shards):
+def test_index_field_travels_with_the_batch(shards):
+    """The int64 index field receives the indices given to submit() / FillSlot.gather(), in
+    the slot, so batch["index"] needs no separate copy."""
     sizes, data, sources = shards
-    order = np.random.default_rng(8).permutation(sum(sizes))
-    expected = batches_of(order, 64)
-    with Ring(FIELDS, 64, sources, threads=2, device="cuda") as ring:
-        for idx in expected:
-            ring.submit(*locate(sizes, idx))
-        kept = []
-        for batch, idx in zip(ring, expected):
-            assert all(t.is_cuda for t in batch.values())
-            kept.append((batch, idx))  # device tensors: the host slot is recycled anyway
-        torch.cuda.synchronize()
-        for batch, idx in kept:
-            assert_batch({k: v.cpu() for k, v in batch.items()}, data, idx)
-        s = ring.stats()
-        assert s["pinned"] >= 1 and s["grown"] == 0 and s["copies"] == 0
-    assert not ring._pinned  # unregistered on close
+    fields = {**FIELDS, "index": (np.int64, ())}
+    order = np.random.default_rng(3).permutation(sum(sizes))
+    with Ring(fields, 64, sources, index_field="index", threads=2) as ring:
+        ring.submit_many(*locate(sizes, order), index=order)
+        got = []
+        for idx in batches_of(order, 64):
+            b = ring.get()
+            assert b["index"].dtype == torch.int64 and np.array_equal(b["index"].numpy(), idx)
+            assert b["x"].numpy().tobytes() == data["x"][idx].tobytes()
+            got.append(b["index"].numpy().copy())
+        assert np.array_equal(np.concatenate(got), order)
+        with pytest.raises(ValueError, match="needs index="):
+            ring.submit(*locate(sizes, order[:4]))
+        with ring.acquire() as slot:
+            slot.gather(*locate(sizes, order[:3]), index=order[:3] + 7)
+            slot.commit(3)
+        assert ring.get()["index"].tolist() == (order[:3] + 7).tolist()
+    with Ring(FIELDS, 4, sources) as ring, pytest.raises(ValueError, match="needs a ring with an index_field"):
+        ring.submit([0], [0], index=[5])
+
+
+def test_a_failed_fill_raises_its_own_exception_for_that_batch(shards):
+    """fail(exception) hands the very exception to the consumer (typed, not a string)."""
+    sizes, data, sources = shards
+
+    class Boom(Exception):
+        pass
+
+    with Ring({"y": FIELDS["y"]}, 4, {"y": sources["y"]}, threads=1, slots=2) as ring:
+        err = Boom("sample 3 is bad")
+        ring.acquire().fail(err)
+        ring.submit([0], [1])
+        with pytest.raises(Boom) as e:
+            ring.get()
+        assert e.value is err
+        assert ring.get()["y"].numpy().tobytes() == sources["y"][0][1:2].tobytes()
+        ring.acquire().fail(Boom("dropped by drain"))
+        ring.drain()
+        assert ring.pending == 0 and not ring._fill_errors
+
+
+def test_gather_kernel_alone_equals_numpy():
+    """fastload._C.gather_rows is the ring's kernel without the ring: rows of per-shard
+    sources into destination arrays, runs coalesced, every row checked first."""
+    from fastload import _C
+
+    rng = np.random.default_rng(5)
+    sizes = [7, 1, 30, 12]
+    data = {"a": rng.standard_normal((50, 3, 5)).astype(np.float32), "b": rng.integers(0, 9, 50).astype(np.int8)}
+    srcs = split(data, sizes)
+    order = np.concatenate([np.arange(10, 22), rng.permutation(50)[:20], [49, 0]])  # a run, then random
+    shard, row = locate(sizes, order)
+    out = [np.full((len(order), 3, 5), np.nan, np.float32), np.zeros(len(order), np.int8),
+           np.zeros(len(order), np.int64)]
+    _C.gather_rows(out, [srcs["a"], srcs["b"], None], shard, row, order, 2)
+    assert out[0].tobytes() == data["a"][order].tobytes()
+    assert np.array_equal(out[1], data["b"][order]) and np.array_equal(out[2], order)
+    before = [o.copy() for o in out]
+    bad_row = row.copy()
+    bad_row[5] = sizes[shard[5]]
+    with pytest.raises(IndexError, match=rf"sample 5: row {sizes[shard[5]]} is out of range for shard {shard[5]}"):
+        _C.gather_rows(out, [srcs["a"], srcs["b"], None], shard, bad_row, order, 2)
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(out, before))  # nothing copied
+
+

@@ -1,10 +1,20 @@
-"""Sources -> fastload datasets. One module per source kind; ``convert()`` dispatches."""
+"""Sources -> fastload datasets. One module per source kind; ``convert()`` dispatches.
+
+``fastload.convert`` names both this package and its :func:`convert` function. Importing
+the package (``import fastload.convert``, ``from fastload.convert import ...``) binds the
+*package* to the attribute ``convert`` of ``fastload`` whenever that happens — with a lazy
+``fastload/__init__`` possibly after the function was bound there — so the package itself is
+callable as the function: ``fastload.convert("imagefolder", src, dst)`` works either way.
+"""
 from __future__ import annotations
 
 import os
+import sys
+import types
 from typing import Sequence
 
-from .common import ConvertError, Source, run_convert
+from ..errors import ConvertError
+from .common import Source, run_convert
 
 KINDS = ("imagefolder", "arrays", "table", "webdataset")
 
@@ -85,5 +95,12 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
         if close is not None:
             close()
 
+
+class _CallablePackage(types.ModuleType):
+    def __call__(self, *args, **kwargs) -> dict:
+        return convert(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
 
 __all__ = ["KINDS", "ConvertError", "convert", "make_source"]

@@ -17,18 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from ..store.format import SKIPPED_REPORT, Field
-from ..store.writer import DEFAULT_SHARD_SIZE, SampleError, ShardWriter, displayed_size, parse_size, write_report
+from ..errors import ConvertError, SampleError
+from ..store.format import DEFAULT_SHARD_SIZE, MANIFEST, SKIPPED_REPORT, Field, parse_size
+from ..store.geometry import displayed_size
+from ..store.report import write_report
+from ..store.writer import ShardWriter
+from ..system import usable_cores
 
 # What DALI's decoders read (fn.decoders.image): anything else must be re-encoded first.
 DECODABLE_FORMATS = {"JPEG", "PNG", "BMP", "TIFF", "WEBP", "PPM", "JPEG2000"}
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".pbm", ".pnm", ".bmp", ".tif",
                     ".tiff", ".webp", ".jp2", ".j2k")
 ON_ERROR = ("raise", "skip")
-
-
-class ConvertError(Exception):
-    """A source cannot be converted; the message names the file or sample and the cause."""
 
 
 def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
@@ -131,13 +131,6 @@ def _validated(source: Source, workers: int) -> Iterator[tuple[int, Any, str | N
         pool.join()
 
 
-def default_workers() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
-
-
 def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None = None,
                 shard_size: int | str = DEFAULT_SHARD_SIZE, on_error: str = "raise",
                 overwrite: bool = False, progress: bool = True, desc: str = "convert") -> dict:
@@ -145,7 +138,7 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
     global _SOURCE
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
-    workers = default_workers() if workers is None else int(workers)
+    workers = usable_cores() if workers is None else int(workers)
     if workers < 0:
         raise ValueError(f"workers={workers} must be >= 0")
     parse_size(shard_size)
@@ -219,7 +212,7 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
         bar.close()
         # A failed conversion into a fresh directory keeps its report there; one that was
         # to replace a dataset leaves the old dataset (and its directory) untouched.
-        if skipped and not (dst / "manifest.json").exists():
+        if skipped and not (dst / MANIFEST).exists():
             try:
                 write_report(dst / SKIPPED_REPORT, skipped)
             except OSError:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import Runner
+from .runner import Runner
 from .crops import train_params
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

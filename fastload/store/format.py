@@ -14,12 +14,15 @@ from typing import Any, Mapping
 import numpy as np
 import pyarrow as pa
 
+from ..errors import FormatError  # noqa: F401  (still importable from here)
+
 FORMAT_NAME = "fastload"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SKIPPED_REPORT = "skipped.jsonl"
 KEY_COLUMN = "__key__"
-SHARD_PATTERN = "shard-{:05d}.arrow"
+SHARD_PATTERN = "shard-{:05d}.arrow"  # at least 5 digits: shard 123456 is shard-123456.arrow
+SHARD_FILE_RE = r"shard-[0-9]{5,}\.arrow"  # every name SHARD_PATTERN gives, and nothing else
 CHECKSUM_ALGO = "xxh3_128"
 
 KINDS = ("tensor", "scalar", "image", "bytes", "string")
@@ -35,11 +38,13 @@ _NATIVE = {
 _STORED_AS = {"bool": ("uint8", 1), "complex64": ("float32", 2), "complex128": ("float64", 2)}
 SUPPORTED_DTYPES = tuple(sorted([*_NATIVE, *_STORED_AS]))
 
+DEFAULT_SHARD_SIZE = 256 * 1024 * 1024
+MAX_SHARD_SIZE = 2**31 - 1  # binary columns use 32-bit offsets
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
 _SPEC_RE = re.compile(r"^\s*([a-z0-9_]+)\s*(?:\[\s*([0-9,\s]*)\s*\])?\s*$")
-
-
-class FormatError(ValueError):
-    """A dataset directory, manifest or shard does not follow the fastload format."""
 
 
 def _check_dtype(dtype: Any, where: str) -> str:
@@ -159,6 +164,20 @@ def parse_field(spec: Any, name: str = "?") -> Field:
     if not shape:
         raise ValueError(f"field {name!r}: empty shape in {spec!r}")
     return Field("tensor", base, shape)
+
+
+def parse_size(value: int | str, what: str = "shard_size") -> int:
+    """'256MB', '1.5GiB', '4096' or an int -> bytes, at most a shard's limit of 2 GiB."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        n = int(value)
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{what}={value!r} is not a size; use e.g. 256MB, 1GiB or a byte count")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if not 0 < n <= MAX_SHARD_SIZE:
+        raise ValueError(f"{what}={value!r} must be between 1 byte and 2 GiB")
+    return n
 
 
 def image_size_columns(name: str) -> tuple[str, str]:

@@ -1,10 +1,14 @@
-"""Dataset: a fastload directory opened for reading.
+"""DatasetReader: a fastload directory opened for reading, without torch.
 
 Opening reads ``manifest.json`` only. Shards are memory-mapped on first use, one record
 batch each, so every tensor or scalar column of a shard is a single zero-copy numpy view
 of shape ``(rows, *shape)``. The global index -> (shard, row) map is one cumulative-count
 numpy array: no per-sample Python object exists, so forked DataLoader workers do not grow
 by copy-on-write.
+
+This module imports neither torch nor DALI: verify, inspect and conversion use
+:class:`DatasetReader` directly. The public :class:`fastload.Dataset` (``store/dataset.py``)
+is this class made a ``torch.utils.data.Dataset`` as well.
 """
 from __future__ import annotations
 
@@ -16,12 +20,12 @@ from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
-import torch.utils.data
 
-from .format import (
-    FORMAT_NAME, FORMAT_VERSION, KEY_COLUMN, MANIFEST, Field, FormatError, arrow_schema,
-    image_size_columns,
-)
+from ..errors import FormatError
+from .format import FORMAT_NAME, FORMAT_VERSION, KEY_COLUMN, MANIFEST, Field, arrow_schema, image_size_columns
+from .transaction import STAGING_PREFIX
+
+__all__ = ["DatasetReader", "manifest_fields", "read_manifest"]
 
 
 def read_manifest(path: Path) -> dict:
@@ -32,7 +36,7 @@ def read_manifest(path: Path) -> dict:
         raise FormatError(f"{path} is not a directory; a fastload dataset is a directory with {MANIFEST}")
     if not mpath.exists():
         shards = sorted(p.name for p in path.glob("*shard-*.arrow*"))
-        staged = sorted(p for p in path.glob(".fastload-staging-*") if (p / MANIFEST).exists())
+        staged = sorted(p for p in path.glob(STAGING_PREFIX + "*") if (p / MANIFEST).exists())
         if staged:  # an overwrite was killed while swapping the new dataset in
             hint = (f" An overwrite was interrupted while swapping the new dataset in: move every file"
                     f" of {staged[-1]} up into this directory to complete it (the new shards already"
@@ -60,6 +64,14 @@ def read_manifest(path: Path) -> dict:
     return m
 
 
+def manifest_fields(m: dict, path: Path) -> dict[str, Field]:
+    """The fields of a manifest read from the dataset at ``path``, in column order."""
+    try:
+        return {n: Field.from_json(d) for n, d in m["fields"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise FormatError(f"{path / MANIFEST}: bad field description ({e})") from None
+
+
 class _Shard:
     """One memory-mapped shard: its record batch and cached zero-copy views."""
 
@@ -84,23 +96,24 @@ class _Shard:
         self.views: dict[str, Any] = {}
 
 
-class Dataset(torch.utils.data.Dataset):
-    """A fastload dataset directory, opened read-only.
+class DatasetReader:
+    """A fastload dataset directory, opened read-only (no torch needed).
 
     ``len(ds)``, ``ds.fields``, ``ds[i]`` (one sample as a dict), ``ds.get_batch(indices)``
     (a whole batch, gathered with vectorised numpy), and ``ds.__getitems__`` so a plain
-    ``torch.utils.data.DataLoader`` fetches whole batches. Tensor fields come back as numpy
-    arrays, scalars as numpy scalars, images and bytes as ``bytes``, strings as ``str``.
+    ``torch.utils.data.DataLoader`` fetches whole batches (through :class:`fastload.Dataset`,
+    this class as a ``torch.utils.data.Dataset``). Tensor fields come back as numpy arrays,
+    scalars as numpy scalars, images and bytes as ``bytes``, strings as ``str``. Pickles as
+    its path only (a worker process reopens it), never its data.
     """
+
+    _repr_name = "fastload.store.DatasetReader"
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         m = self.manifest
-        try:
-            self.fields: dict[str, Field] = {n: Field.from_json(d) for n, d in m["fields"].items()}
-        except (ValueError, KeyError, TypeError) as e:
-            raise FormatError(f"{self.path / MANIFEST}: bad field description ({e})") from None
+        self.fields: dict[str, Field] = manifest_fields(m, self.path)
         self.schema = arrow_schema(self.fields)
         self.shard_files = [self.path / s["file"] for s in m["shards"]]
         self.shard_sizes = np.array([s["num_samples"] for s in m["shards"]], dtype=np.int64)
@@ -125,7 +138,7 @@ class Dataset(torch.utils.data.Dataset):
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}: {f}" for n, f in self.fields.items())
-        return f"fastload.Dataset({str(self.path)!r}, {len(self)} samples, {self.num_shards} shards, {{{fields}}})"
+        return f"{self._repr_name}({str(self.path)!r}, {len(self)} samples, {self.num_shards} shards, {{{fields}}})"
 
     def __len__(self) -> int:
         return int(self._starts[-1])

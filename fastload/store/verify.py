@@ -7,8 +7,8 @@ from pathlib import Path
 import pyarrow as pa
 import xxhash
 
-from .format import CHECKSUM_ALGO, MANIFEST, Field, arrow_schema
-from .reader import read_manifest
+from .format import CHECKSUM_ALGO, MANIFEST, arrow_schema
+from .reader import manifest_fields, read_manifest
 
 _CHUNK = 8 * 1024 * 1024
 
@@ -31,8 +31,7 @@ def verify(path: str | os.PathLike) -> list[str]:
     """
     path = Path(path)
     m = read_manifest(path)
-    fields = {n: Field.from_json(d) for n, d in m["fields"].items()}
-    schema = arrow_schema(fields)
+    schema = arrow_schema(manifest_fields(m, path))
     problems: list[str] = []
     total = 0
     for s in m["shards"]:

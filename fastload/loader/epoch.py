@@ -1,0 +1,124 @@
+"""One pass over an epoch: pull ready batches from a source, in order, and keep it fed.
+
+``EpochIterator`` walks an ``EpochPlan`` (the sampler's batches for this pass, a value),
+keeps ``prefetch`` batches requested from the source, and for each batch it hands to the
+training loop adds the list fields (strings, bytes), reports it to the stats and records the
+sampler position after it in ``Progress`` — the one value it shares with the Loader, so a
+``state_dict()`` taken between two steps resumes exactly at the next one. It knows nothing
+of rings, DALI or devices.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..sampling import EpochPlan
+from .source import BatchSource
+from .stats import Stats
+
+__all__ = ["EpochIterator", "Progress"]
+
+logger = logging.getLogger("fastload")
+
+
+@dataclass
+class Progress:
+    """Where the training loop is: the sampler's global consumed count after the last batch
+    handed over (``None``: no pass since the epoch was set or a state was loaded)."""
+
+    position: int | None = None
+
+
+class EpochIterator:
+    def __init__(self, plan: EpochPlan, source: BatchSource, *, prefetch: int, stats: Stats, progress: Progress,
+                 dataset, list_fields: Sequence[str] = (), log_every: int | None = None) -> None:
+        self._plan = plan
+        self._batches = iter(plan)
+        self._source = source
+        self._prefetch = prefetch
+        self._stats = stats
+        self._progress = progress
+        self._dataset = dataset
+        self._list_fields = list(list_fields)
+        self._log_every = log_every
+        self._pending: collections.deque = collections.deque()  # position after each requested batch
+        self._nbytes: dict[int, int] = {}  # batch bytes by row count
+        self._done_sampling = False
+        self.closed = False
+        progress.position = plan.start
+        stats.begin_epoch()
+        try:
+            self._fill()
+        except BaseException:
+            self.close()
+            raise
+
+    def _fill(self) -> None:
+        if self._source.amortize and len(self._pending) > self._prefetch // 2:
+            return  # refill in runs of about prefetch/2 batches: one call each
+        run, afters = [], []
+        while not self._done_sampling and len(self._pending) + len(run) < self._prefetch:
+            try:
+                idx, after = next(self._batches)
+            except StopIteration:
+                self._done_sampling = True
+                break
+            run.append(idx)
+            afters.append(after)
+        if run:
+            self._source.put(run)
+            self._pending.extend(afters)
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self.closed or not self._pending:
+            finished = not self.closed
+            self.close()
+            if finished:  # the sampler marks the epoch complete (a dropped tail included)
+                self._progress.position = self._plan.end
+            raise StopIteration
+        t0 = time.perf_counter()
+        try:
+            ready = self._source.get()
+        except BaseException:
+            self.close()
+            raise
+        t1 = time.perf_counter()
+        after = self._pending.popleft()
+        batch = ready.batch
+        if self._list_fields:
+            batch.update(self._dataset.get_batch(ready.index, fields=self._list_fields))
+        self._progress.position = after
+        n = len(ready.index)
+        nbytes = self._nbytes.get(n) if not self._list_fields else None
+        if nbytes is None:  # fixed per row count unless variable-length fields are delivered
+            nbytes = sum(int(v.element_size() * v.nelement()) for v in batch.values() if hasattr(v, "element_size"))
+            if not self._list_fields:
+                self._nbytes[n] = nbytes
+        batches = self._stats.delivered(n, nbytes, t1 - t0, t1)
+        self._fill()
+        if self._log_every and batches % self._log_every == 0:
+            s = self._stats.snapshot()
+            logger.info("fastload: %d batches, %.0f samples/s, waiting %.1f%% of the time",
+                        s["batches"], s["samples_per_s"], 100 * s["wait_fraction"])
+        return batch
+
+    def close(self) -> None:
+        """End this pass: stats stop their clock, the source joins its threads and drains."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stats.end_epoch()
+        self._pending.clear()
+        self._source.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,127 @@
+"""Stats: the one object every part of a Loader reports into; ``Loader.stats()`` reads it.
+
+Parts report in two ways:
+
+* ``stats.add(name, value)`` adds to a counter of the current epoch (the feeders' decode and
+  copy seconds, replaced samples, ...). A new counter needs nothing else: it appears in the
+  snapshot (names in ``STAGES`` under ``"stages"``, the others at the top level).
+* ``stats.attach(name, probe)`` registers a long-lived part's *cumulative* counters (the
+  ring's gather time, measured in C++; a device delivery's copy time): ``probe()`` returns
+  ``{counter: total so far}``, and the snapshot shows what accrued since the epoch began.
+  ``detach_all()`` (the Loader's ``close()``) keeps the last values, so ``stats()`` stays
+  complete after the parts are gone.
+
+The consumer reports each delivered batch with ``delivered()``; ``begin_epoch()`` and
+``end_epoch()`` bound the wall time (a finished or broken-off epoch's rates stay put).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from typing import Callable
+
+__all__ = ["STAGES", "Stats"]
+
+STAGES = ("gather_s", "decode_s", "copy_s")  # where the time went, summed over threads
+_COUNTERS = ("replaced_samples",)  # counters that always appear, zero or not
+
+Probe = Callable[[], dict]
+
+
+class Stats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._probes: dict[str, Probe] = {}
+        self._frozen: dict[str, dict] = {}  # a detached probe's last values
+        self._base: dict[str, dict] = {}  # each probe's values when the epoch began
+        self._reset()
+
+    def _reset(self) -> None:
+        self.t_start: float | None = None
+        self.t_end: float | None = None
+        self.batches = 0
+        self.samples = 0
+        self.bytes = 0
+        self.wait_s = 0.0
+        self.first_batch_s: float | None = None
+        self.counters: dict[str, float] = defaultdict(float)
+
+    # -- reporting -------------------------------------------------------------------------
+    def add(self, name: str, value: float) -> None:
+        with self._lock:
+            self.counters[name] += value
+
+    def attach(self, name: str, probe: Probe) -> None:
+        values = probe()
+        with self._lock:
+            self._probes[name] = probe
+            self._frozen.pop(name, None)
+            self._base[name] = values  # counts from now on
+
+    def detach_all(self) -> None:
+        with self._lock:
+            for name, probe in self._probes.items():
+                self._frozen[name] = probe()
+            self._probes.clear()
+
+    def begin_epoch(self) -> None:
+        values = self._read_probes()
+        with self._lock:
+            self._reset()
+            self._base = values
+            self.t_start = time.perf_counter()
+
+    def end_epoch(self) -> None:
+        with self._lock:
+            if self.t_end is None and self.t_start is not None:
+                self.t_end = time.perf_counter()
+
+    def delivered(self, samples: int, nbytes: int, wait_s: float, t: float) -> int:
+        """One batch handed to the training loop at time ``t`` after waiting ``wait_s``;
+        returns the epoch's batch count."""
+        with self._lock:
+            self.wait_s += wait_s
+            self.batches += 1
+            self.samples += samples
+            self.bytes += nbytes
+            if self.first_batch_s is None and self.t_start is not None:
+                self.first_batch_s = t - self.t_start
+            return self.batches
+
+    # -- reading ---------------------------------------------------------------------------
+    def _read_probes(self) -> dict[str, dict]:
+        with self._lock:
+            probes = dict(self._probes)
+            values = {n: dict(v) for n, v in self._frozen.items()}
+        values.update({n: p() for n, p in probes.items()})
+        return values
+
+    def snapshot(self) -> dict:
+        """Throughput and where the time went, since the current epoch began."""
+        now_values = self._read_probes()
+        with self._lock:
+            totals: dict[str, float] = defaultdict(float)
+            for name in _COUNTERS:
+                totals[name] = 0
+            for name, v in self.counters.items():
+                totals[name] += v
+            for probe, values in now_values.items():
+                base = self._base.get(probe, {})
+                for name, v in values.items():
+                    totals[name] += v - base.get(name, 0)
+            now = self.t_end if self.t_end is not None else time.perf_counter()
+            wall = (now - self.t_start) if self.t_start is not None else 0.0
+            out = {
+                "batches": self.batches, "samples": self.samples, "bytes": self.bytes,
+                "wall_s": wall, "wait_s": self.wait_s,
+                "wait_fraction": (self.wait_s / wall) if wall > 0 else 0.0,
+                "batches_per_s": self.batches / wall if wall > 0 else 0.0,
+                "samples_per_s": self.samples / wall if wall > 0 else 0.0,
+                "mb_per_s": self.bytes / wall / 1e6 if wall > 0 else 0.0,
+                "first_batch_s": self.first_batch_s,
+                "stages": {name: float(totals.pop(name, 0.0)) for name in STAGES},
+            }
+        for name, v in totals.items():
+            out[name] = int(v) if float(v).is_integer() else v
+        return out

@@ -1,0 +1,265 @@
+"""One DALI pipeline for one image field on one device (see the package docstring).
+
+``Runner.run`` feeds a batch of encoded images (zero-copy views of the shards) and their
+per-sample parameters into the transform's DALI graph and writes the result into the given
+host tensor (a ring slot) or returns a CUDA tensor. A batch DALI fails on is bisected to
+the failing samples, raised as :class:`fastload.errors.BadSamples`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from ..errors import BadSamples
+from ..system import usable_cores
+
+logger = logging.getLogger("fastload")
+
+__all__ = ["Runner", "default_threads"]
+
+
+def default_threads() -> int:
+    """DALI worker threads: the usable cores (measured: bench/bench_jpeg.py --sweep-threads)."""
+    return usable_cores()
+
+
+def _reason(e: BaseException) -> str:
+    """DALI's messages carry the graph's traceback; keep the operator and what went wrong."""
+    text = str(e)
+    op = ""
+    if "operator `" in text:
+        op = text.split("operator `", 1)[1].split("`", 1)[0].replace("nvidia.dali.fn.", "") + ": "
+    if "encountered:" in text:
+        text = text.split("encountered:", 1)[1]
+    keep = []
+    for ln in text.splitlines():
+        ln = ln.strip()
+        if not ln or ln.startswith(("C++ context", "Current pipeline object", "Critical error in pipeline")):
+            continue
+        keep.append(ln)
+    msg = " ".join(keep) or type(e).__name__
+    if "nvImageCodec failure" in msg:
+        msg += " (not a decodable image: corrupt, truncated or an unsupported format)"
+    if "cropping window" in msg:
+        msg += " (the stored width/height do not match the encoded image)"
+    return (op + msg)[:400]
+
+
+class Runner:
+    """One DALI pipeline for one image field on one device.
+
+    ``run(encoded, widths, heights, indices, epoch, out=None)`` decodes and augments one
+    batch (``len(encoded) <= batch_size``). With ``out`` (a tensor of shape
+    ``(n, *out_shape)`` in host memory, e.g. a ring slot), the result is written there; on
+    CUDA a new CUDA tensor is returned, produced on torch's current stream.
+    """
+
+    def __init__(self, transform, *, device: str, batch_size: int, num_threads: int | None,
+                 prefetch: int | None, seed: int, device_id: int | None):
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device={device!r} must be 'cpu' or 'cuda'")
+        self.transform = transform
+        self.device = device
+        self.batch_size = int(batch_size)
+        self.num_threads = default_threads() if num_threads is None else int(num_threads)
+        self.seed = int(seed)
+        self.device_id = device_id if device == "cuda" else None
+        self.out_shape = tuple(transform.out_shape)
+        self.out_dtype = np.dtype(transform.out_dtype)
+        self.max_pixels = transform.max_pixels
+        self._pipe = None
+        self._copied = None  # CUDA: event after the last copy out of DALI's output buffer
+        self.rebuilds = 0
+        self.copy_s = 0.0  # time copying DALI's output out (into a ring slot / a CUDA tensor)
+
+    # -- the graph ---------------------------------------------------------------------------
+    def _build(self):
+        from nvidia.dali import fn, pipeline_def, types
+
+        t = self.transform
+        gpu = self.device == "cuda"
+        names = t.param_names()
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.num_threads,
+                      device_id=self.device_id if gpu else None, prefetch_queue_depth=1,
+                      exec_dynamic=False, seed=self.seed & 0x7FFFFFFF)
+        def graph():
+            enc = fn.external_source(name="encoded", dtype=types.UINT8, no_copy=True)
+            params = {n: fn.external_source(name=n, dtype=types.FLOAT if d == np.float32 else types.INT32,
+                                            no_copy=True) for n, d in names.items()}
+            return t.graph(enc, params, decode_device="mixed" if gpu else "cpu",
+                           device="gpu" if gpu else "cpu")
+
+        pipe = graph()
+        pipe.build()
+        return pipe
+
+    def _pipeline(self):
+        if self._pipe is None:
+            self._pipe = self._build()
+        return self._pipe
+
+    def _drop_pipeline(self) -> None:
+        if self._copied is not None:  # CUDA: the last copy out of DALI's buffer must be done
+            self._copied.synchronize()
+            self._copied = None
+        pipe, self._pipe = self._pipe, None
+        if pipe is not None:
+            # Stop and join DALI's threads now rather than whenever the last reference (a
+            # traceback, say) goes away; _shutdown is what Pipeline.__del__ calls.
+            shutdown = getattr(pipe, "_shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+    # -- one batch ---------------------------------------------------------------------------
+    def _run_once(self, encoded: list, params: dict[str, np.ndarray]):
+        pipe = self._pipeline()
+        pipe.feed_input("encoded", encoded)
+        for n, a in params.items():
+            pipe.feed_input(n, a)  # one (n, ...) array: a uniform batch, no per-sample list
+        # Host-synchronous run on both devices: run(stream) needs DALI's dynamic executor. On
+        # CUDA the output stays on the device, and _deliver copies it on torch's current
+        # stream (feed_ndarray waits for DALI's work first, as DALI's own torch iterator does).
+        if self._copied is not None:  # DALI may reuse its output buffer once run() is called
+            self._copied.synchronize()  # again: the last copy out of it must have finished
+            self._copied = None
+        out, = pipe.run()
+        return out
+
+    def _try(self, encoded, params):
+        try:
+            return self._run_once(encoded, params), None
+        except Exception as e:  # DALI raises RuntimeError/IndexError; the pipeline is dead
+            reason = _reason(e)  # keep the text, not the traceback (it holds the pipeline)
+        self._drop_pipeline()
+        self.rebuilds += 1
+        return None, reason
+
+    def _find_bad(self, encoded: list, params: dict[str, np.ndarray], pos: np.ndarray,
+                  err: str, bad: dict[int, str]) -> None:
+        """Bisect the failing batch ``pos`` until single failing samples remain."""
+        if len(pos) == 1:
+            bad[int(pos[0])] = err
+            return
+        half = len(pos) // 2
+        for part in (pos[:half], pos[half:]):
+            _, e = self._try([encoded[i] for i in part], {n: a[part] for n, a in params.items()})
+            if e is not None:
+                self._find_bad(encoded, params, part, e, bad)
+
+    def run(self, encoded: list, widths: np.ndarray, heights: np.ndarray, indices: np.ndarray, epoch: int,
+            out=None):
+        n = len(encoded)
+        if n == 0 or n > self.batch_size:
+            raise ValueError(f"batch of {n} images; this runner takes 1..{self.batch_size}")
+        widths = np.asarray(widths)
+        heights = np.asarray(heights)
+        pixels = widths.astype(np.int64) * heights.astype(np.int64)
+        refused = np.flatnonzero((pixels > self.max_pixels) | (widths <= 0) | (heights <= 0))
+        if len(refused):
+            raise BadSamples(refused, [
+                f"the header declares {int(widths[i])}x{int(heights[i])} pixels, more than max_pixels="
+                f"{self.max_pixels} (raise it in the transform if the image is genuine)"
+                if pixels[i] > self.max_pixels else f"invalid recorded size {int(widths[i])}x{int(heights[i])}"
+                for i in refused])
+        params = self.transform.params(self.seed, epoch, indices, widths, heights)
+        res, err = self._try(encoded, params)
+        if err is not None:
+            bad: dict[int, str] = {}
+            self._find_bad(encoded, params, np.arange(n), err, bad)
+            if not bad:  # the batch failed but no part of it does: not a data problem
+                raise RuntimeError(f"DALI failed on a batch of {n} images, but on no part of it: {err}")
+            if len(bad) == n:  # every image fails: the data, or the pipeline itself?
+                canary = self._canary_error()
+                if canary is not None:
+                    raise RuntimeError(
+                        f"the DALI pipeline fails on every image, including a valid built-in "
+                        f"{_CANARY_SIZE}x{_CANARY_SIZE} JPEG, so this is not a data problem: {canary}")
+            raise BadSamples(sorted(bad), [bad[p] for p in sorted(bad)])
+        return self._deliver(res, n, out)
+
+    def _canary_error(self) -> str | None:
+        """Run one valid JPEG through the graph; DALI's reason if even that fails."""
+        w = h = np.array([_CANARY_SIZE], np.int32)
+        params = self.transform.params(self.seed, 0, np.zeros(1, np.int64), w, h)
+        res, err = self._try([_canary_jpeg()], params)
+        del res
+        return err
+
+    def _deliver(self, res, n: int, out):
+        t0 = time.perf_counter()
+        try:
+            return self._deliver_into(res, n, out)
+        finally:
+            self.copy_s += time.perf_counter() - t0
+
+    def _deliver_into(self, res, n: int, out):
+        import torch
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+
+        shape = tuple(res.as_tensor().shape()) if res.is_dense_tensor() else None
+        if shape != (n, *self.out_shape):
+            got = shape or [tuple(res[i].shape()) for i in range(min(n, 3))]
+            raise RuntimeError(f"the transform produced {got}; it declares {(n, *self.out_shape)} "
+                               "(every image must come out with the declared shape)")
+        if self.device == "cuda":
+            dt = _TORCH[self.out_dtype.name]
+            t = torch.empty((n, *self.out_shape), dtype=dt, device=torch.device("cuda", self.device_id))
+            stream = torch.cuda.current_stream(self.device_id)
+            feed_ndarray(res.as_tensor(), t, cuda_stream=stream)  # asynchronous on torch's stream
+            self._copied = torch.cuda.Event()
+            self._copied.record(stream)
+            return t
+        if out is None:
+            out = torch.empty((n, *self.out_shape), dtype=_TORCH[self.out_dtype.name])
+        elif not isinstance(out, torch.Tensor):
+            out = torch.from_numpy(out)
+        feed_ndarray(res.as_tensor(), out)
+        return out
+
+    def close(self) -> None:
+        self._drop_pipeline()
+
+    def __del__(self):
+        try:
+            self._drop_pipeline()
+        except Exception:
+            pass
+
+
+_CANARY_SIZE = 256
+
+
+def _canary_jpeg() -> np.ndarray:
+    """A valid, smooth 256x256 RGB JPEG (made once, in memory)."""
+    global _CANARY
+    if _CANARY is None:
+        import io
+
+        from PIL import Image
+
+        x = np.tile(np.linspace(0, 255, _CANARY_SIZE).astype(np.uint8), (_CANARY_SIZE, 1))
+        rgb = np.stack([x, x.T, np.full_like(x, 128)], -1)
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, "JPEG", quality=90)
+        _CANARY = np.frombuffer(buf.getvalue(), np.uint8)
+    return _CANARY
+
+
+_CANARY = None
+
+
+def _torch_dtypes() -> dict:
+    import torch
+    return {"float32": torch.float32, "float16": torch.float16, "uint8": torch.uint8}
+
+
+class _LazyDtypes(dict):
+    def __missing__(self, key):
+        self.update(_torch_dtypes())
+        return dict.__getitem__(self, key)
+
+
+_TORCH = _LazyDtypes()
