@@ -196,6 +196,19 @@ def test_overwrite_keeps_the_old_dataset_until_the_new_one_is_complete(images, r
     assert not list(dst.glob(".fastload-staging-*"))
 
 
+def test_local_overwrite_replaces_unfinished_parts(images, reference, tmp_path):
+    src, key = corrupt_copy(images, tmp_path, 100)
+    dst = tmp_path / "ds"
+    with pytest.raises(ConvertError, match=key):
+        inline("imagefolder", src, dst)
+    assert (dst / PARTS).is_dir() and not (dst / "manifest.json").exists()
+    with pytest.raises(FileExistsError, match="not empty"):
+        convert("imagefolder", images, dst, progress=False, workers=0)
+    convert("imagefolder", images, dst, overwrite=True, progress=False, workers=0)
+    assert sorted(os.listdir(dst)) == sorted(os.listdir(reference))
+    assert verify(dst) == []
+
+
 def _npz(tmp: Path) -> Path:
     rng = np.random.default_rng(0)
     p = tmp / "a.npz"

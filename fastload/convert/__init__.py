@@ -77,7 +77,7 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
         raise ConvertError(f"{dst} is inside the source {src}; choose a destination outside it "
                            "(the dataset would become part of its own source)")
     if engine != "local":
-        from ..store.writer import parse_size
+        from ..store.format import parse_size
         from .common import ON_ERROR
         from .engines import run_engine
 

@@ -33,29 +33,26 @@ from .task import read_part
 
 
 class LocalTarget:
-    """DST as a local (or shared network) directory. When DST holds anything besides the
-    parts (an old dataset to replace, or what an interrupted commit moved there), the new
-    dataset is assembled in a staging directory inside DST and swapped in complete."""
+    """DST as a local (or shared network) directory, through the store's transaction: the new
+    dataset is assembled in a staging directory inside DST and swapped in complete, so an old
+    dataset there stays untouched (and opens) until the new one is in."""
 
     def __init__(self, dst: Path):
         self.dst = dst
-        self.replace = _store.check_destination(dst, overwrite=True, allow_leftovers=True)
-        self.dir = _store.new_staging(dst) if self.replace else dst
+        self.tx = _store.commit_transaction(dst)
         self._placed: list[tuple[Path, Path]] = []
 
     def place(self, part_file: Path, name: str) -> None:
-        os.replace(part_file, self.dir / name)
-        self._placed.append((part_file, self.dir / name))
+        os.replace(part_file, self.tx.dir / name)
+        self._placed.append((part_file, self.tx.dir / name))
 
     def put_report(self, records: list[dict]) -> None:
         if records:
-            _store.write_report(self.dir / _store.SKIPPED_REPORT, records)
+            _store.write_report(self.tx.dir / _store.SKIPPED_REPORT, records)
 
     def put_manifest(self, manifest: dict) -> None:
-        _store.fsync_dir(self.dir)
-        _store.write_json(self.dir / _store.MANIFEST, manifest)  # the dataset opens from here on
-        if self.replace:
-            _store.swap_in(self.dst, self.dir)
+        _store.fsync_dir(self.tx.dir)
+        self.tx.commit(manifest)  # the manifest last; the dataset opens from here on
         self._placed.clear()
 
     def discard_parts(self, parts: Path) -> None:
@@ -70,12 +67,7 @@ class LocalTarget:
             except OSError:
                 pass
         self._placed.clear()
-        if self.replace and self.dir.exists():
-            _store.remove_tree(self.dir)
-        elif not self.replace:
-            report = self.dst / _store.SKIPPED_REPORT
-            if report.exists() and not (self.dst / _store.MANIFEST).exists():
-                report.unlink()
+        self.tx.abort()
 
 
 def _read_manifest(part: Path) -> dict | None:
