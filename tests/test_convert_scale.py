@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,10 +75,11 @@ _RUN = "import json, sys; from fastload.convert import convert; print(json.dumps
 
 
 def run_engine(engine: str, src: Path, dst: Path, tmp: Path, *, fault_group: int | None = None, ranks: int = 2,
-               **kw) -> tuple[int, dict | None, str]:
+               watch: set | None = None, **kw) -> tuple[int, dict | None, str]:
     """Run a conversion in fresh processes: the API in a subprocess (ray), or every rank of
     ``torchrun --standalone --nproc-per-node ranks`` (torch). Returns (exit status, rank 0's
-    summary or None, stderr)."""
+    summary or None, stderr). ``watch``: a set that receives every IP address the
+    processes' TCP sockets used."""
     args = json.dumps({"kind": "imagefolder", "src": str(src), "dst": str(dst), "engine": engine,
                        "shard_size": SHARD, "progress": False, **kw})
     if engine == "torch":
@@ -85,11 +87,48 @@ def run_engine(engine: str, src: Path, dst: Path, tmp: Path, *, fault_group: int
                "--no-python", sys.executable, "-c", _RUN, args]
     else:
         cmd = [sys.executable, "-c", _RUN, args]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env_for(tmp, fault_group))
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    outs = [json.loads(ln) for ln in lines]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env_for(tmp, fault_group))
+    try:
+        addresses = _watch_addresses(p) if watch is not None else set()
+        stdout, stderr = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    if watch is not None:
+        watch.update(addresses)
+    outs = [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
     first = next((o for o in outs if o.get("rank", 0) == 0), None)
-    return p.returncode, first, p.stderr
+    return p.returncode, first, stderr
+
+
+def _watch_addresses(p: subprocess.Popen) -> set[str]:
+    """Every IP address a TCP socket of ``p`` or its descendants (Ray's GCS, raylet and
+    workers, the task processes) used, sampled until ``p`` exits."""
+    import psutil
+
+    seen: set[str] = set()
+    root = psutil.Process(p.pid)
+    while p.poll() is None:
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            break
+        for proc in procs:
+            try:
+                conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections("tcp")
+            except psutil.Error:
+                continue
+            for c in conns:
+                seen.update(a.ip for a in (c.laddr, c.raddr) if a)
+        time.sleep(0.2)
+    return seen
+
+
+def non_loopback(addresses: set[str]) -> set[str]:
+    return {a for a in addresses if not (a.startswith("127.") or a in ("::1", "::", "0.0.0.0")
+                                         or a.startswith("::ffff:127."))}
 
 
 def heavy_modules(tmp: Path) -> dict:
@@ -264,8 +303,10 @@ def test_engine_arguments_are_checked(images, tmp_path):
 @pytest.mark.slow
 def test_ray_equals_local_and_retries_a_killed_worker(images, reference, tmp_path):
     dst = tmp_path / "ds"
-    code, r, err = run_engine("ray", images, dst, tmp_path, fault_group=3, workers=2)
+    addresses: set[str] = set()
+    code, r, err = run_engine("ray", images, dst, tmp_path, fault_group=3, workers=2, watch=addresses)
     assert code == 0, err
+    assert addresses and non_loopback(addresses) == set()  # the private Ray stays on 127.0.0.1
     assert (tmp_path / "faults" / "died-3").exists()  # the first attempt of group 3 died ...
     assert r["tasks_run"] == r["num_groups"] >= 5 and r["worker_pids"] >= 2  # ... and was retried
     assert_same(reference, dst)
@@ -310,8 +351,10 @@ def test_ray_skip_merges_the_report(images, tmp_path):
 @pytest.mark.slow
 def test_torchrun_equals_local_and_retries_a_killed_task(images, reference, tmp_path):
     dst = tmp_path / "ds"
-    code, r, err = run_engine("torch", images, dst, tmp_path, fault_group=2)
+    addresses: set[str] = set()
+    code, r, err = run_engine("torch", images, dst, tmp_path, fault_group=2, watch=addresses)
     assert code == 0, err
+    assert addresses and non_loopback(addresses) == set()
     assert (tmp_path / "faults" / "died-2").exists()
     assert r["world_size"] == 2 and r["num_groups"] >= 5
     assert_same(reference, dst)

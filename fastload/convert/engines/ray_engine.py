@@ -13,6 +13,7 @@ exception in a task is not retried (it would fail again). They return small dict
 from __future__ import annotations
 
 import os
+import sys
 import time
 from contextlib import contextmanager
 
@@ -90,25 +91,30 @@ class RayExecutor:
 @contextmanager
 def ray_session(address: str | None, workers: int | None):
     """Connect to Ray (or start a private local one); yield (ray, number of task slots)."""
-    ray = _import_ray()
-    owned = False
-    if not ray.is_initialized():
-        kw = dict(include_dashboard=False, configure_logging=False, log_to_driver=True)
-        if address:
-            try:
-                ray.init(address=address, **kw)
-            except ConnectionError as e:
-                raise ConvertError(f"--ray-address {address}: cannot connect to a Ray cluster ({e})") from None
-        else:
-            with _env(_LOCAL_ENV):
+    with _env(_LOCAL_ENV if not address else {}):
+        ray = _import_ray()  # Ray reads the loopback flag when it is first imported ...
+        owned = False
+        if not ray.is_initialized():
+            kw = dict(include_dashboard=False, configure_logging=False, log_to_driver=True)
+            if address:
+                try:
+                    ray.init(address=address, **kw)
+                except ConnectionError as e:
+                    raise ConvertError(f"--ray-address {address}: cannot connect to a Ray cluster ({e})") from None
+            else:
+                consts = sys.modules.get("ray._private.ray_constants")
+                if consts is not None and getattr(consts, "ENABLE_RAY_CLUSTER", False):
+                    # ... so when this process imported Ray earlier without it, say it here
+                    # (the private Ray must advertise 127.0.0.1, not the machine's address).
+                    consts.ENABLE_RAY_CLUSTER = False
                 ray.init(num_cpus=workers or usable_cores(), **kw)
-        owned = True
-    try:
-        slots = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
-        yield ray, slots
-    finally:
-        if owned:
-            ray.shutdown()
+            owned = True
+        try:
+            slots = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+            yield ray, slots
+        finally:
+            if owned:
+                ray.shutdown()
 
 
 def run(kind, src, dst, *, workers, on_error, progress, address, shard_size, overwrite, resume, label,
