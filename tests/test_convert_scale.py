@@ -75,7 +75,7 @@ _RUN = "import json, sys; from fastload.convert import convert; print(json.dumps
 
 
 def run_engine(engine: str, src: Path, dst: Path, tmp: Path, *, fault_group: int | None = None, ranks: int = 2,
-               watch: set | None = None, **kw) -> tuple[int, dict | None, str]:
+               watch: set | None = None, extra_env: dict | None = None, **kw) -> tuple[int, dict | None, str]:
     """Run a conversion in fresh processes: the API in a subprocess (ray), or every rank of
     ``torchrun --standalone --nproc-per-node ranks`` (torch). Returns (exit status, rank 0's
     summary or None, stderr). ``watch``: a set that receives every IP address the
@@ -88,7 +88,7 @@ def run_engine(engine: str, src: Path, dst: Path, tmp: Path, *, fault_group: int
     else:
         cmd = [sys.executable, "-c", _RUN, args]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env_for(tmp, fault_group))
+                         env={**env_for(tmp, fault_group), **(extra_env or {})})
     try:
         addresses = _watch_addresses(p) if watch is not None else set()
         stdout, stderr = p.communicate(timeout=600)
@@ -345,6 +345,34 @@ def test_ray_skip_merges_the_report(images, tmp_path):
     assert r["skipped"] == 1
     assert_same(tmp_path / "ref", tmp_path / "ds")
     assert (tmp_path / "ds" / "skipped.jsonl").read_text() == (tmp_path / "ref" / "skipped.jsonl").read_text()
+
+
+@have_ray
+@pytest.mark.slow
+def test_ray_address_joins_a_running_cluster_and_leaves_it_running(images, reference, tmp_path):
+    # A Ray cluster of its own (started by a helper driver on 127.0.0.1); closing the
+    # helper's stdin ends it, and with it every process of that cluster.
+    helper = subprocess.Popen(
+        [sys.executable, "-c", "import ray, sys; ray.init(num_cpus=2, include_dashboard=False); "
+                               "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        address = helper.stdout.readline().strip()
+        assert address.startswith("127.0.0.1:"), address
+        code, r, err = run_engine("ray", images, tmp_path / "ds", tmp_path, ray_address=address,
+                                  extra_env={"RAY_AUTH_MODE": "token"})  # a local Ray's token is the default
+        assert code == 0, err
+        assert r["workers"] == 2  # the cluster's CPUs
+        assert_same(reference, tmp_path / "ds")
+        assert helper.poll() is None  # the engine left the cluster running
+    finally:
+        helper.stdin.close()
+        try:
+            helper.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            helper.kill()
+            helper.wait()
 
 
 # -- torchrun ------------------------------------------------------------------------------------

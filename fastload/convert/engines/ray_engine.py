@@ -28,11 +28,14 @@ MAX_RETRIES = 3
 _LOCAL_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
+_INSTALL_HINT = "--engine ray needs Ray, which is not installed: pip install 'fastload[ray]'"
+
+
 def _import_ray():
     try:
         import ray
     except ImportError:
-        raise ConvertError("--engine ray needs Ray, which is not installed: pip install 'fastload[ray]'") from None
+        raise ConvertError(_INSTALL_HINT) from None
     return ray
 
 
@@ -88,11 +91,23 @@ class RayExecutor:
                 pass
 
 
+def _loopback(address: str) -> bool:
+    """A cluster on this machine's loopback (127.0.0.1:PORT, localhost:PORT): this driver must
+    then also take 127.0.0.1 as its node's address, or it waits for a node that never comes."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 @contextmanager
 def ray_session(address: str | None, workers: int | None):
     """Connect to Ray (or start a private local one); yield (ray, number of task slots)."""
-    with _env(_LOCAL_ENV if not address else {}):
+    with _env(_LOCAL_ENV if not address or _loopback(address) else {}):
         ray = _import_ray()  # Ray reads the loopback flag when it is first imported ...
+        consts = sys.modules.get("ray._private.ray_constants")
+        if (not address or _loopback(address)) and getattr(consts, "ENABLE_RAY_CLUSTER", False):
+            # ... so when this process imported Ray earlier without it, say it here: a Ray
+            # on this machine only must take 127.0.0.1 as its node address.
+            consts.ENABLE_RAY_CLUSTER = False
         owned = False
         if not ray.is_initialized():
             kw = dict(include_dashboard=False, configure_logging=False, log_to_driver=True)
@@ -102,11 +117,6 @@ def ray_session(address: str | None, workers: int | None):
                 except ConnectionError as e:
                     raise ConvertError(f"--ray-address {address}: cannot connect to a Ray cluster ({e})") from None
             else:
-                consts = sys.modules.get("ray._private.ray_constants")
-                if consts is not None and getattr(consts, "ENABLE_RAY_CLUSTER", False):
-                    # ... so when this process imported Ray earlier without it, say it here
-                    # (the private Ray must advertise 127.0.0.1, not the machine's address).
-                    consts.ENABLE_RAY_CLUSTER = False
                 ray.init(num_cpus=workers or usable_cores(), **kw)
             owned = True
         try:
@@ -119,7 +129,10 @@ def ray_session(address: str | None, workers: int | None):
 
 def run(kind, src, dst, *, workers, on_error, progress, address, shard_size, overwrite, resume, label,
         image_columns, max_pixels) -> dict:
-    _import_ray()  # the install hint before any work
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:  # the install hint before any work (not importing
+        raise ConvertError(_INSTALL_HINT)        # Ray yet: ray_session sets its environment first)
     if workers is not None and workers < 1:
         raise ValueError(f"workers={workers} must be >= 1 with --engine ray")
     t0 = time.perf_counter()
