@@ -31,8 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Measurement, headline, median_seconds, print_table, system_info  # noqa: E402
+from fastload.bench.report import Measurement, headline, median_seconds, print_table, system_info
 
 # One conversion in a fresh process; prints its summary and the peak memory of the process
 # and of its largest finished child (the local engine's validation processes) as JSON.

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,8 +22,7 @@ import numpy as np
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import headline, system_info  # noqa: E402
+from fastload.bench.report import headline, system_info
 
 BATCH, WORKERS, EARLY = 256, 2, 4  # EARLY: batches delivered before the first memory sample
 

@@ -15,64 +15,37 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import random
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import Measurement, headline, interleaved_medians, print_table, system_info  # noqa: E402
-
-import fastload  # noqa: E402
-from fastload.sample_data import make_image_folder  # noqa: E402
-
-MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
-STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
-
-
-def random_resized_crop_box(w: int, h: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
-    """(x, y, cw, ch) as torchvision's RandomResizedCrop.get_params draws it."""
-    area = w * h
-    log_r = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        target = area * random.uniform(*scale)
-        aspect = math.exp(random.uniform(*log_r))
-        cw, ch = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
-        if 0 < cw <= w and 0 < ch <= h:
-            return random.randint(0, w - cw), random.randint(0, h - ch), cw, ch
-    r = w / h  # fallback: central crop with the aspect ratio clamped
-    cw, ch = (w, round(w / ratio[0])) if r < ratio[0] else (round(h * ratio[1]), h) if r > ratio[1] else (w, h)
-    return (w - cw) // 2, (h - ch) // 2, cw, ch
+import fastload
+from fastload.bench.baseline import EpochSampler, PILImageWork
+from fastload.bench.report import Measurement, headline, interleaved_medians, print_table, system_info
+from fastload.sample_data import make_image_folder
+from fastload.system import usable_cores
 
 
 class PILFolder(Dataset):
-    """ImageFolder read with PIL: RandomResizedCrop + flip + ImageNet normalisation, float32 CHW."""
+    """ImageFolder read with PIL, keyed by (epoch, index) (see EpochSampler): the DataLoader
+    baseline's work per image (fastload.bench.baseline.PILImageWork: the Loader's
+    RandomResizedCrop windows, flip, ImageNet normalisation, float32 CHW)."""
 
-    def __init__(self, root: Path, size: int = 224):
+    def __init__(self, root: Path, work: PILImageWork):
         classes = sorted(p.name for p in root.iterdir() if p.is_dir())
         self.items = [(p, c) for c, name in enumerate(classes) for p in sorted((root / name).glob("*.jpg"))]
-        self.size = size
+        self.work = work
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, i = key
         path, label = self.items[i]
-        img = Image.open(path).convert("RGB")
-        x, y, w, h = random_resized_crop_box(*img.size)
-        img = img.resize((self.size, self.size), Image.BILINEAR, box=(x, y, x + w, y + h))
-        if random.random() < 0.5:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        t = torch.from_numpy(np.array(img)).permute(2, 0, 1).float().div_(255)
-        return (t - MEAN) / STD, label
+        return torch.from_numpy(self.work(path.read_bytes(), i, epoch)), label
 
 
 def dali_pipe(root: Path, batch: int, threads: int, uint8_hwc: bool):
@@ -118,6 +91,19 @@ def loader_epoch(loader, n: int, dtype: torch.dtype, shape: tuple[int, ...]):
     return run
 
 
+def dataloader_epoch(dl: DataLoader, sampler: EpochSampler, n: int):
+    """One epoch of the DataLoader baseline (crop windows of that epoch), checking the count."""
+    epoch = [0]
+
+    def run() -> None:
+        epoch[0] += 1
+        sampler.set_epoch(epoch[0])
+        seen = sum(x.shape[0] for x, _ in dl)
+        if seen != n:
+            raise RuntimeError(f"epoch delivered {seen} samples, expected {n}")
+    return run
+
+
 def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=2000)
@@ -128,7 +114,7 @@ def main(argv=None) -> list:
     if a.smoke:
         a.images, a.repeats = 128, 1
     n, b = a.images, a.batch_size
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     tmp = Path(tempfile.mkdtemp(prefix="bench_jpeg_"))
     loaders, pipes, dls = [], [], []
     try:
@@ -143,10 +129,11 @@ def main(argv=None) -> list:
                 ("uint8 HWC", fastload.vision.train(224, dtype="uint8", layout="HWC"), torch.uint8, (224, 224, 3))):
             loaders.append(fastload.Loader(str(store), batch_size=b, transforms={"image": tf}, device="cpu", seed=0))
             fns[f"fastload Loader (cpu) {name}"] = loader_epoch(loaders[-1], n, dtype, shape)
-        ds = PILFolder(src)
+        ds = PILFolder(src, PILImageWork(fastload.vision.train(224), seed=0))
         for w in (0, 2):
-            dls.append(DataLoader(ds, batch_size=b, shuffle=True, num_workers=w, persistent_workers=w > 0))
-            fns[f"DataLoader + PIL, num_workers={w}"] = (lambda dl: lambda: sum(x.shape[0] for x, _ in dl))(dls[-1])
+            sampler = EpochSampler(RandomSampler(ds))
+            dls.append(DataLoader(ds, batch_size=b, sampler=sampler, num_workers=w, persistent_workers=w > 0))
+            fns[f"DataLoader + PIL, num_workers={w}"] = dataloader_epoch(dls[-1], sampler, n)
         runs = math.ceil(n / b)
         for name, hwc in (("DALI alone (files from disk)", False), ("DALI alone, uint8 HWC", True)):
             pipes.append(dali_pipe(src, b, cores, hwc))

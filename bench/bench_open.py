@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import headline, median_seconds, system_info  # noqa: E402
+from fastload.bench.report import headline, median_seconds, system_info
 
 
 def main(argv=None) -> dict:

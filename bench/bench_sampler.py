@@ -10,13 +10,10 @@ Every row yields one rank's share of an epoch (world size 8) as ready-to-use bat
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Measurement, headline, interleaved_medians, print_table, system_info  # noqa: E402
+from fastload.bench.report import Measurement, headline, interleaved_medians, print_table, system_info
 
 
 class _Sized:

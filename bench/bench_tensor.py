@@ -22,21 +22,14 @@ runs. Every ring epoch consumes its batches as torch tensors, exactly like a tra
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
-sys.path.insert(0, os.path.dirname(_HERE))
-
-from _common import Measurement, headline, interleaved_medians, median_seconds, print_table, system_info  # noqa: E402
-
-from fastload.ring import Ring, default_slots, default_threads  # noqa: E402
+from fastload.bench.report import Measurement, headline, interleaved_medians, median_seconds, print_table, system_info
+from fastload.ring import Ring, default_slots, default_threads
 
 
 # ---------------------------------------------------------------------------- building blocks

@@ -7,7 +7,7 @@
 
 Exits non-zero if any script fails. ``--out`` also writes everything printed to a file. Every
 script records its headline (fastload, the baseline, the limit, measured in one run) through
-``_common.headline``; ``--results FILE`` writes those records as JSON, ``--markdown FILE`` as
+``fastload.bench.report.headline``; ``--results FILE`` writes those records as JSON, ``--markdown FILE`` as
 the results table, and ``--readme`` replaces the table between the markers in README.md (full
 runs only: smoke-size figures never reach the README).
 """
@@ -22,13 +22,13 @@ import sys
 import time
 from pathlib import Path
 
+from fastload.bench.report import RESULTS_ENV, markdown_table
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from _common import RESULTS_ENV, markdown_table  # noqa: E402
 
 README = HERE.parent / "README.md"
 BEGIN, END = "<!-- bench-results:begin -->", "<!-- bench-results:end -->"
-_FIRST = ["tensor", "jpeg", "cow", "sampler", "open", "convert"]  # the README table's order
+_FIRST = ["tensor", "jpeg", "loop", "cow", "sampler", "open", "convert"]  # the README table's order
 SCRIPTS = sorted((p.stem[len("bench_"):] for p in HERE.glob("bench_*.py")),
                  key=lambda n: (_FIRST.index(n) if n in _FIRST else len(_FIRST), n))
 
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
             records += mine
             text = p.stdout + (f"\n[stderr]\n{p.stderr[-3000:]}" if p.returncode else "")
             if p.returncode == 0 and not mine:
-                text += f"\nbench_{n}.py recorded no headline (call _common.headline)"
+                text += f"\nbench_{n}.py recorded no headline (call fastload.bench.report.headline)"
                 failed.append(n)
             print(text, flush=True)
             print(f"(bench_{n}.py: exit {p.returncode}, {time.perf_counter() - t0:.0f} s)", flush=True)

@@ -1,120 +1,171 @@
-"""The ``fastload`` command: convert, inspect, verify, bench, demo."""
+"""The ``fastload`` command: convert, inspect, verify, bench, demo.
+
+This module imports nothing heavy: the parser is built from the standard library alone, so
+``fastload --help`` answers at once, and each command imports its own module when it runs
+(``convert``, ``inspect`` and ``verify`` never load torch or DALI).
+
+Output conventions, the same for every command:
+
+* results go to stdout, errors to stderr as one line ``fastload COMMAND: error: ...``
+  (exit status 1; 2 for bad usage; 130 on Ctrl-C);
+* ``--json [FILE]`` writes the command's JSON document to FILE, or to stdout when FILE is
+  omitted or ``-``; when the JSON goes to stdout, stdout carries the JSON document only
+  (a command's human-readable report, if any, goes to stderr);
+* a closed stdout (``fastload inspect --json DS | head``) ends the command quietly with
+  exit status 141 (128 + SIGPIPE), as for other Unix tools.
+"""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool stopped by a closed pipe
+STDOUT = "-"
 
 
-class _Fail(Exception):
-    """A user-facing error: printed as one line, exit code 1 (2 for bad usage)."""
+class Output:
+    """Where a command writes. ``text`` is the stream for the human-readable report (stdout,
+    or stderr when ``--json`` sends the JSON document to stdout); ``json(doc)`` writes the
+    JSON document to the ``--json`` destination."""
 
-    def __init__(self, msg: str, code: int = 1):
-        super().__init__(msg)
-        self.code = code
+    def __init__(self, json_dest: str | None = None):
+        self.json_dest = json_dest
+        self.text = sys.stderr if json_dest == STDOUT else sys.stdout
+
+    def print(self, *args, **kwargs) -> None:
+        print(*args, file=self.text, **kwargs)
+
+    def json(self, doc) -> None:
+        import json
+
+        text = json.dumps(doc, indent=1) + "\n"
+        if self.json_dest in (None, STDOUT):
+            sys.stdout.write(text)
+            return
+        dest = self.json_dest
+        tmp = f"{dest}.tmp-{os.getpid()}"
+        try:  # written whole, then renamed: an interrupted run never leaves a half-written file
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, dest)
+        except OSError as e:
+            from .errors import UsageError
+
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise UsageError(f"cannot write --json {dest}: {e.strerror or e}") from None
+        self.print(f"wrote {dest}")
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n}"
+def add_json_option(p: argparse.ArgumentParser, what: str) -> None:
+    """The one ``--json [FILE]`` option of every command (see the module docstring)."""
+    p.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="FILE",
+                   help=f"write {what} as JSON to FILE, or to stdout if FILE is omitted or '-' "
+                        "(stdout then holds the JSON only)")
+
+
+def check_json_dest(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``fastload inspect --json DS``: argparse gives DS to ``--json`` (its value is optional);
+    with the positional ``path`` left empty, DS is the dataset and the JSON goes to stdout."""
+    if a.path is None:
+        if a.json in (None, STDOUT):
+            parser.error("the following arguments are required: PATH")
+        a.path, a.json = a.json, STDOUT
+    if a.json not in (None, STDOUT):
+        parent = os.path.dirname(os.path.abspath(a.json))
+        if not os.path.isdir(parent):
+            from .errors import UsageError
+
+            raise UsageError(f"cannot write --json {a.json}: directory {parent} does not exist")
 
 
 # -- convert -----------------------------------------------------------------------------
-def cmd_convert(a) -> int:
+def cmd_convert(a, out: Output) -> int:
     from .convert import ConvertError, convert
+    from .errors import UsageError
+    from .store.inspect import human_bytes
 
     try:
         r = convert(a.kind, a.src, a.dst, workers=a.workers, shard_size=a.shard_size, on_error=a.on_error,
                     overwrite=a.overwrite, label=a.label, image_columns=a.image_column or (),
                     max_pixels=a.max_pixels, progress=not a.quiet)
     except (ConvertError, FileExistsError, FileNotFoundError, ValueError) as e:
-        raise _Fail(str(e)) from None
+        raise UsageError(str(e)) from None
     rate = r["num_samples"] / r["seconds"] if r["seconds"] else float("inf")
-    print(f"wrote {r['num_samples']} samples in {r['num_shards']} shard(s), {_human(r['bytes'])}, to {r['dst']} "
-          f"in {r['seconds']:.1f} s ({rate:,.0f} samples/s)")
+    out.print(f"wrote {r['num_samples']} samples in {r['num_shards']} shard(s), {human_bytes(r['bytes'])}, "
+              f"to {r['dst']} in {r['seconds']:.1f} s ({rate:,.0f} samples/s)")
     if r["skipped"]:
-        print(f"skipped {r['skipped']} sample(s) that could not be read; the list is in {r['report']}")
+        out.print(f"skipped {r['skipped']} sample(s) that could not be read; the list is in {r['report']}")
     return 0
 
 
 # -- inspect -----------------------------------------------------------------------------
-def inspect_text(path: str | os.PathLike) -> str:
-    from .store import Dataset
-
-    ds = Dataset(path)
-    m = ds.manifest
-    lines = [f"dataset   {ds.path}",
-             f"format    fastload v{m['format_version']}",
-             f"samples   {len(ds):,}",
-             f"shards    {ds.num_shards} ({_human(m['total_bytes'])}; "
-             f"{min(ds.shard_sizes, default=0):,}..{max(ds.shard_sizes, default=0):,} samples each)",
-             "fields"]
-    for name, f in ds.fields.items():
-        extra = " (label)" if name == ds.label_field else ""
-        lines.append(f"  {name:<20} {f.kind:<7} {str(f) if f.fixed else ''}{extra}")
-    if ds.class_counts is not None:
-        counts = ds.class_counts
-        names = ds.class_names or [str(i) for i in range(len(counts))]
-        total = max(int(counts.sum()), 1)
-        lines.append(f"classes   {len(counts)} (min {int(counts.min()) if len(counts) else 0}, "
-                     f"max {int(counts.max()) if len(counts) else 0} samples per class)")
-        for i, (n, c) in enumerate(zip(names, counts.tolist())):
-            if i == 20:
-                lines.append(f"  … {len(counts) - 20} more")
-                break
-            lines.append(f"  {i:>4} {n:<24} {c:>9,} {100 * c / total:5.1f}%")
-    skipped = ds.path / "skipped.jsonl"
-    if skipped.exists():
-        with open(skipped) as f:
-            lines.append(f"skipped   {sum(1 for _ in f)} source sample(s) at convert time (see {skipped})")
-    return "\n".join(lines)
-
-
-def cmd_inspect(a) -> int:
+def cmd_inspect(a, out: Output) -> int:
+    from .errors import UsageError
     from .store import FormatError
+    from .store.inspect import inspect_json, inspect_text
 
     try:
-        if a.json:
-            from .store import Dataset
-            print(json.dumps(Dataset(a.path).manifest, indent=1))
+        if a.json is not None:
+            out.json(inspect_json(a.path))
         else:
-            print(inspect_text(a.path))
+            out.print(inspect_text(a.path))
     except (FormatError, FileNotFoundError) as e:
-        raise _Fail(str(e)) from None
+        raise UsageError(str(e)) from None
     return 0
 
 
 # -- verify ------------------------------------------------------------------------------
-def cmd_verify(a) -> int:
+def cmd_verify(a, out: Output) -> int:
+    from .errors import UsageError
     from .store import FormatError, verify
 
     try:
         problems = verify(a.path)
     except (FormatError, FileNotFoundError) as e:
-        raise _Fail(str(e)) from None
+        raise UsageError(str(e)) from None
     if problems:
         for p in problems:
-            print(f"DAMAGED {p}")
-        print(f"{a.path}: {len(problems)} problem(s) found")
+            out.print(f"DAMAGED {p}")
+        out.print(f"{a.path}: {len(problems)} problem(s) found")
         return 1
-    print(f"{a.path}: OK (checksums and Arrow validation passed)")
+    out.print(f"{a.path}: OK (checksums and Arrow validation passed)")
     return 0
 
 
 # -- demo --------------------------------------------------------------------------------
-def cmd_demo(a) -> int:
+def cmd_demo(a, out: Output) -> int:
+    from pathlib import Path
+
     from .demo import run_demo
 
     return run_demo(out=Path(a.out), num_images=a.images, quick=a.quick)
 
 
+def cmd_bench(a, out: Output) -> int:
+    from .bench.cli import run_command
+
+    return run_command(a, out)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return f"fastload {__version__} (Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fastload", description="Arrow-shard data loading for PyTorch at hardware speed.")
+    from .bench.cli import add_bench_arguments
+
+    p = argparse.ArgumentParser(
+        prog="fastload", description="Arrow-shard data loading for PyTorch at hardware speed.",
+        epilog="Every command writes results to stdout and errors to stderr. '--json [FILE]' writes JSON to "
+               "FILE, or to stdout when FILE is omitted or '-' (stdout then holds the JSON only). "
+               "Exit status: 0 ok, 1 failed, 2 bad usage, 130 interrupted, 141 stdout closed early.")
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     c = sub.add_parser("convert", help="turn a source (image folder, arrays, table, tar shards) into a dataset")
@@ -132,10 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
 
-    i = sub.add_parser("inspect", help="print fields, counts, shards, sizes and class balance")
-    i.add_argument("path")
-    i.add_argument("--json", action="store_true", help="print the manifest as JSON")
-    i.set_defaults(func=cmd_inspect)
+    i = sub.add_parser("inspect", help="print fields, counts, shards, sizes and class balance",
+                       usage="%(prog)s [-h] [--json [FILE]] PATH",
+                       description="Print a dataset's fields, counts, shards, sizes and class balance; with "
+                                   "--json, its manifest as JSON (to stdout, or to FILE).")
+    i.add_argument("path", nargs="?", metavar="PATH", help="a dataset directory (required)")
+    add_json_option(i, "the manifest")
+    i.set_defaults(func=cmd_inspect, json_check=lambda a: check_json_dest(a, i))
 
     v = sub.add_parser("verify", help="recompute checksums and validate every shard; exit 1 if any is damaged")
     v.add_argument("path")
@@ -147,22 +201,52 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quick", action="store_true", help="smaller and faster (for CI)")
     d.set_defaults(func=cmd_demo)
 
-    from .bench import add_bench_parser
-    add_bench_parser(sub)
+    b = add_bench_arguments(sub)
+    add_json_option(b, "every figure and the machine description")
+    b.set_defaults(func=cmd_bench, json_check=lambda a: check_json_dest(a, b))
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    a = parser.parse_args(argv)
+def _quiet_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so that the interpreter's final flush
+    of what is still buffered cannot raise again at exit."""
     try:
-        return int(a.func(a) or 0)
-    except _Fail as e:
-        print(f"fastload {a.command}: error: {e}", file=sys.stderr)
-        return e.code
-    except KeyboardInterrupt:
-        print(f"fastload {a.command}: interrupted", file=sys.stderr)
-        return 130
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import FastloadError, UsageError
+
+    parser = build_parser()
+    try:
+        try:
+            a = parser.parse_args(argv)
+        except SystemExit:  # --help, --version, a usage error: argparse printed and exits
+            sys.stdout.flush()  # here, so that a closed pipe is seen now and not at exit
+            raise
+        try:
+            check = getattr(a, "json_check", None)
+            if check is not None:
+                check(a)
+            code = int(a.func(a, Output(getattr(a, "json", None))) or 0)
+        except UsageError as e:
+            print(f"fastload {a.command}: error: {e}", file=sys.stderr)
+            return e.code
+        except FastloadError as e:
+            print(f"fastload {a.command}: error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(f"fastload {a.command}: interrupted", file=sys.stderr)
+            return 130
+        sys.stdout.flush()  # inside the try: a reader that went away is seen here, not at exit
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

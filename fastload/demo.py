@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import time
@@ -18,11 +17,13 @@ def run_demo(out: Path, num_images: int = 512, quick: bool = False) -> int:
     import torch
 
     from . import vision
-    from .bench import machine_info, run_fastload, run_torch
-    from .cli import inspect_text
+    from .bench.cli import BenchOptions
+    from .bench.report import machine_info, system_info
+    from .bench.runs import run_fastload, run_torch
     from .convert import convert
     from .loader import Loader
     from .sample_data import make_image_folder
+    from .store.inspect import inspect_text
 
     if quick:
         num_images = min(num_images, 96)
@@ -55,9 +56,8 @@ def run_demo(out: Path, num_images: int = 512, quick: bool = False) -> int:
           f"{n} images in {dt:.2f} s; batch['image'] is {tuple(first['image'].shape)} "
           f"{str(first['image'].dtype).replace('torch.', '')}, labels {first['label'][:8].tolist()}...")
 
-    args = argparse.Namespace(batch_size=batch, transform="train224", device="cpu", epochs=1, world_size=1,
-                              threads=None, max_batches=None, step_ms=0.0, warmup=2, progress=False)
-    results = [run_fastload(dst, args)] + [run_torch(dst, args, w) for w in ((0,) if quick else (0, 2))]
+    opts = BenchOptions(batch_size=batch, transform="train224", device="cpu", warmup=2, progress=False)
+    results = [run_fastload(dst, opts)] + [run_torch(dst, opts, w) for w in ((0,) if quick else (0, 2))]
     base = max(x.samples_per_s for x in results[1:])
     print("[4/4] the same work, one epoch each, after a short warm-up (decode -> RandomResizedCrop(224) -> "
           "flip -> normalize -> float32 CHW):")
@@ -67,7 +67,7 @@ def run_demo(out: Path, num_images: int = 512, quick: bool = False) -> int:
     m = machine_info()
     (out / "demo-results.json").write_text(json.dumps(
         {"machine": m, "images": num_images, "batch_size": batch, "results": [x.as_dict() for x in results]}, indent=2))
-    print(f"\nmachine: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none (the CPU runs the same DALI graph)'}")
+    print(f"\nmachine: {system_info(m)}" + ("" if m["gpu"] else "; GPU: none (the CPU runs the same DALI graph)"))
     print(f"output: {out.resolve()} (images/, dataset/, demo-results.json)")
     print(f"next:   fastload bench {dst} --compare torch --limit --plot bench.png")
     return 0

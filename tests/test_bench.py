@@ -1,4 +1,5 @@
-"""`fastload bench` (JSON and PNG outputs checked) and the bench/ scripts at smoke size."""
+"""`fastload bench` (JSON and PNG outputs checked), its DataLoader baseline (the same work as
+the Loader), the shared report module, and the bench/ scripts at smoke size."""
 from __future__ import annotations
 
 import json
@@ -75,6 +76,126 @@ def test_bench_bad_arguments(image_ds, tmp_path):
     assert p.returncode == 1 and "missing" in p.stderr
     p = run("-m", "fastload", "bench", image_ds, "--plot", tmp_path / "nodir" / "x.png")
     assert p.returncode == 1 and "does not exist" in p.stderr
+    p = run("-m", "fastload", "bench", image_ds, "--plot", tmp_path / "x.jpg")
+    assert p.returncode == 1 and "give a .png" in p.stderr
+    p = run("-m", "fastload", "bench", image_ds, "--workers", "0,two")
+    assert p.returncode == 1 and "--workers='0,two'" in p.stderr
+    p = run("-m", "fastload", "bench", image_ds, "--step-ms", "-1")
+    assert p.returncode == 1 and "--step-ms=-1.0 must be a number >= 0" in p.stderr
+    p = run("-m", "fastload", "bench", image_ds, "--json", tmp_path / "nodir" / "r.json")
+    assert p.returncode == 1 and "does not exist" in p.stderr
+
+
+def test_bench_options_name_the_bad_value_and_the_allowed_ones():
+    from fastload.bench.cli import BenchOptions
+    from fastload.errors import UsageError
+
+    assert BenchOptions().workers == (0, 2)
+    for kw, msg in [({"batch_size": True}, "--batch-size=True must be an int >= 1"),
+                    ({"epochs": 1.5}, "--epochs=1.5 must be an int >= 1"),
+                    ({"threads": 0}, "--threads=0 must be an int >= 1 (or left unset)"),
+                    ({"warmup": -1}, "--warmup=-1 must be an int >= 0"),
+                    ({"transform": "train"}, "--transform='train' must be one of train224, eval224, none"),
+                    ({"device": "gpu"}, "--device='gpu' must be one of auto, cpu, cuda"),
+                    ({"compare": "dali"}, "--compare='dali' must be one of torch"),
+                    ({"workers": ()}, "--workers names no num_workers value"),
+                    ({"workers": (0, -2)}, "--workers=-2 must be an int >= 0"),
+                    ({"step_ms": float("nan")}, "--step-ms=nan must be a number >= 0")]:
+        with pytest.raises(UsageError) as e:
+            BenchOptions(**kw)
+        assert str(e.value) == msg or str(e.value).startswith(msg), (kw, str(e.value))
+
+
+# -- the DataLoader baseline does the Loader's work ------------------------------------------------
+def test_pil_baseline_draws_the_loaders_windows_including_the_fallback():
+    from fastload.bench.baseline import PILImageWork
+    from fastload.pipeline.crops import train_params
+
+    t = fastload.vision.train(224)
+    work = PILImageWork(t, seed=7)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        i, e, w, h = int(rng.integers(0, 10**6)), int(rng.integers(0, 100)), int(rng.integers(8, 900)), int(rng.integers(8, 900))
+        anchor, shape, flip = train_params(7, e, np.array([i]), np.array([w]), np.array([h]), t.scale, t.ratio, t.flip)
+        assert work.window(i, e, w, h) == (*anchor[0].astype(int).tolist(), *shape[0].astype(int).tolist(), bool(flip[0]))
+    # 1000x10: no attempt fits, so the fallback is the central crop with the ratio clamped to 4/3
+    # (13x10), not a centre square (10x10)
+    assert work.window(0, 0, 1000, 10)[:4] == (493, 0, 13, 10)
+    assert work.window(0, 0, 10, 1000)[:4] == (0, 493, 10, 13)
+    with pytest.raises(ValueError, match="dtype='float32', layout='CHW'"):
+        PILImageWork(fastload.vision.train(224, dtype="uint8", layout="HWC"))
+
+
+def test_pil_baseline_pixels_match_the_loader(tmp_path):
+    """The DataLoader baseline delivers what the Loader delivers, image by image (same window,
+    flip and normalisation; only the resampling differs slightly), also for an image on which
+    RandomResizedCrop falls back to the central crop."""
+    from fastload.bench.baseline import EpochSampler, ImageCollate, PILImageWork, TaggedDataset
+
+    make_image_folder(tmp_path / "src", 7, seed=1, min_side=96, max_side=160)
+    thin = (np.random.default_rng(0).random((12, 400, 3)) * 255).astype(np.uint8)
+    Image.fromarray(thin).save(tmp_path / "src" / sorted(p.name for p in (tmp_path / "src").iterdir())[0] / "thin.jpg")
+    fastload.convert("imagefolder", tmp_path / "src", tmp_path / "ds", progress=False)
+    ds = fastload.Dataset(tmp_path / "ds")
+    assert 400 in ds.image_sizes("image", np.arange(len(ds)))[0]
+    t = fastload.vision.train(64)
+    with fastload.Loader(ds, batch_size=len(ds), transforms={"image": t}, device="cpu", seed=0, shuffle=False) as ld:
+        ld.set_epoch(3)
+        b = next(iter(ld))
+    idx = b["index"].numpy().tolist()
+    collate = ImageCollate("image", PILImageWork(t, seed=0))
+    sampler = EpochSampler(idx)
+    sampler.set_epoch(3)
+    ours = collate(TaggedDataset(ds).__getitems__(list(sampler)))["image"].numpy()
+    sampler.set_epoch(4)
+    other_epoch = collate(TaggedDataset(ds).__getitems__(list(sampler)))["image"].numpy()
+    loader = b["image"].numpy()
+    assert ours.shape == loader.shape == (len(ds), 3, 64, 64)
+    same = np.abs(ours - loader).mean(axis=(1, 2, 3))
+    different = np.abs(other_epoch - loader).mean(axis=(1, 2, 3))
+    assert same.max() < 0.05, same  # normalised units: ~1/80 of the range of a channel
+    assert np.median(different) > 0.3, different  # another epoch's windows: other pixels
+    # the thin image: its fallback window (16x12 in the middle) is what the Loader decoded; the
+    # centre square an older baseline took (12x12) gives other pixels
+    j = idx.index(next(i for i in idx if ds.image_sizes("image", [i])[0][0] == 400))
+    work = PILImageWork(t, seed=0)
+    x, y, w, h, flip = work.window(idx[j], 3, 400, 12)
+    assert (x, y, w, h) == (192, 0, 16, 12)
+    square = Image.fromarray(thin).resize((64, 64), Image.BILINEAR, box=(194, 0, 206, 12))
+    if flip:
+        square = square.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    square = ((np.asarray(square, np.float32) / 255 - work.mean) / work.std).transpose(2, 0, 1)
+    assert np.abs(square - loader[j]).mean() > 10 * same[j]
+
+
+# -- the report module shared with bench/*.py ----------------------------------------------------
+def test_report_timing_rows_and_tables():
+    from fastload.bench import report
+    from fastload.system import usable_cores
+
+    calls = []
+    med = report.interleaved_medians({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                                     repeats=3, warmup=1)
+    assert calls == ["a", "b"] * 4 and set(med) == {"a", "b"} and all(v >= 0 for v in med.values())
+    with pytest.raises(ValueError, match="repeats=0 must be an int >= 1"):
+        report.median_seconds(lambda: None, repeats=0)
+    rows = [report.Measurement("ours", 1000, 4_000_000, 0.5, "ours", first_batch_s=0.25, wait_fraction=0.1),
+            report.Measurement("dl", 1000, 4_000_000, 2.0, "dataloader"),
+            report.Measurement("memcpy", 1000, 4_000_000, 0.25, "limit", "the limit")]
+    assert rows[0].samples_per_s == 2000 and rows[0].mb_per_s == 8.0 and rows[0].gb_per_s == 0.008
+    text = report.format_table(rows, rate="MB/s").splitlines()
+    assert text[0].split() == ["system", "samples/s", "MB/s", "first", "batch", "(cold)", "stall", "vs", "DataLoader",
+                               "vs", "limit", "note"]
+    assert text[2].split() == ["ours", "2,000", "8.0", "0.250", "s", "10%", "4.00x", "50%"]
+    assert text[3].split()[1:] == ["500", "2.0", "-", "-", "1.00x", "12%"]
+    assert text[4].split()[-4:] == ["8.00x", "100%", "the", "limit"]
+    assert report.Measurement.from_dict(rows[0].as_dict()) == rows[0]
+    with pytest.raises(ValueError, match="kind='best'"):
+        report.Measurement("x", 1, 1, 1.0, "best")
+    m = report.machine_info()
+    assert m["cores"] == usable_cores() and m["versions"]["fastload"] == fastload.__version__
+    assert m["versions"]["dali"] and m["versions"]["torch"]
+    assert report.system_info(m).startswith(f"{m['cpu']}, {m['cores']} cores")
 
 
 def test_bench_scripts_smoke(tmp_path):

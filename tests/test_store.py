@@ -537,8 +537,6 @@ def test_store_convert_and_verify_never_import_torch_or_dali(tmp_path):
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
 
 
-@pytest.mark.xfail(strict=False, reason="fastload/__init__.py imports the Loader (and torch) until it is made "
-                                        "lazy (issue 13, the package/loader part)")
 def test_importing_the_store_and_convert_through_the_package_imports_no_torch():
     p = _run_python("""
         import sys
