@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -72,21 +73,32 @@ def env_for(tmp: Path, fault_group: int | None = None) -> dict:
 
 
 _RUN = "import json, sys; from fastload.convert import convert; print(json.dumps(convert(**json.loads(sys.argv[1]))))"
+_CLI_LINES = [(re.compile(r"^wrote (\d+) samples"), ("num_samples",)),
+              (re.compile(r"^skipped (\d+) sample"), ("skipped",)),
+              (re.compile(r"^\w+: (\d+) group\(s\); (\d+) converted by this run, (\d+) reused"),
+               ("num_groups", "tasks_run", "tasks_reused"))]
 
 
 def run_engine(engine: str, src: Path, dst: Path, tmp: Path, *, fault_group: int | None = None, ranks: int = 2,
-               watch: set | None = None, extra_env: dict | None = None, **kw) -> tuple[int, dict | None, str]:
-    """Run a conversion in fresh processes: the API in a subprocess (ray), or every rank of
-    ``torchrun --standalone --nproc-per-node ranks`` (torch). Returns (exit status, rank 0's
-    summary or None, stderr). ``watch``: a set that receives every IP address the
-    processes' TCP sockets used."""
-    args = json.dumps({"kind": "imagefolder", "src": str(src), "dst": str(dst), "engine": engine,
-                       "shard_size": SHARD, "progress": False, **kw})
-    if engine == "torch":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               "--no-python", sys.executable, "-c", _RUN, args]
+               watch: set | None = None, extra_env: dict | None = None, cli: bool = False,
+               **kw) -> tuple[int, dict | None, str]:
+    """Run a conversion in fresh processes: the API in a subprocess, or (``cli``) the
+    ``fastload convert`` command; with engine "torch", on every rank of ``torchrun
+    --standalone --nproc-per-node ranks``. Returns (exit status, rank 0's summary or None,
+    stderr); from the CLI the summary holds what it prints. ``watch``: a set that receives
+    every IP address the processes' TCP sockets used."""
+    if cli:
+        flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in kw.items() if v is not False]
+        cmd = ["-m", "fastload", "convert", "imagefolder", str(src), str(dst), f"--engine={engine}",
+               f"--shard-size={SHARD}", "-q", *flags]
     else:
-        cmd = [sys.executable, "-c", _RUN, args]
+        cmd = ["-c", _RUN, json.dumps({"kind": "imagefolder", "src": str(src), "dst": str(dst), "engine": engine,
+                                       "shard_size": SHARD, "progress": False, **kw})]
+    if engine == "torch":  # torchrun: every rank runs the same command
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "--no-python", sys.executable, *cmd]
+    else:
+        cmd = [sys.executable, *cmd]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**env_for(tmp, fault_group), **(extra_env or {})})
     try:
@@ -98,6 +110,14 @@ def run_engine(engine: str, src: Path, dst: Path, tmp: Path, *, fault_group: int
             p.wait()
     if watch is not None:
         watch.update(addresses)
+    if cli:
+        first = {}
+        for line in stdout.splitlines():
+            for rx, names in _CLI_LINES:
+                m = rx.match(line)
+                if m:
+                    first.update(zip(names, map(int, m.groups())))
+        return p.returncode, first or None, stderr
     outs = [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
     first = next((o for o in outs if o.get("rank", 0) == 0), None)
     return p.returncode, first, stderr
@@ -121,14 +141,23 @@ def _watch_addresses(p: subprocess.Popen) -> set[str]:
             except psutil.Error:
                 continue
             for c in conns:
-                seen.update(a.ip for a in (c.laddr, c.raddr) if a)
+                for a in (c.laddr, c.raddr):
+                    if a:
+                        try:
+                            seen.add(a.ip if _is_loopback(a.ip) else f"{a.ip} ({' '.join(proc.cmdline())[:100]})")
+                        except psutil.Error:
+                            seen.add(a.ip)
         time.sleep(0.2)
     return seen
 
 
+def _is_loopback(ip: str) -> bool:
+    return ip.startswith(("127.", "::ffff:127.")) or ip in ("::1", "::", "0.0.0.0")
+
+
 def non_loopback(addresses: set[str]) -> set[str]:
-    return {a for a in addresses if not (a.startswith("127.") or a in ("::1", "::", "0.0.0.0")
-                                         or a.startswith("::ffff:127."))}
+    """The addresses (with the process that used them) that are not this machine's loopback."""
+    return {a for a in addresses if not _is_loopback(a)}
 
 
 def heavy_modules(tmp: Path) -> dict:
@@ -320,7 +349,7 @@ def test_ray_equals_local_and_retries_a_killed_worker(images, reference, tmp_pat
 def test_ray_failure_then_resume(images, reference, tmp_path):
     src, key = corrupt_copy(images, tmp_path, 299)  # in the last group
     dst = tmp_path / "ds"
-    code, _, err = run_engine("ray", src, dst, tmp_path, workers=2)
+    code, _, err = run_engine("ray", src, dst, tmp_path, workers=2, cli=True)
     plan = load_plan(dst)
     g = plan.num_groups - 1
     a, b = plan.bounds(g)
@@ -329,7 +358,7 @@ def test_ray_failure_then_resume(images, reference, tmp_path):
     done = sorted(p.name for p in (dst / PARTS).glob("g-????????"))
     assert done and f"g-{g:08d}" not in done
     shutil.copy(images / key, src / key)  # the user fixes the file
-    code, r, err = run_engine("ray", src, dst, tmp_path, workers=2, resume=True)
+    code, r, err = run_engine("ray", src, dst, tmp_path, workers=2, resume=True, cli=True)
     assert code == 0, err
     assert r["tasks_reused"] == len(done) and r["tasks_run"] == plan.num_groups - len(done)
     assert_same(reference, dst)
@@ -393,7 +422,7 @@ def test_torchrun_equals_local_and_retries_a_killed_task(images, reference, tmp_
 def test_torchrun_failure_then_resume_and_skip(images, reference, tmp_path):
     src, key = corrupt_copy(images, tmp_path, 150)  # a middle group
     dst = tmp_path / "ds"
-    code, _, err = run_engine("torch", src, dst, tmp_path)
+    code, _, err = run_engine("torch", src, dst, tmp_path, cli=True)
     plan = load_plan(dst)
     g = 150 // plan.group_size
     a, b = plan.bounds(g)
@@ -402,9 +431,10 @@ def test_torchrun_failure_then_resume_and_skip(images, reference, tmp_path):
     done = sorted(p.name for p in (dst / PARTS).glob("g-????????"))
     assert f"g-{g:08d}" not in done
     # resume under --on-error skip: finished parts reused, the bad image reported globally
-    code, r, err = run_engine("torch", src, dst, tmp_path, resume=True, on_error="skip")
+    code, r, err = run_engine("torch", src, dst, tmp_path, resume=True, on_error="skip", cli=True)
     assert code == 0, err
-    assert r["tasks_reused"] >= 1 and r["skipped"] == 1
+    assert r["tasks_reused"] == len(done) >= 1 and r["tasks_run"] == plan.num_groups - len(done)
+    assert r["skipped"] == 1 and r["num_samples"] == 299
     rec = [json.loads(x) for x in (dst / "skipped.jsonl").read_text().splitlines()]
     assert [(x["index"], x["key"]) for x in rec] == [(150, key)]
     convert("imagefolder", src, tmp_path / "ref", progress=False, workers=0, on_error="skip")

@@ -30,6 +30,7 @@ from ...system import usable_cores  # noqa: F401  (the default stays 1 task per 
 from .. import _store
 from ..common import ConvertError
 from ..plan import load_plan, make_plan
+from ..task import read_part
 from . import drive, summary
 
 MAX_RETRIES = 3
@@ -211,12 +212,13 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
     ranks = _Ranks()
     try:
         # 1. rank 0 plans; the others wait for it, then read the plan from DST.
-        plan, err = None, None
+        plan, err, reused = None, None, 0
         if ranks.rank == 0:
             try:
                 plan = make_plan(kind, src, dst, shard_size=shard_size, overwrite=overwrite, resume=resume,
                                  label=label, image_columns=image_columns, max_pixels=max_pixels)
                 (plan.parts / STOP).unlink(missing_ok=True)
+                reused = sum(read_part(plan.part_dir(g)) is not None for g in range(plan.num_groups))
             except BaseException as e:
                 err = e
         if not ranks.from_rank0(err is None):
@@ -262,6 +264,9 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
             res = {"dst": plan.dst, "num_samples": m["num_samples"], "num_shards": len(m["shards"]),
                    "bytes": m["total_bytes"], "skipped": None, "report": None, "num_groups": plan.num_groups}
         res.update(rank=ranks.rank, world_size=ranks.world)
-        return summary(res, t0, results, "torch", slots)
+        res = summary(res, t0, results, "torch", slots)  # worker figures: this rank's tasks
+        if ranks.rank == 0:  # task counts: every rank's
+            res.update(tasks_run=plan.num_groups - reused, tasks_reused=reused)
+        return res
     finally:
         ranks.close()
