@@ -14,26 +14,9 @@ import types
 from typing import Sequence
 
 from ..errors import ConvertError
-from .common import Source, run_convert
+from .common import run_convert
 
-KINDS = ("imagefolder", "arrays", "table", "webdataset")
-
-
-def make_source(kind: str, src: str | os.PathLike, *, label: str | None = None,
-                image_columns: Sequence[str] = (), max_pixels: int | None = None) -> Source:
-    if kind == "imagefolder":
-        from .imagefolder import ImageFolderSource
-        return ImageFolderSource(src, max_pixels=max_pixels)
-    if kind == "arrays":
-        from .arrays import ArraysSource
-        return ArraysSource(src, label=label)
-    if kind == "table":
-        from .table import TableSource
-        return TableSource(src, label=label, image_columns=image_columns, max_pixels=max_pixels)
-    if kind == "webdataset":
-        from .webdataset import WebDatasetSource
-        return WebDatasetSource(src)
-    raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(KINDS)}")
+from .kinds import KINDS, make_source
 
 
 def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,

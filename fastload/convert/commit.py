@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _store
+from ._store import MANIFEST, SKIPPED_REPORT, commit_transaction, fsync_dir, remove_tree, shard_name, write_report
 from .common import ConvertError
 from .plan import Plan
 from .task import read_part
@@ -39,7 +39,7 @@ class LocalTarget:
 
     def __init__(self, dst: Path):
         self.dst = dst
-        self.tx = _store.commit_transaction(dst)
+        self.tx = commit_transaction(dst)
         self._placed: list[tuple[Path, Path]] = []
 
     def place(self, part_file: Path, name: str) -> None:
@@ -48,16 +48,16 @@ class LocalTarget:
 
     def put_report(self, records: list[dict]) -> None:
         if records:
-            _store.write_report(self.tx.dir / _store.SKIPPED_REPORT, records)
+            write_report(self.tx.dir / SKIPPED_REPORT, records)
 
     def put_manifest(self, manifest: dict) -> None:
-        _store.fsync_dir(self.tx.dir)
+        fsync_dir(self.tx.dir)
         self.tx.commit(manifest)  # the manifest last; the dataset opens from here on
         self._placed.clear()
 
     def discard_parts(self, parts: Path) -> None:
-        _store.remove_tree(parts)
-        _store.fsync_dir(self.dst)
+        remove_tree(parts)
+        fsync_dir(self.dst)
 
     def abort(self) -> None:
         """Put the shards moved so far back into their parts (a --resume then finds them)."""
@@ -72,7 +72,7 @@ class LocalTarget:
 
 def _read_manifest(part: Path) -> dict | None:
     try:
-        with open(part / _store.MANIFEST, encoding="utf-8") as f:
+        with open(part / MANIFEST, encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
         return None
@@ -81,7 +81,7 @@ def _read_manifest(part: Path) -> dict | None:
 def _read_report(part: Path, offset: int) -> list[dict]:
     out = []
     try:
-        with open(part / _store.SKIPPED_REPORT, encoding="utf-8") as f:
+        with open(part / SKIPPED_REPORT, encoding="utf-8") as f:
             for line in f:
                 if line.strip():
                     r = json.loads(line)
@@ -108,7 +108,7 @@ def check_parts(plan: Plan, on_error: str) -> list[tuple[int, dict, dict | None]
                                "it belongs to another plan; start over with --overwrite")
         if on_error == "raise" and rec["skipped"]:
             raise ConvertError(f"{where}: {rec['skipped']} sample(s) were skipped by an earlier --on-error skip "
-                               f"run (see {part / _store.SKIPPED_REPORT}); resume with --on-error skip, or start "
+                               f"run (see {part / SKIPPED_REPORT}); resume with --on-error skip, or start "
                                "over with --overwrite")
         m = _read_manifest(part)
         if m is None:
@@ -140,8 +140,8 @@ def commit(plan: Plan, on_error: str = "raise", target: Any = None) -> dict:
     total = sum(rec["num_samples"] for _, rec, _ in parts)
     if total == 0:
         first = "; ".join(f"{r['key']}: {r['reason']}" for r in skipped[:3])
-        if skipped and not (dst / _store.MANIFEST).exists():
-            _store.write_report(dst / _store.SKIPPED_REPORT, skipped)
+        if skipped and not (dst / MANIFEST).exists():
+            write_report(dst / SKIPPED_REPORT, skipped)
         raise ConvertError(f"no sample of {plan.num_samples} could be converted"
                            + (f" ({first}{'; …' if len(skipped) > 3 else ''})" if skipped else ""))
     template = next(m for _, _, m in parts if m is not None)
@@ -153,7 +153,7 @@ def commit(plan: Plan, on_error: str = "raise", target: Any = None) -> dict:
             if m is None:
                 continue
             for s in m["shards"]:
-                name = _store.shard_name(len(shards))
+                name = shard_name(len(shards))
                 target.place(plan.part_dir(g) / s["file"], name)
                 shards.append({**s, "file": name})
             c = np.asarray((m.get("label") or {}).get("counts") or [], dtype=np.int64)
@@ -173,4 +173,4 @@ def commit(plan: Plan, on_error: str = "raise", target: Any = None) -> dict:
     target.discard_parts(plan.parts)
     return {"dst": str(dst), "num_samples": manifest["num_samples"], "num_shards": len(shards),
             "bytes": manifest["total_bytes"], "skipped": len(skipped),
-            "report": str(dst / _store.SKIPPED_REPORT) if skipped else None, "num_groups": plan.num_groups}
+            "report": str(dst / SKIPPED_REPORT) if skipped else None, "num_groups": plan.num_groups}

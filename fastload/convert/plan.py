@@ -24,11 +24,11 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from . import _store
+from ._store import MAX_SHARD_SIZE, PARTS, check_destination, remove_tree, write_json
 from .common import ConvertError, Source
 
 PLAN = "plan.json"
@@ -68,7 +68,7 @@ class Plan:
 
     @property
     def parts(self) -> Path:
-        return Path(self.dst) / _store.PARTS
+        return Path(self.dst) / PARTS
 
     def part_dir(self, g: int) -> Path:
         """The part of group ``g``: its name depends on the group only, so a retried or
@@ -79,14 +79,14 @@ class Plan:
     def part_shard_size(self) -> int:
         """The writer's budget inside a part: a group makes one shard unless the estimate
         was far off (then a second one rather than a huge one)."""
-        return min(_store.MAX_SHARD_SIZE, 2 * int(self.options["shard_size"]))
+        return min(MAX_SHARD_SIZE, 2 * int(self.options["shard_size"]))
 
     def to_json(self) -> dict:
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **asdict(self)}
 
 
 def load_plan(dst: str | os.PathLike) -> Plan:
-    path = Path(dst) / _store.PARTS / PLAN
+    path = Path(dst) / PARTS / PLAN
     import json
 
     try:
@@ -199,7 +199,7 @@ def _string_classes(path: Path, column: str) -> list[str]:
 
 
 def _plan_whole(kind: str, src: Path, options: dict) -> tuple[Source, dict, list, float]:
-    from . import make_source
+    from .kinds import make_source
 
     source = make_source(kind, src, label=options["label"], image_columns=options["image_columns"],
                          max_pixels=options["max_pixels"])
@@ -213,18 +213,18 @@ def make_plan(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, shar
     src, dst = Path(src).resolve(), Path(dst).absolute()
     options = {"label": label, "image_columns": sorted(image_columns or ()), "max_pixels": max_pixels,
                "shard_size": int(shard_size)}
-    parts = dst / _store.PARTS
+    parts = dst / PARTS
     if (parts / PLAN).exists() and resume:
         plan = load_plan(dst)
         _check_same(plan, kind, src, options)
-        _store.check_destination(dst, overwrite=overwrite or plan.overwrite, allow_leftovers=True)
+        check_destination(dst, overwrite=overwrite or plan.overwrite, allow_leftovers=True)
         return plan
     if parts.exists() and not (resume or overwrite):
         raise FileExistsError(f"{dst} holds an unfinished conversion ({parts}); pass --resume to finish it "
                               "(finished parts are reused), or --overwrite to start over")
-    _store.check_destination(dst, overwrite=overwrite)
+    check_destination(dst, overwrite=overwrite)
     if parts.exists():  # a stale, unfinished conversion of our own: start over
-        _store.remove_tree(parts)
+        remove_tree(parts)
     parts.mkdir(parents=True)
     try:
         if kind == "imagefolder":
@@ -244,9 +244,9 @@ def make_plan(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, shar
             close = getattr(source, "close", None)
             if close is not None:
                 close()
-        _store.write_json(parts / PLAN, plan.to_json())  # last: a plan that exists is complete
+        write_json(parts / PLAN, plan.to_json())  # last: a plan that exists is complete
     except BaseException:
-        _store.remove_tree(parts)
+        remove_tree(parts)
         if dst.is_dir() and not os.listdir(dst):
             pass  # an empty DST stays, as the local writer leaves it
         raise
@@ -254,7 +254,7 @@ def make_plan(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, shar
 
 
 def _check_same(plan: Plan, kind: str, src: Path, options: dict) -> None:
-    where = f"{Path(plan.dst) / _store.PARTS / PLAN}"
+    where = f"{Path(plan.dst) / PARTS / PLAN}"
     if plan.kind != kind or plan.src != str(src):
         raise ConvertError(f"--resume: {where} is the plan of `convert {plan.kind} {plan.src}`, not of "
                            f"`convert {kind} {src}`; pass --overwrite to start over")

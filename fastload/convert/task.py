@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _store
+from ._store import MANIFEST, SKIPPED_REPORT, fsync_dir, write_json
 from .common import ConvertError, Source, run_convert
-from .plan import LISTING, Plan, load_plan
+from .plan import Plan, load_plan
 
 PART = "part.json"
 # Modules a conversion worker must never pay for (~1.9 s and ~250 MB each).
@@ -94,7 +94,7 @@ def open_group(plan: Plan, g: int) -> Source:
 
         return TableSource(plan.src, label=spec["label"], image_columns=spec["image_columns"],
                            max_pixels=opts["max_pixels"], rows=(a, b), classes=spec["classes"], detect_images=False)
-    from . import make_source
+    from .kinds import make_source
 
     return RangeSource(make_source(plan.kind, plan.src, label=spec.get("label"), max_pixels=opts["max_pixels"]), a, b)
 
@@ -115,7 +115,7 @@ def finished_part(part: Path) -> dict | None:
     if rec is None:
         return None
     try:
-        with open(part / _store.MANIFEST, encoding="utf-8") as f:
+        with open(part / MANIFEST, encoding="utf-8") as f:
             shards = json.load(f)["shards"]
     except FileNotFoundError:
         shards = []
@@ -174,7 +174,7 @@ def run_group(dst: str | os.PathLike, g: int, on_error: str = "raise") -> dict:
                             progress=False, desc=f"group {g}")
             n, skipped = r["num_samples"], r["skipped"]
         except ConvertError as e:
-            report = attempt / _store.SKIPPED_REPORT
+            report = attempt / SKIPPED_REPORT
             if on_error == "skip" and _count_lines(report) == b - a:  # every sample of the group skipped
                 n, skipped = 0, b - a
             else:
@@ -190,7 +190,7 @@ def run_group(dst: str | os.PathLike, g: int, on_error: str = "raise") -> dict:
             close()
     rec = {"group": g, "start": a, "stop": b, "num_samples": n, "skipped": skipped,
            "seconds": round(time.perf_counter() - t0, 3), "host": socket.gethostname(), "pid": os.getpid()}
-    _store.write_json(attempt / PART, rec)
+    write_json(attempt / PART, rec)
     try:
         os.rename(attempt, final)  # fails when another attempt of this group got there first
     except OSError:
@@ -199,6 +199,6 @@ def run_group(dst: str | os.PathLike, g: int, on_error: str = "raise") -> dict:
         if winner is None:
             raise
         return _result(winner, t0, reused=True)
-    _store.fsync_dir(plan.parts)
+    fsync_dir(plan.parts)
     return _result(rec, t0, reused=False)
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from ...system import usable_cores
 from ..common import ConvertError
 from ..plan import make_plan
-from . import drive, summary
+from .driver import drive, summary
 
 MAX_RETRIES = 3
 # Environment for a private local Ray: loopback only (without the first, Ray advertises the

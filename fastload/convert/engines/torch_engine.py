@@ -26,12 +26,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from ...system import usable_cores  # noqa: F401  (the default stays 1 task per rank: ranks are the workers)
-from .. import _store
+from .._store import MANIFEST, write_json
 from ..common import ConvertError
 from ..plan import load_plan, make_plan
 from ..task import read_part
-from . import drive, summary
+from .driver import drive, summary
 
 MAX_RETRIES = 3
 STOP = "stop.json"
@@ -238,7 +237,7 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
         except ConvertError as e:
             failed = e
             if not stop_file.exists():
-                _store.write_json(stop_file, {"rank": ranks.rank, "error": str(e).splitlines()[0]})
+                write_json(stop_file, {"rank": ranks.rank, "error": str(e).splitlines()[0]})
         finally:
             ex.close()
         if ranks.any(failed is not None):
@@ -259,7 +258,7 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
                 raise err
             raise ConvertError("rank 0 could not commit the conversion (its error says why)")
         if res is None:  # the other ranks report what rank 0 wrote
-            with open(Path(plan.dst) / _store.MANIFEST, encoding="utf-8") as f:
+            with open(Path(plan.dst) / MANIFEST, encoding="utf-8") as f:
                 m = json.load(f)
             res = {"dst": plan.dst, "num_samples": m["num_samples"], "num_shards": len(m["shards"]),
                    "bytes": m["total_bytes"], "skipped": None, "report": None, "num_groups": plan.num_groups}
