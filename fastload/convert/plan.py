@@ -93,7 +93,8 @@ def load_plan(dst: str | os.PathLike) -> Plan:
         with open(path, encoding="utf-8") as f:
             d = json.load(f)
     except FileNotFoundError:
-        raise ConvertError(f"{path}: no conversion plan (was the parts directory removed?)") from None
+        raise ConvertError(f"{path}: no conversion plan here; on a cluster, DST must be a path every node sees "
+                           "(a shared filesystem), and the parts directory must stay until the commit") from None
     except ValueError as e:
         raise ConvertError(f"{path}: not a readable plan ({e})") from None
     if d.pop("format", None) != PLAN_FORMAT or d.pop("version", None) != PLAN_VERSION:
