@@ -105,9 +105,20 @@ def run_engine(engine: str, src: Path, dst: Path, tmp: Path, *, fault_group: int
         addresses = _watch_addresses(p) if watch is not None else set()
         stdout, stderr = p.communicate(timeout=600)
     finally:
-        if p.poll() is None:
+        if p.poll() is None:  # a hang: end the driver and every process it started, by pid
+            import psutil
+
+            try:
+                tree = psutil.Process(p.pid).children(recursive=True)
+            except psutil.Error:
+                tree = []
             p.kill()
             p.wait()
+            for child in tree:
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
     if watch is not None:
         watch.update(addresses)
     if cli:
