@@ -131,11 +131,25 @@ def finished_part(part: Path) -> dict | None:
     return None
 
 
+def _peak_rss() -> int:
+    """Peak resident memory of this process's program, in bytes. Linux's VmHWM (unlike
+    getrusage's maxrss, which keeps the high-water mark of a parent the process was forked
+    from before it exec'd: a torch-sized rank for the torch engine's workers)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux; macOS: bytes
+
+
 def _result(rec: dict, t0: float, reused: bool) -> dict:
     return {"group": rec["group"], "num_samples": rec["num_samples"], "skipped": rec["skipped"],
             "source_samples": rec["stop"] - rec["start"], "seconds": time.perf_counter() - t0, "reused": reused,
             "pid": os.getpid(), "host": socket.gethostname(),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": _peak_rss(),
             "heavy_modules": [m for m in HEAVY_MODULES if m in sys.modules], "error": None}
 
 
