@@ -248,8 +248,6 @@ def make_plan(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, shar
         write_json(parts / PLAN, plan.to_json())  # last: a plan that exists is complete
     except BaseException:
         remove_tree(parts)
-        if dst.is_dir() and not os.listdir(dst):
-            pass  # an empty DST stays, as the local writer leaves it
         raise
     return plan
 
