@@ -329,6 +329,24 @@ def test_skip_report_has_global_indices(images, tmp_path):
     assert rec[0]["index"] == 150 and rec[0]["key"] == key
 
 
+def test_a_group_with_every_sample_skipped_leaves_no_shard(images, tmp_path):
+    src = tmp_path / "images"
+    shutil.copytree(images, src)
+    dst = tmp_path / "ds"
+    plan = make_plan("imagefolder", src, dst, shard_size=200_000, overwrite=False, resume=False)
+    a, b = plan.bounds(1)
+    files = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.jpg"))
+    for f in files[a:b]:  # every image of group 1 goes bad after the plan was made
+        (src / f).write_bytes(b"not an image")
+    for g in range(plan.num_groups):
+        assert run_group(dst, g, "skip")["error"] is None
+    r = commit(plan, "skip")
+    assert r["skipped"] == b - a and r["num_samples"] == 300 - (b - a) and r["num_shards"] == plan.num_groups - 1
+    convert("imagefolder", src, tmp_path / "ref", progress=False, workers=0, on_error="skip")
+    assert_same(tmp_path / "ref", dst)
+    assert (dst / "skipped.jsonl").read_text() == (tmp_path / "ref" / "skipped.jsonl").read_text()
+
+
 def test_engine_arguments_are_checked(images, tmp_path):
     with pytest.raises(ValueError, match="engine"):
         convert("imagefolder", images, tmp_path / "x", engine="spark")

@@ -172,29 +172,30 @@ def run_group(dst: str | os.PathLike, g: int, on_error: str = "raise") -> dict:
     a, b = plan.bounds(g)
     attempt = plan.parts / f"{final.name}.attempt-{uuid.uuid4().hex[:12]}"
     where = f"group {g} (samples {a}..{b - 1})"
+
+    def failed(msg: str) -> dict:  # a data error: reported, never retried (it would fail again)
+        shutil.rmtree(attempt, ignore_errors=True)
+        return {**_result({"group": g, "num_samples": 0, "skipped": 0, "start": a, "stop": b}, t0, False),
+                "error": f"{where}: {msg}"}
+
     try:
         source = open_group(plan, g)
     except ConvertError as e:
-        return {**_result({"group": g, "num_samples": 0, "skipped": 0, "start": a, "stop": b}, t0, False),
-                "error": f"{where}: {e}"}
+        return failed(str(e))
     try:
         fields = {n: f.to_json() for n, f in source.fields.items()}
         if fields != plan.fields or source.num_samples != b - a:
-            raise ConvertError(f"{where}: the source changed since the conversion was planned (fields {fields} "
-                               f"and {source.num_samples} samples, planned {plan.fields} and {b - a}); "
-                               "start over with --overwrite")
+            return failed(f"the source changed since the conversion was planned (fields {fields} and "
+                          f"{source.num_samples} samples, planned {plan.fields} and {b - a}); start over "
+                          "with --overwrite")
         try:
             r = run_convert(source, attempt, workers=1, shard_size=plan.part_shard_size, on_error=on_error,
                             progress=False, desc=f"group {g}")
             n, skipped = r["num_samples"], r["skipped"]
         except ConvertError as e:
-            report = attempt / SKIPPED_REPORT
-            if on_error == "skip" and _count_lines(report) == b - a:  # every sample of the group skipped
-                n, skipped = 0, b - a
-            else:
-                shutil.rmtree(attempt, ignore_errors=True)
-                return {**_result({"group": g, "num_samples": 0, "skipped": 0, "start": a, "stop": b}, t0, False),
-                        "error": f"{where}: {e}"}
+            if not (on_error == "skip" and _count_lines(attempt / SKIPPED_REPORT) == b - a):
+                return failed(str(e))
+            n, skipped = 0, b - a  # every sample of the group skipped: an empty part
     except BaseException:
         shutil.rmtree(attempt, ignore_errors=True)
         raise
