@@ -11,7 +11,8 @@ same JPEG folder (real photos from scikit-image, 300-500 px, quality 90):
   torch 2 ranks      --engine torch under `torchrun --standalone --nproc-per-node 2`
 
 Every engine row runs `fastload.convert` in a fresh process and times the whole call
-(planning, starting Ray or the process group, the tasks, the commit), and reports the peak
+(planning, starting Ray or the process group, the tasks, the commit; "tasks alone" is the
+task phase only, without the engine's start), and reports the peak
 memory (RSS) of one converting worker: a validation process (local), a Ray worker, a torch
 task process. `--shard-size` is chosen so the source makes about 16 groups (4 with --smoke,
 which also leaves out ray w=1).
@@ -121,10 +122,12 @@ def main(argv=None) -> list:
             runs.sort(key=lambda r: r["seconds"])
             r = runs[len(runs) // 2]  # the median run
             peak = max(x["worker_peak_rss_bytes"] for x in runs) / 2**20
+            tasks = f"tasks alone {a.images / r['tasks_seconds']:,.0f}/s; " if r.get("tasks_seconds") else ""
             m = Measurement(label, a.images, nbytes, r["seconds"], "ours",
-                            f"{peak:.0f} MB peak RSS per worker; {r['num_shards']} shards; "
+                            f"{tasks}{peak:.0f} MB peak RSS per worker; {r['num_shards']} shards; "
                             f"{r['wall']:.1f} s with process start")
             m.extra = {"engine": engine, "workers": workers, "ranks": ranks, "worker_peak_rss_mb": peak,
+                       "tasks_seconds": r.get("tasks_seconds"),
                        "heavy_modules": r.get("worker_heavy_modules", [])}
             rows.append(m)
         print(f"convert imagefolder: {a.images} JPEGs, {nbytes / 1e6:.1f} MB, groups of ~{shard_size / 1e6:.1f} MB; "

@@ -97,6 +97,9 @@ def _describe(exc: BaseException) -> str:
 
 
 def summary(res: dict, t0: float, results: dict[int, dict], engine: str, slots: int) -> dict:
+    """The summary of a distributed run: the commit's, plus the whole call's seconds (with
+    the engine's start), the task phase's (``tasks_seconds``, set by the engine), task
+    counts, and the peak memory and heavy imports of the processes that ran tasks."""
     ran = [r for r in results.values() if not r.get("reused")]
     peak = [r.get("peak_rss_bytes", 0) for r in ran]
     res.update(seconds=time.perf_counter() - t0, engine=engine, workers=slots,

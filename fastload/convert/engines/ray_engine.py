@@ -142,6 +142,9 @@ def run(kind, src, dst, *, workers, on_error, progress, address, shard_size, ove
 
     with ray_session(address, workers) as (ray, slots):
         ex = RayExecutor(ray, plan.dst, on_error, slots, memory=2 * int(shard_size))
+        t_tasks = time.perf_counter()
         results = drive(plan, ex, range(plan.num_groups), progress=progress, desc=f"convert {kind} (ray)")
+        t_tasks = time.perf_counter() - t_tasks
     res = commit(plan, on_error)
+    res["tasks_seconds"] = t_tasks
     return summary(res, t0, results, "ray", slots)

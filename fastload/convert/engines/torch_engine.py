@@ -225,6 +225,7 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
                 raise err
             raise ConvertError("rank 0 could not plan the conversion (its error says why)")
         plan = plan or load_plan(dst)
+        t_tasks = time.perf_counter()
         # 2. every rank converts its share of the groups.
         stop_file = plan.parts / STOP
         mine = range(ranks.rank, plan.num_groups, ranks.world)
@@ -240,7 +241,9 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
                 write_json(stop_file, {"rank": ranks.rank, "error": str(e).splitlines()[0]})
         finally:
             ex.close()
-        if ranks.any(failed is not None):
+        failed_somewhere = ranks.any(failed is not None)  # every rank is done here
+        t_tasks = time.perf_counter() - t_tasks
+        if failed_somewhere:
             if failed is not None:
                 raise failed
             raise ConvertError(_stop_message(stop_file, ranks.rank) or "another rank failed (its error says why)")
@@ -262,7 +265,7 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
                 m = json.load(f)
             res = {"dst": plan.dst, "num_samples": m["num_samples"], "num_shards": len(m["shards"]),
                    "bytes": m["total_bytes"], "skipped": None, "report": None, "num_groups": plan.num_groups}
-        res.update(rank=ranks.rank, world_size=ranks.world)
+        res.update(rank=ranks.rank, world_size=ranks.world, tasks_seconds=t_tasks)
         res = summary(res, t0, results, "torch", slots)  # worker figures: this rank's tasks
         if ranks.rank == 0:  # task counts: every rank's
             res.update(tasks_run=plan.num_groups - reused, tasks_reused=reused)
