@@ -47,9 +47,9 @@ def train(batches, model, opt, steps: int | None) -> tuple[float, float, int]:
     return loss_sum / max(seen, 1), correct / max(seen, 1), seen
 
 
-def run(name: str, make_batches, epochs: int, steps: int | None, set_epoch=None) -> float:
+def run(name: str, make_batches, epochs: int, steps: int | None, device: torch.device, set_epoch=None) -> float:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10))
+    model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     times = []
     for epoch in range(epochs):
@@ -75,11 +75,17 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     x, y = make_data(a.samples)
     results = {}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # both loaders feed the same device
 
     if a.loader in ("torch", "both"):
+        cuda = device.type == "cuda"
         dl = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=a.batch_size,
-                        shuffle=True, num_workers=a.workers)
-        results["torch"] = run("DataLoader", lambda: iter(dl), a.epochs, a.steps)
+                        shuffle=True, num_workers=a.workers, pin_memory=cuda)
+
+        def batches():
+            return ((bx.to(device, non_blocking=cuda), by.to(device, non_blocking=cuda)) for bx, by in dl)
+
+        results["torch"] = run("DataLoader", batches, a.epochs, a.steps, device)
 
     if a.loader in ("fastload", "both"):
         with tempfile.TemporaryDirectory() as tmp:
@@ -87,9 +93,9 @@ def main(argv=None) -> dict:
             if not (path / "manifest.json").exists():  # write the store once
                 with fastload.ShardWriter(path, {"x": "float32[784]", "label": "int64"}, label="label") as w:
                     w.write_batch({"x": x, "label": y})
-            with fastload.Loader(path, batch_size=a.batch_size, fields=["x", "label"]) as loader:
+            with fastload.Loader(path, batch_size=a.batch_size, fields=["x", "label"], device=device) as loader:
                 results["fastload"] = run("fastload", lambda: ((b["x"], b["label"]) for b in loader),
-                                          a.epochs, a.steps, set_epoch=loader.set_epoch)
+                                          a.epochs, a.steps, loader.device, set_epoch=loader.set_epoch)
                 print(f"fastload stats: waited {loader.stats()['wait_fraction']:.1%} of the last epoch for data")
 
     if len(results) == 2:

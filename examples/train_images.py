@@ -1,7 +1,7 @@
 """Image classification with fastload.vision presets, DDP and exact checkpoint/resume.
 
     python examples/train_images.py --data /tmp/ds --make-data 512          # one process
-    torchrun --nproc-per-node 2 examples/train_images.py --data /tmp/ds     # DDP (gloo on CPU, nccl on GPU)
+    torchrun --nproc-per-node 2 examples/train_images.py --data /tmp/ds     # DDP (nccl with a GPU per rank, else gloo)
     python examples/train_images.py --data /tmp/ds --checkpoint ckpt.pt     # resumes if ckpt.pt exists
 
 The checkpoint holds the model, the optimizer, the epoch and the loader's position
@@ -52,10 +52,15 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # One GPU per local rank, or none: with fewer GPUs than local ranks, train on the CPU (gloo).
+    local_rank, local_ranks = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # before anything touches CUDA: no context on cuda:0 from this rank
     if distributed:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     rank = dist.get_rank() if distributed else 0
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     data = Path(a.data)
     if a.make_data and rank == 0 and not (data / "manifest.json").exists():
         from fastload.sample_data import make_image_folder

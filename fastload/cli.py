@@ -1,4 +1,4 @@
-"""The ``fastload`` command: convert, inspect, verify, bench, demo.
+"""The ``fastload`` command: convert, inspect, verify, bench, doctor, demo.
 
 This module imports nothing heavy: the parser is built from the standard library alone, so
 ``fastload --help`` answers at once, and each command imports its own module when it runs
@@ -157,6 +157,12 @@ def cmd_bench(a, out: Output) -> int:
     return run_command(a, out)
 
 
+def cmd_doctor(a, out: Output) -> int:
+    from .doctor import run_command
+
+    return run_command(a, out)
+
+
 def _version() -> str:
     from . import __version__
 
@@ -219,6 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     b = add_bench_arguments(sub)
     add_json_option(b, "every figure and the machine description")
     b.set_defaults(func=cmd_bench, json_check=lambda a: check_json_dest(a, b))
+
+    from .doctor import add_arguments as add_doctor_arguments
+
+    dr = sub.add_parser("doctor", help="check this machine before a long job: GPUs, CUDA builds, limits, "
+                        "threads, every preset's DALI graph (exit 1 on any fail)",
+                        description="One ok/warn/fail line per check: GPUs and driver, torch/DALI CUDA builds, "
+                                    "ulimit -l and -n, /dev/shm, this rank's threads, and every preset's DALI "
+                                    "graph (validated offline without a GPU). Exit status 1 if any check fails.")
+    add_doctor_arguments(dr)
+    dr.set_defaults(func=cmd_doctor)
     return p
 
 

@@ -1,26 +1,55 @@
-"""Where batches are delivered: the one home of device resolution.
+"""Where batches are delivered, and how fastload's threads touch CUDA: the one home of both.
 
-``device=None`` means CUDA when it is available, else the CPU. The CUDA device is the one
-the script selected with ``torch.cuda.set_device``; under torchrun, when the script selected
-none (the current device is still 0), it is this process's GPU ``LOCAL_RANK`` (modulo the
-visible devices) rather than every rank piling onto cuda:0.
+**Resolution.** ``device=None`` means CUDA when it is available, else the CPU;
+``device="cuda"`` (no index) means :func:`default_cuda_index`; ``device="cuda:N"`` or a
+``torch.device`` is taken as is. Pass ``device=`` explicitly whenever the script's layout is
+unusual (several GPUs per rank, a rank on another rank's GPU): it always wins.
+
+**One CUDA context per rank.** CUDA's current device is per *thread*, and a new thread
+starts on device 0: a runtime call that torch does not guard (``cudaHostRegister``,
+``cudaEventSynchronize``/``Query``) made from such a thread creates a context on cuda:0 —
+a few hundred MB on GPU 0 for every rank of the node. So every thread fastload starts calls
+:func:`select` before anything else, and code running in the caller's thread (which must
+not change the caller's current device) wraps its CUDA calls in :func:`guard`.
+
+**Errors a call leaves behind.** The CUDA runtime remembers the last error per thread until
+``cudaGetLastError`` reads it; torch's kernel-launch check reads it after every kernel, so an
+error fastload handled (a failed ``cudaHostRegister``, say) would surface later in the
+training step, blaming an unrelated operation. :func:`clear_cuda_error` reads it away.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Any
 
-__all__ = ["default_cuda_index", "resolve_device"]
+__all__ = ["clear_cuda_error", "default_cuda_index", "guard", "resolve_device", "select"]
 
 
 def default_cuda_index() -> int:
-    """The CUDA device index for ``device="cuda"`` / ``None`` (see the module docstring)."""
+    """The CUDA device for ``device="cuda"`` / ``None``:
+
+    1. the device the script selected with ``torch.cuda.set_device`` (any but 0);
+    2. under torchrun (``LOCAL_RANK`` set), ``LOCAL_RANK`` (modulo the visible devices), but
+       only where that cannot be wrong: one GPU per local rank (``LOCAL_WORLD_SIZE`` equals
+       the device count), or the process has not used CUDA yet (so the script cannot have
+       chosen cuda:0 on purpose);
+    3. else the current device (0): a script that put its model on cuda:0 gets its batches
+       there too.
+    """
     import torch
 
     cur = torch.cuda.current_device()
-    local = os.environ.get("LOCAL_RANK")
-    if cur == 0 and local is not None and local.strip().isdigit():
-        return int(local) % max(1, torch.cuda.device_count())
+    if cur != 0:
+        return cur
+    local = os.environ.get("LOCAL_RANK", "").strip()
+    if not local.isdigit():
+        return cur
+    count = max(1, torch.cuda.device_count())
+    lws = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    one_gpu_per_rank = lws.isdigit() and int(lws) == count
+    if one_gpu_per_rank or not torch.cuda.is_initialized():
+        return int(local) % count
     return cur
 
 
@@ -42,4 +71,66 @@ def resolve_device(device: Any):
             raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu' (or None)")
         if dev.index is None:
             dev = torch.device("cuda", default_cuda_index())
+        elif dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: this process sees {torch.cuda.device_count()} CUDA device(s) "
+                             "(CUDA_VISIBLE_DEVICES?)")
     return dev
+
+
+def select(device) -> None:
+    """Make ``device`` this thread's current CUDA device. The first call of every thread
+    fastload starts, so that none of its CUDA calls lands on cuda:0."""
+    import torch
+
+    torch.cuda.set_device(device)
+
+
+def guard(device):
+    """``with guard(device):`` the block's CUDA calls run on ``device``; the caller's current
+    device is restored after it (``torch.cuda.device``)."""
+    import torch
+
+    return torch.cuda.device(device)
+
+
+def clear_cuda_error() -> int | None:
+    """Read (and so clear) this thread's last CUDA runtime error; its code (0: none), or
+    None when the runtime torch uses cannot be reached (then the error stays)."""
+    import torch
+
+    get = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if get is not None:  # not bound by torch 2.13; present in test fakes and perhaps later
+        return int(get())
+    lib = _torch_cudart()
+    if lib is None:
+        return None
+    fn = lib.cudaGetLastError
+    fn.restype = ctypes.c_int
+    return int(fn())
+
+
+def _torch_cudart():
+    """The ``libcudart`` already mapped into this process (the one torch links against:
+    its last-error state is the one that matters), or None (a statically linked runtime)."""
+    try:
+        with open("/proc/self/maps") as f:
+            path = libcudart_path(f.read())
+    except OSError:  # pragma: no cover - not Linux
+        return None
+    if path is None:
+        return None
+    try:
+        return ctypes.CDLL(path)  # already loaded: the same handle, no second runtime
+    except OSError:  # pragma: no cover
+        return None
+
+
+def libcudart_path(maps: str) -> str | None:
+    """The path of the CUDA runtime library in a ``/proc/<pid>/maps`` text, if mapped."""
+    for line in maps.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6:
+            path = parts[5].strip()
+            if os.path.basename(path).startswith("libcudart.so"):
+                return path
+    return None

@@ -40,7 +40,7 @@ from . import _C
 from .ringspec import as_index as _as_index
 from .ringspec import parse_fields as _parse_fields
 from .ringspec import parse_sources as _parse_sources
-from .system import usable_cores
+from .system import rank_cores
 from .validate import is_int as _is_int
 
 __all__ = ["FillSlot", "Ring", "RingBatch", "default_slots", "default_threads"]
@@ -53,8 +53,9 @@ _MAX_SLOT_BYTES = 1 << 40  # a slot this large is a mistake (batch_size or shape
 
 
 def default_threads() -> int:
-    """Producer threads used when ``threads=None``: the usable cores, at most 8."""
-    return max(1, min(8, usable_cores()))
+    """Producer threads used when ``threads=None``: this rank's share of the usable cores
+    (:func:`fastload.system.rank_cores`), at most 8."""
+    return max(1, min(8, rank_cores()))
 
 
 def default_slots(threads: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["local_world_size", "usable_cores"]
+__all__ = ["local_world_size", "rank_cores", "usable_cores"]
 
 
 def usable_cores() -> int:
@@ -25,3 +25,11 @@ def local_world_size() -> int:
     A malformed value counts as 1."""
     v = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     return int(v) if v.isdigit() and int(v) > 0 else 1
+
+
+def rank_cores() -> int:
+    """This rank's share of the cores: the usable cores divided among the ``LOCAL_WORLD_SIZE``
+    processes of the node (torchrun sets no affinity, so every rank sees every core), at
+    least 1. A launcher that already binds each rank to its own cores makes this an
+    underestimate; pass ``threads=`` to the Loader then."""
+    return max(1, usable_cores() // local_world_size())

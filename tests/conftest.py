@@ -11,6 +11,9 @@ and I/O pools start a second worker only when two tasks overlap, so "leaks" of t
 went with timing). Every native thread fastload or DALI starts is named ("fastload-ring",
 "[DALI]..."), and fastload's Python threads are tracked through ``threading.enumerate()``.
 Mark a test ``@pytest.mark.allow_thread_leak`` to opt out, and say why.
+
+``cpu_unless_marked_cuda`` (autouse) hides any GPU from tests not marked ``cuda``, so the
+suite means the same on a GPU host as here; ``cuda`` tests run only where there is a GPU.
 """
 from __future__ import annotations
 
@@ -97,6 +100,34 @@ def _start_process_wide_pools() -> None:
         skimage.data.camera()
     except ImportError:  # pragma: no cover
         pass
+    # On a GPU host the first CUDA context starts the driver's own process-lifetime threads
+    # ("cuda-EvtHandlr", "cuda0000..."): start them (on every visible device) before any
+    # test counts threads, so that the first `cuda` test is not blamed for them.
+    if torch.cuda.is_available():  # pragma: no cover - no GPU on the CI machine
+        for d in range(torch.cuda.device_count()):
+            torch.empty(1, device=torch.device("cuda", d)).add_(1)
+            torch.cuda.synchronize(d)
+
+
+def hide_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process and the processes it starts see no GPU: ``torch.cuda.is_available()``
+    is False (so ``Loader(device=None)`` picks the CPU) and ``CUDA_VISIBLE_DEVICES`` is
+    empty for subprocesses (examples, torchrun ranks)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Tests not marked ``cuda`` run as on a machine without a GPU, whatever the machine:
+    they read batches on the host (``.numpy()``), and on a GPU host ``device=None`` would
+    otherwise deliver them on the GPU. Fake-CUDA tests install their fake over this."""
+    if request.node.get_closest_marker("cuda") is None:
+        hide_cuda(monkeypatch)
+    yield
 
 
 @pytest.fixture(autouse=True)

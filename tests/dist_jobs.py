@@ -53,7 +53,7 @@ def loader_epoch(path: str, batch_size: int, seed: int, epoch: int, stop_after: 
     import fastload
 
     ds = fastload.Dataset(path)
-    with fastload.Loader(ds, batch_size=batch_size, seed=seed, fields=["x", "label"]) as loader:
+    with fastload.Loader(ds, batch_size=batch_size, seed=seed, fields=["x", "label"], device="cpu") as loader:
         assert loader.sampler.world_size == dist.get_world_size() and loader.sampler.rank == dist.get_rank()
         if state is not None:
             loader.load_state_dict(state)

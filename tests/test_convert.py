@@ -283,7 +283,7 @@ def test_string_labels_are_found_without_flag_and_index_is_reserved(tmp_path):
     convert("webdataset", tar_path, tmp_path / "w", progress=False)
     w = fastload.Dataset(tmp_path / "w")
     assert set(w.fields) == {"source_index", "cls"}
-    with fastload.Loader(w, batch_size=3, shuffle=False) as loader:
+    with fastload.Loader(w, batch_size=3, shuffle=False, device="cpu") as loader:
         b = next(iter(loader))
     assert b["source_index"].tolist() == [10, 11, 12] and b["index"].tolist() == [0, 1, 2]
     with tarfile.open(tmp_path / "x.tar", "w") as tf:  # .index and .source_index would collide

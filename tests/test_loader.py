@@ -391,7 +391,7 @@ def test_cuda_delivery_pins_slots_and_copies_async():  # pragma: no cover - no G
         for batch, idx in kept:
             assert np.array_equal(batch["x"].cpu().numpy(), x[idx]) and np.array_equal(batch["index"].cpu().numpy(), idx)
         s = ring.stats()
-        assert delivery.pinned >= 1 and s["grown"] == 0 and s["copies"] == 0
+        assert delivery.pinned >= 1 and s["copies"] == 0  # (the ring may grow while copies are in flight)
         delivery.close()
         assert delivery.pinned == 0  # unregistered on close
 
@@ -445,7 +445,9 @@ def test_default_cuda_device_follows_local_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     cur = {"d": 0}
     monkeypatch.setattr(torch.cuda, "current_device", lambda: cur["d"])
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # the script has not used CUDA yet
     monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert L.default_cuda_index() == 0
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert L.default_cuda_index() == 3

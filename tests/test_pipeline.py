@@ -262,7 +262,7 @@ def test_cuda_graph_matches_cpu_graph(images):  # pragma: no cover - no GPU here
     r = t.runner(device="cuda", batch_size=len(enc), device_id=torch.cuda.current_device())
     try:
         gpu = r.run(list(enc), w, h, np.arange(len(enc)), 0)
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream().wait_event(r.ready_event)  # copied out on the runner's own stream
         assert gpu.is_cuda and gpu.shape == (len(enc), 3, 64, 64)
         assert np.abs(gpu.cpu().numpy() - cpu).mean() < 0.05  # nvJPEG vs libjpeg-turbo rounding
     finally:

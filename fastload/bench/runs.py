@@ -14,7 +14,7 @@ import numpy as np
 
 from .report import Measurement, machine_info
 
-__all__ = ["run", "run_fastload", "run_limit", "run_torch", "transform_for"]
+__all__ = ["Step", "run", "run_fastload", "run_limit", "run_torch", "transform_for"]
 
 
 def transform_for(name: str):
@@ -67,8 +67,55 @@ def _warm_up(loader, batches: int) -> float:
     return first if first is not None else 0.0
 
 
-def _timed_loop(it, step_s: float, max_batches: int | None, bar) -> tuple[int, int, float, float]:
-    """(samples, bytes, seconds, seconds waiting in next()) of one epoch."""
+class Step:
+    """The simulated training step after each batch. On the CPU: ``step_s`` of sleep. On a
+    CUDA device: ``step_s`` of GPU work (``torch.cuda._sleep``, calibrated once) enqueued on
+    the current stream, as a real step is, so that a loader that waits for the training
+    stream (a blocking copy, a host sync) shows it; and ``finish()`` waits for the device, so
+    the clock of an epoch includes the GPU work its batches caused."""
+
+    def __init__(self, step_s: float, device=None):
+        self.step_s = step_s
+        self.device = device if device is not None and getattr(device, "type", None) == "cuda" else None
+        self.cycles = _gpu_sleep_cycles(step_s, self.device) if self.device is not None and step_s else 0
+
+    def __call__(self) -> None:
+        if not self.step_s:
+            return
+        if self.device is None:
+            time.sleep(self.step_s)
+            return
+        import torch
+
+        torch.cuda._sleep(self.cycles)
+
+    def finish(self) -> None:
+        if self.device is not None:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+
+def _gpu_sleep_cycles(seconds: float, device) -> int:
+    """``torch.cuda._sleep`` cycles that keep ``device`` busy for ``seconds`` (measured)."""
+    import torch
+
+    probe = 1 << 22
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True, blocking=True)
+        torch.cuda._sleep(probe)  # warm-up: the kernel loaded
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end)
+    return max(1, round(probe * seconds * 1e3 / ms)) if ms > 0 else probe
+
+
+def _timed_loop(it, step: Step, max_batches: int | None, bar,
+                to_device: Callable[[dict], dict] | None = None) -> tuple[int, int, float, float]:
+    """(samples, bytes, seconds, seconds waiting in next()) of one epoch. ``to_device``: what
+    a training loop does with a host batch before its step (the DataLoader on CUDA)."""
     batches = samples = nbytes = 0
     wait = 0.0
     t0 = time.perf_counter()
@@ -79,13 +126,15 @@ def _timed_loop(it, step_s: float, max_batches: int | None, bar) -> tuple[int, i
             b = next(it)
         except StopIteration:
             break
+        if to_device is not None:
+            b = to_device(b)
         wait += time.perf_counter() - t1
         batches += 1
         samples += len(next(iter(b.values())))
         nbytes += _batch_bytes(b)
         bar.update(1)
-        if step_s:
-            time.sleep(step_s)  # the simulated training step
+        step()  # the simulated training step
+    step.finish()  # the epoch ends when the device has done its work
     return samples, nbytes, time.perf_counter() - t0, wait
 
 
@@ -108,14 +157,16 @@ def run_fastload(path, o) -> Measurement:
         res = Measurement("fastload Loader", 0, 0, 0.0, "ours",
                           note=f"device={loader.device.type}, threads={loader.threads}")
         res.extra["device"] = loader.device.type
+        res.extra["torch_device"] = str(loader.device)
         res.first_batch_s = _warm_up(loader, o.warmup)
         total = sum(min(len(loader), o.max_batches or len(loader)) for _ in range(o.epochs))
         stages = {"gather_s": 0.0, "decode_s": 0.0, "copy_s": 0.0}
         wait = 0.0
+        step = Step(o.step_ms / 1e3, loader.device)
         with _progress(total, "fastload", o.progress) as bar:
             for e in range(o.epochs):
                 loader.set_epoch(e)
-                n, nb, sec, w = _timed_loop(loader, o.step_ms / 1e3, o.max_batches, bar)
+                n, nb, sec, w = _timed_loop(loader, step, o.max_batches, bar)
                 s = loader.stats()
                 for k in stages:
                     stages[k] += s["stages"][k]
@@ -130,9 +181,10 @@ def run_fastload(path, o) -> Measurement:
         loader.close()
 
 
-def run_torch(path, o, workers: int) -> Measurement:
+def run_torch(path, o, workers: int, device=None) -> Measurement:
     """Epochs of ``torch.utils.data.DataLoader`` over ``fastload.Dataset`` with
-    ``num_workers=workers``, doing the same work (PIL decode and the same augmentation)."""
+    ``num_workers=workers``, doing the same work (PIL decode and the same augmentation); on
+    a CUDA ``device`` its batches are pinned and copied there as a training loop does."""
     import torch
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -154,8 +206,14 @@ def run_torch(path, o, workers: int) -> Measurement:
         def collate(samples, keep=keep):  # the default collate on the kept fields
             return {k: torch.as_tensor(np.stack([s[k] for s in samples])) for k in keep}
         note = "fastload.Dataset"
+    cuda = device is not None and device.type == "cuda"
     dl = DataLoader(source, batch_size=o.batch_size, sampler=sampler, num_workers=workers, collate_fn=collate,
-                    persistent_workers=workers > 0, pin_memory=False)
+                    persistent_workers=workers > 0, pin_memory=cuda)
+
+    def to_device(b: dict) -> dict:
+        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+
+    step = Step(o.step_ms / 1e3, device)
     res = Measurement(f"DataLoader num_workers={workers}", 0, 0, 0.0, "dataloader", note=note)
     res.first_batch_s = _warm_up(dl, o.warmup)  # starts the (persistent) workers
     wait = 0.0
@@ -165,7 +223,7 @@ def run_torch(path, o, workers: int) -> Measurement:
             sampler.set_epoch(e)
             it = iter(dl)
             try:
-                n, nb, sec, w = _timed_loop(it, o.step_ms / 1e3, o.max_batches, bar)
+                n, nb, sec, w = _timed_loop(it, step, o.max_batches, bar, to_device if cuda else None)
             finally:
                 del it
             res.samples += n
@@ -198,6 +256,8 @@ def run_limit(path, o, device: str, nbytes_per_sample: float, samples: int) -> M
             t0 = time.perf_counter()
             for s in range(0, len(order), o.batch_size):
                 runner.run(*_dali_args(ds, name, order[s:s + o.batch_size]))
+            if runner.ready_event is not None:  # CUDA: the last copy out of DALI is part of the work
+                runner.ready_event.synchronize()
             sec = time.perf_counter() - t0
         finally:
             runner.close()
@@ -237,7 +297,8 @@ def run(path, o) -> dict:
     device = ours.extra["device"]  # what the Loader chose for "auto"
     results = [ours]
     if o.compare == "torch":
-        results += [run_torch(path, o, w) for w in o.workers]
+        on = torch.device(ours.extra["torch_device"]) if device == "cuda" else None  # the Loader's GPU
+        results += [run_torch(path, o, w, on) for w in o.workers]
     if o.limit:
         per = ours.nbytes / ours.samples if ours.samples else 0
         lim = run_limit(path, o, device, per, ours.samples)

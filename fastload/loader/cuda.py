@@ -1,12 +1,20 @@
 """CudaSource: ready batches on a CUDA device.
 
-Raw fields and ``"index"`` are gathered into a ring slot exactly as on the host, then
-copied to the device by ``CudaDelivery``: page-locked slots (``cudaHostRegister`` through
-``torch.cuda.cudart()``), a ``non_blocking`` copy on a side stream, the consumer's stream
-waiting for that stream, ``record_stream`` on the outputs, and the slot's host tensors (its
-lease) held until the copy's event has completed — so a slot is never refilled while the GPU
-still reads it. Image fields are decoded by DALI on the GPU (``mixed`` decoder) in a feeder
-thread and handed over with an event the consumer's stream waits on.
+Raw fields and ``"index"`` are gathered into a ring slot exactly as on the host, then copied
+to the device by ``CudaDelivery``: every slot page-locked when the delivery is made
+(``cudaHostRegister`` through ``torch.cuda.cudart()``), a ``non_blocking`` copy on a side
+stream, the consumer's stream waiting for that stream, ``record_stream`` on the outputs, and
+the slot's host tensors (its lease) held until the copy's event has completed — so a slot is
+never refilled while the GPU still reads it. Image fields are decoded by DALI on the GPU
+(``mixed`` decoder) by ``CudaImageFeeder``: two workers, each with its own DALI pipelines,
+so one batch is decoded while the other's is copied out; a worker fills the batch's ring
+slot (raw fields and final indices) and hands its image tensors over with the runners'
+ready events, which the consumer's stream waits on. Nothing is waited for on the host per
+batch.
+
+One CUDA context per rank: the workers select the loader's device before anything else, and
+the consumer side wraps its CUDA calls in a device guard (``fastload.device``), so no call
+lands on cuda:0 from a thread whose current device is still 0.
 
 Everything else (the sampler's plan, the ring, the bad-image policy, stats) is shared with
 the host path; this file holds only what differs on a GPU.
@@ -22,6 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..device import clear_cuda_error, guard, select
 from .decode import Decoders, decode_fields, runner_decoder
 from .source import INDEX, Ready, RingFedSource
 
@@ -35,7 +44,8 @@ _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every C
 class CudaDelivery:
     """Host ring batches -> device tensors (see the module docstring). ``pin``: ``None``
     pins and falls back to pageable memory with a warning if pinning fails, ``True``
-    requires pinning, ``False`` never pins."""
+    requires pinning, ``False`` never pins. Every slot the ring has is pinned here, at
+    creation; slots the ring grows later are pinned when first delivered."""
 
     def __init__(self, ring, device, *, pin: bool | None = None) -> None:
         import torch
@@ -47,8 +57,13 @@ class CudaDelivery:
         self._pin_required = pin is True
         self._pinned: dict[int, tuple[int, np.ndarray]] = {}
         self._inflight: collections.deque = collections.deque()
-        self._stream = torch.cuda.Stream(device=device)
         self.copy_s = 0.0  # host time issuing device copies (asynchronous, so a lower bound)
+        with guard(device):
+            self._stream = torch.cuda.Stream(device=device)
+            for slot in range(ring.num_slots):
+                if not self._pin:
+                    break
+                self._pin_slot(slot)
 
     def probe(self) -> dict:
         return {"copy_s": self.copy_s}
@@ -56,27 +71,28 @@ class CudaDelivery:
     def deliver(self, rb) -> dict[str, Any]:
         """One ``RingBatch`` -> ``{name: device tensor}`` ordered before the current stream."""
         torch = self._torch
-        self._reap(block=False)
-        if self._pin and not rb.copied and rb.slot not in self._pinned:
-            self._pin_slot(rb.slot)
-        t0 = time.perf_counter()
-        host = rb.tensors
-        # Keep the number of slots waiting on copies below the ring size so the ring does
-        # not grow just because the GPU is behind.
-        while len(self._inflight) >= max(1, self._ring.num_slots - 2):
-            ev, _ = self._inflight.popleft()
-            ev.synchronize()
-        with torch.cuda.stream(self._stream):
-            out = {k: t.to(self._device, non_blocking=True) for k, t in host.items()}
-            ev = torch.cuda.Event()
-            ev.record(self._stream)
-        current = torch.cuda.current_stream(self._device)
-        current.wait_stream(self._stream)  # the training stream never sees a half copy
-        for t in out.values():
-            t.record_stream(current)  # output memory is not reused before `current` is done
-        # The host tensors hold the slot lease: the slot is refilled only after `ev`.
-        self._inflight.append((ev, host))
-        self.copy_s += time.perf_counter() - t0
+        with guard(self._device):
+            self._reap(block=False)
+            if self._pin and not rb.copied and rb.slot not in self._pinned:
+                self._pin_slot(rb.slot)  # a slot the ring grew since
+            t0 = time.perf_counter()
+            host = rb.tensors
+            # Keep the number of slots waiting on copies below the ring size so the ring
+            # does not grow just because the GPU is behind.
+            while len(self._inflight) >= max(1, self._ring.num_slots - 2):
+                ev, _ = self._inflight.popleft()
+                ev.synchronize()
+            with torch.cuda.stream(self._stream):
+                out = {k: t.to(self._device, non_blocking=True) for k, t in host.items()}
+                ev = torch.cuda.Event(blocking=True)  # the host may wait for it (above, close)
+                ev.record(self._stream)
+            current = torch.cuda.current_stream(self._device)
+            current.wait_stream(self._stream)  # the training stream never sees a half copy
+            for t in out.values():
+                t.record_stream(current)  # output memory is not reused before `current` is done
+            # The host tensors hold the slot lease: the slot is refilled only after `ev`.
+            self._inflight.append((ev, host))
+            self.copy_s += time.perf_counter() - t0
         return out
 
     def _reap(self, block: bool) -> None:
@@ -89,16 +105,24 @@ class CudaDelivery:
             self._inflight.popleft()
 
     def _pin_slot(self, slot: int) -> None:
-        torch = self._torch
+        """Page-lock one slot (under the device guard of the caller)."""
+        cudart = self._torch.cuda.cudart()
         mem = self._ring.slot_memory(slot)
         ptr, size = mem.ctypes.data, mem.nbytes
-        err = torch.cuda.cudart().cudaHostRegister(ptr, size, _CUDA_HOST_REGISTER_PORTABLE)
+        err = cudart.cudaHostRegister(ptr, size, _CUDA_HOST_REGISTER_PORTABLE)
         code = int(err)
         if code == 0:
             self._pinned[slot] = (ptr, mem)  # `mem` keeps the slot memory alive while pinned
             return
+        # The runtime keeps the error as this thread's last error; torch's next kernel-launch
+        # check would raise it from an unrelated operation (the training step): read it away.
+        cleared = clear_cuda_error()
         msg = (f"fastload: cudaHostRegister of ring slot {slot} ({size} bytes) failed with cudaError "
-               f"{code} ({torch.cuda.cudart().cudaGetErrorString(err)})")
+               f"{code} ({cudart.cudaGetErrorString(err)})")
+        if cleared is None:
+            raise RuntimeError(msg + "; the CUDA runtime's error could not be cleared (a statically linked "
+                               "runtime?), so fastload stops here rather than let a later CUDA call fail; "
+                               "pass pin=False to use pageable memory")
         if self._pin_required:
             raise RuntimeError(msg + "; pass pin=None to fall back to pageable memory")
         logger.warning("%s; continuing with pageable memory (host-to-device copies will not overlap)", msg)
@@ -106,16 +130,19 @@ class CudaDelivery:
 
     def close(self) -> None:
         """Wait for the copies in flight, then unpin every slot. Idempotent."""
-        if self._inflight:
-            self._reap(block=True)
-        if not self._pinned:
+        if not self._inflight and not self._pinned:
             return
-        cudart = self._torch.cuda.cudart()
-        for slot, (ptr, _mem) in sorted(self._pinned.items()):
-            code = int(cudart.cudaHostUnregister(ptr))
-            if code != 0:
-                logger.warning("fastload: cudaHostUnregister of ring slot %d failed with cudaError %d", slot, code)
-        self._pinned.clear()
+        with guard(self._device):
+            if self._inflight:
+                self._reap(block=True)
+            cudart = self._torch.cuda.cudart()
+            for slot, (ptr, _mem) in sorted(self._pinned.items()):
+                code = int(cudart.cudaHostUnregister(ptr))
+                if code != 0:
+                    clear_cuda_error()
+                    logger.warning("fastload: cudaHostUnregister of ring slot %d failed with cudaError %d",
+                                   slot, code)
+            self._pinned.clear()
 
     @property
     def pinned(self) -> int:
@@ -126,41 +153,46 @@ class CudaSource(RingFedSource):
     """See the module docstring. ``ring`` holds the raw fields and ``"index"``."""
 
     def __init__(self, *, ring, delivery: CudaDelivery, dataset, device, image_fields: Sequence[str],
-                 decoders: Decoders | None, epoch: int, on_error: str, stats) -> None:
+                 decoders: Decoders | None, epoch: int, on_error: str, stats, workers: int = 2) -> None:
         import torch
 
         self._torch = torch
         self._delivery = delivery
         self._device = device
         super().__init__(ring, dataset, CudaImageFeeder(
-            ring=ring, delivery=delivery, dataset=dataset, device=device, image_fields=image_fields,
-            decoders=decoders, epoch=epoch, on_error=on_error, stats=stats) if image_fields else None)
+            ring=ring, dataset=dataset, device=device, image_fields=image_fields, decoders=decoders, epoch=epoch,
+            on_error=on_error, stats=stats, workers=workers) if image_fields else None)
 
     def get(self) -> Ready:
-        if self._feeder is None:
-            rb = self._ring.get_batch()
-            index = rb.tensors[INDEX].numpy().copy()  # the slot is recycled after its copy
-            return Ready(self._delivery.deliver(rb), index)
-        batch, index, ev = self._feeder.get()
-        cur = self._torch.cuda.current_stream(self._device)
-        cur.wait_event(ev)  # the training stream waits for DALI's work and the copies
-        for v in batch.values():
-            if isinstance(v, self._torch.Tensor) and v.is_cuda:
-                v.record_stream(cur)
-        return Ready(batch, index)
+        images, events = {}, ()
+        seq = self._feeder.wait_acquired() if self._feeder is not None else None  # the ring has it pending
+        rb = self._ring.get_batch()  # raw fields and index (a failed batch raises its error here)
+        if seq is not None:
+            images, events = self._feeder.take(seq)
+        index = rb.tensors[INDEX].numpy().copy()  # the slot is recycled after its copy
+        out = self._delivery.deliver(rb)
+        if images:
+            torch = self._torch
+            with guard(self._device):
+                cur = torch.cuda.current_stream(self._device)
+                for ev in events:
+                    cur.wait_event(ev)  # the consumer's stream waits for DALI's work and copy
+                for v in images.values():
+                    v.record_stream(cur)  # allocated on a copy stream, used on `cur`
+            out.update(images)
+        return Ready(out, index)
 
 
 class CudaImageFeeder:
-    """One thread: decode each batch's image fields on the GPU, its raw fields and index
-    through the ring and the device delivery, and hand the batch over with an event."""
+    """Workers that decode each batch's image fields on the GPU, in order (see the module
+    docstring). Under a lock a worker takes the next indices and acquires the next ring
+    slot (so slots are acquired in request order); it then decodes (DALI, replacing
+    undecodable samples per the policy), gathers the raw fields and the final indices into
+    the slot, hands the images over and commits the slot."""
 
-    def __init__(self, *, ring, delivery: CudaDelivery, dataset, device, image_fields: Sequence[str],
-                 decoders: Decoders, epoch: int, on_error: str, stats) -> None:
-        import torch
-
-        self._torch = torch
+    def __init__(self, *, ring, dataset, device, image_fields: Sequence[str], decoders: Decoders, epoch: int,
+                 on_error: str, stats, workers: int = 2) -> None:
         self._ring = ring
-        self._delivery = delivery
         self._dataset = dataset
         self._device = device
         self._image_fields = list(image_fields)
@@ -168,62 +200,109 @@ class CudaImageFeeder:
         self._on_error = on_error
         self._stats = stats
         self._inbox: queue.Queue = queue.Queue()
-        self._outbox: queue.Queue = queue.Queue()  # finished batches (or errors), in order
+        self._acquired: queue.Queue = queue.Queue()  # the seq of each slot acquired, or the error
+        self._done: dict[int, tuple[dict, tuple]] = {}  # slot seq -> (images, ready events)
+        self._done_lock = threading.Lock()
         self._stop = threading.Event()
-        self._runners = decoders.for_worker(self._image_fields, 0)
-        self._thread = threading.Thread(target=self._run, name="fastload-feeder-cuda", daemon=True)
-        self._thread.start()
+        self._take_lock = threading.Lock()
+        self._runners = [decoders.for_worker(self._image_fields, k) for k in range(workers)]
+        self._threads = [threading.Thread(target=self._run, args=(k,), name=f"fastload-feeder-cuda-{k}",
+                                          daemon=True) for k in range(workers)]
+        for t in self._threads:
+            t.start()
 
     def put(self, idx: np.ndarray) -> None:
         self._inbox.put(idx)
 
-    def get(self):
+    def wait_acquired(self) -> int:
+        """Wait until a worker holds the next batch's slot (or raise why it could not); the
+        slot's sequence number (the ring hands batches out in this order)."""
         while True:
             try:
-                item = self._outbox.get(timeout=0.1)
+                item = self._acquired.get(timeout=0.1)
             except queue.Empty:
-                if not self._thread.is_alive():
-                    raise RuntimeError("fastload feeder thread stopped unexpectedly") from None
+                self._check_alive()
                 continue
             if isinstance(item, BaseException):
                 raise item
             return item
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                idx = self._inbox.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if idx is None:
-                return
-            try:
-                self._outbox.put(self._one(idx))
-            except BaseException as e:  # handed to the consumer in order
-                if self._stop.is_set():
-                    return
-                self._outbox.put(e)
+    def take(self, seq: int) -> tuple[dict, tuple]:
+        """The images and ready events of batch ``seq``, just taken from the ring (a worker
+        hands them over before it commits the slot)."""
+        with self._done_lock:
+            return self._done.pop(seq)
 
-    def _one(self, idx: np.ndarray):
-        torch, ds = self._torch, self._dataset
-        decoders = {name: runner_decoder(self._runners[name], ds, name, self._epoch, None, self._stats)
+    def _check_alive(self) -> None:
+        if not any(t.is_alive() for t in self._threads):
+            raise RuntimeError("fastload CUDA feeder threads stopped unexpectedly") from None
+
+    # -- the workers -------------------------------------------------------------------------
+    def _take(self):
+        """(indices, slot) of the next batch, slots acquired in order; None when stopping."""
+        with self._take_lock:
+            while True:
+                if self._stop.is_set():
+                    return None
+                try:
+                    idx = self._inbox.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if idx is None:
+                    self._inbox.put(None)  # let the other workers see it too
+                    return None
+                try:
+                    slot = self._ring.acquire()
+                except BaseException as e:  # the ring is closing: no slot for this batch
+                    self._acquired.put(e)
+                    return None
+                self._acquired.put(slot.seq)
+                return idx, slot
+
+    def _run(self, worker: int) -> None:
+        try:
+            select(self._device)  # first: every CUDA call of this thread goes to the loader's GPU
+        except BaseException as e:  # pragma: no cover - a device that vanished
+            self._acquired.put(e)
+            return
+        runners = self._runners[worker]
+        while True:
+            job = self._take()
+            if job is None:
+                return
+            idx, slot = job
+            try:
+                self._fill(slot, idx, runners)
+            except BaseException as e:  # the consumer raises it for this very batch
+                slot.fail(e)
+
+    def _fill(self, slot, idx: np.ndarray, runners: dict) -> None:
+        ds = self._dataset
+        decoders = {name: runner_decoder(runners[name], ds, name, self._epoch, None, self._stats)
                     for name in self._image_fields}
         images, final, replaced = decode_fields(decoders, idx, num_samples=len(ds), on_error=self._on_error,
                                                 describe=ds.describe)
         if replaced:
             self._stats.add("replaced_samples", replaced)
-        self._ring.submit(*ds.locate(final), index=final)
-        out = self._delivery.deliver(self._ring.get_batch())  # raw fields and index
-        out.update(images)
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self._device))
-        return out, final, ev
+        # each field's last run produced its image tensor: its runner's ready event covers it
+        events = tuple(runners[name].ready_event for name in self._image_fields)
+        slot.gather(*ds.locate(final), index=final)  # raw fields + the indices delivered
+        with self._done_lock:
+            self._done[slot.seq] = (images, events)
+        slot.commit(len(idx))
 
     def close(self) -> None:
         self._stop.set()
         self._inbox.put(None)
-        self._thread.join(timeout=30)
-        if self._thread.is_alive():  # pragma: no cover - only if DALI hangs
-            logger.warning("fastload: the CUDA feeder thread did not stop within 30 s")
-        while not self._outbox.empty():
-            self._outbox.get_nowait()
+        # A worker may be blocked in ring.acquire() waiting for a free slot: keep draining
+        # the ring until every worker has seen the stop flag and returned.
+        deadline = time.monotonic() + 30
+        while any(t.is_alive() for t in self._threads):
+            self._ring.drain()
+            for t in self._threads:
+                t.join(timeout=0.01)
+            if time.monotonic() > deadline:  # pragma: no cover - only if DALI hangs
+                logger.warning("fastload: the CUDA feeder threads did not stop within 30 s")
+                break
+        with self._done_lock:
+            self._done.clear()

@@ -21,12 +21,14 @@ from ..sampling import Sampler
 from ..store.format import INDEX_KEY
 from ..validate import check_choice, check_int
 
-__all__ = ["ON_ERROR", "Options", "build_options", "default_prefetch", "make_sampler"]
+__all__ = ["ON_ERROR", "Options", "build_options", "default_cuda_image_prefetch", "default_gather_threads",
+           "default_prefetch", "make_sampler"]
 
 logger = logging.getLogger("fastload")
 
 ON_ERROR = ("raise", "skip")
 PREFETCH_BUDGET = 256 << 20  # host memory the default prefetch may use for batches in flight
+DEVICE_PREFETCH_BUDGET = 512 << 20  # GPU memory decoded images in flight may use (per rank)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,21 @@ def default_prefetch(threads: int, batch_bytes: int) -> int:
     bench/bench_tensor.py), capped so the slots stay within PREFETCH_BUDGET."""
     fit = PREFETCH_BUDGET // max(1, batch_bytes)
     return int(max(2, min(8, max(threads + 1, fit))))
+
+
+def default_gather_threads() -> int:
+    """Gather threads: this rank's share of the cores (``ring.default_threads``) minus one
+    core left to the training loop's own Python thread. On 2 cores, 1 gather thread beat 2
+    on both MNIST rows (54% vs 47% of memcpy) and 3x224x224 rows (106% vs 101%),
+    interleaved A/B in one process."""
+    return max(1, default_threads() - 1)
+
+
+def default_cuda_image_prefetch(image_batch_bytes: int) -> int:
+    """Batches in flight when DALI decodes on the GPU: each one holds its decoded images in
+    device memory, so 2 (one decoding while one is consumed) or 3 when a batch's images fit
+    DEVICE_PREFETCH_BUDGET three times (256x3x224x224 float32: 154 MB, so 3)."""
+    return int(max(2, min(3, DEVICE_PREFETCH_BUDGET // max(1, image_batch_bytes))))
 
 
 def _resolve_fields(ds, fields: Sequence[str] | None, transforms: Any) -> tuple[list[str], dict]:
@@ -103,15 +120,18 @@ def build_options(ds, *, batch_size: Any, seed: Any, device: Any, fields: Sequen
     images = tuple(n for n in fields if ds.fields[n].kind == "image")
     lists = tuple(n for n in fields if ds.fields[n].kind in ("string", "bytes"))
     transforms = {n: transforms[n] for n in images}
-    # Gather threads: one core is left to the training loop's own Python thread. On 2
-    # cores, 1 gather thread beat 2 on both MNIST rows (54% vs 47% of memcpy) and
-    # 3x224x224 rows (106% vs 101%), interleaved A/B in one process.
-    threads = max(1, default_threads() - 1) if threads is None else check_int("threads", threads, min=1, max=256)
+    threads = default_gather_threads() if threads is None else check_int("threads", threads, min=1, max=256)
+    device = resolve_device(device)
     batch_bytes = batch_size * (sum(ds.fields[n].row_nbytes for n in raw) + 8)  # + the index
-    batch_bytes += batch_size * sum(np.dtype(t.out_dtype).itemsize * int(np.prod(t.out_shape))
-                                    for t in transforms.values())
-    prefetch = default_prefetch(threads, batch_bytes) if prefetch is None else check_int("prefetch", prefetch, min=1)
-    return Options(batch_size=batch_size, seed=check_int("seed", seed, min=0), device=resolve_device(device),
+    image_bytes = batch_size * sum(np.dtype(t.out_dtype).itemsize * int(np.prod(t.out_shape))
+                                   for t in transforms.values())
+    if prefetch is not None:
+        prefetch = check_int("prefetch", prefetch, min=1)
+    elif device.type == "cuda" and images:
+        prefetch = default_cuda_image_prefetch(image_bytes)
+    else:
+        prefetch = default_prefetch(threads, batch_bytes + image_bytes)
+    return Options(batch_size=batch_size, seed=check_int("seed", seed, min=0), device=device,
                    fields=tuple(fields), raw_fields=raw, image_fields=images, list_fields=lists,
                    transforms=MappingProxyType(transforms), threads=threads, prefetch=prefetch,
                    on_error=on_error, log_every=log_every)

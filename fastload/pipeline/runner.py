@@ -4,6 +4,16 @@
 per-sample parameters into the transform's DALI graph and writes the result into the given
 host tensor (a ring slot) or returns a CUDA tensor. A batch DALI fails on is bisected to
 the failing samples, raised as :class:`fastload.errors.BadSamples`.
+
+On CUDA (the thin part): DALI runs host-synchronously (the legacy executor; ``run(stream)``
+needs the dynamic one), and its output is copied into a new torch tensor on the runner's own
+*copy stream*, asynchronously (``feed_ndarray(..., cuda_stream=copy_stream)``); the runner
+records ``ready_event`` after the copy, and whoever uses the tensor makes its stream wait
+for that event. Nothing waits on the host before the next ``run()``: in DALI 2.4
+``CopyToExternal`` makes DALI's own stream wait for a non-blocking copy before it reuses the
+output buffer (``wait_order.wait(copy_order)``, ``backend_impl.cc``). A bad batch is bisected
+with a CPU runner of the same graph, so the GPU pipeline (nvJPEG, the hardware decoder, its
+streams and pools) is rebuilt once per failing batch rather than at every bisection step.
 """
 from __future__ import annotations
 
@@ -13,16 +23,23 @@ import time
 import numpy as np
 
 from ..errors import BadSamples
-from ..system import usable_cores
+from ..system import rank_cores
 
 logger = logging.getLogger("fastload")
 
 __all__ = ["Runner", "default_threads"]
 
 
-def default_threads() -> int:
-    """DALI worker threads: the usable cores (measured: bench/bench_jpeg.py --sweep-threads)."""
-    return usable_cores()
+GPU_PIPELINE_THREADS = 4  # CPU threads of a GPU pipeline: parsing and nvJPEG's host stage
+CPU_SEARCH_CHUNK = 16  # samples per CPU run when locating the bad samples of a failed GPU batch
+
+
+def default_threads(device: str = "cpu") -> int:
+    """DALI worker threads of one pipeline: this rank's share of the cores on the CPU
+    (measured: bench/bench_jpeg.py --sweep-threads); on the GPU, where the CPU only parses
+    and feeds the decoder, at most :data:`GPU_PIPELINE_THREADS`."""
+    cores = rank_cores()
+    return min(GPU_PIPELINE_THREADS, cores) if device == "cuda" else cores
 
 
 def _reason(e: BaseException) -> str:
@@ -53,7 +70,8 @@ class Runner:
     ``run(encoded, widths, heights, indices, epoch, out=None)`` decodes and augments one
     batch (``len(encoded) <= batch_size``). With ``out`` (a tensor of shape
     ``(n, *out_shape)`` in host memory, e.g. a ring slot), the result is written there; on
-    CUDA a new CUDA tensor is returned, produced on torch's current stream.
+    CUDA a new CUDA tensor is returned, ready once ``ready_event`` (recorded on the runner's
+    copy stream) has completed: wait for it on the stream that reads the tensor.
     """
 
     def __init__(self, transform, *, device: str, batch_size: int, num_threads: int | None,
@@ -63,19 +81,23 @@ class Runner:
         self.transform = transform
         self.device = device
         self.batch_size = int(batch_size)
-        self.num_threads = default_threads() if num_threads is None else int(num_threads)
+        self.num_threads = default_threads(device) if num_threads is None else int(num_threads)
         self.seed = int(seed)
         self.device_id = device_id if device == "cuda" else None
         self.out_shape = tuple(transform.out_shape)
         self.out_dtype = np.dtype(transform.out_dtype)
         self.max_pixels = transform.max_pixels
         self._pipe = None
-        self._copied = None  # CUDA: event after the last copy out of DALI's output buffer
+        self._copy_stream = None  # CUDA: where DALI's output is copied out (made on first use)
+        self.ready_event = None  # CUDA: recorded after the last copy out of DALI's output buffer
+        self._cpu = None  # CUDA: a CPU runner of the same graph, to locate bad samples
         self.rebuilds = 0
         self.copy_s = 0.0  # time copying DALI's output out (into a ring slot / a CUDA tensor)
 
     # -- the graph ---------------------------------------------------------------------------
-    def _build(self):
+    def _define(self):
+        """The DALI pipeline, defined but not built: no threads, no device touched
+        (:mod:`fastload.pipeline.offline` validates it without a GPU)."""
         from nvidia.dali import fn, pipeline_def, types
 
         t = self.transform
@@ -92,7 +114,10 @@ class Runner:
             return t.graph(enc, params, decode_device="mixed" if gpu else "cpu",
                            device="gpu" if gpu else "cpu")
 
-        pipe = graph()
+        return graph()
+
+    def _build(self):
+        pipe = self._define()
         pipe.build()
         return pipe
 
@@ -102,9 +127,12 @@ class Runner:
         return self._pipe
 
     def _drop_pipeline(self) -> None:
-        if self._copied is not None:  # CUDA: the last copy out of DALI's buffer must be done
-            self._copied.synchronize()
-            self._copied = None
+        ev, self.ready_event = self.ready_event, None
+        if ev is not None:  # CUDA: the last copy out of DALI's buffer must be done before it goes
+            from ..device import guard
+
+            with guard(self.device_id):
+                ev.synchronize()
         pipe, self._pipe = self._pipe, None
         if pipe is not None:
             # Stop and join DALI's threads now rather than whenever the last reference (a
@@ -120,11 +148,8 @@ class Runner:
         for n, a in params.items():
             pipe.feed_input(n, a)  # one (n, ...) array: a uniform batch, no per-sample list
         # Host-synchronous run on both devices: run(stream) needs DALI's dynamic executor. On
-        # CUDA the output stays on the device, and _deliver copies it on torch's current
-        # stream (feed_ndarray waits for DALI's work first, as DALI's own torch iterator does).
-        if self._copied is not None:  # DALI may reuse its output buffer once run() is called
-            self._copied.synchronize()  # again: the last copy out of it must have finished
-            self._copied = None
+        # CUDA the output stays on the device and _deliver copies it out on the copy stream;
+        # DALI's stream waits for that copy before this run may overwrite the buffer.
         out, = pipe.run()
         return out
 
@@ -167,8 +192,7 @@ class Runner:
         params = self.transform.params(self.seed, epoch, indices, widths, heights)
         res, err = self._try(encoded, params)
         if err is not None:
-            bad: dict[int, str] = {}
-            self._find_bad(encoded, params, np.arange(n), err, bad)
+            bad = self._locate_bad(encoded, params, err)
             if not bad:  # the batch failed but no part of it does: not a data problem
                 raise RuntimeError(f"DALI failed on a batch of {n} images, but on no part of it: {err}")
             if len(bad) == n:  # every image fails: the data, or the pipeline itself?
@@ -179,6 +203,34 @@ class Runner:
                         f"{_CANARY_SIZE}x{_CANARY_SIZE} JPEG, so this is not a data problem: {canary}")
             raise BadSamples(sorted(bad), [bad[p] for p in sorted(bad)])
         return self._deliver(res, n, out)
+
+    def _locate_bad(self, encoded: list, params: dict[str, np.ndarray], err: str) -> dict[int, str]:
+        """{position: reason} of the samples a failed batch fails on. On CUDA the search runs
+        on a CPU runner of the same graph (one GPU rebuild per failing batch, not one per
+        bisection step); only when the CPU decodes every image (a GPU-only failure) does it
+        bisect on the GPU."""
+        n = len(encoded)
+        bad: dict[int, str] = {}
+        if self.device == "cuda":
+            # In chunks of CPU_SEARCH_CHUNK: DALI 2.4's CPU decoder intermittently crashes the
+            # process when a pipeline is torn down after a failed batch with many samples
+            # still behind the failing one (seen from ~32 on; never up to 24).
+            cpu = self._cpu_runner()
+            for start in range(0, n, CPU_SEARCH_CHUNK):
+                part = np.arange(start, min(n, start + CPU_SEARCH_CHUNK))
+                _, cpu_err = cpu._try([encoded[i] for i in part], {k: a[part] for k, a in params.items()})
+                if cpu_err is not None:
+                    cpu._find_bad(encoded, params, part, cpu_err, bad)
+            if bad:
+                return bad
+        self._find_bad(encoded, params, np.arange(n), err, bad)
+        return bad
+
+    def _cpu_runner(self) -> "Runner":
+        if self._cpu is None:
+            self._cpu = Runner(self.transform, device="cpu", batch_size=min(self.batch_size, CPU_SEARCH_CHUNK),
+                               num_threads=min(2, self.num_threads), prefetch=None, seed=self.seed, device_id=None)
+        return self._cpu
 
     def _canary_error(self) -> str | None:
         """Run one valid JPEG through the graph; DALI's reason if even that fails."""
@@ -205,12 +257,19 @@ class Runner:
             raise RuntimeError(f"the transform produced {got}; it declares {(n, *self.out_shape)} "
                                "(every image must come out with the declared shape)")
         if self.device == "cuda":
+            from ..device import guard
+
             dt = _TORCH[self.out_dtype.name]
-            t = torch.empty((n, *self.out_shape), dtype=dt, device=torch.device("cuda", self.device_id))
-            stream = torch.cuda.current_stream(self.device_id)
-            feed_ndarray(res.as_tensor(), t, cuda_stream=stream)  # asynchronous on torch's stream
-            self._copied = torch.cuda.Event()
-            self._copied.record(stream)
+            with guard(self.device_id):
+                if self._copy_stream is None:
+                    self._copy_stream = torch.cuda.Stream(device=self.device_id)
+                stream = self._copy_stream
+                with torch.cuda.stream(stream):  # the tensor's memory belongs to the copy stream
+                    t = torch.empty((n, *self.out_shape), dtype=dt, device=torch.device("cuda", self.device_id))
+                feed_ndarray(res.as_tensor(), t, cuda_stream=stream)  # asynchronous on the copy stream
+                ev = torch.cuda.Event(blocking=True)  # users wait on the GPU; close() on the host
+                ev.record(stream)
+            self.ready_event = ev
             return t
         if out is None:
             out = torch.empty((n, *self.out_shape), dtype=_TORCH[self.out_dtype.name])
@@ -221,6 +280,9 @@ class Runner:
 
     def close(self) -> None:
         self._drop_pipeline()
+        cpu, self._cpu = self._cpu, None
+        if cpu is not None:
+            cpu.close()
 
     def __del__(self):
         try:

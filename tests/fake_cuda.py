@@ -1,0 +1,808 @@
+"""A fake ``torch.cuda`` for testing the CUDA paths on a machine without a GPU.
+
+``FakeCuda.install(monkeypatch, device_count=2)`` replaces the parts of ``torch.cuda`` (and
+of ``torch.Tensor``) that fastload's CUDA code uses, and records what that code does, per
+thread: the device each thread selected, the streams and events it used, every copy (with
+its ``non_blocking`` flag, its bytes and the stream it ran on), every host wait, every
+``cudaHostRegister``/``cudaHostUnregister`` and on which device each call created or used a
+CUDA context. ``monkeypatch`` undoes it all at the end of the test.
+
+The semantics follow the real sources (torch 2.13, CUDA 12), so that a test that passes here
+says something about a GPU:
+
+* **Devices and contexts.** Every thread starts on device 0 (CUDA's current device is
+  per thread). ``set_device(d)`` and entering ``device(d)`` switch it (CUDA 12's
+  ``cudaSetDevice`` creates the primary context of ``d``); leaving ``device(d)`` restores the
+  previous device without touching it (torch's ``MaybeExchangeDevice``). A runtime call
+  that torch does not guard runs on the thread's *current* device and creates a context
+  there: ``cudaHostRegister``/``Unregister`` (``torch/csrc/cuda/shared/cudart.cpp``),
+  ``Event.synchronize``/``query`` (``cudaEventSynchronize``/``Query``, no guard in
+  ``ATen/cuda/CUDAEvent.h``). Guarded calls use the device of their stream or tensor:
+  ``Event.record``/``wait``, ``Stream(...)``, ``Stream.synchronize``, copies to or from a
+  device, ``torch.empty(device=...)``. ``contexts`` is the set of devices touched.
+* **Streams.** Each thread has a current stream per device, the device's default stream
+  until ``stream(s)``/``set_stream(s)`` changes it; ``stream(s)`` also makes ``s``'s device
+  current inside the block (``torch._C._cuda_setStream`` sets the device).
+* **A GPU that runs when told.** Work enqueued on a stream (copies, kernels, event waits)
+  runs only when the host waits for it (``Event.synchronize``, ``Stream.synchronize``,
+  ``torch.cuda.synchronize``, a blocking copy, a device-to-host copy) or when the test calls
+  :meth:`FakeCuda.run_gpu` — or at once with ``eager=True``. A stream's work runs in order
+  and waits for the events it was told to wait for. A copy reads its source *when it runs*
+  (as a DMA does), and a new device tensor is filled with ``POISON`` bytes: so a host buffer
+  reused before its copy ran, or a device tensor read on a stream that did not wait for the
+  copy, shows up as wrong bytes.
+* **Blocking copies.** ``Tensor.to(cuda, non_blocking=False)`` is ``memcpy_and_sync``
+  (``ATen/native/cuda/Copy.cu``): the copy runs and the host waits for its stream; it is
+  recorded in ``copies`` with ``non_blocking=False`` and in ``host_waits``.
+* **Sticky last error.** A failed ``cudaHostRegister`` sets the thread's last error, as the
+  runtime does; ``cudaGetLastError()`` returns and clears it; :meth:`FakeCuda.launch_kernel`
+  (what torch's ``C10_CUDA_KERNEL_LAUNCH_CHECK`` does after every kernel) raises it.
+
+Device tensors are :class:`FakeCudaTensor` (a ``torch.Tensor`` subclass on the host with
+``is_cuda``/``device`` of a GPU). ``.numpy()`` on them raises like torch does; read them
+with ``.cpu()`` (a blocking device-to-host copy on the current stream). Arithmetic on them
+runs at once on the host and returns plain tensors: no stream semantics there.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+POISON = 0xA5  # the byte a fresh device tensor holds until a copy writes it
+
+# cudaError_t values used here (driver_types.h)
+SUCCESS = 0
+ERROR_INVALID_VALUE = 1
+ERROR_MEMORY_ALLOCATION = 2
+ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+ERROR_HOST_MEMORY_NOT_REGISTERED = 713
+_ERROR_NAMES = {
+    SUCCESS: "no error",
+    ERROR_INVALID_VALUE: "invalid argument",
+    ERROR_MEMORY_ALLOCATION: "out of memory",
+    ERROR_HOST_MEMORY_ALREADY_REGISTERED: "part or all of the requested memory range is already mapped",
+    ERROR_HOST_MEMORY_NOT_REGISTERED: "pointer does not correspond to a registered memory region",
+}
+
+
+class CudaError:
+    """What torch's ``cudart()`` bindings return: a pybind enum, ``int()``-able."""
+
+    def __init__(self, code: int):
+        self.code = int(code)
+
+    def __int__(self) -> int:
+        return self.code
+
+    def __index__(self) -> int:
+        return self.code
+
+    def __eq__(self, other) -> bool:
+        return int(other) == self.code
+
+    def __hash__(self) -> int:
+        return hash(self.code)
+
+    def __repr__(self) -> str:
+        return f"<cudaError.{self.code}>"
+
+
+@dataclass
+class Call:
+    """One recorded CUDA call: what, in which thread, on which device (the device the call
+    ran on: its guard's, else the thread's current device), and details."""
+
+    kind: str
+    thread: str
+    device: int
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Copy:
+    thread: str
+    src: str  # "cpu" or "cuda:N"
+    dst: str
+    nbytes: int
+    non_blocking: bool
+    stream: "FakeStream"
+    src_pinned: bool
+
+
+@dataclass
+class HostWait:
+    thread: str
+    what: str  # "event", "stream", "device", "copy"
+    blocking: bool  # a blocking-sync event (yields the core) or a spin wait
+    device: int
+
+
+class _Op:
+    __slots__ = ("kind", "run", "wait_for", "done", "seconds")
+
+    def __init__(self, kind: str, run: Callable[[], None] | None = None, wait_for=None, seconds: float = 0.0):
+        self.kind = kind
+        self.run = run
+        self.wait_for = wait_for  # (stream, position) for a wait op
+        self.done = False
+        self.seconds = seconds  # how long the GPU takes for it (kernels of known length: _sleep)
+
+
+class FakeStream:
+    """A CUDA stream: an ordered queue of work on one device. Installed as
+    ``torch.cuda.Stream`` (a subclass bound to its :class:`FakeCuda`), so ``isinstance``
+    checks hold for created and current streams alike."""
+
+    _fake: "FakeCuda"
+
+    def __init__(self, device=None, priority: int = 0, *, _handle: int | None = None, **kw):
+        fake = self._fake
+        idx = fake._index(device)
+        if _handle is None:
+            with fake._lock:
+                _handle = fake._next_handle
+                fake._next_handle += 0x10
+        self.device_index = idx
+        self.device = torch.device("cuda", idx)
+        self.cuda_stream = _handle
+        self.priority = priority
+        self.ops: list[_Op] = []
+        self.executed = 0
+        if _handle != 0:  # torch: `with torch.cuda.device(device)` around the creation
+            fake._call("stream_create", idx, stream=self)
+            fake.streams.append(self)
+
+    # -- torch.cuda.Stream API --------------------------------------------------------------
+    def wait_event(self, event: "FakeEvent") -> None:
+        event.wait(self)
+
+    def wait_stream(self, stream: "FakeStream") -> None:
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event: "FakeEvent | None" = None) -> "FakeEvent":
+        if event is None:
+            event = self._fake.Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        self._fake._call("stream_query", self.device_index, stream=self)
+        return self.executed == len(self.ops)
+
+    def synchronize(self) -> None:
+        fake = self._fake
+        fake._call("stream_synchronize", self.device_index, stream=self)
+        fake._host_wait("stream", blocking=False, device=self.device_index)
+        fake._execute(self, len(self.ops))
+
+    def __cuda_stream__(self):
+        return (0, self.cuda_stream)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FakeStream) and (other.cuda_stream, other.device_index) == (
+            self.cuda_stream, self.device_index)
+
+    def __hash__(self) -> int:
+        return hash((self.cuda_stream, self.device_index))
+
+    def __repr__(self) -> str:
+        return f"<FakeStream device=cuda:{self.device_index} cuda_stream={self.cuda_stream:#x}>"
+
+    # -- the fake GPU -------------------------------------------------------------------------
+    def _enqueue(self, op: _Op) -> int:
+        self.ops.append(op)
+        if self._fake.eager:
+            self._fake._execute(self, len(self.ops))
+        return len(self.ops)
+
+
+class FakeEvent:
+    """A CUDA event: a position in one stream's queue, once recorded. Installed as
+    ``torch.cuda.Event`` (a subclass bound to its :class:`FakeCuda`)."""
+
+    _fake: "FakeCuda"
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                 external: bool = False):
+        fake = self._fake
+        self.enable_timing = enable_timing
+        self.blocking = blocking
+        self.stream: FakeStream | None = None
+        self.position = 0
+        fake.events.append(self)
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        fake = self._fake
+        if stream is None:
+            stream = fake.current_stream()
+        fake._call("event_record", stream.device_index, event=self, stream=stream)
+        self.stream = stream
+        self.position = len(stream.ops)
+
+    def query(self) -> bool:
+        fake = self._fake
+        if self.stream is None:
+            return True
+        fake._call("event_query", fake._tls_device(), event=self)  # unguarded
+        return self.stream.executed >= self.position
+
+    def synchronize(self) -> None:
+        fake = self._fake
+        if self.stream is None:  # never recorded: torch returns at once
+            return
+        fake._call("event_synchronize", fake._tls_device(), event=self)  # unguarded
+        fake._host_wait("event", blocking=self.blocking, device=self.stream.device_index)
+        fake._execute(self.stream, self.position)
+
+    def wait(self, stream: FakeStream | None = None) -> None:
+        fake = self._fake
+        if stream is None:
+            stream = fake.current_stream()
+        fake._call("event_wait", stream.device_index, event=self, stream=stream)
+        if self.stream is None:
+            return
+        stream._enqueue(_Op("wait", wait_for=(self.stream, self.position)))
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        """Milliseconds of modelled GPU time between two events of one stream (the kernels of
+        known length between them, e.g. ``torch.cuda._sleep`` at ``FakeCuda.clock_hz``)."""
+        if self.stream is None or end.stream is not self.stream:
+            raise RuntimeError("elapsed_time: both events must be recorded on the same (fake) stream")
+        return 1e3 * sum(op.seconds for op in self.stream.ops[self.position:end.position])
+
+    @property
+    def done(self) -> bool:
+        """Whether the GPU has reached this event (no call recorded; for assertions)."""
+        return self.stream is None or self.stream.executed >= self.position
+
+
+class FakeCudaTensor(torch.Tensor):
+    """A tensor "on a GPU": host memory that only the fake GPU writes (copies run when the
+    GPU runs), with ``is_cuda``/``device`` of a CUDA tensor."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self._fake_device)
+
+    def numpy(self, *a, **kw):
+        raise TypeError(f"can't convert cuda:{self._fake_device} device type tensor to numpy. "
+                        "Use Tensor.cpu() to copy the tensor to host memory first.")
+
+    def _host(self) -> torch.Tensor:
+        """The bytes on the "device" as a plain host tensor (no copy, no stream semantics)."""
+        return self.as_subclass(torch.Tensor)
+
+
+class _DeviceContext:
+    """``torch.cuda.device(d)``: select ``d`` inside the block, restore on exit."""
+
+    def __init__(self, fake: "FakeCuda", device):
+        self._fake = fake
+        self.idx = fake._index(device, optional=True)
+        self.prev = None
+
+    def __enter__(self):
+        fake = self._fake
+        if self.idx is None or self.idx < 0:
+            return self
+        self.prev = fake._tls_device()
+        if self.idx != self.prev:  # ExchangeDevice: cudaSetDevice only when it changes
+            fake._select(self.idx, how="device_guard")
+        return self
+
+    def __exit__(self, *exc):
+        if self.prev is not None:
+            self._fake._tls().device = self.prev  # MaybeExchangeDevice: no context created
+        return False
+
+
+class _StreamContext:
+    """``torch.cuda.stream(s)`` as torch's ``StreamContext``: current stream (and device) is
+    ``s``'s inside the block; the previous streams and device come back on exit."""
+
+    def __init__(self, fake: "FakeCuda", stream: FakeStream | None):
+        self._fake = fake
+        self.stream = stream
+
+    def __enter__(self):
+        fake, s = self._fake, self.stream
+        if s is None:
+            return self
+        tls = fake._tls()
+        self.prev_device = tls.device
+        self.src_prev = fake.current_stream()
+        self.dst_prev = fake.current_stream(s.device_index)
+        fake.set_stream(s)
+        return self
+
+    def __exit__(self, *exc):
+        fake, s = self._fake, self.stream
+        if s is None:
+            return False
+        tls = fake._tls()
+        tls.streams[s.device_index] = self.dst_prev
+        tls.streams[self.src_prev.device_index] = self.src_prev
+        tls.device = self.prev_device  # set_stream(src_prev) sets its device back
+        return False
+
+
+class _FakeCudart:
+    """``torch.cuda.cudart()``: the runtime bindings fastload uses, plus
+    ``cudaGetLastError`` (not bound by torch; here so tests can check it gets cleared)."""
+
+    def __init__(self, fake: "FakeCuda"):
+        self._fake = fake
+        self.cudaError = types.SimpleNamespace(success=CudaError(SUCCESS))
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> CudaError:
+        fake = self._fake
+        dev = fake._tls_device()  # no device guard in torch's binding
+        code = SUCCESS
+        inject = fake.register_error
+        if inject is not None:
+            code = int(inject(ptr, size) if callable(inject) else inject)
+        if code == SUCCESS and size == 0:
+            code = ERROR_INVALID_VALUE
+        if code == SUCCESS and any(p < ptr + size and ptr < p + s for p, (s, _f) in fake.registered.items()):
+            code = ERROR_HOST_MEMORY_ALREADY_REGISTERED
+        fake._call("cudaHostRegister", dev, ptr=ptr, size=size, flags=flags, error=code)
+        with fake._lock:
+            if code == SUCCESS:
+                fake.registered[ptr] = (size, flags)
+                fake.registrations.append((ptr, size, flags))
+            else:
+                fake._tls().last_error = code
+        return CudaError(code)
+
+    def cudaHostUnregister(self, ptr: int) -> CudaError:
+        fake = self._fake
+        dev = fake._tls_device()
+        with fake._lock:
+            code = SUCCESS if ptr in fake.registered else ERROR_HOST_MEMORY_NOT_REGISTERED
+            if code == SUCCESS:
+                del fake.registered[ptr]
+                fake.unregistrations.append(ptr)
+            else:
+                fake._tls().last_error = code
+        fake._call("cudaHostUnregister", dev, ptr=ptr, error=code)
+        return CudaError(code)
+
+    def cudaGetErrorString(self, err) -> str:
+        return _ERROR_NAMES.get(int(err), f"unknown error {int(err)}")
+
+    def cudaGetLastError(self) -> CudaError:
+        tls = self._fake._tls()
+        code, tls.last_error = tls.last_error, SUCCESS
+        return CudaError(code)
+
+    def cudaMemGetInfo(self, device: int) -> tuple[int, int]:
+        fake = self._fake
+        fake._call("cudaMemGetInfo", int(device))
+        return fake.free_memory, fake.total_memory
+
+
+class FakeCuda:
+    """The fake GPU(s) and everything recorded. See the module docstring."""
+
+    def __init__(self, device_count: int = 2, *, eager: bool = False, total_memory: int = 16 << 30,
+                 name: str = "Fake GPU", cuda_version: str = "12.8"):
+        self.device_count = int(device_count)
+        self.eager = eager
+        self.total_memory = int(total_memory)
+        self.free_memory = int(total_memory)
+        self.name = name
+        self.cuda_version = cuda_version
+        self.clock_hz = 1.5e9  # cycles per second of torch.cuda._sleep
+        self.register_error: int | Callable[[int, int], int] | None = None  # inject cudaHostRegister failures
+        self._lock = threading.RLock()
+        self._local = threading.local()
+        self._next_handle = 0x1000
+        self.Stream = type("Stream", (FakeStream,), {"_fake": self})
+        self.Event = type("Event", (FakeEvent,), {"_fake": self})
+        self.calls: list[Call] = []
+        self.copies: list[Copy] = []
+        self.host_waits: list[HostWait] = []
+        self.streams: list[FakeStream] = []  # created with torch.cuda.Stream
+        self.events: list[FakeEvent] = []
+        self.registered: dict[int, tuple[int, int]] = {}  # ptr -> (size, flags), currently registered
+        self.registrations: list[tuple[int, int, int]] = []  # every successful (ptr, size, flags)
+        self.unregistrations: list[int] = []
+        self.pinned_allocations: list[torch.Tensor] = []  # pin_memory() results (kept alive)
+        self.device_tensors: list[FakeCudaTensor] = []
+        self.cudart = _FakeCudart(self)
+        self._default = {d: self.Stream(d, _handle=0) for d in range(self.device_count)}
+
+    # -- installing ---------------------------------------------------------------------------
+    @classmethod
+    def install(cls, monkeypatch, device_count: int = 2, **kw) -> "FakeCuda":
+        fake = cls(device_count, **kw)
+        fake._patch(monkeypatch)
+        return fake
+
+    def _patch(self, mp) -> None:
+        c = torch.cuda
+        mp.setattr(c, "is_available", lambda: self.device_count > 0)
+        mp.setattr(c, "device_count", lambda: self.device_count)
+        mp.setattr(c, "is_initialized", lambda: bool(self.contexts))
+        mp.setattr(c, "init", lambda: self._call("init", self._tls_device()))
+        mp.setattr(c, "current_device", self._tls_device)
+        mp.setattr(c, "set_device", lambda d: self._select(self._index(d), how="set_device"))
+        mp.setattr(c, "device", lambda d: _DeviceContext(self, d))
+        mp.setattr(c, "Stream", self.Stream)
+        mp.setattr(c, "Event", self.Event)
+        mp.setattr(c, "current_stream", self.current_stream)
+        mp.setattr(c, "default_stream", lambda device=None: self._default[self._index(device)])
+        mp.setattr(c, "set_stream", self.set_stream)
+        mp.setattr(c, "stream", lambda s: _StreamContext(self, s))
+        mp.setattr(c, "synchronize", self.synchronize)
+        mp.setattr(c, "cudart", lambda: self.cudart)
+        mp.setattr(c, "_sleep", lambda cycles: self.launch_kernel("_sleep", seconds=cycles / self.clock_hz,
+                                                                  cycles=cycles))
+        mp.setattr(c, "get_device_name", lambda device=None: self.name)
+        mp.setattr(c, "get_device_capability", lambda device=None: (9, 0))
+        mp.setattr(c, "get_device_properties", lambda device=None: types.SimpleNamespace(
+            name=self.name, total_memory=self.total_memory, major=9, minor=0, multi_processor_count=132))
+        mp.setattr(c, "mem_get_info", lambda device=None: self.cudart.cudaMemGetInfo(self._index(device)))
+        mp.setattr(torch.backends.cuda, "is_built", lambda: True)
+        mp.setattr(torch.version, "cuda", self.cuda_version)
+        T = torch.Tensor
+        orig_to, orig_pin = T.to, T.pin_memory
+        mp.setattr(T, "to", lambda t, *a, **kw: self._to(orig_to, t, *a, **kw))
+        mp.setattr(T, "cuda", lambda t, device=None, non_blocking=False, **kw: self._to(
+            orig_to, t, torch.device("cuda", self._index(device)), non_blocking=non_blocking))
+        mp.setattr(T, "cpu", lambda t, **kw: self._to(orig_to, t, "cpu"))
+        mp.setattr(T, "record_stream", lambda t, stream: self._record_stream(t, stream))
+        mp.setattr(T, "pin_memory", lambda t, *a, **kw: self._pin(t))
+        mp.setattr(T, "is_pinned", lambda t, *a, **kw: self.is_pinned(t))
+        orig_empty, orig_zeros = torch.empty, torch.zeros
+        mp.setattr(torch, "empty", lambda *a, **kw: self._alloc(orig_empty, *a, **kw))
+        mp.setattr(torch, "zeros", lambda *a, **kw: self._alloc(orig_zeros, *a, **kw))
+        del orig_pin
+
+    # -- per-thread state ---------------------------------------------------------------------
+    def _tls(self):
+        tls = self._local
+        if not hasattr(tls, "device"):
+            tls.device = 0  # a new thread's current device is 0
+            tls.streams = {}
+            tls.last_error = SUCCESS
+        return tls
+
+    def _tls_device(self) -> int:
+        return self._tls().device
+
+    def _index(self, device, optional: bool = False) -> int | None:
+        if device is None:
+            return None if optional else self._tls_device()
+        if isinstance(device, int):
+            idx = device
+        else:
+            if isinstance(device, FakeStream):
+                return device.device_index
+            d = torch.device(device)
+            if d.type != "cuda":
+                raise ValueError(f"expected a cuda device, got {device!r}")
+            idx = self._tls_device() if d.index is None else d.index
+        if optional and idx < 0:
+            return None
+        if not 0 <= idx < self.device_count:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {idx} ({self.device_count} device(s))")
+        return idx
+
+    def _thread(self) -> str:
+        return threading.current_thread().name
+
+    def _call(self, kind: str, device: int, **info) -> None:
+        with self._lock:
+            self.calls.append(Call(kind, self._thread(), int(device), info))
+
+    def _host_wait(self, what: str, blocking: bool, device: int) -> None:
+        with self._lock:
+            self.host_waits.append(HostWait(self._thread(), what, blocking, device))
+
+    def _select(self, idx: int, how: str) -> None:
+        self._tls().device = idx
+        self._call(how, idx)
+
+    # -- streams ------------------------------------------------------------------------------
+    def current_stream(self, device=None) -> FakeStream:
+        idx = self._index(device)
+        return self._tls().streams.get(idx, self._default[idx])
+
+    def set_stream(self, stream: FakeStream) -> None:
+        tls = self._tls()
+        tls.streams[stream.device_index] = stream
+        tls.device = stream.device_index
+
+    def synchronize(self, device=None) -> None:
+        idx = self._index(device)
+        self._call("device_synchronize", idx)
+        self._host_wait("device", blocking=False, device=idx)
+        self.run_gpu(device=idx)
+
+    # -- the GPU ------------------------------------------------------------------------------
+    def _execute(self, stream: FakeStream, upto: int) -> None:
+        with self._lock:
+            while stream.executed < upto:
+                op = stream.ops[stream.executed]
+                if op.wait_for is not None:
+                    other, pos = op.wait_for
+                    self._execute(other, pos)
+                if op.run is not None:
+                    op.run()
+                op.run = op.wait_for = None  # like a GPU, hold no reference to what the work read
+                op.done = True
+                stream.executed += 1
+
+    def run_gpu(self, stream: FakeStream | None = None, device: int | None = None) -> None:
+        """Let the GPU finish the work enqueued so far (on one stream, one device, or all)."""
+        with self._lock:
+            if stream is not None:
+                self._execute(stream, len(stream.ops))
+                return
+            for s in [*self._default.values(), *self.streams]:
+                if device is None or s.device_index == device:
+                    self._execute(s, len(s.ops))
+
+    def pending_ops(self) -> int:
+        with self._lock:
+            return sum(len(s.ops) - s.executed for s in [*self._default.values(), *self.streams])
+
+    def launch_kernel(self, name: str = "kernel", stream: FakeStream | None = None, seconds: float = 0.0,
+                      **info) -> None:
+        """A kernel launch as torch does it: enqueue, then ``C10_CUDA_KERNEL_LAUNCH_CHECK()``
+        (``cudaGetLastError``), which raises — and clears — an error left by any earlier
+        runtime call of this thread."""
+        stream = stream or self.current_stream()
+        self._call("kernel", stream.device_index, name=name, stream=stream, **info)
+        stream._enqueue(_Op("kernel", seconds=seconds))
+        tls = self._tls()
+        if tls.last_error != SUCCESS:
+            code, tls.last_error = tls.last_error, SUCCESS
+            raise RuntimeError(f"CUDA error: {_ERROR_NAMES.get(code, code)} (launching {name}: an error "
+                               "left behind by an earlier CUDA call of this thread)")
+
+    # -- tensors ------------------------------------------------------------------------------
+    def device_tensor(self, shape, dtype, device: int) -> FakeCudaTensor:
+        host = _orig_empty(shape, dtype=dtype)
+        if host.numel():
+            host.view(torch.uint8).fill_(POISON)
+        t = host.as_subclass(FakeCudaTensor)
+        t._fake_device = int(device)
+        with self._lock:
+            self.device_tensors.append(t)
+        return t
+
+    def _alloc(self, orig, *args, **kw):
+        dev = kw.get("device")
+        pin = kw.pop("pin_memory", False)
+        if dev is not None and torch.device(dev).type == "cuda":
+            idx = self._index(dev)
+            kw.pop("device")
+            shape = kw.pop("size", None) or (
+                args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args)
+            self._call("alloc", idx, shape=tuple(shape))
+            t = self.device_tensor(tuple(shape), kw.get("dtype") or torch.get_default_dtype(), idx)
+            if orig is _orig_zeros:  # zeros: a memset kernel on the current stream
+                host = t._host()
+                self.current_stream(idx)._enqueue(_Op("memset", lambda: host.zero_()))
+            return t
+        out = orig(*args, **kw)
+        return self._pin(out, copy=False) if pin else out
+
+    def _pin(self, t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        if isinstance(t, FakeCudaTensor):
+            raise RuntimeError("cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned")
+        dev = min(self.contexts) if self.contexts else self._tls_device()
+        out = t.clone() if copy else t
+        self._call("pinned_alloc", dev, nbytes=out.element_size() * out.nelement())
+        with self._lock:
+            self.pinned_allocations.append(out)
+        return out
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        if isinstance(t, FakeCudaTensor) or t.nelement() == 0:
+            return False
+        ptr = t.data_ptr()
+        with self._lock:
+            if any(ptr >= p and ptr < p + s for p, (s, _f) in self.registered.items()):
+                return True
+            return any(a.data_ptr() <= ptr < a.data_ptr() + a.element_size() * a.nelement()
+                       for a in self.pinned_allocations)
+
+    def _to(self, orig, t: torch.Tensor, *args, **kw):
+        copy_flag = kw.pop("copy", False)
+        dst, dtype, non_blocking, _fmt = torch._C._nn._parse_to(*args, **kw)
+        src_fake = isinstance(t, FakeCudaTensor)
+        if dst is None:
+            if src_fake:  # a dtype change on the device: a kernel, run at once (no stream model)
+                out = self.device_tensor(tuple(t.shape), dtype or t.dtype, t._fake_device)
+                out._host().copy_(orig(t._host(), dtype))
+                return out
+            return orig(t, *args, copy=copy_flag, **kw)
+        if dst.type == "cpu":
+            if not src_fake:
+                return orig(t, *args, copy=copy_flag, **kw)
+            return self._d2h(t, dtype)
+        if dst.type != "cuda":
+            return orig(t, *args, copy=copy_flag, **kw)
+        idx = self._index(dst)
+        if src_fake and t._fake_device == idx and dtype in (None, t.dtype) and not copy_flag:
+            return t
+        return self._h2d(t, idx, dtype, non_blocking)
+
+    def _h2d(self, t: torch.Tensor, idx: int, dtype, non_blocking: bool) -> FakeCudaTensor:
+        stream = self.current_stream(idx)  # the copy runs under a guard of the destination device
+        src_fake = isinstance(t, FakeCudaTensor)
+        src = t._host() if src_fake else t
+        pinned = (not src_fake) and self.is_pinned(t)
+        out = self.device_tensor(tuple(t.shape), dtype or t.dtype, idx)
+        dst_host = out._host()
+        nbytes = src.element_size() * src.nelement()
+        if not src_fake and not (non_blocking and pinned):
+            src = src.clone()  # pageable source: staged at call time (the host is not free until then)
+        src_name = f"cuda:{t._fake_device}" if src_fake else "cpu"
+        self._call("copy", idx, src=src_name, nbytes=nbytes, non_blocking=non_blocking, stream=stream)
+        with self._lock:
+            self.copies.append(Copy(self._thread(), src_name, f"cuda:{idx}", nbytes, non_blocking, stream, pinned))
+        src_ref = src
+        stream._enqueue(_Op("copy", lambda: dst_host.copy_(src_ref.to(dst_host.dtype) if src_ref.dtype != dst_host.dtype
+                                                           else src_ref)))
+        if not non_blocking:  # memcpy_and_sync: the host waits for the stream
+            self._host_wait("copy", blocking=False, device=idx)
+            self._execute(stream, len(stream.ops))
+        return out
+
+    def _d2h(self, t: FakeCudaTensor, dtype) -> torch.Tensor:
+        idx = t._fake_device
+        stream = self.current_stream(idx)
+        src = t._host()
+        out = _orig_empty(tuple(t.shape), dtype=dtype or t.dtype)
+        nbytes = src.element_size() * src.nelement()
+        self._call("copy", idx, src=f"cuda:{idx}", nbytes=nbytes, non_blocking=False, stream=stream)
+        with self._lock:
+            self.copies.append(Copy(self._thread(), f"cuda:{idx}", "cpu", nbytes, False, stream, False))
+        stream._enqueue(_Op("copy", lambda: out.copy_(src)))
+        self._host_wait("copy", blocking=False, device=idx)
+        self._execute(stream, len(stream.ops))
+        return out
+
+    def _record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
+        if not isinstance(t, FakeCudaTensor):
+            raise RuntimeError("record_stream is only supported for CUDA tensors (expected a cuda device)")
+        self._call("record_stream", stream.device_index, tensor=id(t), stream=stream)
+
+    # -- what happened ------------------------------------------------------------------------
+    @property
+    def contexts(self) -> set[int]:
+        """Devices on which some call created or used a CUDA context."""
+        with self._lock:
+            return {c.device for c in self.calls}
+
+    def calls_of(self, kind: str | None = None, thread: str | None = None) -> list[Call]:
+        with self._lock:
+            return [c for c in self.calls if (kind is None or c.kind == kind)
+                    and (thread is None or c.thread == thread)]
+
+    def threads(self) -> set[str]:
+        """Threads that made any CUDA call."""
+        with self._lock:
+            return {c.thread for c in self.calls}
+
+    def devices_by_thread(self) -> dict[str, set[int]]:
+        """{thread: devices its calls ran on}: one entry per device whose context it used."""
+        out: dict[str, set[int]] = {}
+        with self._lock:
+            for c in self.calls:
+                out.setdefault(c.thread, set()).add(c.device)
+        return out
+
+    def selected_by_thread(self) -> dict[str, list[int]]:
+        """{thread: devices it selected with set_device / device(...)}, in order."""
+        out: dict[str, list[int]] = {}
+        with self._lock:
+            for c in self.calls:
+                if c.kind in ("set_device", "device_guard"):
+                    out.setdefault(c.thread, []).append(c.device)
+        return out
+
+    def blocking_copies(self) -> list[Copy]:
+        with self._lock:
+            return [c for c in self.copies if not c.non_blocking]
+
+    def reset_records(self) -> None:
+        """Forget what was recorded so far (not the state: streams, registrations stay)."""
+        with self._lock:
+            self.calls.clear()
+            self.copies.clear()
+            self.host_waits.clear()
+
+
+_orig_empty = torch.empty
+_orig_zeros = torch.zeros
+
+
+@contextlib.contextmanager
+def thread_name(name: str):
+    """Run a block under another thread name (to tell a test's own calls apart)."""
+    t = threading.current_thread()
+    old, t.name = t.name, name
+    try:
+        yield
+    finally:
+        t.name = old
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """Host bytes of a tensor, fake-device or not, *without* any synchronisation: what the
+    GPU memory holds right now (POISON where no copy has run yet)."""
+    if isinstance(t, FakeCudaTensor):
+        return t._host().numpy()
+    return t.numpy()
+
+
+def fake_dali_on_gpu(fake: FakeCuda, monkeypatch) -> list[tuple[str, int]]:
+    """Make a CUDA :class:`fastload.pipeline.Runner` work without a GPU: its graph is built for
+    the CPU (the same operators, the decoder on the CPU), and DALI's ``feed_ndarray`` into a
+    fake device tensor becomes a copy on the given stream, as DALI 2.4 does it
+    (``CopyToExternal`` on ``cuda_stream``: asynchronous when a stream is given, else
+    host-synchronous). The copy reads DALI's output when called: on a GPU DALI's own stream
+    waits for the copy before it reuses that buffer (``wait_order.wait(copy_order)``), which a
+    CPU pipeline does not model. Returns the list of (thread, runner id) of every CUDA graph
+    built, to count pipeline (re)builds."""
+    import copy
+
+    import nvidia.dali.plugin.pytorch as dali_torch
+
+    from fastload.pipeline import Runner
+
+    builds: list[tuple[str, int]] = []
+    real_build = Runner._build
+
+    def build(self):
+        if self.device != "cuda":
+            return real_build(self)
+        cpu = copy.copy(self)
+        cpu.device, cpu.device_id = "cpu", None
+        with fake._lock:
+            builds.append((threading.current_thread().name, id(self)))
+        return real_build(cpu)
+
+    real_feed = dali_torch.feed_ndarray
+
+    def feed_ndarray(dali_tensor, arr, cuda_stream=None):
+        if not isinstance(arr, FakeCudaTensor):
+            return real_feed(dali_tensor, arr, cuda_stream=cuda_stream)
+        data = torch.from_numpy(np.array(dali_tensor.as_cpu() if hasattr(dali_tensor, "as_cpu") else dali_tensor))
+        if tuple(data.shape) != tuple(arr.shape) or data.dtype != arr.dtype:  # DALI asserts both
+            raise AssertionError(f"feed_ndarray: DALI tensor {tuple(data.shape)} {data.dtype} into torch "
+                                 f"{tuple(arr.shape)} {arr.dtype}")
+        idx = arr._fake_device
+        stream = cuda_stream if cuda_stream is not None else fake._default[idx]
+        dst = arr._host()
+        nbytes = dst.element_size() * dst.nelement()
+        fake._call("dali_copy", idx, stream=stream, nbytes=nbytes, non_blocking=cuda_stream is not None)
+        with fake._lock:
+            fake.copies.append(Copy(threading.current_thread().name, "dali", f"cuda:{idx}", nbytes,
+                                    cuda_stream is not None, stream, False))
+        stream._enqueue(_Op("copy", lambda: dst.copy_(data)))
+        if cuda_stream is None:
+            fake._host_wait("copy", blocking=False, device=idx)
+            fake._execute(stream, len(stream.ops))
+        return arr
+
+    monkeypatch.setattr(Runner, "_build", build)
+    monkeypatch.setattr(dali_torch, "feed_ndarray", feed_ndarray)
+    return builds

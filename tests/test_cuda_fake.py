@@ -1,0 +1,226 @@
+"""The Loader's CUDA delivery against a fake torch.cuda (tests/fake_cuda.py): what it asks of
+the GPU, without a GPU. The fake GPU runs work only when the host waits for it (or the test
+says so), copies read their source when they run and device tensors start as POISON bytes,
+so a batch that is exact here was ordered right: its host slot was not refilled before its
+copy ran, and the consumer's stream waited for the copy before reading.
+
+Review tests B-D, F, G, J and the checks for F2-F12."""
+from __future__ import annotations
+
+import io
+import logging
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import fastload
+from fake_cuda import ERROR_MEMORY_ALLOCATION, FakeCuda, fake_dali_on_gpu
+from fastload import DecodeError, Loader, vision
+from fastload.sample_data import photos
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    return FakeCuda.install(monkeypatch, device_count=2)
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory):
+    path = tmp_path_factory.mktemp("raw") / "ds"
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1000, 7, 5)).astype(np.float32)
+    with fastload.ShardWriter(path, {"x": "float32[7,5]", "label": "int64"}, label="label",
+                              shard_size="32KB") as wr:
+        wr.write_batch({"x": x, "label": np.arange(1000) % 7})
+    return fastload.Dataset(path), x
+
+
+def _jpeg(a: np.ndarray) -> bytes:
+    b = io.BytesIO()
+    Image.fromarray(a).save(b, "JPEG", quality=90)
+    return b.getvalue()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """40 photo crops (JPEG), several shards; sample 13 is not an image."""
+    path = tmp_path_factory.mktemp("img") / "ds"
+    p = list(photos(["astronaut", "chelsea", "coffee"]).values())
+    rng = np.random.default_rng(1)
+    with fastload.ShardWriter(path, {"image": "image", "label": "int64"}, label="label", shard_size="100KB") as wr:
+        for i in range(40):
+            if i == 13:
+                wr.write({"image": b"\xff\xd8\xff" + b"junk" * 40, "label": 1}, key="bad/013.jpg",
+                         image_sizes={"image": (64, 64)})
+                continue
+            src = p[i % len(p)]
+            h, w = rng.integers(60, 120), rng.integers(60, 120)
+            wr.write({"image": _jpeg(src[:h, :w]), "label": i % 4}, key=f"img{i:03d}.jpg")
+    return fastload.Dataset(path)
+
+
+EVAL = vision.eval(32, resize=40, dtype="uint8", layout="HWC")
+
+
+def _h2d(fake):
+    return [c for c in fake.copies if c.src == "cpu"]
+
+
+def _cpu_reference(ds, **kw):
+    with Loader(ds, device="cpu", **kw) as lo:
+        return [{k: v.clone() for k, v in b.items()} for b in lo]
+
+
+# -- raw fields ---------------------------------------------------------------------------------
+def test_raw_batches_are_async_pinned_copies_on_a_side_stream_and_byte_exact(fake, raw):
+    ds, x = raw
+    with Loader(ds, batch_size=64, device="cuda:1", shuffle=False) as lo:
+        batches = list(lo)  # the fake GPU runs only when the host waits: nothing forced it yet
+        copies = _h2d(fake)
+        assert copies and all(c.non_blocking for c in copies), "a blocking host-to-device copy (F2)"
+        assert all(c.src_pinned for c in copies), "a copy from pageable memory"
+        assert {c.stream.cuda_stream for c in copies} != {0}  # the side stream, not the default one
+        assert {c.dst for c in copies} == {"cuda:1"}
+        row = 7 * 5 * 4 + 8 + 8  # x, label, index
+        assert sum(c.nbytes for c in copies) == len(ds) * row
+        # read on the consumer's stream: it waited for the copies, whose slots were kept
+        idx = np.concatenate([b["index"].cpu().numpy() for b in batches])
+        assert idx.tolist() == list(range(len(ds)))
+        got = np.concatenate([b["x"].cpu().numpy() for b in batches])
+        assert np.array_equal(got, x)
+        assert all(b["x"].is_cuda and b["index"].is_cuda for b in batches)
+
+
+def test_raw_path_under_torchrun_uses_only_its_own_gpu(fake, raw, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    ds, _ = raw
+    with Loader(ds, batch_size=100, shuffle=False) as lo:
+        assert lo.device == torch.device("cuda", 1)
+        for _ in lo:
+            pass
+    assert fake.contexts == {1}, f"CUDA calls on other devices (F3): {fake.devices_by_thread()}"
+
+
+def test_every_slot_is_pinned_once_when_created_and_unpinned_at_close(fake, raw):
+    ds, _ = raw
+    lo = Loader(ds, batch_size=64, device="cuda:0", shuffle=False)
+    try:
+        it = iter(lo)
+        next(it)
+        ring = lo._parts._ring
+        initial = {ring.slot_memory(s).ctypes.data: ring.slot_memory(s).nbytes for s in range(ring.num_slots)}
+        regs = list(fake.registrations)
+        assert len(regs) == len(initial), "slots are pinned lazily, on first delivery (F8)"
+        assert {p: s for p, s, _f in regs} == initial  # each slot once, its whole memory
+        assert all(p % 4096 == 0 and f == 1 for p, _s, f in regs)  # page-aligned, cudaHostRegisterPortable
+        for _ in it:  # the fake GPU lags (it runs only when the host waits): the ring may grow
+            pass
+        every = {ring.slot_memory(s).ctypes.data for s in range(ring.num_slots)}
+        ptrs = [p for p, _s, _f in fake.registrations]
+        assert len(ptrs) == len(set(ptrs)) and set(ptrs) <= every  # grown slots: pinned once, when delivered
+    finally:
+        lo.close()
+    assert sorted(fake.unregistrations) == sorted(ptrs) and fake.registered == {}
+
+
+def test_a_failed_pin_falls_back_without_leaving_a_cuda_error(fake, raw, caplog):
+    ds, x = raw
+    fake.register_error = ERROR_MEMORY_ALLOCATION
+    with caplog.at_level(logging.WARNING, logger="fastload"), \
+            Loader(ds, batch_size=64, device="cuda:0", shuffle=False) as lo:
+        b = next(iter(lo))
+        assert "pageable" in caplog.text
+        fake.launch_kernel("the training step")  # raises if the failed register left its error (F7)
+        assert np.array_equal(b["x"].cpu().numpy(), x[:64])
+    assert fake.registered == {}
+
+
+# -- image fields -------------------------------------------------------------------------------
+def test_image_batches_on_cuda(fake, images, monkeypatch):
+    builds = fake_dali_on_gpu(fake, monkeypatch)
+    ref = _cpu_reference(images, batch_size=8, shuffle=False, transforms={"image": EVAL}, on_error="skip")
+    with Loader(images, batch_size=8, device="cuda:1", shuffle=False, transforms={"image": EVAL},
+                on_error="skip") as lo:
+        batches = list(lo)
+        threads = {c.thread for c in fake.calls if c.thread.startswith("fastload")}
+        assert threads, "no feeder thread made a CUDA call"
+        for t in threads:  # each of our threads selects the loader's device before anything else
+            first = fake.calls_of(thread=t)[0]
+            assert (first.kind, first.device) == ("set_device", 1), f"{t} did not select cuda:1 first (F3)"
+        assert fake.contexts == {1}, f"CUDA calls on other devices (F3): {fake.devices_by_thread()}"
+        assert fake.blocking_copies() == [], "a blocking copy (F2)"
+        dali = [c for c in fake.copies if c.src == "dali"]
+        assert dali and all(c.stream.cuda_stream != 0 for c in dali), "DALI's output copied on a default stream (F4)"
+        feeder_waits = [w for w in fake.host_waits if w.thread != "MainThread"]
+        assert feeder_waits == [], f"the feeder waits on the host before the next DALI run (F4): {feeder_waits}"
+        assert all(w.blocking for w in fake.host_waits if w.what == "event"), "a spinning host wait (F12)"
+        assert len({rid for _t, rid in builds}) >= 2, "one DALI pipeline: no batch decodes while another copies (F5)"
+        for b, r in zip(batches, ref, strict=True):
+            assert b["image"].is_cuda and b["index"].is_cuda and b["label"].is_cuda
+            assert b["index"].cpu().tolist() == r["index"].tolist()
+            assert torch.equal(b["image"].cpu(), r["image"]) and torch.equal(b["label"].cpu(), r["label"])
+        assert 13 not in torch.cat([b["index"].cpu() for b in batches]).tolist()  # replaced
+
+
+def test_images_consumed_under_a_user_stream(fake, images, monkeypatch):
+    fake_dali_on_gpu(fake, monkeypatch)
+    ref = _cpu_reference(images, batch_size=8, shuffle=False, transforms={"image": EVAL}, on_error="skip")
+    user = torch.cuda.Stream(device=1)
+    with Loader(images, batch_size=8, device="cuda:1", shuffle=False, transforms={"image": EVAL},
+                on_error="skip") as lo, torch.cuda.stream(user):
+        for b, r in zip(lo, ref, strict=True):
+            assert torch.equal(b["image"].cpu(), r["image"])  # read on `user`, which waited
+            assert torch.equal(b["label"].cpu(), r["label"])
+
+
+def test_a_bad_image_is_located_without_rebuilding_the_gpu_pipeline(fake, images, monkeypatch):
+    builds = fake_dali_on_gpu(fake, monkeypatch)
+    with Loader(images, batch_size=16, device="cuda:1", shuffle=False, transforms={"image": EVAL}) as lo:
+        with pytest.raises(DecodeError, match="bad/013.jpg"):
+            for _ in lo:
+                pass
+    per_runner: dict[int, int] = {}
+    for _t, rid in builds:
+        per_runner[rid] = per_runner.get(rid, 0) + 1
+    assert max(per_runner.values()) <= 2, f"GPU pipeline rebuilt {per_runner} times to find one bad image (F10)"
+
+
+def test_cuda_image_prefetch_is_budgeted_in_device_bytes(fake, images):
+    big = Loader(images, batch_size=512, device="cuda:0", transforms={"image": vision.train(224)})
+    mid = Loader(images, batch_size=256, device="cuda:0", transforms={"image": vision.train(224)})
+    small = Loader(images, batch_size=8, device="cuda:0", transforms={"image": EVAL})
+    assert (big.prefetch, mid.prefetch, small.prefetch) == (2, 3, 3)  # 308 MB, 154 MB, 25 KB a batch (F9)
+    assert Loader(images, batch_size=256, device="cpu", transforms={"image": vision.train(224)}).prefetch == 2
+    assert Loader(images, batch_size=8, device="cuda:0", transforms={"image": EVAL}, prefetch=5).prefetch == 5
+
+
+def test_a_slot_is_held_until_its_copy_has_run(fake):
+    """The ring's slot stays leased while the GPU has not run the copy out of it, and only
+    then goes back to the free list (review test B: leases held until their events complete)."""
+    from fastload.device import guard
+    from fastload.loader.cuda import CudaDelivery
+    from fastload.ring import Ring
+
+    x = np.arange(64 * 4, dtype=np.int64).reshape(64, 4)
+    with Ring({"x": (np.int64, (4,)), "index": (np.int64, ())}, 8, {"x": [x]}, index_field="index", threads=1,
+              slots=4) as ring:
+        delivery = CudaDelivery(ring, torch.device("cuda", 1))
+        try:
+            ring.submit(np.zeros(8, np.int64), np.arange(8, 16), index=np.arange(8, 16))
+            out = delivery.deliver(ring.get_batch())  # the RingBatch is dropped at once
+            assert ring.stats()["in_use"] == 1  # held by the copy the GPU has not run yet
+            with guard(torch.device("cuda", 1)):  # as deliver() does before it reaps
+                delivery._reap(block=False)
+                assert ring.stats()["in_use"] == 1
+                fake.run_gpu()
+                delivery._reap(block=False)
+            assert ring.stats()["in_use"] == 0
+            assert out["x"].cpu().numpy().tolist() == x[8:16].tolist() and out["index"].cpu().tolist() == list(range(8, 16))
+        finally:
+            delivery.close()
+    assert fake.registered == {} and fake.contexts == {1}

@@ -1,0 +1,159 @@
+"""fastload doctor: each verdict from given facts (no machine needed), and the real command
+on this machine (no GPU: the CUDA graphs are validated offline and it says so)."""
+from __future__ import annotations
+
+import io
+import os
+import resource
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fastload
+from fastload import doctor
+from fastload.doctor import FAIL, NO_GPU_NOTE, OK, WARN, Facts
+
+
+def gpu_host(**kw) -> Facts:
+    """A healthy 8-GPU node as the facts describe it; tests change one thing at a time."""
+    base = dict(device="cuda", driver="550.54.15", driver_cuda=12040, gpus=["NVIDIA H100 80GB HBM3"] * 8,
+                torch_version="2.13.0+cu124", torch_cuda="12.4", torch_gpus=8, dali_version="2.4.0",
+                dali_cuda_major=12, memlock=(-1, -1), nofile=(65536, 65536), shm=(64 << 30, 60 << 30),
+                cores=64, local_world_size=8, local_world_size_set=True, local_rank=3, torch_threads=1, gather_threads=7, dali_threads=8)
+    base.update(kw)
+    return Facts(**base)
+
+
+def verdicts(f: Facts) -> dict[str, tuple[str, str]]:
+    return {c.name: (c.status, c.message) for c in doctor.assess(f)}
+
+
+def test_a_healthy_gpu_node_is_all_ok():
+    v = verdicts(gpu_host())
+    assert {s for s, _ in v.values()} == {OK}, v
+    assert v["gpu"][1].startswith("8 visible: NVIDIA H100 80GB HBM3") and "driver 550.54.15 (CUDA 12.4)" in v["gpu"][1]
+    assert "summary" not in v  # something can run on a device: no no-GPU note
+
+
+@pytest.mark.parametrize("change, name, status, words", [
+    (dict(driver=None, driver_cuda=None, gpus=[], torch_gpus=0, torch_cuda=None), "gpu", WARN, NO_GPU_NOTE),
+    (dict(torch_gpus=0, torch_cuda=None, torch_version="2.13.0+cpu"), "gpu", FAIL, "CPU-only build"),
+    (dict(torch_gpus=0), "gpu", FAIL, "CUDA_VISIBLE_DEVICES"),
+    (dict(torch_gpus=1, gpus=["A10"]), "gpu", WARN, "8 local ranks share 1 GPU"),
+    (dict(torch_cuda=None, torch_gpus=0), "torch", FAIL, "CPU-only build"),
+    (dict(driver=None, driver_cuda=None, gpus=[], torch_gpus=0, torch_cuda=None), "torch", WARN, "CPU-only"),
+    (dict(driver_cuda=11080), "torch", FAIL, "supports CUDA 11.8 only"),
+    (dict(driver_cuda=12020), "torch", WARN, "minor version compatibility"),
+    (dict(dali_version=None, dali_error="No module named 'nvidia'"), "dali", FAIL, "cannot be imported"),
+    (dict(torch_cuda="13.0", driver_cuda=13000), "dali", FAIL, "two CUDA major versions"),
+    (dict(driver_cuda=11080, torch_cuda="11.8"), "dali", FAIL, "nvidia-dali-cuda110"),
+    (dict(dali_missing_libs=["NPP"]), "dali", WARN, "pip install nvidia-npp-cu12"),
+    (dict(memlock=(64 << 10, 64 << 10), pinned_bytes=600 << 20), "pinned memory", WARN,
+     "ulimit -l 64 KiB < the ring page-locks up to 600 MiB"),
+    (dict(memlock=(1 << 30, 1 << 30), pinned_bytes=600 << 20), "pinned memory", OK, "ulimit -l 1 GiB"),
+    (dict(nofile=(1024, 4096), shards=2000), "open files", WARN, "ulimit -n 4096"),
+    (dict(nofile=(1024, 1024), shards=2000), "open files", WARN, "more than even the hard limit"),
+    (dict(nofile=(4096, 4096), shards=2000), "open files", OK, "2000 shard(s)"),
+    (dict(shm=(64 << 20, 64 << 20)), "/dev/shm", WARN, "--shm-size"),
+    (dict(shm=None), "/dev/shm", WARN, "missing"),
+    (dict(shm=(64 << 20, 64 << 20), local_world_size=1), "/dev/shm", OK, "does not use it"),
+    (dict(cores=8), "threads", WARN, "one core per rank"),
+    (dict(local_world_size=1, local_world_size_set=False, torch_gpus=8), "threads", WARN, "export LOCAL_WORLD_SIZE"),
+    (dict(torch_threads=16), "torch threads", WARN, "OMP_NUM_THREADS=8"),
+    (dict(dataset="/d", dataset_error="no manifest.json"), "dataset", FAIL, "/d: no manifest.json"),
+])
+def test_each_verdict(change, name, status, words):
+    st, msg = verdicts(gpu_host(**change))[name]
+    assert (st, words in msg) == (status, True), msg
+
+
+def test_no_gpu_summary_only_for_cuda():
+    no_gpu = dict(driver=None, driver_cuda=None, gpus=[], torch_gpus=0, torch_cuda=None)
+    assert verdicts(gpu_host(**no_gpu))["summary"] == (WARN, NO_GPU_NOTE + "; the CUDA graphs were validated "
+                                                        "offline only")
+    v = verdicts(gpu_host(device="cpu", **no_gpu))
+    assert "summary" not in v and v["gpu"] == (OK, "none needed (--device cpu)")
+    assert v["pinned memory"][0] == OK and v["torch"] == (OK, "2.13.0+cu124")
+
+
+def test_exit_status_is_1_on_any_fail(monkeypatch):
+    monkeypatch.setattr(doctor, "gather", lambda *a: gpu_host(torch_gpus=0))
+    out = io.StringIO()
+    assert doctor.run("cuda", out=out) == 1
+    assert "fail  gpu" in out.getvalue() and out.getvalue().rstrip().endswith("ok")
+    monkeypatch.setattr(doctor, "gather", lambda *a: gpu_host())
+    assert doctor.run("cuda", out=io.StringIO()) == 0
+
+
+def test_graph_failures_are_reported(monkeypatch):
+    from fastload.pipeline import offline
+
+    def broken(t, device):
+        raise RuntimeError('Argument "resize_xx" is not defined for operator "Resize".\nmore')
+
+    monkeypatch.setattr(offline, "check", broken)
+    checks = doctor.check_graphs("cuda", gpu_usable=False)
+    assert {c.status for c in checks} == {FAIL} and len(checks) == len(doctor.presets())
+    assert checks[0].message == 'DALI rejects the cuda graph: Argument "resize_xx" is not defined for operator "Resize".'
+
+
+def _doctor(*args, preexec=None, env=None, module="fastload"):
+    cmd = [sys.executable, "-m", module, *(["doctor"] if module == "fastload" else []), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=preexec, env=env)
+
+
+@pytest.mark.skipif(doctor._nvml()[0] is not None, reason="an NVIDIA driver is present: this checks the no-GPU report")
+def test_doctor_here_validates_cuda_graphs_offline_and_exits_0():
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "LOCAL_RANK")}
+    r = _doctor("--device", "cuda", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    graphs = [ln for ln in lines if ln.split()[1:2] == ["graph"]]
+    assert len(graphs) == len(doctor.presets())
+    assert all(ln.startswith("ok") and "CUDA graph valid (offline)" in ln and "@mixed" in ln for ln in graphs)
+    assert any(ln.startswith("warn") and NO_GPU_NOTE in ln for ln in lines)
+    assert lines[-1].startswith("0 fail")
+
+
+def test_doctor_warns_when_shards_exceed_the_open_file_limit(tmp_path):
+    path = tmp_path / "ds"
+    with fastload.ShardWriter(path, {"x": "float32[64]"}, shard_size="4KB") as wr:
+        wr.write_batch({"x": np.zeros((200, 64), np.float32)})
+    shards = fastload.Dataset(path).num_shards
+    assert shards > 10
+    soft = doctor.FD_RESERVE + shards - 5
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def lower():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    r = _doctor(str(path), "--device", "cpu", preexec=lower)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line, = [ln for ln in r.stdout.splitlines() if "open files" in ln]
+    assert line.startswith("warn") and f"ulimit -n {soft}" in line and f"{shards} shard(s)" in line
+    assert f"dataset           {path}: 200 samples in {shards} shard(s)" in r.stdout
+
+
+def test_graphs_are_built_and_run_on_the_gpu_when_there_is_one(monkeypatch):
+    from fake_cuda import FakeCuda, fake_dali_on_gpu
+
+    from fastload.pipeline import Runner
+
+    fake = FakeCuda.install(monkeypatch, device_count=2)
+    builds = fake_dali_on_gpu(fake, monkeypatch)
+    checks = doctor.check_graphs("cuda", gpu_usable=True, device_id=1)
+    assert len(builds) == len(checks) == len(doctor.presets())  # each preset's CUDA graph built once
+    for c in checks:
+        assert c.status == OK and c.message.startswith("built and ran a JPEG on cuda:1: decoders.") and "@mixed" in c.message
+    monkeypatch.setattr(Runner, "_canary_error", lambda self: "nvImageCodec failure")
+    assert {(c.status, c.message) for c in doctor.check_graphs("cuda", gpu_usable=True, device_id=1)} == {
+        (FAIL, "fails on a valid JPEG on cuda:1: nvImageCodec failure")}
+
+
+def test_the_module_runs_alone_and_bad_usage_exits_2():
+    r = _doctor("--device", "cpu", "--batch-size", "0")
+    assert r.returncode == 2 and r.stderr.strip() == "fastload doctor: error: --batch-size=0 must be >= 1"
+    r = _doctor("--device", "tpu", module="fastload.doctor")
+    assert r.returncode == 2 and "invalid choice: 'tpu'" in r.stderr

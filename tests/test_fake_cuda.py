@@ -1,0 +1,194 @@
+"""The fake CUDA harness (tests/fake_cuda.py) behaves like CUDA where fastload's tests rely
+on it: per-thread devices and contexts, streams that run when the host waits, copies that
+read their source when they run, blocking copies, events, pinning and the sticky error."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from fake_cuda import (ERROR_HOST_MEMORY_ALREADY_REGISTERED, ERROR_MEMORY_ALLOCATION, POISON, FakeCuda,
+                       FakeCudaTensor, as_numpy)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    return FakeCuda.install(monkeypatch, device_count=2)
+
+
+def _in_thread(fn, name="worker"):
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # pragma: no cover - surfaced below
+            out["error"] = e
+
+    t = threading.Thread(target=run, name=name)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def test_install_and_undo(monkeypatch):
+    real = (torch.cuda.is_available(), torch.cuda.Stream, torch.Tensor.to, torch.empty)
+    with monkeypatch.context() as mp:
+        fake = FakeCuda.install(mp, device_count=3)
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 3
+        assert isinstance(torch.cuda.current_stream(), torch.cuda.Stream)
+        assert fake.contexts == set()  # nothing touched a device yet
+    assert (torch.cuda.is_available(), torch.cuda.Stream, torch.Tensor.to, torch.empty) == real
+
+
+def test_each_thread_starts_on_device_0_and_selection_is_per_thread(fake):
+    torch.cuda.set_device(1)
+    assert torch.cuda.current_device() == 1
+    assert _in_thread(torch.cuda.current_device) == 0  # a new thread: device 0, like CUDA
+
+    def guarded():
+        with torch.cuda.device(1):
+            inside = torch.cuda.current_device()
+        return inside, torch.cuda.current_device()
+
+    assert _in_thread(guarded, "guarded") == (1, 0)
+    assert fake.selected_by_thread() == {"MainThread": [1], "guarded": [1]}
+
+
+def test_unguarded_calls_use_the_thread_s_current_device(fake):
+    torch.cuda.set_device(1)
+    s = torch.cuda.Stream()  # on the current device
+    assert s.device == torch.device("cuda", 1)
+    ev = torch.cuda.Event()
+    ev.record(s)
+
+    def waiter():  # a thread that never selected a device: the wait runs on device 0
+        ev.synchronize()
+        torch.cuda.cudart().cudaHostRegister(np.zeros(4096, np.uint8).ctypes.data, 4096, 1)
+
+    _in_thread(waiter, "waiter")
+    assert fake.devices_by_thread() == {"MainThread": {1}, "waiter": {0}}
+    assert fake.contexts == {0, 1}
+
+
+def test_stream_context_switches_stream_and_device_and_restores_them(fake):
+    side = torch.cuda.Stream(device=1)
+    assert torch.cuda.current_device() == 0
+    with torch.cuda.stream(side):
+        assert torch.cuda.current_device() == 1
+        assert torch.cuda.current_stream() == side and torch.cuda.current_stream(1) == side
+        assert torch.cuda.current_stream(0) == torch.cuda.default_stream(0)
+    assert torch.cuda.current_device() == 0
+    assert torch.cuda.current_stream(1) == torch.cuda.default_stream(1)
+    assert torch.cuda.default_stream(0).cuda_stream == 0 and side.cuda_stream != 0
+
+
+def test_async_copy_runs_when_the_gpu_runs_and_reads_the_source_then(fake):
+    src = torch.arange(16, dtype=torch.int32).pin_memory()
+    assert src.is_pinned()
+    side = torch.cuda.Stream(device=0)
+    with torch.cuda.stream(side):
+        dev = src.to("cuda:0", non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    assert isinstance(dev, FakeCudaTensor) and dev.is_cuda and dev.device == torch.device("cuda", 0)
+    assert (as_numpy(dev).view(np.uint8) == POISON).all()  # not run yet
+    assert not ev.query()
+    src += 100  # the host buffer is reused before the copy ran: the DMA reads the new bytes
+    ev.synchronize()
+    assert ev.query() and ev.done
+    assert as_numpy(dev).tolist() == list(range(100, 116))
+    c, = fake.copies
+    assert (c.src, c.dst, c.nbytes, c.non_blocking, c.src_pinned, c.stream) == ("cpu", "cuda:0", 64, True, True, side)
+    w, = fake.host_waits
+    assert (w.what, w.blocking) == ("event", False)  # torch.cuda.Event() spins by default
+
+
+def test_blocking_copy_waits_on_the_host(fake):
+    dev = torch.arange(4).to(torch.device("cuda", 1))  # non_blocking=False
+    assert as_numpy(dev).tolist() == [0, 1, 2, 3]  # memcpy_and_sync: done on return
+    assert [c.non_blocking for c in fake.blocking_copies()] == [False]
+    assert [w.what for w in fake.host_waits] == ["copy"]
+    assert fake.copies[0].stream == torch.cuda.default_stream(1)
+
+
+def test_pageable_async_copy_is_staged_at_call_time(fake):
+    src = torch.arange(4)
+    dev = src.to("cuda:0", non_blocking=True)
+    src += 10  # pageable: staged when the call returned
+    fake.run_gpu()
+    assert as_numpy(dev).tolist() == [0, 1, 2, 3]
+    assert not fake.copies[0].src_pinned
+
+
+def test_reading_on_a_stream_that_did_not_wait_sees_poison(fake):
+    src = torch.arange(8, dtype=torch.int64).pin_memory()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        dev = src.to("cuda", non_blocking=True)
+    # .cpu() runs on the current (default) stream, which did not wait for `side`
+    assert (dev.cpu().numpy().view(np.uint8) == POISON).all()
+    torch.cuda.current_stream().wait_stream(side)
+    assert dev.cpu().tolist() == list(range(8))
+    with pytest.raises(TypeError, match="can't convert cuda:0"):
+        dev.numpy()
+
+
+def test_event_wait_orders_streams(fake):
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    src = torch.ones(4).pin_memory()
+    with torch.cuda.stream(a):
+        dev = src.to("cuda", non_blocking=True)
+    ev = a.record_event(torch.cuda.Event(blocking=True))
+    b.wait_event(ev)
+    fake.launch_kernel("consumer", stream=b)
+    b.synchronize()  # runs b, which first runs a up to the event
+    assert ev.done and as_numpy(dev).tolist() == [1.0] * 4
+    assert torch.cuda.Event(blocking=True).blocking
+
+
+def test_eager_mode_runs_at_once(monkeypatch):
+    fake = FakeCuda.install(monkeypatch, device_count=1, eager=True)
+    dev = torch.arange(3).pin_memory().to("cuda", non_blocking=True)
+    assert as_numpy(dev).tolist() == [0, 1, 2] and fake.pending_ops() == 0
+
+
+def test_host_register_records_overlaps_and_the_sticky_error(fake):
+    buf = np.zeros(3 * 4096, np.uint8)
+    rt = torch.cuda.cudart()
+    ptr = buf.ctypes.data
+    assert int(rt.cudaHostRegister(ptr, 8192, 1)) == 0
+    t = torch.from_numpy(buf)
+    assert t.is_pinned() and not torch.from_numpy(np.zeros(4)).is_pinned()
+    err = rt.cudaHostRegister(ptr + 4096, 4096, 1)
+    assert int(err) == ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    assert "already mapped" in rt.cudaGetErrorString(err)
+    with pytest.raises(RuntimeError, match="earlier CUDA call"):  # the next kernel launch fails
+        torch.cuda._sleep(10)
+    torch.cuda._sleep(10)  # torch's check cleared it
+    fake.register_error = ERROR_MEMORY_ALLOCATION
+    assert int(rt.cudaHostRegister(ptr + 8192, 4096, 1)) == ERROR_MEMORY_ALLOCATION
+    assert int(rt.cudaGetLastError()) == ERROR_MEMORY_ALLOCATION  # cleared by the caller ...
+    torch.cuda._sleep(10)  # ... so no stale error later
+    assert int(rt.cudaHostUnregister(ptr)) == 0 and int(rt.cudaHostUnregister(ptr)) != 0
+    assert fake.registrations == [(ptr, 8192, 1)] and fake.unregistrations == [ptr]
+    assert fake.registered == {}
+
+
+def test_device_allocations_and_record_stream(fake):
+    s = torch.cuda.Stream(device=1)
+    t = torch.empty((2, 3), dtype=torch.float32, device=torch.device("cuda", 1))
+    z = torch.zeros(4, device="cuda:1")
+    assert t.is_cuda and t.shape == (2, 3) and t.device.index == 1
+    t.record_stream(s)
+    assert [c.kind for c in fake.calls_of(thread="MainThread")] == ["stream_create", "alloc", "alloc",
+                                                                   "record_stream"]
+    assert z.cpu().tolist() == [0.0] * 4  # the memset ran before the read on the same stream
+    with pytest.raises(RuntimeError, match="only supported for CUDA tensors"):
+        torch.zeros(2).record_stream(s)
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.cuda.set_device(2)
