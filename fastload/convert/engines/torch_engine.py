@@ -7,7 +7,9 @@ r+2W, ... (W ranks); rank 0 commits once every rank is done. DST must be a path 
 see (a shared filesystem). The ranks meet three times over ``torch.distributed`` (gloo;
 the process group is created here unless the script made one): after the plan, after
 their groups, after the commit. A failing rank writes ``stop.json`` into the parts
-directory, so that the others stop early instead of converting groups in vain.
+directory, so that the others stop early instead of converting groups in vain. A process
+group made here waits up to 7 days at a meeting point (ranks' shares may finish hours
+apart); one the script made keeps its own timeout (30 minutes by default in torch).
 
 Each rank runs its tasks in ``python -m fastload.convert.worker`` processes (``workers`` of
 them per rank, default 1, started once): the converting processes import neither torch
