@@ -13,8 +13,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fastload {
@@ -22,10 +24,61 @@ namespace fastload {
 // What went wrong, translated to a Python exception type once, at the binding.
 enum class ErrKind : int { None = 0, Index = 1, Value = 2, Runtime = 3, External = 4 };
 
-// One shard of one field: `rows` rows, C-contiguous, of the field's row size.
+// One shard of one field: `rows` rows, C-contiguous, of the field's row size. `ptr` is null
+// while the shard is not loaded (a ring can install and drop a shard's sources while running).
 struct Source {
   const std::uint8_t* ptr = nullptr;
   std::int64_t rows = 0;
+};
+
+// One shard of one ragged field: sample r is items offsets[r]..offsets[r+1]-1 of `values`.
+struct RaggedSource {
+  const std::uint8_t* values = nullptr;   // `items` items of item_bytes each
+  const std::int64_t* offsets = nullptr;  // rows + 1 entries
+  std::int64_t rows = 0;
+  std::int64_t items = 0;
+};
+
+// How a ragged field is gathered and laid out in a batch (see Note [Ragged gather]).
+struct RaggedSpec {
+  bool padded = false;             // (rows, width, item) with padding; else packed (items, item)
+  std::size_t item_bytes = 0;      // bytes of one item (a token, a box)
+  std::vector<std::uint8_t> pad;   // one element's bytes, repeated to fill padding
+  std::int64_t max_items = -1;     // per-sample truncation (-1: none)
+  std::int64_t multiple = 1;       // padded width rounded up to a multiple (at least one)
+  std::int64_t capacity = 0;       // items the slot region holds; larger batches get own memory
+  std::vector<RaggedSource> sources;  // per shard
+};
+
+// One batch's plan for one ragged field, computed before its rows are copied (so the copy
+// can be split across threads): where each row's items come from and go to.
+struct RaggedPlan {
+  std::vector<std::int64_t> src;  // per row: first item in its shard's values
+  std::vector<std::int64_t> dst;  // rows + 1: rebased offsets (prefix sums of the item counts)
+  std::int64_t width = 0;         // padded: items per row of the output
+  std::size_t bytes = 0;          // output bytes (packed: total items; padded: rows * width)
+  std::uint8_t* own = nullptr;    // memory of its own when `bytes` exceeds the slot region
+  RaggedPlan() = default;
+  RaggedPlan(const RaggedPlan&) = delete;
+  RaggedPlan& operator=(const RaggedPlan&) = delete;
+  RaggedPlan(RaggedPlan&& o) noexcept
+      : src(std::move(o.src)), dst(std::move(o.dst)), width(o.width), bytes(o.bytes), own(o.own) {
+    o.own = nullptr;
+  }
+  RaggedPlan& operator=(RaggedPlan&& o) noexcept {
+    if (this != &o) {
+      std::free(own);
+      src = std::move(o.src);
+      dst = std::move(o.dst);
+      width = o.width;
+      bytes = o.bytes;
+      own = o.own;
+      o.own = nullptr;
+    }
+    return *this;
+  }
+  ~RaggedPlan() { std::free(own); }
+  std::int64_t total() const { return dst.empty() ? 0 : dst.back(); }
 };
 
 // Where each field lives in a slot and where its rows come from. Immutable once a ring runs.
@@ -35,8 +88,12 @@ struct Layout {
   std::vector<std::vector<Source>> sources;  // [field][shard]; empty: not gathered
   std::vector<std::int64_t> shard_rows;      // rows per shard, shared by every sourced field
   int index_field = -1;                      // the int64 field receiving global indices, or -1
+  std::vector<int> ragged_of;                // per field: index into `ragged`, or -1
+  std::vector<RaggedSpec> ragged;            // the ragged fields (not gathered by gather_rows)
+  std::vector<std::size_t> ragged_values;    // per ragged field: byte offset of its items in a slot
 
   bool sourced(std::size_t f) const { return !sources[f].empty(); }
+  bool is_ragged(std::size_t f) const { return f < ragged_of.size() && ragged_of[f] >= 0; }
   std::int64_t num_shards() const { return static_cast<std::int64_t>(shard_rows.size()); }
 };
 
@@ -70,9 +127,11 @@ inline ErrKind gather_rows(const Layout& L, const std::int64_t* shard, const std
                            const std::int64_t* index, std::int64_t begin, std::int64_t end,
                            std::uint8_t* const* dst_of, std::string& msg) {
   const std::int64_t nshards = L.num_shards();
-  bool any_sourced = false;
-  for (std::size_t f = 0; f < L.sources.size(); ++f) any_sourced = any_sourced || L.sourced(f);
-  if (any_sourced) {
+  int first_sourced = -1;
+  for (std::size_t f = 0; f < L.sources.size() && first_sourced < 0; ++f)
+    if (L.sourced(f)) first_sourced = static_cast<int>(f);
+  if (first_sourced >= 0) {
+    const std::vector<Source>& probe = L.sources[first_sourced];
     for (std::int64_t i = begin; i < end; ++i) {
       const std::int64_t s = shard[i], r = row[i];
       if (s < 0 || s >= nshards) {
@@ -85,6 +144,12 @@ inline ErrKind gather_rows(const Layout& L, const std::int64_t* shard, const std
               " is out of range for shard " + std::to_string(s) + " (" +
               std::to_string(L.shard_rows[s]) + " rows)";
         return ErrKind::Index;
+      }
+      // A shard's sources are installed and dropped for every field at once (Ring::set_source).
+      if (probe[s].ptr == nullptr && L.shard_rows[s] > 0) {
+        msg = "sample " + std::to_string(i) + ": shard " + std::to_string(s) +
+              " is not loaded (its source was never installed or was dropped)";
+        return ErrKind::Value;
       }
     }
   }
@@ -119,6 +184,131 @@ inline ErrKind gather_rows(const Layout& L, const std::int64_t* shard, const std
     }
   }
   return ErrKind::None;
+}
+
+// Note [Ragged gather]
+// ~~~~~~~~~~~~~~~~~~~~
+// A ragged field is gathered in two steps. plan_ragged() reads only the offsets: it checks
+// every (shard, row), applies each row's window (start, count: the pieces of sequence
+// packing) and the field's truncation (max_items), and computes where each row's items go:
+// packed, rows follow each other (dst[i] is row i's first item, dst[rows] the total: the
+// batch's offsets, rebased to 0); padded, row i starts at i * width items and the rest of the
+// row is filled with the pad element. gather_ragged() then copies a range of rows (so one
+// batch can be split across threads), runs of consecutive items coalesced into one copy, and
+// writes the rebased offsets. Each item is copied exactly once.
+
+// Plan rows 0..n-1 of one batch for ragged field `spec` (see the Note). start/count may be
+// null (whole samples); count[i] < 0 means "to the end". On a bad row returns Index (or Value
+// for damaged offsets) with `msg` naming the sample, and plans nothing.
+inline ErrKind plan_ragged(const RaggedSpec& spec, const std::int64_t* shard, const std::int64_t* row,
+                           const std::int64_t* start, const std::int64_t* count, std::int64_t n,
+                           RaggedPlan& plan, std::string& msg) {
+  const std::int64_t nshards = static_cast<std::int64_t>(spec.sources.size());
+  plan.src.assign(static_cast<std::size_t>(n), 0);
+  plan.dst.assign(static_cast<std::size_t>(n) + 1, 0);
+  std::int64_t total = 0, widest = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t s = shard[i], r = row[i];
+    if (s < 0 || s >= nshards) {
+      msg = "sample " + std::to_string(i) + ": shard " + std::to_string(s) +
+            " is out of range (the ring has " + std::to_string(nshards) + " shards)";
+      return ErrKind::Index;
+    }
+    const RaggedSource& src = spec.sources[s];
+    if (r < 0 || r >= src.rows) {
+      msg = "sample " + std::to_string(i) + ": row " + std::to_string(r) +
+            " is out of range for shard " + std::to_string(s) + " (" + std::to_string(src.rows) + " rows)";
+      return ErrKind::Index;
+    }
+    const std::int64_t o0 = src.offsets[r], o1 = src.offsets[r + 1];
+    if (o0 < 0 || o1 < o0 || o1 > src.items) {
+      msg = "sample " + std::to_string(i) + ": offsets " + std::to_string(o0) + ".." + std::to_string(o1) +
+            " of row " + std::to_string(r) + " of shard " + std::to_string(s) + " do not fit its " +
+            std::to_string(src.items) + " items (a damaged shard? run `fastload verify`)";
+      return ErrKind::Value;
+    }
+    std::int64_t first = start != nullptr ? start[i] : 0;
+    if (first < 0) {
+      msg = "sample " + std::to_string(i) + ": window start " + std::to_string(first) + " is negative";
+      return ErrKind::Value;
+    }
+    first = std::min(first, o1 - o0);
+    std::int64_t k = o1 - o0 - first;
+    if (count != nullptr && count[i] >= 0) k = std::min(k, count[i]);
+    if (spec.max_items >= 0) k = std::min(k, spec.max_items);
+    plan.src[i] = o0 + first;
+    total += k;
+    plan.dst[i + 1] = total;
+    widest = std::max(widest, k);
+  }
+  if (spec.padded) {
+    const std::int64_t m = std::max<std::int64_t>(spec.multiple, 1);
+    plan.width = std::max<std::int64_t>((widest + m - 1) / m * m, m > 1 ? m : 0);
+    plan.bytes = static_cast<std::size_t>(n) * static_cast<std::size_t>(plan.width) * spec.item_bytes;
+  } else {
+    plan.width = 0;
+    plan.bytes = static_cast<std::size_t>(total) * spec.item_bytes;
+  }
+  return ErrKind::None;
+}
+
+namespace detail {
+
+// Fill `n` bytes at `dst` with the repeated pattern `pat` (its size divides the element size).
+inline void fill_pattern(std::uint8_t* dst, std::size_t n, const std::vector<std::uint8_t>& pat) {
+  if (n == 0) return;
+  const std::size_t p = pat.size();
+  bool uniform = p > 0;
+  for (std::size_t i = 1; i < p && uniform; ++i) uniform = pat[i] == pat[0];
+  if (p == 0 || uniform) {
+    std::memset(dst, p == 0 ? 0 : pat[0], n);
+    return;
+  }
+  std::size_t done = std::min(p, n);
+  std::memcpy(dst, pat.data(), done);
+  while (done < n) {  // doubling copies of what is already written
+    const std::size_t c = std::min(done, n - done);
+    std::memcpy(dst + done, dst, c);
+    done += c;
+  }
+}
+
+}  // namespace detail
+
+// Copy rows begin..end-1 of a planned batch (n rows in all) into `values` (packed or padded,
+// see the Note) and write offsets[begin..end-1] (and offsets[n] with the last row).
+inline void gather_ragged(const RaggedSpec& spec, const RaggedPlan& plan, const std::int64_t* shard,
+                          std::int64_t n, std::int64_t begin, std::int64_t end, std::uint8_t* values,
+                          std::int64_t* offsets) {
+  const std::size_t ib = spec.item_bytes;
+  if (spec.padded) {
+    const std::size_t row_bytes = static_cast<std::size_t>(plan.width) * ib;
+    for (std::int64_t i = begin; i < end; ++i) {
+      const std::size_t k = static_cast<std::size_t>(plan.dst[i + 1] - plan.dst[i]) * ib;
+      std::uint8_t* d = values + static_cast<std::size_t>(i) * row_bytes;
+      if (k) std::memcpy(d, spec.sources[shard[i]].values + static_cast<std::size_t>(plan.src[i]) * ib, k);
+      detail::fill_pattern(d + k, row_bytes - k, spec.pad);
+    }
+  } else {
+    std::int64_t i = begin;
+    while (i < end) {
+      // Coalesce rows whose items follow each other in one shard (sequential reads, pieces
+      // of one document) into one copy.
+      std::int64_t j = i + 1;
+      while (j < end && shard[j] == shard[i] &&
+             plan.src[j] == plan.src[j - 1] + (plan.dst[j] - plan.dst[j - 1]))
+        ++j;
+      const std::size_t k = static_cast<std::size_t>(plan.dst[j] - plan.dst[i]) * ib;
+      if (k)
+        std::memcpy(values + static_cast<std::size_t>(plan.dst[i]) * ib,
+                    spec.sources[shard[i]].values + static_cast<std::size_t>(plan.src[i]) * ib, k);
+      i = j;
+    }
+  }
+  if (offsets != nullptr) {
+    std::memcpy(offsets + begin, plan.dst.data() + begin, static_cast<std::size_t>(end - begin) * 8);
+    if (end == n) offsets[n] = plan.dst[static_cast<std::size_t>(n)];
+  }
 }
 
 }  // namespace fastload

@@ -35,6 +35,9 @@ namespace py = pybind11;
 using fastload::Delivery;
 using fastload::ErrKind;
 using fastload::Layout;
+using fastload::RaggedPlan;
+using fastload::RaggedSource;
+using fastload::RaggedSpec;
 using fastload::Request;
 using fastload::Ring;
 using fastload::Source;
@@ -80,17 +83,26 @@ const std::int64_t* index_data(const py::object& index, IndexArray& keep) {
   return keep.data();
 }
 
-// One field's numpy description: dtype and per-row shape.
+// One field's numpy description: dtype and per-row shape (per item for a ragged field).
 struct FieldDesc {
   std::string name;
   py::dtype dtype;
   std::vector<py::ssize_t> shape;
   std::size_t row_bytes;
+  int ragged = -1;  // index into Layout::ragged, or -1
 };
 
+
 // A shard source taken through the buffer protocol, checked against the field's row size.
+// An int instead of a buffer is a shard that is not loaded yet: just its row count.
 Source load_source(const FieldDesc& fd, py::handle h,
                    std::vector<std::unique_ptr<py::buffer_info>>& keep) {
+  if (py::isinstance<py::int_>(h)) {
+    Source unloaded;
+    unloaded.rows = h.cast<std::int64_t>();
+    keep.push_back(nullptr);
+    return unloaded;
+  }
   auto info = std::make_unique<py::buffer_info>(py::reinterpret_borrow<py::buffer>(h).request());
   std::size_t bytes = static_cast<std::size_t>(info->itemsize);
   for (py::ssize_t d = 1; d < info->ndim; ++d) bytes *= static_cast<std::size_t>(info->shape[d]);
@@ -116,6 +128,71 @@ std::vector<py::ssize_t> shape_with(std::int64_t rows, const FieldDesc& fd) {
   shape.push_back(static_cast<py::ssize_t>(rows));
   shape.insert(shape.end(), fd.shape.begin(), fd.shape.end());
   return shape;
+}
+
+const std::int64_t* optional_index(const py::object& a, std::int64_t n, IndexArray& keep, const char* what) {
+  if (a.is_none()) return nullptr;
+  keep = a.cast<IndexArray>();
+  if (keep.ndim() != 1 || keep.shape(0) != n)
+    throw py::value_error(std::string(what) + " must be a 1-D int64 array as long as shard and row");
+  return keep.data();
+}
+
+// One shard of a ragged field: (values, offsets) through the buffer protocol, checked.
+RaggedSource load_ragged_source(const FieldDesc& fd, py::handle pair,
+                                std::vector<std::unique_ptr<py::buffer_info>>& keep) {
+  py::tuple t = py::reinterpret_borrow<py::tuple>(pair);
+  if (t.size() != 2) throw py::value_error("field '" + fd.name + "': a ragged source is (values, offsets)");
+  FieldDesc items = fd;
+  Source v = load_source(items, t[0], keep);
+  auto info = std::make_unique<py::buffer_info>(py::reinterpret_borrow<py::buffer>(t[1]).request());
+  if (info->ndim != 1 || info->itemsize != 8 || (info->shape[0] > 1 && info->strides[0] != 8) ||
+      info->shape[0] < 1)
+    throw py::value_error("field '" + fd.name + "': ragged offsets must be a contiguous 1-D int64 array");
+  RaggedSource rs;
+  rs.values = v.ptr;
+  rs.items = v.rows;
+  rs.offsets = static_cast<const std::int64_t*>(info->ptr);
+  rs.rows = static_cast<std::int64_t>(info->shape[0]) - 1;
+  keep.push_back(std::move(info));
+  return rs;
+}
+
+// (padded, pad bytes, max_items, multiple, capacity) -> a RaggedSpec without sources.
+RaggedSpec ragged_spec(const FieldDesc& fd, const py::handle& desc) {
+  py::tuple t = py::reinterpret_borrow<py::tuple>(desc);
+  if (t.size() != 5) throw py::value_error("field '" + fd.name + "': bad ragged description");
+  RaggedSpec rs;
+  rs.padded = t[0].cast<bool>();
+  std::string pad = t[1].cast<std::string>();
+  rs.pad.assign(pad.begin(), pad.end());
+  rs.max_items = t[2].cast<std::int64_t>();
+  rs.multiple = t[3].cast<std::int64_t>();
+  rs.capacity = t[4].cast<std::int64_t>();
+  rs.item_bytes = fd.row_bytes;
+  if (!rs.pad.empty() && rs.pad.size() != static_cast<std::size_t>(fd.dtype.itemsize()))
+    throw py::value_error("field '" + fd.name + "': the pad value must be one element of the field's dtype");
+  if (rs.capacity < 0 || rs.multiple < 1) throw py::value_error("field '" + fd.name + "': bad ragged capacity");
+  return rs;
+}
+
+// A ragged field's items of one delivered batch: (rows, width, *item) padded, else (total, *item).
+std::vector<py::ssize_t> ragged_shape(const FieldDesc& fd, const RaggedSpec& rs, const RaggedPlan& plan,
+                                      std::int64_t rows) {
+  std::vector<py::ssize_t> shape;
+  if (rs.padded) {
+    shape.push_back(static_cast<py::ssize_t>(rows));
+    shape.push_back(static_cast<py::ssize_t>(plan.width));
+  } else {
+    shape.push_back(static_cast<py::ssize_t>(plan.total()));
+  }
+  shape.insert(shape.end(), fd.shape.begin(), fd.shape.end());
+  return shape;
+}
+
+// Memory a batch owns outside the ring (a ragged batch too large for its slot region).
+py::capsule owning_capsule(std::uint8_t* p) {
+  return py::capsule(p, [](void* q) { std::free(q); });
 }
 
 // One batch handed to the user: holds one holder reference on its slot.
@@ -179,25 +256,65 @@ class BoundRing {
   BoundRing(const std::vector<std::string>& names, const std::vector<py::dtype>& dtypes,
             const std::vector<std::vector<py::ssize_t>>& shapes, std::int64_t batch_size,
             const py::list& sources, int index_field, int threads, int slots, int max_slots,
-            std::int64_t min_part_bytes) {
+            std::int64_t min_part_bytes, const py::list& ragged) {
     const std::size_t nf = names.size();
-    if (dtypes.size() != nf || shapes.size() != nf || py::len(sources) != nf)
-      throw py::value_error("names, dtypes, shapes and sources must have one entry per field");
+    if (dtypes.size() != nf || shapes.size() != nf || py::len(sources) != nf || py::len(ragged) != nf)
+      throw py::value_error("names, dtypes, shapes, sources and ragged must have one entry per field");
     Layout layout;
     layout.index_field = index_field;
     for (std::size_t f = 0; f < nf; ++f) {
       FieldDesc fd{names[f], dtypes[f], shapes[f], static_cast<std::size_t>(dtypes[f].itemsize())};
       for (py::ssize_t d : fd.shape) fd.row_bytes *= static_cast<std::size_t>(d);
-      layout.row_bytes.push_back(fd.row_bytes);
       layout.sources.emplace_back();
+      bufs_.emplace_back();
       py::object fs = sources[f];
-      if (!fs.is_none())
-        for (py::handle h : fs) layout.sources.back().push_back(load_source(fd, h, bufs_));
+      py::object rdesc = ragged[f];
+      if (!rdesc.is_none()) {  // items of row_bytes each; sources are (values, offsets) pairs
+        RaggedSpec rs = ragged_spec(fd, rdesc);
+        if (!fs.is_none())
+          for (py::handle h : fs) rs.sources.push_back(load_ragged_source(fd, h, ragged_bufs_));
+        fd.ragged = static_cast<int>(layout.ragged.size());
+        layout.ragged.push_back(std::move(rs));
+        layout.row_bytes.push_back(0);
+      } else {
+        layout.row_bytes.push_back(fd.row_bytes);
+        if (!fs.is_none())
+          for (py::handle h : fs) layout.sources.back().push_back(load_source(fd, h, bufs_.back()));
+      }
+      layout.ragged_of.push_back(fd.ragged);
       fields_.push_back(std::move(fd));
     }
     // Starts C++ threads; does not touch Python (GIL stays held, see the file comment).
     ring_ = std::make_shared<Ring>(std::move(layout), batch_size, threads, slots, max_slots,
                                    static_cast<std::size_t>(min_part_bytes));
+  }
+
+  // Install (arrays, one per field; None for fields without sources) or drop (every entry
+  // None) one shard's sources. The ring waits until no gather runs (GIL released meanwhile);
+  // the buffers it no longer reads are released afterwards, with the GIL held.
+  void set_source(std::int64_t shard, const py::list& per_field) {
+    const std::size_t nf = fields_.size();
+    if (py::len(per_field) != nf) throw py::value_error("set_source: one entry per field");
+    const Layout& L = ring_->layout();
+    if (shard < 0 || shard >= L.num_shards())
+      throw py::index_error("set_source: shard " + std::to_string(shard) + " is out of range");
+    std::vector<Source> srcs(nf);
+    std::vector<std::unique_ptr<py::buffer_info>> fresh(nf);
+    for (std::size_t f = 0; f < nf; ++f) {
+      py::handle h = per_field[f];
+      if (h.is_none() || !L.sourced(f)) continue;
+      std::vector<std::unique_ptr<py::buffer_info>> one;
+      srcs[f] = load_source(fields_[f], h, one);
+      fresh[f] = std::move(one.back());
+    }
+    {
+      py::gil_scoped_release nogil;
+      ring_->set_source(shard, srcs);
+    }
+    for (std::size_t f = 0; f < nf; ++f) {
+      if (!L.sourced(f)) continue;
+      bufs_[f][static_cast<std::size_t>(shard)] = std::move(fresh[f]);  // the old one is released
+    }
   }
 
   // Joins the producers with the GIL held: they never take the GIL, so this cannot deadlock;
@@ -206,11 +323,15 @@ class BoundRing {
     if (ring_) ring_->close();
   }
 
-  std::int64_t submit_many(const IndexArray& shard, const IndexArray& row,
-                           const py::object& index, std::int64_t per) {
+  std::int64_t submit_many(const IndexArray& shard, const IndexArray& row, const py::object& index,
+                           std::int64_t per, const py::object& start, const py::object& count) {
     const std::int64_t n = index_length(shard, row, index);
-    IndexArray keep;
-    return ring_->submit_many(shard.data(), row.data(), index_data(index, keep), n, per);
+    IndexArray keep, keep_start, keep_count;
+    const std::int64_t* ix = index_data(index, keep);
+    const std::int64_t* st = optional_index(start, n, keep_start, "start");
+    const std::int64_t* ct = optional_index(count, n, keep_count, "count");
+    py::gil_scoped_release nogil;  // ragged planning reads offsets: pure C++, arrays kept alive
+    return ring_->submit_many(shard.data(), row.data(), ix, n, per, st, ct);
   }
 
   // -> (rows, arrays, slot, copied); arrays[f] has shape (rows, *shape_f).
@@ -234,24 +355,63 @@ class BoundRing {
     auto lease = std::make_unique<SlotLease>(ring_, d.slot, d.seq);
     const Layout& L = ring_->layout();
     py::tuple arrays(fields_.size());
-    if (d.copy) {
-      for (std::size_t f = 0; f < fields_.size(); ++f) {
-        py::array a(fields_[f].dtype, shape_with(d.rows, fields_[f]));
-        std::memcpy(a.mutable_data(), d.mem + L.offsets[f],
-                    static_cast<std::size_t>(d.rows) * L.row_bytes[f]);
-        arrays[f] = std::move(a);
+    py::object owner = py::none();
+    if (!d.copy) owner = py::cast(std::move(lease));
+    for (std::size_t f = 0; f < fields_.size(); ++f) {
+      const FieldDesc& fd = fields_[f];
+      if (fd.ragged >= 0) {
+        arrays[f] = ragged_arrays(fd, L, d, owner);
+        continue;
       }
-      lease.reset();  // slot back to FREE now
-    } else {
-      py::object owner = py::cast(std::move(lease));
-      for (std::size_t f = 0; f < fields_.size(); ++f)
-        arrays[f] = py::array(fields_[f].dtype, shape_with(d.rows, fields_[f]), {},
-                              d.mem + L.offsets[f], owner);
+      if (d.copy) {
+        py::array a(fd.dtype, shape_with(d.rows, fd));
+        std::memcpy(a.mutable_data(), d.mem + L.offsets[f], static_cast<std::size_t>(d.rows) * L.row_bytes[f]);
+        arrays[f] = std::move(a);
+      } else {
+        arrays[f] = py::array(fd.dtype, shape_with(d.rows, fd), {}, d.mem + L.offsets[f], owner);
+      }
     }
+    lease.reset();  // a copy: the slot is back to FREE now (a view: `owner` holds it)
     return py::make_tuple(d.rows, std::move(arrays), d.slot, d.copy);
   }
 
-  // -> (handle, arrays); arrays[f] is a writable (batch_size, *shape_f) view of the slot.
+  // A ragged field of a delivered batch: (values, offsets). Views of the slot (kept alive by
+  // `owner`), a copy when the batch is delivered as one, or the batch's own memory.
+  py::tuple ragged_arrays(const FieldDesc& fd, const Layout& L, Delivery& d, const py::object& owner) {
+    const std::size_t f = static_cast<std::size_t>(&fd - fields_.data());
+    const RaggedSpec& rs = L.ragged[static_cast<std::size_t>(fd.ragged)];
+    if (static_cast<std::size_t>(fd.ragged) >= d.ragged.size()) {  // an external fill never gathered it
+      RaggedPlan empty;
+      empty.dst.assign(static_cast<std::size_t>(d.rows) + 1, 0);
+      py::array off(py::dtype("int64"), std::vector<py::ssize_t>{static_cast<py::ssize_t>(d.rows + 1)});
+      std::memset(off.mutable_data(), 0, static_cast<std::size_t>(d.rows + 1) * 8);
+      return py::make_tuple(py::array(fd.dtype, ragged_shape(fd, rs, empty, d.rows)), off);
+    }
+    RaggedPlan& plan = d.ragged[static_cast<std::size_t>(fd.ragged)];
+    const auto shape = ragged_shape(fd, rs, plan, d.rows);
+    const std::uint8_t* off_mem = d.mem + L.offsets[f];
+    py::array values, offsets;
+    if (plan.own != nullptr) {
+      std::uint8_t* mem = plan.own;
+      plan.own = nullptr;  // the capsule frees it with the last array viewing it
+      values = py::array(fd.dtype, shape, {}, mem, owning_capsule(mem));
+    } else if (d.copy) {
+      values = py::array(fd.dtype, shape);
+      std::memcpy(values.mutable_data(), d.mem + L.ragged_values[fd.ragged], plan.bytes);
+    } else {
+      values = py::array(fd.dtype, shape, {}, d.mem + L.ragged_values[fd.ragged], owner);
+    }
+    if (d.copy) {
+      offsets = py::array(py::dtype("int64"), std::vector<py::ssize_t>{static_cast<py::ssize_t>(d.rows + 1)});
+      std::memcpy(offsets.mutable_data(), off_mem, static_cast<std::size_t>(d.rows + 1) * 8);
+    } else {
+      offsets = py::array(py::dtype("int64"), std::vector<py::ssize_t>{static_cast<py::ssize_t>(d.rows + 1)}, {}, off_mem, owner);
+    }
+    return py::make_tuple(values, offsets);
+  }
+
+  // -> (handle, arrays); arrays[f] is a writable (batch_size, *shape_f) view of the slot
+  // (None for a ragged field: the ring gathers those).
   py::tuple acquire() {
     auto handle = std::make_unique<FillHandle>(ring_, ring_->begin_external());
     std::shared_ptr<Request> req = handle->request();
@@ -271,8 +431,10 @@ class BoundRing {
     py::object owner = py::cast(std::move(handle));
     py::tuple arrays(fields_.size());
     for (std::size_t f = 0; f < fields_.size(); ++f)
-      arrays[f] = py::array(fields_[f].dtype, shape_with(ring_->batch_size(), fields_[f]), {},
-                            mem + L.offsets[f], owner);
+      arrays[f] = fields_[f].ragged >= 0
+                      ? py::object(py::none())
+                      : py::object(py::array(fields_[f].dtype, shape_with(ring_->batch_size(), fields_[f]), {},
+                                             mem + L.offsets[f], owner));
     return py::make_tuple(owner, std::move(arrays));
   }
 
@@ -314,7 +476,9 @@ class BoundRing {
 
  private:
   std::vector<FieldDesc> fields_;
-  std::vector<std::unique_ptr<py::buffer_info>> bufs_;  // keep the sources exported
+  // keep the sources exported: [field][shard] (null: not loaded)
+  std::vector<std::vector<std::unique_ptr<py::buffer_info>>> bufs_;
+  std::vector<std::unique_ptr<py::buffer_info>> ragged_bufs_;  // ragged fields' (values, offsets)
   std::shared_ptr<Ring> ring_;
 };
 
@@ -361,6 +525,39 @@ void gather_rows_py(const py::list& out, const py::list& sources, const IndexArr
   if (e != ErrKind::None) raise_err(e, msg, -1);
 }
 
+// The ragged kernel alone: plan and gather rows (shard[i], row[i]) of one ragged field from
+// its per-shard (values, offsets) into a new batch -> (values, offsets).
+py::tuple gather_ragged_py(const py::list& sources, const IndexArray& shard, const IndexArray& row,
+                           const py::object& start, const py::object& count, bool padded,
+                           const std::string& pad, std::int64_t max_items, std::int64_t multiple,
+                           const py::dtype& dtype, const std::vector<py::ssize_t>& item_shape) {
+  const std::int64_t n = index_length(shard, row, py::none());
+  FieldDesc fd{"ragged", dtype, item_shape, static_cast<std::size_t>(dtype.itemsize())};
+  for (py::ssize_t d : item_shape) fd.row_bytes *= static_cast<std::size_t>(d);
+  std::vector<std::unique_ptr<py::buffer_info>> keep;
+  RaggedSpec rs = ragged_spec(fd, py::make_tuple(padded, py::bytes(pad), max_items, multiple, 0));
+  for (py::handle h : sources) rs.sources.push_back(load_ragged_source(fd, h, keep));
+  IndexArray ks, kc;
+  const std::int64_t* st = optional_index(start, n, ks, "start");
+  const std::int64_t* ct = optional_index(count, n, kc, "count");
+  RaggedPlan plan;
+  std::string msg;
+  ErrKind e;
+  {
+    py::gil_scoped_release nogil;
+    e = fastload::plan_ragged(rs, shard.data(), row.data(), st, ct, n, plan, msg);
+  }
+  if (e != ErrKind::None) raise_err(e, msg, -1);
+  py::array values(dtype, ragged_shape(fd, rs, plan, n));
+  py::array offsets(py::dtype("int64"), std::vector<py::ssize_t>{static_cast<py::ssize_t>(n + 1)});
+  {
+    py::gil_scoped_release nogil;
+    fastload::gather_ragged(rs, plan, shard.data(), n, 0, n, static_cast<std::uint8_t*>(values.mutable_data()),
+                            static_cast<std::int64_t*>(offsets.mutable_data()));
+  }
+  return py::make_tuple(values, offsets);
+}
+
 void permutation_into(py::buffer out, std::uint64_t key0, std::uint64_t key1) {
   py::buffer_info info = out.request(/*writable=*/true);
   if (info.ndim != 1 || (info.shape[0] > 1 && info.strides[0] != info.itemsize))
@@ -394,6 +591,14 @@ PYBIND11_MODULE(_C, m) {
         "The gather kernel alone: rows (shard[i], row[i]) of each field's per-shard sources "
         "into out[f][i] (GIL released); IndexError names a bad sample.");
 
+  m.def("gather_ragged", &gather_ragged_py, py::arg("sources"), py::arg("shard"), py::arg("row"),
+        py::arg("start") = py::none(), py::arg("count") = py::none(), py::arg("padded") = false,
+        py::arg("pad") = std::string(), py::arg("max_items") = -1, py::arg("multiple") = 1,
+        py::arg("dtype"), py::arg("item_shape") = std::vector<py::ssize_t>{},
+        "The ragged kernel alone: rows (shard[i], row[i]) of one ragged field, from per-shard "
+        "(values, offsets), packed (items, *item) or padded (rows, width, *item), with the "
+        "batch's rebased offsets -> (values, offsets). GIL released.");
+
   py::class_<SlotLease>(m, "SlotLease",
                         "Owner of one delivered batch's slot; the slot is reused only after "
                         "this object (and so every array viewing it) is gone.")
@@ -415,12 +620,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<BoundRing>(m, "Ring")
       .def(py::init<const std::vector<std::string>&, const std::vector<py::dtype>&,
                     const std::vector<std::vector<py::ssize_t>>&, std::int64_t,
-                    const py::list&, int, int, int, int, std::int64_t>(),
+                    const py::list&, int, int, int, int, std::int64_t, const py::list&>(),
            py::arg("names"), py::arg("dtypes"), py::arg("shapes"), py::arg("batch_size"),
            py::arg("sources"), py::arg("index_field"), py::arg("threads"), py::arg("slots"),
-           py::arg("max_slots"), py::arg("min_part_bytes"))
+           py::arg("max_slots"), py::arg("min_part_bytes"), py::arg("ragged"))
       .def("submit_many", &BoundRing::submit_many, py::arg("shard"), py::arg("row"),
-           py::arg("index"), py::arg("batch_size"),
+           py::arg("index"), py::arg("batch_size"), py::arg("start") = py::none(),
+           py::arg("count") = py::none(),
            "Enqueue rows as consecutive batches of batch_size rows (the last may be shorter); "
            "returns the number of batches.")
       .def("get", &BoundRing::get,
@@ -428,6 +634,9 @@ PYBIND11_MODULE(_C, m) {
            "(rows, arrays, slot, copied).")
       .def("acquire", &BoundRing::acquire,
            "Reserve the next batch for an external fill; returns (FillHandle, arrays).")
+      .def("set_source", &BoundRing::set_source, py::arg("shard"), py::arg("sources"),
+           "Install (one array per field, None for unsourced fields) or drop (all None) one "
+           "shard's sources while the ring runs; waits until no gather is running.")
       .def("close", &BoundRing::close, "Stop and join the producer threads. Idempotent.")
       .def("slot_memory", &BoundRing::slot_memory, py::arg("slot"))
       .def("stats", &BoundRing::stats)

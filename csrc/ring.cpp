@@ -45,8 +45,24 @@ Ring::Ring(Layout layout, std::int64_t batch_size, int threads, int slots, int m
       (layout_.index_field >= 0 && (layout_.row_bytes[layout_.index_field] != 8 ||
                                     layout_.sourced(layout_.index_field))))
     throw std::invalid_argument("ring layout: the index field must be an unsourced int64 field");
+  layout_.ragged_of.resize(nf, -1);
+  for (std::size_t f = 0; f < nf; ++f)
+    if (layout_.is_ragged(f) && (layout_.ragged_of[f] >= static_cast<int>(layout_.ragged.size()) ||
+                                 layout_.sourced(f) || static_cast<int>(f) == layout_.index_field))
+      throw std::invalid_argument("ring layout: a ragged field has ragged sources only");
   layout_.shard_rows.clear();
   bool have = false;
+  for (const RaggedSpec& rs : layout_.ragged) {
+    if (!have) {
+      for (const RaggedSource& s : rs.sources) layout_.shard_rows.push_back(s.rows);
+      have = true;
+    } else if (rs.sources.size() != layout_.shard_rows.size()) {
+      throw std::invalid_argument("ring layout: every sourced field needs the same shards");
+    }
+    for (std::size_t s = 0; s < layout_.shard_rows.size(); ++s)
+      if (rs.sources[s].rows != layout_.shard_rows[s] || rs.sources[s].rows < 0)
+        throw std::invalid_argument("ring layout: every sourced field needs the same rows per shard");
+  }
   for (std::size_t f = 0; f < nf; ++f) {
     if (!layout_.sourced(f)) continue;
     if (!have) {
@@ -65,9 +81,22 @@ Ring::Ring(Layout layout, std::int64_t batch_size, int threads, int slots, int m
   const std::size_t cap = static_cast<std::size_t>(1) << 48;
   std::size_t off = 0;
   layout_.offsets.clear();
+  layout_.ragged_values.assign(layout_.ragged.size(), 0);
   for (std::size_t f = 0; f < nf; ++f) {
     off = align_up(off, kFieldAlign);
     layout_.offsets.push_back(off);
+    if (layout_.is_ragged(f)) {  // the batch's offsets (rows + 1 int64), then its items
+      const RaggedSpec& rs = layout_.ragged[layout_.ragged_of[f]];
+      off += (static_cast<std::size_t>(batch_size_) + 1) * sizeof(std::int64_t);
+      off = align_up(off, kFieldAlign);
+      layout_.ragged_values[layout_.ragged_of[f]] = off;
+      if (rs.item_bytes != 0 && static_cast<std::size_t>(rs.capacity) > (cap - off) / rs.item_bytes)
+        throw std::length_error("a ring slot with a ragged capacity of " + std::to_string(rs.capacity) +
+                                " items would exceed 2^48 bytes");
+      off += static_cast<std::size_t>(rs.capacity) * rs.item_bytes;
+      any_gathered_ = true;
+      continue;
+    }
     const std::size_t rb = layout_.row_bytes[f];
     if (rb != 0 && static_cast<std::size_t>(batch_size_) > (cap - off) / rb)
       throw std::length_error("a ring slot of batch_size=" + std::to_string(batch_size_) +
@@ -171,11 +200,12 @@ Ring::Stats Ring::stats() {
 }
 
 std::int64_t Ring::submit_many(const std::int64_t* shard, const std::int64_t* row,
-                               const std::int64_t* index, std::int64_t n, std::int64_t per) {
+                               const std::int64_t* index, std::int64_t n, std::int64_t per,
+                               const std::int64_t* start, const std::int64_t* count) {
   if (per < 1 || per > batch_size_ || n < 1)
     throw std::invalid_argument("submit: batch size or row count out of range");
   for (std::size_t f = 0; f < layout_.sources.size(); ++f)
-    if (!layout_.sourced(f) && static_cast<int>(f) != layout_.index_field)
+    if (!layout_.sourced(f) && static_cast<int>(f) != layout_.index_field && !layout_.is_ragged(f))
       throw std::invalid_argument("submit: a field of this ring has no sources");
   if ((layout_.index_field >= 0) != (index != nullptr))
     throw std::invalid_argument("submit: global indices are needed exactly when the ring has an index field");
@@ -188,12 +218,24 @@ std::int64_t Ring::submit_many(const std::int64_t* shard, const std::int64_t* ro
     r->row.assign(row + b, row + e);
     if (index != nullptr) r->index.assign(index + b, index + e);
     r->rows = e - b;
+    if (!layout_.ragged.empty()) {
+      std::string msg;
+      const ErrKind err = plan_locked_free(*r, start != nullptr ? start + b : nullptr,
+                                           count != nullptr ? count + b : nullptr, msg);
+      if (err != ErrKind::None) {  // delivered as this batch's error; it needs no slot
+        r->err = err;
+        r->msg = std::move(msg);  // prefixed with the batch's sequence number below
+        r->state = Request::State::Ready;
+        r->ragged.clear();
+      }
+    }
     reqs.push_back(std::move(r));
   }
   std::lock_guard<std::mutex> lk(mu_);
   if (stop_) throw std::logic_error("submit() on a closed ring");
   for (auto& r : reqs) {
     r->seq = next_seq_++;
+    if (r->err != ErrKind::None) r->msg = "batch " + std::to_string(r->seq) + ", " + r->msg;
     reqs_.push_back(std::move(r));
   }
   assign_locked();
@@ -225,7 +267,7 @@ void Ring::assign_locked() {
     } else {
       // Split big batches across producers so one batch is not bound to one core.
       const std::int64_t n = r.rows;
-      const std::size_t bytes = static_cast<std::size_t>(n) * gathered_row_bytes_;
+      const std::size_t bytes = static_cast<std::size_t>(n) * gathered_row_bytes_ + r.ragged_bytes;
       std::int64_t parts = static_cast<std::int64_t>(bytes / min_part_bytes_);
       parts = std::max<std::int64_t>(1, std::min<std::int64_t>({parts, nthreads_, n}));
       r.parts_left = static_cast<int>(parts);
@@ -247,9 +289,9 @@ void Ring::worker() {
 #endif
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
-    if (jobs_.empty() && !stop_) {
+    if ((jobs_.empty() || paused_) && !stop_) {
       ++idle_workers_;
-      cv_work_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      cv_work_.wait(lk, [&] { return stop_ || (!jobs_.empty() && !paused_); });
       --idle_workers_;
     }
     if (stop_) return;
@@ -262,6 +304,7 @@ void Ring::worker() {
 void Ring::run_front_job(std::unique_lock<std::mutex>& lk) {
   Job j = jobs_.front();
   jobs_.pop_front();
+  ++running_;
   lk.unlock();
   std::string msg;
   ErrKind e;
@@ -277,6 +320,7 @@ void Ring::run_front_job(std::unique_lock<std::mutex>& lk) {
     msg = "unknown C++ exception in a ring producer";
   }
   lk.lock();
+  if (--running_ == 0 && paused_) cv_idle_.notify_all();
   finish_part_locked(*j.req, e, std::move(msg));
 }
 
@@ -295,6 +339,34 @@ void Ring::publish_ready_locked(Request& r) {
   if (waiters_ > 0 && r.seq == head_seq_) cv_cons_.notify_all();
 }
 
+ErrKind Ring::plan_locked_free(Request& r, const std::int64_t* start, const std::int64_t* count,
+                               std::string& msg) const {
+  const std::int64_t n = static_cast<std::int64_t>(r.shard.size());
+  if (start != nullptr) r.start.assign(start, start + n);
+  if (count != nullptr) r.count.assign(count, count + n);
+  r.ragged.clear();
+  r.ragged.resize(layout_.ragged.size());
+  r.ragged_bytes = 0;
+  for (std::size_t g = 0; g < layout_.ragged.size(); ++g) {
+    const RaggedSpec& spec = layout_.ragged[g];
+    RaggedPlan& plan = r.ragged[g];
+    const ErrKind e = plan_ragged(spec, r.shard.data(), r.row.data(), start, count, n, plan, msg);
+    if (e != ErrKind::None) return e;
+    if (plan.bytes > static_cast<std::size_t>(spec.capacity) * spec.item_bytes) {
+      // A batch larger than the slot region (rare: sized for the longest samples) gets
+      // memory of its own, handed to the consumer with the batch.
+      void* p = nullptr;
+      if (posix_memalign(&p, kSlotAlign, plan.bytes) != 0 || p == nullptr) {
+        msg = "cannot allocate " + std::to_string(plan.bytes) + " bytes for a ragged batch";
+        return ErrKind::Runtime;
+      }
+      plan.own = static_cast<std::uint8_t*>(p);
+    }
+    r.ragged_bytes += plan.bytes;
+  }
+  return ErrKind::None;
+}
+
 ErrKind Ring::gather(const Request& r, const std::int64_t* shard, const std::int64_t* row,
                      const std::int64_t* index, std::int64_t begin, std::int64_t end,
                      std::uint8_t* base, std::string& msg) const {
@@ -306,7 +378,17 @@ ErrKind Ring::gather(const Request& r, const std::int64_t* shard, const std::int
   std::vector<std::uint8_t*> heap_dst(nf > kInline ? nf : 0);
   std::uint8_t** dst = nf > kInline ? heap_dst.data() : inline_dst;
   for (std::size_t f = 0; f < nf; ++f) dst[f] = base + layout_.offsets[f];
-  const ErrKind e = gather_rows(layout_, shard, row, index, begin, end, dst, msg);
+  ErrKind e = gather_rows(layout_, shard, row, index, begin, end, dst, msg);
+  if (e == ErrKind::None) {
+    for (std::size_t f = 0; f < nf; ++f) {
+      if (!layout_.is_ragged(f)) continue;
+      const int g = layout_.ragged_of[f];
+      const RaggedPlan& plan = r.ragged[static_cast<std::size_t>(g)];
+      std::uint8_t* values = plan.own != nullptr ? plan.own : base + layout_.ragged_values[g];
+      gather_ragged(layout_.ragged[g], plan, shard, static_cast<std::int64_t>(plan.dst.size()) - 1, begin,
+                    end, values, reinterpret_cast<std::int64_t*>(dst[f]));
+    }
+  }
   gather_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
                            std::chrono::steady_clock::now() - t0).count(),
                        std::memory_order_relaxed);
@@ -324,7 +406,7 @@ Ring::Status Ring::wait_head_locked(std::unique_lock<std::mutex>& lk, int timeou
     // its parts are taken, of a later one) ourselves. For small batches this saves two
     // thread wake-ups per batch; when the loop is input-bound it adds a core. Cost: get()
     // may return up to one part's copy time after its batch became ready.
-    if (!jobs_.empty()) {
+    if (!jobs_.empty() && !paused_) {
       run_front_job(lk);
       continue;
     }
@@ -332,7 +414,7 @@ Ring::Status Ring::wait_head_locked(std::unique_lock<std::mutex>& lk, int timeou
     ++waiters_;
     cv_cons_.wait_for(lk, std::chrono::milliseconds(timeout_ms), [&] {
       return stop_ || reqs_.empty() || reqs_.front()->state == Request::State::Ready ||
-             !jobs_.empty();
+             (!jobs_.empty() && !paused_);
     });
     --waiters_;
     waited = true;
@@ -350,6 +432,7 @@ bool Ring::hand_out_locked(Delivery& d) {
   d.rows = r->rows;
   d.err = r->err;
   d.msg = std::move(r->msg);
+  if (r->err == ErrKind::None) d.ragged = std::move(r->ragged);
   if (r->slot < 0) return false;  // failed before it had a slot
   Slot& s = *slots_[r->slot];
   s.state = Slot::State::InUse;
@@ -465,7 +548,8 @@ ErrKind Ring::gather_external(const std::shared_ptr<Request>& r, const std::int6
   }
   std::uint8_t* base;
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_idle_.wait(lk, [&] { return stop_ || !paused_; });
     if (stop_) {
       msg = "the ring is closed";
       return ErrKind::Runtime;
@@ -477,16 +561,46 @@ ErrKind Ring::gather_external(const std::shared_ptr<Request>& r, const std::int6
     base = slots_[r->slot]->mem;
     ++sync_gathers_;
   }
-  ErrKind e;
+  ErrKind e = ErrKind::None;
   try {
-    e = gather(*r, shard, row, index, 0, n, base, msg);
+    if (!layout_.ragged.empty()) {  // the fill handle is the only writer of this request
+      r->shard.assign(shard, shard + n);
+      r->row.assign(row, row + n);
+      e = plan_locked_free(*r, nullptr, nullptr, msg);
+      if (e != ErrKind::None) msg = "batch " + std::to_string(r->seq) + ", " + msg;
+    }
+    if (e == ErrKind::None) e = gather(*r, shard, row, index, 0, n, base, msg);
   } catch (const std::exception& ex) {
     e = ErrKind::Runtime;
     msg = ex.what();
   }
   std::lock_guard<std::mutex> lk(mu_);
-  if (--sync_gathers_ == 0 && stop_) cv_idle_.notify_all();
+  if (--sync_gathers_ == 0 && (stop_ || paused_)) cv_idle_.notify_all();
   return e;
+}
+
+void Ring::set_source(std::int64_t shard, const std::vector<Source>& per_field) {
+  if (shard < 0 || shard >= layout_.num_shards())
+    throw std::out_of_range("set_source: shard " + std::to_string(shard) + " is out of range (" +
+                            std::to_string(layout_.num_shards()) + " shards)");
+  if (per_field.size() != layout_.sources.size())
+    throw std::invalid_argument("set_source: one source per field");
+  for (std::size_t f = 0; f < per_field.size(); ++f)
+    if (layout_.sourced(f) && per_field[f].ptr != nullptr &&
+        per_field[f].rows != layout_.shard_rows[shard])
+      throw std::invalid_argument("set_source: a source has the wrong number of rows");
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_idle_.wait(lk, [&] { return !paused_; });  // one set_source at a time
+  paused_ = true;
+  cv_idle_.wait(lk, [&] { return running_ == 0 && sync_gathers_ == 0; });
+  for (std::size_t f = 0; f < per_field.size(); ++f) {
+    if (!layout_.sourced(f)) continue;
+    layout_.sources[f][shard].ptr = per_field[f].ptr;
+  }
+  paused_ = false;
+  cv_idle_.notify_all();
+  cv_work_.notify_all();
+  if (waiters_ > 0) cv_cons_.notify_all();
 }
 
 void Ring::publish_external(const std::shared_ptr<Request>& r, std::int64_t rows, ErrKind err,

@@ -59,6 +59,15 @@
 // published as ErrKind::External: the Python layer raises the fill's own exception then.
 // Later batches are unaffected.
 //
+// Note [Shard sources]
+// ~~~~~~~~~~~~~~~~~~~~
+// Every sourced field has one Source per shard. A shard may start unloaded (ptr null) and be
+// installed, dropped and installed again while the ring runs (a remote dataset's cache maps a
+// shard when it arrives and unmaps it after its last use). Gathers read the sources without
+// the lock, so set_source() pauses the start of new gathers (paused_), waits for the running
+// ones (running_ jobs, sync_gathers_) to finish, swaps the pointers under mu_, and resumes:
+// pointer writes happen-before every later gather through mu_. A pause lasts one gather part.
+//
 // Shutdown. close() sets stop_, drops queued jobs, wakes everyone, joins the producers and
 // waits for in-flight synchronous gathers (gather_external). Afterwards submit/take/commit
 // report "closed"; leases still release their slots (the memory lives until the Ring dies).
@@ -83,6 +92,9 @@ struct Request {
   std::int64_t seq = 0;
   bool external = false;
   std::vector<std::int64_t> shard, row, index;  // gather requests only (index: may be empty)
+  std::vector<std::int64_t> start, count;       // per-row item windows of ragged fields (may be empty)
+  std::vector<RaggedPlan> ragged;               // one per ragged field, planned before the copy
+  std::size_t ragged_bytes = 0;                 // bytes the ragged fields copy (to split parts)
   std::int64_t rows = 0;                        // rows in the batch (external: set by commit)
   int slot = -1;
   int parts_left = 0;
@@ -100,6 +112,7 @@ struct Delivery {
   bool copy = false;  // deliver as a copy, then release(slot)
   ErrKind err = ErrKind::None;
   std::string msg;
+  std::vector<RaggedPlan> ragged;  // extents of each ragged field (and memory of its own, if any)
 };
 
 class Ring : public std::enable_shared_from_this<Ring> {
@@ -112,9 +125,12 @@ class Ring : public std::enable_shared_from_this<Ring> {
   Ring& operator=(const Ring&) = delete;
 
   // Enqueue n rows as consecutive batches of `per` rows (the last may be shorter), under one
-  // lock; `index` (n values, or null) fills the index field. Returns the number of batches.
+  // lock; `index` (n values, or null) fills the index field; `start`/`count` (n values, or
+  // null) are each row's item window in the ragged fields. Ragged fields are planned here,
+  // before the lock (see Note [Ragged gather] in gather.h). Returns the number of batches.
   std::int64_t submit_many(const std::int64_t* shard, const std::int64_t* row,
-                           const std::int64_t* index, std::int64_t n, std::int64_t per);
+                           const std::int64_t* index, std::int64_t n, std::int64_t per,
+                           const std::int64_t* start = nullptr, const std::int64_t* count = nullptr);
 
   enum class Status { Got, Timeout, Closed, Empty };
   // Wait up to timeout_ms for the next batch in sequence; on Got, fills `d`. A delivered
@@ -139,6 +155,12 @@ class Ring : public std::enable_shared_from_this<Ring> {
   // Called when the fill handle dies: fails the request if it was never published, then
   // drops the handle's holder on the slot.
   void drop_external(const std::shared_ptr<Request>& r);
+
+  // Install (ptr != null) or drop (ptr == null) one shard's sources, one Source per field
+  // (entries of unsourced fields are ignored; rows must equal the shard's rows). Waits until
+  // no gather is running, so no producer reads the old pointers afterwards; batches gathered
+  // later from a dropped shard fail with ErrKind::Value naming it. See Note [Shard sources].
+  void set_source(std::int64_t shard, const std::vector<Source>& per_field);
 
   void close();
 
@@ -183,6 +205,10 @@ class Ring : public std::enable_shared_from_this<Ring> {
   bool hand_out_locked(Delivery& d);  // true: a slot must be grown
   void grow_slot(Delivery& d);
   std::uint8_t* alloc_slot_memory();  // no lock held
+  // Plan a request's ragged fields (and give a batch too large for its slot region memory of
+  // its own). No lock held. Returns ErrKind::None or the error with `msg` set.
+  ErrKind plan_locked_free(Request& r, const std::int64_t* start, const std::int64_t* count,
+                           std::string& msg) const;
   // The gather kernel on rows begin..end-1 of a request, timed into gather_ns_; the message
   // of an error is prefixed with the batch's sequence number.
   ErrKind gather(const Request& r, const std::int64_t* shard, const std::int64_t* row,
@@ -216,6 +242,8 @@ class Ring : public std::enable_shared_from_this<Ring> {
   int growing_ = 0;                   // slots being allocated
   int in_use_ = 0;                    // slots in state InUse
   int sync_gathers_ = 0;              // gather_external calls in flight
+  int running_ = 0;                   // producer / consumer gather parts in flight
+  bool paused_ = false;               // set_source(): no new gather starts
   bool stop_ = false;
   std::int64_t delivered_ = 0, grown_ = 0, copies_ = 0;
   mutable std::atomic<std::int64_t> gather_ns_{0};  // no lock: updated after each gather part

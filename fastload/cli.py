@@ -1,4 +1,4 @@
-"""The ``fastload`` command: convert, inspect, verify, bench, doctor, demo.
+"""The ``fastload`` command: convert, inspect, verify, prefetch, bench, doctor, demo.
 
 This module imports nothing heavy: the parser is built from the standard library alone, so
 ``fastload --help`` answers at once, and each command imports its own module when it runs
@@ -88,11 +88,22 @@ def cmd_convert(a, out: Output) -> int:
     from .errors import UsageError
     from .store.inspect import human_bytes
 
+    from .remote.url import is_remote
+
+    kw = dict(workers=a.workers, shard_size=a.shard_size, on_error=a.on_error, label=a.label,
+              image_columns=a.image_column or (), max_pixels=a.max_pixels, progress=not a.quiet,
+              engine=a.engine, ray_address=a.ray_address, resume=a.resume)
     try:
-        r = convert(a.kind, a.src, a.dst, workers=a.workers, shard_size=a.shard_size, on_error=a.on_error,
-                    overwrite=a.overwrite, label=a.label, image_columns=a.image_column or (),
-                    max_pixels=a.max_pixels, progress=not a.quiet, engine=a.engine, ray_address=a.ray_address,
-                    resume=a.resume)
+        if is_remote(a.dst):  # converted in a local staging directory, then uploaded (manifest last)
+            from .remote.publish import convert_to_remote
+
+            if a.engine != "local":  # its tasks (other nodes, other ranks) would not see that directory
+                raise UsageError(f"--engine {a.engine} writes to a directory every worker sees, not yet to an "
+                                 "object store: convert into a shared directory, then upload it", code=2)
+
+            r = convert_to_remote(convert, a.kind, a.src, a.dst, overwrite=a.overwrite, **kw)
+        else:
+            r = convert(a.kind, a.src, a.dst, overwrite=a.overwrite, **kw)
     except (ConvertError, FileExistsError, FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
     if r.get("rank", 0) != 0:  # torchrun: rank 0 reports for all
@@ -129,8 +140,17 @@ def cmd_verify(a, out: Output) -> int:
     from .errors import UsageError
     from .store import FormatError, verify
 
+    from .remote.url import is_remote
+
     try:
-        problems = verify(a.path)
+        if is_remote(a.path):  # every shard downloaded and checked, or the copy in --local DIR
+            from .remote.publish import verify_remote
+
+            problems = verify_remote(a.path, local=a.local)
+        elif a.local is not None:
+            raise UsageError("--local DIR checks a copy against a remote dataset: give the URL as PATH")
+        else:
+            problems = verify(a.path)
     except (FormatError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     if problems:
@@ -139,6 +159,21 @@ def cmd_verify(a, out: Output) -> int:
         out.print(f"{a.path}: {len(problems)} problem(s) found")
         return 1
     out.print(f"{a.path}: OK (checksums and Arrow validation passed)")
+    return 0
+
+
+# -- prefetch ----------------------------------------------------------------------------
+def cmd_prefetch(a, out: Output) -> int:
+    from .remote.publish import prefetch
+    from .store.inspect import human_bytes
+
+    def progress(done: int, total: int) -> None:
+        if not a.quiet:
+            print(f"\r{done}/{total} shards", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    r = prefetch(a.url, a.dir, threads=a.threads, progress=progress)
+    out.print(f"mirrored {r['shards']} shard(s) of {a.url} into {r['dst']} ({human_bytes(r['bytes_downloaded'])} "
+              "downloaded); checksums and Arrow validation passed")
     return 0
 
 
@@ -183,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="turn a source (image folder, arrays, table, tar shards) into a dataset")
     c.add_argument("kind", choices=["imagefolder", "arrays", "table", "webdataset"], help="source kind")
     c.add_argument("src", help="source file or directory")
-    c.add_argument("dst", help="dataset directory to create (must be new or empty)")
+    c.add_argument("dst", help="dataset directory to create (must be new or empty), or an object-store URL "
+                               "(s3://, gs://, az://): converted locally, then uploaded, the manifest last")
     c.add_argument("--workers", type=int, default=None,
                    help="tasks converting at once: validation processes (local, default: CPU count), Ray tasks "
                         "(ray, default: the cluster's CPUs), worker processes per rank (torch, default 1)")
@@ -208,13 +244,23 @@ def build_parser() -> argparse.ArgumentParser:
                        usage="%(prog)s [-h] [--json [FILE]] PATH",
                        description="Print a dataset's fields, counts, shards, sizes and class balance; with "
                                    "--json, its manifest as JSON (to stdout, or to FILE).")
-    i.add_argument("path", nargs="?", metavar="PATH", help="a dataset directory (required)")
+    i.add_argument("path", nargs="?", metavar="PATH", help="a dataset directory or URL (required)")
     add_json_option(i, "the manifest")
     i.set_defaults(func=cmd_inspect, json_check=lambda a: check_json_dest(a, i))
 
     v = sub.add_parser("verify", help="recompute checksums and validate every shard; exit 1 if any is damaged")
-    v.add_argument("path")
+    v.add_argument("path", help="a dataset directory, or a URL (every shard is downloaded and checked)")
+    v.add_argument("--local", metavar="DIR", default=None,
+                   help="with a URL: check the shards in DIR (a prefetched copy, a cache directory) against "
+                        "the URL's manifest instead of downloading")
     v.set_defaults(func=cmd_verify)
+
+    f = sub.add_parser("prefetch", help="mirror a remote dataset into a plain, verified local dataset")
+    f.add_argument("url", help="s3://, gs://, az://, abfs:// or https:// URL of a dataset")
+    f.add_argument("dir", help="local directory to create (new or empty)")
+    f.add_argument("--threads", type=int, default=8, help="downloads in flight (default 8)")
+    f.add_argument("-q", "--quiet", action="store_true", help="no progress")
+    f.set_defaults(func=cmd_prefetch)
 
     d = sub.add_parser("demo", help="generate a small photo dataset, convert it, load it, benchmark it")
     d.add_argument("--out", default="fastload-demo", help="output directory (default ./fastload-demo)")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["BadSamples", "ConvertError", "DecodeError", "FastloadError", "FormatError", "SampleError",
+__all__ = ["BadSamples", "CacheTooSmall", "ChecksumMismatch", "ConvertError", "DecodeError", "DownloadError",
+           "DownloadTimeout", "FastloadError", "FormatError", "RemoteError", "SampleError", "TransformError",
            "UsageError"]
 
 
@@ -34,6 +35,12 @@ class DecodeError(FastloadError, RuntimeError):
     """An image could not be decoded (or was refused); names shard, row and source key."""
 
 
+class TransformError(FastloadError, RuntimeError):
+    """A Loader's ``batch_transform`` / ``device_transform`` raised (or returned something
+    that is not a dict of tensors); names the batch's stream position and sample indices,
+    with the transform's own exception as ``__cause__``."""
+
+
 class UsageError(FastloadError, ValueError):
     """A bad command-line argument or option value: printed as one line by the CLI
     (exit status ``code``: 1 for a failed check, 2 for bad usage)."""
@@ -52,3 +59,57 @@ class BadSamples(FastloadError):
         self.positions = [int(p) for p in positions]
         self.reasons = list(reasons)
         super().__init__("; ".join(f"position {p}: {r}" for p, r in zip(self.positions, self.reasons)))
+
+
+class RemoteError(FastloadError, OSError):
+    """A remote dataset (``s3://``, ``gs://``, ``az://``, ``https://``) cannot be read: a bad
+    URL, a missing object, refused credentials. The message names the URL (never a secret)."""
+
+
+class DownloadError(RemoteError):
+    """A shard could not be brought into the node-local cache after every retry; names the
+    shard, its URL, the attempts made and the last cause."""
+
+    def __init__(self, msg: str, *, shard: str | None = None, url: str | None = None):
+        super().__init__(msg)
+        self.shard = shard
+        self.url = url
+
+    def __reduce__(self):  # keep the message through multiprocessing / pickling of errors
+        return (_rebuild_download_error, (type(self), str(self), self.shard, self.url))
+
+
+def _rebuild_download_error(cls, msg, shard, url):
+    return cls(msg, shard=shard, url=url)
+
+
+class ChecksumMismatch(DownloadError):
+    """A downloaded shard's xxh3-128 differs from the manifest's, again after re-downloading:
+    the remote object changed (or is damaged) since the manifest was written. ``expected``
+    and ``actual`` hold both checksums."""
+
+    def __init__(self, msg: str, *, shard: str | None = None, url: str | None = None,
+                 expected: str | None = None, actual: str | None = None):
+        super().__init__(msg, shard=shard, url=url)
+        self.expected = expected
+        self.actual = actual
+
+    def __reduce__(self):
+        return (_rebuild_checksum_mismatch, (str(self), self.shard, self.url, self.expected, self.actual))
+
+
+def _rebuild_checksum_mismatch(msg, shard, url, expected, actual):
+    return ChecksumMismatch(msg, shard=shard, url=url, expected=expected, actual=actual)
+
+
+class DownloadTimeout(DownloadError, TimeoutError):
+    """A shard was not in the cache by its deadline (``download_timeout``); names the shard."""
+
+
+class CacheTooSmall(FastloadError, ValueError):
+    """``cache_limit`` cannot hold the shards the chosen order needs at the same time; the
+    message names the minimum and ``shuffle_mode="window"`` (which needs far fewer)."""
+
+    def __init__(self, msg: str, *, minimum: int | None = None):
+        super().__init__(msg)
+        self.minimum = minimum

@@ -37,19 +37,18 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _C
-from .ringspec import as_index as _as_index
+from .ringspec import RaggedField, batch_dict, parse_ragged, ragged_descs, ring_sizes, row_args, window_args
+from .ringspec import check_source as _check_source
 from .ringspec import parse_fields as _parse_fields
 from .ringspec import parse_sources as _parse_sources
 from .system import rank_cores
 from .validate import is_int as _is_int
 
-__all__ = ["FillSlot", "Ring", "RingBatch", "default_slots", "default_threads"]
+__all__ = ["FillSlot", "RaggedField", "Ring", "RingBatch", "default_slots", "default_threads"]
 
 logger = logging.getLogger(__name__)
 
 _MIN_PART_BYTES = 256 << 10  # split a batch across producers above this many bytes per part
-_GROWTH_BUDGET = 512 << 20  # default max_slots lets the ring grow by about this many bytes
-_MAX_SLOT_BYTES = 1 << 40  # a slot this large is a mistake (batch_size or shapes), not a plan
 
 
 def default_threads() -> int:
@@ -157,7 +156,9 @@ class Ring:
     """A ring of host slots filled by C++ producer threads; batches come out in order.
 
     Args:
-        fields: ``{name: (dtype, shape)}``; ``shape`` is the per-row shape (``()`` for scalars).
+        fields: ``{name: (dtype, shape)}``; ``shape`` is the per-row shape (``()`` for scalars);
+            or ``{name: RaggedField(...)}`` for a variable number of items per row (a batch
+            then holds ``name`` and ``name + "_offsets"``, see :class:`RaggedField`).
         batch_size: rows per slot (the largest batch ``submit`` accepts).
         sources: ``{name: [array per shard]}``; each array is C-contiguous with shape
             ``(rows, *shape)`` and the field's exact dtype (read-only / memory-mapped is fine).
@@ -170,6 +171,11 @@ class Ring:
         max_slots: growth cap when the user holds batches (default: ``slots`` plus about
             512 MiB worth of slots, at least 2 and at most 64 extra).
         min_part_bytes: batches with more bytes than this are split across producer threads.
+        shard_rows: rows per shard; with it, a shard's source may be ``None`` (not loaded yet)
+            and :meth:`set_source` installs or drops a shard's sources while the ring runs
+            (a remote dataset's cache maps shards as they arrive and releases them after
+            their last use). A batch that needs a shard that is not loaded fails with a
+            ValueError naming the shard.
     """
 
     def __init__(
@@ -183,13 +189,15 @@ class Ring:
         slots: int | None = None,
         max_slots: int | None = None,
         min_part_bytes: int = _MIN_PART_BYTES,
+        shard_rows: Sequence[int] | None = None,
     ) -> None:
         self._core = None
         self._closed = True
         if not _is_int(batch_size) or batch_size <= 0:
             raise ValueError(f"batch_size={batch_size!r} must be an int > 0")
         names, dtypes, shapes = _parse_fields(fields)
-        srcs = _parse_sources(sources, names, dtypes, shapes)
+        ragged = parse_ragged(fields, names, dtypes, shapes)
+        srcs = _parse_sources(sources, names, dtypes, shapes, ragged, shard_rows)
         index = -1
         if index_field is not None:
             if index_field not in names:
@@ -197,25 +205,14 @@ class Ring:
             index = names.index(index_field)
             if dtypes[index] != _INT64 or shapes[index] != () or srcs[index] is not None:
                 raise ValueError(f"index_field={index_field!r} must be an int64 scalar field without sources")
-        if threads is None:
-            threads = default_threads()
-        if not _is_int(threads) or not 1 <= threads <= 256:
-            raise ValueError(f"threads={threads!r} must be an int in [1, 256]")
-        if slots is None:
-            slots = default_slots(int(threads))
-        if not _is_int(slots) or slots < 1:
-            raise ValueError(f"slots={slots!r} must be an int >= 1")
-        row_bytes = sum(dt.itemsize * int(np.prod(s, dtype=np.int64)) for dt, s in zip(dtypes, shapes))
-        slot_bytes = int(batch_size) * row_bytes  # Python ints: no overflow
-        if slot_bytes > _MAX_SLOT_BYTES:
-            raise ValueError(f"batch_size={batch_size} rows of {row_bytes} bytes need a {slot_bytes:,}-byte slot; "
-                             "lower batch_size")
-        if max_slots is None:
-            max_slots = int(slots) + max(2, min(64, _GROWTH_BUDGET // max(slot_bytes, 1)))
-        if not _is_int(max_slots) or max_slots < slots:
-            raise ValueError(f"max_slots={max_slots!r} must be an int >= slots={slots}")
-        if not _is_int(min_part_bytes) or min_part_bytes < 1:
-            raise ValueError(f"min_part_bytes={min_part_bytes!r} must be an int > 0")
+        row_bytes = sum(dt.itemsize * int(np.prod(s, dtype=np.int64))
+                        for dt, s, r in zip(dtypes, shapes, ragged) if r is None)
+        descs, ragged_bytes = ragged_descs(ragged, srcs, int(batch_size), dtypes, shapes)
+        threads = default_threads() if threads is None else threads
+        threads, slots, max_slots, min_part_bytes = ring_sizes(
+            batch_size, row_bytes, ragged_bytes, threads=threads,
+            slots=default_slots(threads) if slots is None and _is_int(threads) else slots,
+            max_slots=max_slots, min_part_bytes=min_part_bytes)
 
         self._names = names
         self._dtypes = dtypes
@@ -223,11 +220,16 @@ class Ring:
         self._batch_size = int(batch_size)
         self._index_field = index_field
         self._needs_sources = [n for n, s, i in zip(names, srcs, range(len(names))) if s is None and i != index]
+        self._sourced = [s is not None and r is None for s, r in zip(srcs, ragged)]  # set_source: fixed-size
+        self._ragged_sourced = [n for n, s, r in zip(names, srcs, ragged) if s is not None and r is not None]
+        first = next((s for s in srcs if s is not None), [])
+        self._shard_rows = [a if isinstance(a, int) else (len(a[1]) - 1 if isinstance(a, tuple) else a.shape[0])
+                            for a in first]
         self._fill_errors: dict[int, BaseException] = {}  # seq -> the exception a fill failed with
         self._warned_copy = False
         self._core = _C.Ring(
             names, dtypes, [list(s) for s in shapes], int(batch_size), srcs, index,
-            int(threads), int(slots), int(max_slots), int(min_part_bytes),
+            int(threads), int(slots), int(max_slots), int(min_part_bytes), descs,
         )
         self._closed = False
 
@@ -278,23 +280,16 @@ class Ring:
 
     # ------------------------------------------------------------------ producer side
     def _rows(self, shard: Any, row: Any, index: Any) -> tuple:
-        s, r = _as_index(shard, "shard"), _as_index(row, "row")
-        if len(s) != len(r):
-            raise ValueError(f"shard and row must have the same length (got {len(s)} and {len(r)})")
-        if self._index_field is None:
-            if index is not None:
-                raise ValueError("index= needs a ring with an index_field")
-            return s, r, None
-        if index is None:
-            raise ValueError(f"this ring's index field {self._index_field!r} needs index= (the global indices)")
-        ix = _as_index(index, "index")
-        if len(ix) != len(s):
-            raise ValueError(f"index has {len(ix)} entries for {len(s)} rows")
-        return s, r, ix
+        return row_args(shard, row, index, self._index_field)
 
-    def submit(self, shard: Any, row: Any, index: Any = None) -> None:
+    def _windows(self, start: Any, count: Any, n: int) -> tuple:
+        return window_args(start, count, n)
+
+    def submit(self, shard: Any, row: Any, index: Any = None, *, start: Any = None, count: Any = None) -> None:
         """Enqueue one batch: row ``row[i]`` of shard ``shard[i]`` for every field (and
-        ``index[i]`` for the index field).
+        ``index[i]`` for the index field). ``start``/``count`` give each row's window of items
+        in the ragged fields (items ``start[i]..start[i]+count[i]-1``; ``count[i] < 0``: to
+        the end).
 
         Never blocks (the request queue is unbounded; index arrays are copied). Bad ids are
         reported by ``get()`` for this batch (IndexError); bad arguments raise ValueError now.
@@ -303,9 +298,10 @@ class Ring:
         n = len(s)
         if not 1 <= n <= self._batch_size:
             raise ValueError(f"a batch must have between 1 and batch_size={self._batch_size} rows, got {n}")
-        self._submit(s, r, ix, n)
+        self._submit(s, r, ix, n, *self._windows(start, count, n))
 
-    def submit_many(self, shard: Any, row: Any, batch_size: int | None = None, index: Any = None) -> int:
+    def submit_many(self, shard: Any, row: Any, batch_size: int | None = None, index: Any = None, *,
+                    start: Any = None, count: Any = None) -> int:
         """Enqueue many rows at once as consecutive batches of ``batch_size`` rows (default:
         the ring's), the last one possibly shorter — e.g. a whole epoch from
         ``Dataset.locate(order)``. Same rules as :meth:`submit`; returns the number of batches.
@@ -316,21 +312,49 @@ class Ring:
             raise ValueError(f"batch_size={per!r} must be an int between 1 and the ring's batch_size={self._batch_size}")
         if len(s) == 0:
             raise ValueError("submit_many() needs at least one row")
-        return self._submit(s, r, ix, int(per))
+        return self._submit(s, r, ix, int(per), *self._windows(start, count, len(s)))
 
-    def _submit(self, s, r, ix, per: int) -> int:
+    def _submit(self, s, r, ix, per: int, start=None, count=None) -> int:
         if self._closed:
             raise RuntimeError("this Ring is closed; create a new one")
         if self._needs_sources:
             raise ValueError(f"field {self._needs_sources[0]!r} has no sources, so submit() cannot gather it; "
                              "fill it with acquire() instead")
-        return self._core.submit_many(s, r, ix, per)
+        return self._core.submit_many(s, r, ix, per, start, count)
+
+    def set_source(self, shard: int, arrays: Mapping[str, np.ndarray] | None) -> None:
+        """Install one shard's source arrays (``{field: array}`` for every sourced field) or
+        drop them (``None``) while the ring runs. Waits until no gather is running, so the
+        ring never reads a dropped array again (the caller may unmap it afterwards); batches
+        submitted later that need a dropped shard fail naming it."""
+        core = self._live()
+        if self._ragged_sourced:
+            raise ValueError(f"set_source: this ring has ragged fields with sources {self._ragged_sourced}; "
+                             "their sources are fixed when the ring is made")
+        if not _is_int(shard) or not 0 <= shard < len(self._shard_rows):
+            raise ValueError(f"shard={shard!r} must be an int in [0, {len(self._shard_rows)})")
+        per_field: list[np.ndarray | None] = [None] * len(self._names)
+        if arrays is not None:
+            if not isinstance(arrays, Mapping):
+                raise ValueError("arrays must be a dict {field: array} or None (to drop the shard)")
+            want = {n for n, src in zip(self._names, self._sourced) if src}
+            if set(arrays) != want:
+                raise ValueError(f"shard {shard}: set_source needs arrays for exactly the sourced fields "
+                                 f"{sorted(want)}, got {sorted(arrays)}")
+            for f, (n, dt, shape) in enumerate(zip(self._names, self._dtypes, self._shapes)):
+                if n in arrays:
+                    a = _check_source(n, int(shard), arrays[n], dt, shape)
+                    if a.shape[0] != self._shard_rows[shard]:
+                        raise ValueError(f"field {n!r} shard {shard}: source has {a.shape[0]} rows, "
+                                         f"the shard {self._shard_rows[shard]}")
+                    per_field[f] = a
+        core.set_source(int(shard), per_field)
 
     def acquire(self) -> FillSlot:
         """Reserve the next batch for an external fill; waits (GIL released, Ctrl-C aware)
         until a slot is free. See :class:`FillSlot`."""
         handle, arrays = self._live().acquire()
-        return FillSlot(self, handle, dict(zip(self._names, arrays)))
+        return FillSlot(self, handle, batch_dict(self._names, arrays))
 
     # ------------------------------------------------------------------ consumer side
     def get_arrays(self) -> dict[str, np.ndarray]:
@@ -340,7 +364,7 @@ class Ring:
         this batch raises here (IndexError for bad shard/row ids; a failed external fill
         raises its own exception; RuntimeError otherwise).
         """
-        return dict(zip(self._names, self._next()[0]))
+        return batch_dict(self._names, self._next()[0])
 
     def get(self) -> dict[str, Any]:
         """The next batch in submission order as ``{name: torch.Tensor}`` (host memory,
@@ -353,7 +377,7 @@ class Ring:
 
         arrays, slot, copied = self._next()
         from_numpy = torch.from_numpy
-        return RingBatch({k: from_numpy(a) for k, a in zip(self._names, arrays)}, slot, copied)
+        return RingBatch({k: from_numpy(a) for k, a in batch_dict(self._names, arrays).items()}, slot, copied)
 
     def _next(self) -> tuple:
         core = self._live()

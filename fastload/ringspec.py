@@ -6,13 +6,39 @@ the field and shard at fault; the C++ side then only asserts its invariants.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .validate import is_int as _is_int
 
-__all__ = ["as_index", "parse_fields", "parse_sources"]
+__all__ = ["RaggedField", "as_index", "batch_dict", "check_source", "parse_fields", "parse_ragged", "parse_sources", "ragged_descs",
+           "ring_sizes", "row_args", "window_args"]
+
+_GROWTH_BUDGET = 512 << 20  # default max_slots lets the ring grow by about this many bytes
+_MAX_SLOT_BYTES = 1 << 40  # a slot this large is a mistake (batch_size or shapes), not a plan
+
+
+@dataclass(frozen=True)
+class RaggedField:
+    """A ring field with a variable number of items per row (see Note [Ragged gather] in
+    csrc/gather.h). Its sources are ``(values, offsets)`` per shard: ``values`` of shape
+    ``(items, *item_shape)``, ``offsets`` int64 ``(rows + 1,)``. A batch delivers ``name``
+    (packed: ``(total, *item_shape)``; ``padded``: ``(rows, width, *item_shape)``, rows
+    filled up with ``pad_value``) and ``name + "_offsets"`` (int64, ``rows + 1``, rebased to
+    0: row ``i`` has ``offsets[i + 1] - offsets[i]`` items). ``max_items`` truncates each
+    row; ``multiple`` rounds the padded width up (at least one multiple); ``capacity`` is
+    the items a slot holds (default: ``batch_size`` times the longest row) — a larger batch
+    gets memory of its own rather than failing."""
+
+    dtype: Any
+    item_shape: tuple = ()
+    padded: bool = False
+    pad_value: Any = 0
+    max_items: int | None = None
+    multiple: int = 1
+    capacity: int | None = None
 
 _INT64 = np.dtype(np.int64)
 
@@ -35,6 +61,8 @@ def parse_fields(fields: Mapping[str, Any]) -> tuple[list[str], list[np.dtype], 
     for name, spec in fields.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"field names must be non-empty strings, got {name!r}")
+        if isinstance(spec, RaggedField):
+            spec = (spec.dtype, spec.item_shape)
         try:
             dt, shape = spec
         except (TypeError, ValueError):
@@ -59,9 +87,76 @@ def parse_fields(fields: Mapping[str, Any]) -> tuple[list[str], list[np.dtype], 
     return names, dtypes, shapes
 
 
+def parse_ragged(fields: Mapping[str, Any], names: list[str], dtypes: list[np.dtype],
+                 shapes: list[tuple[int, ...]]) -> list[RaggedField | None]:
+    """Per field: its checked RaggedField, or None for a fixed field."""
+    out: list[RaggedField | None] = []
+    taken = set(names)
+    for name, dt, shape in zip(names, dtypes, shapes):
+        spec = fields[name]
+        if not isinstance(spec, RaggedField):
+            out.append(None)
+            continue
+        if name + "_offsets" in taken:
+            raise ValueError(f"field {name!r}: its offsets are delivered as {name + '_offsets'!r}, which is "
+                             "also a field name")
+        for what, v, lo in (("max_items", spec.max_items, 0), ("multiple", spec.multiple, 1),
+                            ("capacity", spec.capacity, 0)):
+            if v is not None and (not _is_int(v) or v < lo):
+                raise ValueError(f"field {name!r}: {what}={v!r} must be an int >= {lo}")
+        try:
+            pad = np.asarray(spec.pad_value)
+            cast = pad.astype(dt)
+            if pad.ndim != 0 or (pad.dtype.kind in "iufcb" and np.asarray(cast).astype(pad.dtype) != pad):
+                raise ValueError
+        except (ValueError, TypeError, OverflowError):
+            raise ValueError(f"field {name!r}: pad_value={spec.pad_value!r} is not a value of dtype {dt}") from None
+        out.append(spec)
+    return out
+
+
+def ragged_sources(name: str, shards: Any, dt: np.dtype, shape: tuple[int, ...]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Checked ``(values, offsets)`` per shard of a ragged field."""
+    if isinstance(shards, tuple) and len(shards) == 2 and isinstance(shards[0], np.ndarray):
+        shards = [shards]
+    out = []
+    for s, pair in enumerate(shards):
+        try:
+            values, offsets = pair
+        except (TypeError, ValueError):
+            raise ValueError(f"field {name!r} shard {s}: a ragged source is a (values, offsets) pair") from None
+        if not isinstance(values, np.ndarray) or values.dtype != dt or values.shape[1:] != shape or values.ndim < 1:
+            raise ValueError(f"field {name!r} shard {s}: values must be a numpy array of dtype {dt} and shape "
+                             f"(items, *{shape})")
+        if not values.flags.c_contiguous:
+            raise ValueError(f"field {name!r} shard {s}: values must be C-contiguous")
+        if (not isinstance(offsets, np.ndarray) or offsets.dtype != np.int64 or offsets.ndim != 1
+                or len(offsets) < 1 or not offsets.flags.c_contiguous):
+            raise ValueError(f"field {name!r} shard {s}: offsets must be a contiguous 1-d int64 array (rows + 1)")
+        out.append((values, offsets))
+    return out
+
+
+def check_source(name: str, s: int, a: Any, dt: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """One shard's source array of field ``name``, checked (dtype, row shape, contiguity)."""
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"field {name!r} shard {s}: source must be a numpy array, got {type(a).__name__}")
+    if a.dtype != dt:
+        raise ValueError(f"field {name!r} shard {s}: source dtype {a.dtype} != field dtype {dt}")
+    if a.ndim < 1 or a.shape[1:] != shape:
+        raise ValueError(f"field {name!r} shard {s}: source shape {a.shape} is not (rows, *{shape})")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"field {name!r} shard {s}: source must be C-contiguous (use np.ascontiguousarray)")
+    return a
+
+
 def parse_sources(
-    sources: Mapping[str, Any] | None, names: list[str], dtypes: list[np.dtype], shapes: list[tuple[int, ...]]
-) -> list[list[np.ndarray] | None]:
+    sources: Mapping[str, Any] | None, names: list[str], dtypes: list[np.dtype], shapes: list[tuple[int, ...]],
+    ragged: list[RaggedField | None] | None = None, shard_rows: Any = None,
+) -> list[list | None]:
+    """Per field, one source per shard, or None for a field without sources. With
+    ``shard_rows`` (rows per shard), a fixed-size field's shard entry may be None: not
+    loaded yet (the ring gets its row count; ``Ring.set_source`` installs it later)."""
     sources = {} if sources is None else sources
     if not isinstance(sources, Mapping):
         raise ValueError("sources must be a dict of field name -> list of per-shard arrays")
@@ -70,30 +165,36 @@ def parse_sources(
         raise ValueError(f"sources has fields {unknown} that are not in fields {names}")
     out: list[list[np.ndarray] | None] = []
     ref_name, ref_rows = None, None
-    for name, dt, shape in zip(names, dtypes, shapes):
+    for name, dt, shape, rag in zip(names, dtypes, shapes, ragged or [None] * len(names)):
         if name not in sources or sources[name] is None:
             out.append(None)
             continue
         shards = sources[name]
+        if rag is not None:
+            pairs = ragged_sources(name, shards, dt, shape)
+            rows = [len(o) - 1 for _, o in pairs]
+            if ref_rows is None:
+                ref_name, ref_rows = name, rows
+            elif rows != ref_rows:
+                raise ValueError(f"field {name!r} has shard sizes {rows[:8]} but field {ref_name!r} has "
+                                 f"{ref_rows[:8]}; every field must have the same shards")
+            out.append(pairs)
+            continue
         if isinstance(shards, np.ndarray):
             shards = [shards]
         shards = list(shards)
-        checked = []
+        if shard_rows is not None and len(shards) != len(shard_rows):
+            raise ValueError(f"field {name!r} has {len(shards)} shard sources for {len(shard_rows)} shards")
+        checked: list = []
         for s, a in enumerate(shards):
-            if not isinstance(a, np.ndarray):
-                raise ValueError(f"field {name!r} shard {s}: source must be a numpy array, got {type(a).__name__}")
-            if a.dtype != dt:
-                raise ValueError(f"field {name!r} shard {s}: source dtype {a.dtype} != field dtype {dt}")
-            if a.ndim < 1 or a.shape[1:] != shape:
-                raise ValueError(
-                    f"field {name!r} shard {s}: source shape {a.shape} is not (rows, *{shape})"
-                )
-            if not a.flags.c_contiguous:
-                raise ValueError(
-                    f"field {name!r} shard {s}: source must be C-contiguous (use np.ascontiguousarray)"
-                )
+            if a is None and shard_rows is not None:
+                checked.append(int(shard_rows[s]))  # not loaded yet: its row count
+                continue
+            a = check_source(name, s, a, dt, shape)
+            if shard_rows is not None and a.shape[0] != int(shard_rows[s]):
+                raise ValueError(f"field {name!r} shard {s}: source has {a.shape[0]} rows, the shard {shard_rows[s]}")
             checked.append(a)
-        rows = [a.shape[0] for a in checked]
+        rows = [a if isinstance(a, int) else a.shape[0] for a in checked]
         if ref_rows is None:
             ref_name, ref_rows = name, rows
         elif rows != ref_rows:
@@ -104,3 +205,93 @@ def parse_sources(
             )
         out.append(checked)
     return out
+
+
+def ragged_descs(ragged: list[RaggedField | None], srcs: list, batch_size: int, dtypes: list[np.dtype],
+                 shapes: list[tuple[int, ...]]) -> tuple[list[tuple | None], int]:
+    """What the C++ ring takes for each ragged field — ``(padded, pad bytes, max_items or -1,
+    multiple, capacity)`` — and the slot bytes of all ragged regions."""
+    descs: list[tuple | None] = []
+    nbytes = 0
+    for rag, src, dt, shape in zip(ragged, srcs, dtypes, shapes):
+        if rag is None:
+            descs.append(None)
+            continue
+        item = dt.itemsize * int(np.prod(shape, dtype=np.int64))
+        cap = rag.capacity
+        if cap is None:  # room for batch_size of the longest rows: a batch never needs more
+            longest = max((int(np.max(o[1:] - o[:-1])) for _, o in (src or []) if len(o) > 1), default=0)
+            if rag.max_items is not None:
+                longest = min(longest, rag.max_items)
+            m = rag.multiple
+            if rag.padded:
+                longest = max(-(-longest // m) * m, m if m > 1 else 0)
+            cap = batch_size * longest
+        pad = np.asarray(rag.pad_value).astype(dt).tobytes() if rag.padded else b""
+        descs.append((bool(rag.padded), pad, -1 if rag.max_items is None else int(rag.max_items),
+                      int(rag.multiple), int(cap)))
+        nbytes += (batch_size + 1) * 8 + int(cap) * item
+    return descs, nbytes
+
+
+def batch_dict(names: list[str], arrays: tuple) -> dict:
+    """The ring's arrays as ``{name: array}``: a ragged field's ``(values, offsets)`` pair as
+    ``name`` and ``name + "_offsets"``; fields without an array (None) left out."""
+    out = {}
+    for n, a in zip(names, arrays):
+        if type(a) is tuple:
+            out[n], out[n + "_offsets"] = a
+        elif a is not None:
+            out[n] = a
+    return out
+
+
+def ring_sizes(batch_size: int, row_bytes: int, ragged_bytes: int, *, threads: Any, slots: Any, max_slots: Any,
+               min_part_bytes: Any) -> tuple[int, int, int, int]:
+    """Checked ``(threads, slots, max_slots, min_part_bytes)``; ``max_slots`` defaults to
+    ``slots`` plus about 512 MiB of slots (at least 2, at most 64 more)."""
+    if not _is_int(threads) or not 1 <= threads <= 256:
+        raise ValueError(f"threads={threads!r} must be an int in [1, 256]")
+    if not _is_int(slots) or slots < 1:
+        raise ValueError(f"slots={slots!r} must be an int >= 1")
+    slot_bytes = int(batch_size) * row_bytes + ragged_bytes  # Python ints: no overflow
+    if slot_bytes > _MAX_SLOT_BYTES:
+        raise ValueError(f"batch_size={batch_size} rows of {row_bytes} bytes need a {slot_bytes:,}-byte slot; "
+                         "lower batch_size")
+    if max_slots is None:
+        max_slots = int(slots) + max(2, min(64, _GROWTH_BUDGET // max(slot_bytes, 1)))
+    if not _is_int(max_slots) or max_slots < slots:
+        raise ValueError(f"max_slots={max_slots!r} must be an int >= slots={slots}")
+    if not _is_int(min_part_bytes) or min_part_bytes < 1:
+        raise ValueError(f"min_part_bytes={min_part_bytes!r} must be an int > 0")
+    return int(threads), int(slots), int(max_slots), int(min_part_bytes)
+
+
+def row_args(shard: Any, row: Any, index: Any, index_field: str | None) -> tuple:
+    """Checked ``(shard, row, index)`` int64 arrays of one request (``index`` only with an
+    index field)."""
+    s, r = as_index(shard, "shard"), as_index(row, "row")
+    if len(s) != len(r):
+        raise ValueError(f"shard and row must have the same length (got {len(s)} and {len(r)})")
+    if index_field is None:
+        if index is not None:
+            raise ValueError("index= needs a ring with an index_field")
+        return s, r, None
+    if index is None:
+        raise ValueError(f"this ring's index field {index_field!r} needs index= (the global indices)")
+    ix = as_index(index, "index")
+    if len(ix) != len(s):
+        raise ValueError(f"index has {len(ix)} entries for {len(s)} rows")
+    return s, r, ix
+
+
+def window_args(start: Any, count: Any, n: int) -> tuple:
+    """Checked per-row ``(start, count)`` windows of the ragged fields (each may be None)."""
+    out = []
+    for name, a in (("start", start), ("count", count)):
+        if a is not None:
+            a = as_index(a, name)
+            if len(a) != n:
+                raise ValueError(f"{name} has {len(a)} entries for {n} rows")
+        out.append(a)
+    return tuple(out)

@@ -251,6 +251,14 @@ class EpochPlan:
         for k, (_, _, after) in enumerate(self.bounds):
             yield self.indices(k), after
 
+    def requests(self):
+        """``(Request, consumed_after)`` per batch: the indices with the batch's stream
+        position (what a loader hands its source; see fastload.packing.Request)."""
+        from .packing import Request
+
+        for k, (b, _, after) in enumerate(self.bounds):
+            yield Request(self.indices(k), b), after
+
 
 def _digest(a: np.ndarray | None) -> str | None:
     if a is None:
@@ -420,10 +428,16 @@ class Sampler:
     def epoch_plan(self) -> EpochPlan:
         """Begin a pass over the current epoch (from a loaded mid-epoch position, if any)
         and return it as a value; what ``iter(sampler)`` walks through."""
+        epoch, start, stream = self.begin_pass()
+        return EpochPlan(epoch, start, stream, tuple(self._bounds(start)))
+
+    def begin_pass(self) -> tuple[int, int, np.ndarray]:
+        """Begin a pass: ``(epoch, consumed count it starts at, the epoch's stream)``. The
+        count is the caller's unit (stream positions; tokens for a packing loader)."""
         start = self._start()
         self._resume_pending = False
         self._consumed = start
-        return EpochPlan(self.epoch, start, self.stream(self.epoch), tuple(self._bounds(start)))
+        return self.epoch, start, self.stream(self.epoch)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self._generate(self.epoch_plan())

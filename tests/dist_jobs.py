@@ -68,3 +68,41 @@ def loader_epoch(path: str, batch_size: int, seed: int, epoch: int, stop_after: 
     most, least = _agree(len(read))
     assert most == least, f"ranks read different numbers of batches: {least}..{most}"
     return {"read": _gather(mine).tolist(), "state": out_state, "rows_ok": ok}
+
+
+def mixture_epoch(paths: dict, stop_after: int | None = None, state: dict | None = None) -> dict:
+    """Each rank reads its part of a mixture's epoch 0 (stopping early or resuming from
+    `state`); returns the mixed samples' x (gathered over ranks, step by step) and the state."""
+    import fastload
+
+    from fastload.mixture import Mixture
+
+    mix = Mixture({n: fastload.Dataset(p) for n, p in paths.items()}, [0.5, 0.3, 0.2], epoch_size=333)
+    with fastload.Loader(mix, batch_size=8, seed=11) as loader:
+        if state is not None:
+            loader.load_state_dict(state)
+        loader.set_epoch(0)
+        steps = [b["x"].numpy().copy() for b in itertools.islice(loader, stop_after)]
+        out_state = loader.state_dict()
+    most, least = _agree(len(steps))
+    assert most == least
+    # step by step, rank 0's rows then rank 1's ...: the order the stream was split in
+    read = [_gather(s) for s in steps]
+    return {"read": np.concatenate(read).tolist() if read else [], "state": out_state}
+
+
+def packed_epoch(path: str, stop_after: int | None = None, state: dict | None = None) -> dict:
+    """Each rank reads its rows of a packed epoch (pack_to=48, 2 rows per batch); returns the
+    tokens all ranks read, step by step in rank order, and the state."""
+    import fastload
+
+    with fastload.Loader(path, batch_size=2, seed=9, pack_to=48, drop_last=True, fields=["tokens"]) as loader:
+        if state is not None:
+            loader.load_state_dict(state)
+        loader.set_epoch(0)
+        steps = [b["tokens"].numpy().reshape(-1).astype(np.int64) for b in itertools.islice(loader, stop_after)]
+        out_state = loader.state_dict()
+    most, least = _agree(len(steps))
+    assert most == least
+    read = [_gather(s) for s in steps]
+    return {"read": np.concatenate(read).tolist() if read else [], "state": out_state}

@@ -217,14 +217,14 @@ def test_writer_errors_are_per_sample_errors(tmp_path):
     """A sample the writer refuses (wrong shape) is skipped or named like an unreadable one."""
     tar_path = tmp_path / "a.tar"
     with tarfile.open(tar_path, "w") as tf:
-        for i, n in enumerate((2, 3, 2)):  # the second sample's array has the wrong shape
-            buf = io.BytesIO()
-            np.save(buf, np.arange(n, dtype=np.float32))
+        for i, n in enumerate(((2,), (3, 2), (2,))):  # the second sample's array has the wrong shape
+            buf = io.BytesIO()  # (a first dimension that varies alone would make a ragged field)
+            np.save(buf, np.zeros(n, dtype=np.float32))
             for ext, payload in (("npy", buf.getvalue()), ("cls", str(i).encode())):
                 info = tarfile.TarInfo(f"s{i}.{ext}")
                 info.size = len(payload)
                 tf.addfile(info, io.BytesIO(payload))
-    with pytest.raises(ConvertError, match=r"a.tar:s1.*got shape \(3,\), expected \(2,\).*--on-error skip"):
+    with pytest.raises(ConvertError, match=r"a.tar:s1.*got shape \(3, 2\), expected \(2,\).*--on-error skip"):
         convert("webdataset", tar_path, tmp_path / "ds", progress=False)
     assert not (tmp_path / "ds" / "manifest.json").exists()
     r = convert("webdataset", tar_path, tmp_path / "ds2", progress=False, on_error="skip")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+from collections.abc import Mapping
 from typing import Sequence
 
 from ..errors import ConvertError
@@ -26,7 +27,8 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
             resume: bool = False) -> dict:
     """Convert a source into a fastload dataset at ``dst``; return a summary dict.
 
-    kind: "imagefolder" (SRC/<class>/<images>), "arrays" (.npz / .npy / folder of .npy),
+    kind: "imagefolder" (SRC/<class>/<images>), "arrays" (.npz / .npy / folder of .npy, or
+    a dict of arrays; ragged fields as NAME + NAME_offsets pairs or object arrays),
     "table" (Parquet, CSV, JSON lines) or "webdataset" (.tar shards). Refuses a non-empty
     ``dst`` unless ``overwrite`` (which swaps the new dataset in only once it is complete: a
     failed overwrite leaves the old one untouched); on failure nothing that opens is left
@@ -53,10 +55,14 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
     if resume and engine == "local":
         raise ValueError("resume (--resume) needs engine='ray' or 'torch': the local engine writes one dataset "
                          "in one process and leaves nothing to resume after a failure")
-    if not os.path.exists(src):
+    in_memory = kind == "arrays" and isinstance(src, Mapping)  # a dict of arrays, from Python
+    if in_memory and engine != "local":
+        raise ValueError(f"engine={engine!r} runs tasks in other processes, which cannot see a dict of arrays; "
+                         "save it (numpy.savez) and convert the file")
+    if not in_memory and not os.path.exists(src):
         raise ConvertError(f"{src}: no such file or directory")
-    s_abs, d_abs = os.path.realpath(src), os.path.realpath(dst)
-    if os.path.isdir(s_abs) and (d_abs == s_abs or d_abs.startswith(s_abs.rstrip(os.sep) + os.sep)):
+    s_abs, d_abs = (None, None) if in_memory else (os.path.realpath(src), os.path.realpath(dst))
+    if s_abs is not None and os.path.isdir(s_abs) and (d_abs == s_abs or d_abs.startswith(s_abs.rstrip(os.sep) + os.sep)):
         raise ConvertError(f"{dst} is inside the source {src}; choose a destination outside it "
                            "(the dataset would become part of its own source)")
     if engine != "local":

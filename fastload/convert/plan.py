@@ -115,6 +115,8 @@ def _stored_bytes(source: Source, i: int) -> int | None:
         v = sample.get(name)
         if f.fixed:
             n += f.row_nbytes
+        elif hasattr(v, "nbytes"):  # a ragged row (numpy)
+            n += int(v.nbytes)
         elif isinstance(v, str):
             n += len(v.encode())
         elif v is not None:
@@ -172,16 +174,17 @@ def _plan_table(src: Path, parts: Path, options: dict) -> tuple[Source, dict, li
         if n == 0:
             raise ConvertError(f"{src}: the table has no rows")
         head = TableSource(src, rows=(0, min(n, 4096)), **kw)
-        classes = None
-        if head.class_names is not None:
-            classes = _string_classes(src, head.label)
-            head = TableSource(src, rows=(0, min(n, 4096)), classes=classes, **kw)
+        classes = _string_classes(src, head.label) if head.class_names is not None else None
+        ragged = _ragged_columns(src, head)
+        if classes is not None or ragged:
+            head = TableSource(src, rows=(0, min(n, 4096)), classes=classes, ragged=ragged, **kw)
         source, num = head, n
     else:
         source = TableSource(src, **kw)
         classes, num = source.class_names, source.num_samples
     spec = {"label": source.label, "image_columns": sorted(n for n, f in source.fields.items() if f.kind == "image"),
-            "classes": classes, "num_samples": num}
+            "classes": classes, "ragged": sorted(n for n, f in source.fields.items() if f.kind == "ragged"),
+            "num_samples": num}
     return source, spec, _fingerprint(src), estimate_bytes_per_sample(source)
 
 
@@ -197,6 +200,26 @@ def _string_classes(path: Path, column: str) -> list[str]:
         col = pf.read_row_group(g, columns=[column]).column(column)
         seen.update(pc.unique(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col).to_pylist())
     return sorted(str(v) for v in seen if v is not None)
+
+
+def _ragged_columns(path: Path, head) -> list[str]:
+    """List columns the first rows show as ragged, plus those that look fixed there but whose
+    lengths vary further down (read one column and row group at a time)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    out = sorted(n for n, f in head.fields.items() if f.kind == "ragged")
+    fixed = {n: f.shape[0] for n, f in head.fields.items() if f.kind == "tensor" and len(f.shape) == 1}
+    if not fixed:
+        return out
+    pf = pq.ParquetFile(path)
+    for name, length in fixed.items():
+        for g in range(pf.metadata.num_row_groups):
+            lens = pc.list_value_length(pf.read_row_group(g, columns=[name]).column(name))
+            if pc.min_max(lens).as_py() != {"min": length, "max": length}:
+                out.append(name)
+                break
+    return sorted(out)
 
 
 def _plan_whole(kind: str, src: Path, options: dict) -> tuple[Source, dict, list, float]:

@@ -1,7 +1,9 @@
 """table: Parquet, CSV or JSON-lines through pyarrow; each column becomes a field.
 
 Numeric and bool columns -> scalar fields; fixed-size (or equal-length) numeric lists ->
-tensor fields; strings -> string fields; binary -> bytes. A column named by
+tensor fields; numeric lists of varying length -> ragged fields (``int32[]``), lists of
+fixed-size lists (or of equal-length lists) -> ragged fields with item rows (``float32[*,4]``);
+strings -> string fields; binary -> bytes. A column named by
 ``--image-column`` (or auto-detected: strings ending in an image extension, or binary values
 that open as images) becomes an image field: strings are paths, relative to the table's
 folder unless absolute. ``--label NAME`` picks the label column; a string label column is
@@ -18,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..store.format import SUPPORTED_DTYPES, Field
+from ..store.values import Ragged
 from .common import IMAGE_EXTENSIONS, ConvertError, Source, bulk_chunks, check_image, label_from_strings, resolve_label
 
 TABLE_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv",
@@ -91,12 +94,13 @@ class TableSource(Source):
     def __init__(self, src: str | os.PathLike, label: str | None = None,
                  image_columns: Sequence[str] = (), max_pixels: int | None = None, *,
                  rows: tuple[int, int] | None = None, classes: Sequence[str] | None = None,
-                 detect_images: bool = True):
+                 detect_images: bool = True, ragged: Sequence[str] = ()):
         """``rows=(a, b)``: only rows a..b-1 of the table (keys and messages keep the table's
         row numbers); ``classes``: the class names of a string label column (found over the
         whole table by the caller) instead of those of these rows; ``detect_images=False``:
-        image columns are exactly ``image_columns``, none guessed from the values. The three
-        let tasks of the distributed convert each read their own row range alike."""
+        image columns are exactly ``image_columns``, none guessed from the values; ``ragged``:
+        list columns stored as ragged fields even where these rows happen to have equal
+        lengths. They let tasks of the distributed convert each read their own rows alike."""
         path = Path(src)
         table = read_table(path, rows).combine_chunks()
         self.offset = rows[0] if rows is not None else 0
@@ -135,9 +139,11 @@ class TableSource(Source):
                 self.columns[name] = col.to_numpy(zero_copy_only=False)
             elif pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
                 lens = pc.list_value_length(col).to_numpy(zero_copy_only=False)
-                if len(set(lens.tolist())) != 1 or lens[0] == 0:
-                    raise ConvertError(f"{path}: list column {name!r} has rows of different lengths "
-                                       f"({int(lens.min())}..{int(lens.max())}); tensor fields need a fixed shape")
+                nested = pa.types.is_fixed_size_list(t.value_type) or pa.types.is_list(t.value_type) or \
+                    pa.types.is_large_list(t.value_type)
+                if nested or name in ragged or len(set(lens.tolist())) != 1 or lens[0] == 0:
+                    fields[name], self.columns[name] = _ragged_column(path, name, col, lens)
+                    continue
                 flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
                 if flat.dtype.name not in SUPPORTED_DTYPES:
                     raise ConvertError(f"{path}: list column {name!r} holds {flat.dtype}, which cannot be stored")
@@ -195,9 +201,38 @@ class TableSource(Source):
         return out
 
     def fast_chunks(self):
-        if not all(f.fixed for f in self.fields.values()):
+        if not all(f.fixed or f.ragged for f in self.fields.values()):
             return None
         return bulk_chunks({n: self.columns[n] for n in self.fields}, self.num_samples)
+
+
+def _ragged_column(path: Path, name: str, col: pa.Array, lens: np.ndarray) -> tuple[Field, Ragged]:
+    """A list column of varying lengths as a ragged field: numeric items (``int32[]``), or
+    rows of equal length (``float32[*,4]``) from fixed-size or equal-length inner lists."""
+    items = pc.list_flatten(col)
+    item_shape: tuple[int, ...] = ()
+    t = items.type
+    if pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+        if items.null_count:
+            raise ConvertError(f"{path}: list column {name!r} has missing inner lists; fill or drop them first")
+        inner = pc.list_value_length(items).to_numpy(zero_copy_only=False)
+        if len(inner) and (len(set(inner.tolist())) != 1 or inner[0] == 0):
+            raise ConvertError(f"{path}: list column {name!r} holds inner lists of different lengths "
+                               f"({int(inner.min())}..{int(inner.max())}); a ragged field varies in its first "
+                               "dimension only")
+        item_shape = (int(inner[0]) if len(inner) else int(getattr(t, "list_size", 1) or 1),)
+        items = pc.list_flatten(items)
+        t = items.type
+    if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+        raise ConvertError(f"{path}: list column {name!r} holds {t}; fastload stores lists of numbers")
+    if items.null_count:
+        raise ConvertError(f"{path}: list column {name!r} has {items.null_count} missing value(s) inside its lists; "
+                           "fill or drop them first")
+    values = items.to_numpy(zero_copy_only=False)
+    if values.dtype.name not in SUPPORTED_DTYPES:
+        raise ConvertError(f"{path}: list column {name!r} holds {values.dtype}, which cannot be stored")
+    values = values.reshape(-1, *item_shape)
+    return Field("ragged", values.dtype.name, item_shape), Ragged.from_lengths(values, lens.astype(np.int64))
 
 
 def _class_ids(col: pa.Array, classes: Sequence[str], path: Path, name: str, offset: int) -> np.ndarray:

@@ -93,7 +93,8 @@ def open_group(plan: Plan, g: int) -> Source:
         from .table import TableSource
 
         return TableSource(plan.src, label=spec["label"], image_columns=spec["image_columns"],
-                           max_pixels=opts["max_pixels"], rows=(a, b), classes=spec["classes"], detect_images=False)
+                           max_pixels=opts["max_pixels"], rows=(a, b), classes=spec["classes"], detect_images=False,
+                           ragged=spec.get("ragged", ()))
     from .kinds import make_source
 
     return RangeSource(make_source(plan.kind, plan.src, label=spec.get("label"), max_pixels=opts["max_pixels"]), a, b)

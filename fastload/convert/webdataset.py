@@ -4,7 +4,9 @@ Members are grouped into samples by key (the member path up to the first dot of 
 basename); each extension is a field: image extensions -> image, ``cls``/``cls2``/``index``
 -> int64 scalar (decimal text; ``cls`` becomes the label; ``index`` is stored as the field
 ``source_index``, since the Loader's ``batch["index"]`` holds the global sample indices), ``npy`` -> tensor (fixed shape,
-``allow_pickle=False``), ``txt``/``json`` and other text -> string, anything else -> bytes.
+``allow_pickle=False``; arrays whose first dimension varies between samples -> a ragged field,
+``int32[]`` or ``float32[*,4]``: token sequences, audio, boxes), ``txt``/``json`` and other
+text -> string, anything else -> bytes.
 Every sample must carry the extensions of the first one. SRC is a ``.tar`` file or a
 directory of them (taken in sorted order).
 """
@@ -23,6 +25,11 @@ from .common import ConvertError, Source
 _IMAGE = {"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "pnm"}
 _INT = {"cls", "cls2", "index"}
 _TEXT = {"txt", "json", "text", "caption"}
+
+
+def _kind(ext: str) -> str:
+    """How a member is decoded: its last extension ("tokens.npy" is an npy array)."""
+    return ext.rsplit(".", 1)[-1]
 
 
 def _field_name(ext: str) -> str:
@@ -93,16 +100,14 @@ class WebDatasetSource(Source):
                 raise ConvertError(f"{tars[0]}: members .{by_name[name]} and .{e} would both be stored as the "
                                    f"field {name!r}; rename one of the extensions")
             by_name[name] = e
-            if e in _IMAGE:
+            kind = _kind(e)
+            if kind in _IMAGE:
                 fields[name] = Field("image")
-            elif e in _INT:
+            elif kind in _INT:
                 fields[name] = Field("scalar", "int64")
-            elif e == "npy":
-                a = self._npy(self._raw(e, 0), 0)
-                if a.dtype.name not in SUPPORTED_DTYPES:
-                    raise ConvertError(f"{self._keys[0]}.npy has dtype {a.dtype}, which cannot be stored")
-                fields[name] = Field("tensor", a.dtype.name, a.shape) if a.ndim else Field("scalar", a.dtype.name)
-            elif e in _TEXT:
+            elif kind == "npy":
+                fields[name] = self._npy_field(e)
+            elif kind in _TEXT:
                 fields[name] = Field("string")
             else:
                 fields[name] = Field("bytes")
@@ -113,13 +118,48 @@ class WebDatasetSource(Source):
     def key(self, i: int) -> str:
         return str(self._keys[i])
 
-    def _raw(self, ext: str, i: int) -> bytes:
-        ti, off, size = (int(x) for x in self._loc[ext][i])
+    def _fd(self, ti: int) -> int:
         fd = self._files.get(ti)
         if fd is None:
             fd = self._files[ti] = os.open(self.tars[ti], os.O_RDONLY)
+        return fd
+
+    def _raw(self, ext: str, i: int) -> bytes:
+        ti, off, size = (int(x) for x in self._loc[ext][i])
         # pread: no shared file offset, so forked validation workers can read concurrently.
-        return os.pread(fd, size, off)
+        return os.pread(self._fd(ti), size, off)
+
+    def _npy_field(self, ext: str) -> Field:
+        """From every sample's ``.npy`` header (not its data): the first sample's shape and
+        dtype make a tensor (or scalar) field, or a ragged one when other samples differ from
+        it in the first dimension only. Samples that fit neither are refused one by one by the
+        writer (``--on-error skip`` leaves them out)."""
+        first, dtype = self._npy_header(ext, 0)
+        if dtype.name not in SUPPORTED_DTYPES:
+            raise ConvertError(f"{self._keys[0]}.{ext} has dtype {dtype}, which cannot be stored")
+        ragged = False
+        for i in range(1, len(self._keys)):
+            shape, _ = self._npy_header(ext, i)
+            if shape != first and len(shape) == len(first) >= 1 and shape[1:] == first[1:]:
+                ragged = True
+                break
+        if ragged:
+            return Field("ragged", dtype.name, first[1:])
+        return Field("tensor", dtype.name, first) if first else Field("scalar", dtype.name)
+
+    def _npy_header(self, ext: str, i: int) -> tuple[tuple[int, ...], np.dtype]:
+        ti, off, size = (int(x) for x in self._loc[ext][i])
+        head = self._raw(ext, i) if size <= 4096 else os.pread(self._fd(ti), 4096, off)
+        f = io.BytesIO(head)
+        try:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read(f)
+        except ValueError as e:
+            raise ConvertError(f"{self._keys[i]}.{ext} is not a plain numpy array ({e})") from None
+        if dtype.hasobject:
+            raise ConvertError(f"{self._keys[i]}.{ext} holds Python objects (pickle), which fastload never loads")
+        return tuple(int(d) for d in shape), dtype
 
     def _npy(self, data: bytes, i: int) -> np.ndarray:
         try:
@@ -135,7 +175,7 @@ class WebDatasetSource(Source):
                 out[name] = raw
             elif f.kind == "string":
                 out[name] = raw.decode("utf-8")
-            elif f.kind == "scalar" and self._ext[name] in _INT:
+            elif f.kind == "scalar" and _kind(self._ext[name]) in _INT:
                 try:
                     out[name] = int(raw.decode("ascii").strip())
                 except ValueError:

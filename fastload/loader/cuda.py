@@ -34,7 +34,7 @@ from ..device import clear_cuda_error, guard, select
 from .decode import Decoders, decode_fields, runner_decoder
 from .source import INDEX, Ready, RingFedSource
 
-__all__ = ["CudaDelivery", "CudaImageFeeder", "CudaSource"]
+__all__ = ["CudaDelivery", "CudaImageFeeder", "CudaSource", "StreamHandoff"]
 
 logger = logging.getLogger("fastload")
 
@@ -68,31 +68,54 @@ class CudaDelivery:
     def probe(self) -> dict:
         return {"copy_s": self.copy_s}
 
-    def deliver(self, rb) -> dict[str, Any]:
-        """One ``RingBatch`` -> ``{name: device tensor}`` ordered before the current stream."""
+    def deliver(self, rb, host: dict | None = None, device_fn=None) -> dict[str, Any]:
+        """One ``RingBatch`` -> ``{name: device tensor}`` ordered before the current stream.
+        ``host``: the batch to copy when it is not ``rb.tensors`` as is (finished on the host
+        from them: ragged forms, a batch transform; values that are no tensor pass through);
+        ``device_fn(batch)`` runs on the copy stream after the copies (``device_transform``)."""
         torch = self._torch
         with guard(self._device):
             self._reap(block=False)
             if self._pin and not rb.copied and rb.slot not in self._pinned:
                 self._pin_slot(rb.slot)  # a slot the ring grew since
             t0 = time.perf_counter()
-            host = rb.tensors
+            lease = rb.tensors
+            host = lease if host is None else host
             # Keep the number of slots waiting on copies below the ring size so the ring
             # does not grow just because the GPU is behind.
             while len(self._inflight) >= max(1, self._ring.num_slots - 2):
                 ev, _ = self._inflight.popleft()
                 ev.synchronize()
             with torch.cuda.stream(self._stream):
-                out = {k: t.to(self._device, non_blocking=True) for k, t in host.items()}
+                out = {k: t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+                       for k, t in host.items()}
+                if device_fn is not None:
+                    out = device_fn(out)
                 ev = torch.cuda.Event(blocking=True)  # the host may wait for it (above, close)
                 ev.record(self._stream)
             current = torch.cuda.current_stream(self._device)
             current.wait_stream(self._stream)  # the training stream never sees a half copy
             for t in out.values():
-                t.record_stream(current)  # output memory is not reused before `current` is done
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(current)  # output memory is not reused before `current` is done
             # The host tensors hold the slot lease: the slot is refilled only after `ev`.
-            self._inflight.append((ev, host))
+            self._inflight.append((ev, (lease, host)))
             self.copy_s += time.perf_counter() - t0
+        return out
+
+    def run_on_stream(self, fn, batch: dict) -> dict:
+        """``fn(batch)`` on the copy stream, after the current stream's work, ordered before
+        the current stream again (``device_transform`` of a batch with GPU-decoded images)."""
+        torch = self._torch
+        with guard(self._device):
+            current = torch.cuda.current_stream(self._device)
+            self._stream.wait_stream(current)
+            with torch.cuda.stream(self._stream):
+                out = fn(batch)
+            current.wait_stream(self._stream)
+            for t in out.values():
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(current)
         return out
 
     def _reap(self, block: bool) -> None:
@@ -153,24 +176,31 @@ class CudaSource(RingFedSource):
     """See the module docstring. ``ring`` holds the raw fields and ``"index"``."""
 
     def __init__(self, *, ring, delivery: CudaDelivery, dataset, device, image_fields: Sequence[str],
-                 decoders: Decoders | None, epoch: int, on_error: str, stats, workers: int = 2) -> None:
+                 decoders: Decoders | None, epoch: int, on_error: str, stats, workers: int = 2, finish=None,
+                 device_transform=None, prepare=None) -> None:
         import torch
 
         self._torch = torch
         self._delivery = delivery
         self._device = device
+        # Host-side finishing of the ring's fields (ragged forms, lists, batch_transform;
+        # GPU-decoded images are not in it) and the device transform (all fields).
+        self._finish = None if finish is None or finish.trivial else finish
+        self._device_fn = device_transform
         super().__init__(ring, dataset, CudaImageFeeder(
             ring=ring, dataset=dataset, device=device, image_fields=image_fields, decoders=decoders, epoch=epoch,
-            on_error=on_error, stats=stats, workers=workers) if image_fields else None)
+            on_error=on_error, stats=stats, workers=workers) if image_fields else None, prepare)
 
     def get(self) -> Ready:
+        req = self.next_request()
         images, events = {}, ()
         seq = self._feeder.wait_acquired() if self._feeder is not None else None  # the ring has it pending
         rb = self._ring.get_batch()  # raw fields and index (a failed batch raises its error here)
         if seq is not None:
             images, events = self._feeder.take(seq)
         index = rb.tensors[INDEX].numpy().copy()  # the slot is recycled after its copy
-        out = self._delivery.deliver(rb)
+        host = None if self._finish is None else self._finish(dict(rb.tensors), req)
+        out = self._delivery.deliver(rb, host, None if images else self._device_fn)
         if images:
             torch = self._torch
             with guard(self._device):
@@ -180,6 +210,8 @@ class CudaSource(RingFedSource):
                 for v in images.values():
                     v.record_stream(cur)  # allocated on a copy stream, used on `cur`
             out.update(images)
+            if self._device_fn is not None:
+                out = self._delivery.run_on_stream(self._device_fn, out)
         return Ready(out, index)
 
 
@@ -306,3 +338,30 @@ class CudaImageFeeder:
                 break
         with self._done_lock:
             self._done.clear()
+
+
+class StreamHandoff:
+    """Orders the consumer's stream after a batch made on another thread's stream (for
+    ``ThreadedSource``: a ``batch_transform`` runs the source in a fastload thread):
+    ``record()`` in the producing thread, ``wait(batch, ev)`` in the consumer (which also
+    keeps the batch's memory from reuse until its stream is done)."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self._torch = torch
+        self._device = device
+
+    def record(self):
+        with guard(self._device):
+            ev = self._torch.cuda.Event()
+            ev.record(self._torch.cuda.current_stream(self._device))
+        return ev
+
+    def wait(self, batch: dict, ev) -> None:
+        with guard(self._device):
+            cur = self._torch.cuda.current_stream(self._device)
+            cur.wait_event(ev)
+            for v in batch.values():
+                if isinstance(v, self._torch.Tensor) and v.is_cuda:
+                    v.record_stream(cur)

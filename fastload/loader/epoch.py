@@ -1,9 +1,9 @@
 """One pass over an epoch: pull ready batches from a source, in order, and keep it fed.
 
-``EpochIterator`` walks an ``EpochPlan`` (the sampler's batches for this pass, a value),
-keeps ``prefetch`` batches requested from the source, and for each batch it hands to the
-training loop adds the list fields (strings, bytes), reports it to the stats and records the
-sampler position after it in ``Progress`` — the one value it shares with the Loader, so a
+``EpochIterator`` walks an ``EpochPlan`` (the sampler's batches for this pass, a value; or a
+``PackPlan`` when packing sequences), keeps ``prefetch`` batches requested from the source,
+and for each batch it hands to the training loop reports it to the stats and records the
+position after it in ``Progress`` — the one value it shares with the Loader, so a
 ``state_dict()`` taken between two steps resumes exactly at the next one. It knows nothing
 of rings, DALI or devices.
 """
@@ -13,8 +13,9 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
+from ..packing import PackPlan
 from ..sampling import EpochPlan
 from .source import BatchSource
 from .stats import Stats
@@ -32,18 +33,30 @@ class Progress:
     position: int | None = None
 
 
+def _download_line(s: dict) -> str:
+    """The remote cache's part of a log line (empty for a local dataset)."""
+    if "bytes_downloaded" not in s:
+        return ""
+    busy = s.get("download_busy_s", 0.0)
+    mbps = s["bytes_downloaded"] / busy / 1e6 if busy > 0 else 0.0
+    return (f"; downloaded {s['bytes_downloaded'] / 1e6:.1f} MB at {mbps:.0f} MB/s, waited "
+            f"{s['download_wait_s']:.2f} s for downloads, {s['cache_hits']} cache hits, "
+            f"{s['evictions']} evictions, {s['retries']} retries")
+
+
 class EpochIterator:
-    def __init__(self, plan: EpochPlan, source: BatchSource, *, prefetch: int, stats: Stats, progress: Progress,
-                 dataset, list_fields: Sequence[str] = (), log_every: int | None = None) -> None:
+    def __init__(self, plan: EpochPlan | PackPlan, source: BatchSource, *, prefetch: int, stats: Stats,
+                 progress: Progress, fixed_size: bool = True, log_every: int | None = None,
+                 on_position=None) -> None:
         self._plan = plan
-        self._batches = iter(plan)
+        self._batches = plan.requests()
         self._source = source
         self._prefetch = prefetch
         self._stats = stats
         self._progress = progress
-        self._dataset = dataset
-        self._list_fields = list(list_fields)
+        self._fixed_size = fixed_size  # every batch of a row count has the same bytes
         self._log_every = log_every
+        self._on_position = on_position  # a remote dataset's cache: evicts after last uses
         self._pending: collections.deque = collections.deque()  # position after each requested batch
         self._nbytes: dict[int, int] = {}  # batch bytes by row count
         self._done_sampling = False
@@ -62,11 +75,11 @@ class EpochIterator:
         run, afters = [], []
         while not self._done_sampling and len(self._pending) + len(run) < self._prefetch:
             try:
-                idx, after = next(self._batches)
+                req, after = next(self._batches)
             except StopIteration:
                 self._done_sampling = True
                 break
-            run.append(idx)
+            run.append(req)
             afters.append(after)
         if run:
             self._source.put(run)
@@ -81,6 +94,8 @@ class EpochIterator:
             self.close()
             if finished:  # the sampler marks the epoch complete (a dropped tail included)
                 self._progress.position = self._plan.end
+                if self._on_position is not None:
+                    self._on_position(self._plan.end)
             raise StopIteration
         t0 = time.perf_counter()
         try:
@@ -91,21 +106,21 @@ class EpochIterator:
         t1 = time.perf_counter()
         after = self._pending.popleft()
         batch = ready.batch
-        if self._list_fields:
-            batch.update(self._dataset.get_batch(ready.index, fields=self._list_fields))
         self._progress.position = after
+        if self._on_position is not None:
+            self._on_position(after)
         n = len(ready.index)
-        nbytes = self._nbytes.get(n) if not self._list_fields else None
+        nbytes = self._nbytes.get(n) if self._fixed_size else None
         if nbytes is None:  # fixed per row count unless variable-length fields are delivered
             nbytes = sum(int(v.element_size() * v.nelement()) for v in batch.values() if hasattr(v, "element_size"))
-            if not self._list_fields:
+            if self._fixed_size:
                 self._nbytes[n] = nbytes
         batches = self._stats.delivered(n, nbytes, t1 - t0, t1)
         self._fill()
         if self._log_every and batches % self._log_every == 0:
             s = self._stats.snapshot()
-            logger.info("fastload: %d batches, %.0f samples/s, waiting %.1f%% of the time",
-                        s["batches"], s["samples_per_s"], 100 * s["wait_fraction"])
+            logger.info("fastload: %d batches, %.0f samples/s, waiting %.1f%% of the time%s",
+                        s["batches"], s["samples_per_s"], 100 * s["wait_fraction"], _download_line(s))
         return batch
 
     def close(self) -> None:

@@ -30,16 +30,21 @@ class HostSource(RingFedSource):
     field's output (filled by the feeder) and the ``"index"`` field."""
 
     def __init__(self, *, ring, dataset, image_fields: Sequence[str], decoders: Decoders | None, epoch: int,
-                 on_error: str, stats, workers: int = 2) -> None:
+                 on_error: str, stats, finish=None, workers: int = 2, prepare=None) -> None:
         super().__init__(ring, dataset, HostImageFeeder(
             ring=ring, dataset=dataset, image_fields=image_fields, decoders=decoders, epoch=epoch,
-            on_error=on_error, stats=stats, workers=workers) if image_fields else None)
+            on_error=on_error, stats=stats, workers=workers) if image_fields else None, prepare)
+        self._finish = None if finish is None or finish.trivial else finish
 
     def get(self) -> Ready:
+        req = self.next_request()
         if self._feeder is not None:
             self._feeder.wait_acquired()  # so that the ring has this batch pending
         batch = self._ring.get()
-        return Ready(batch, batch[INDEX].numpy())
+        index = batch[INDEX].numpy()
+        if self._finish is not None:
+            batch = self._finish(batch, req)  # ragged forms, lists, mixture source, transforms
+        return Ready(batch, index)
 
 
 class HostImageFeeder:

@@ -19,10 +19,12 @@ import os
 import weakref
 from typing import Any, Iterator, Mapping, Sequence
 
+from ..mixture import Mixture
+from ..packing import pack_plan
 from ..store import Dataset, DatasetReader
 from ..world import World
 from .epoch import EpochIterator, Progress
-from .options import Options, build_options, make_sampler
+from .options import Options, as_mixture, build_options, make_sampler
 from .parts import Parts
 from .stats import Stats
 
@@ -61,40 +63,119 @@ class Loader:
         on_error: for undecodable images: "raise" (an error naming shard, row and key) or
             "skip" (replaced deterministically by the next decodable sample, counted in stats).
         log_every: log ``stats()`` every this many batches (``logging`` at INFO).
+        ragged: how ragged fields (``int32[]``, ``float32[*,4]``) are delivered: ``"padded"``
+            (default: ``(B, L, ...)`` plus ``batch[name + "_lengths"]``) or ``"packed"``
+            (``(T, ...)`` plus int32 ``batch[name + "_offsets"]``, the cu_seqlens form); one
+            value for every ragged field or a dict per field. ``pad_value``, ``max_length``
+            (truncation) and ``pad_to_multiple`` (static shapes) likewise.
+        pack_to: ``N``: pack the ragged field's documents into rows of exactly ``N`` tokens
+            (``batch_size`` rows per batch), with ``name + "_offsets"`` (piece boundaries,
+            cu_seqlens) and ``name + "_positions"``; see :mod:`fastload.packing`. The state
+            counts tokens, so a resume continues inside a document, at any world size.
+        batch_transform: ``fn(batch) -> batch`` (or ``fn(batch, info)``, ``info`` a
+            :class:`~fastload.loader.finish.BatchInfo` with a per-batch seed) run on host
+            tensors in a fastload thread, before the device copy; errors name the samples.
+        device_transform: ``fn(batch) -> batch`` on the device, on fastload's copy stream
+            (on the CPU: right after ``batch_transform``).
+        mix, epoch_size, stop_on: with a list (or dict) of datasets as ``dataset``: their
+            proportions and how long an epoch is (see :class:`fastload.Mixture`, which may
+            also be passed as ``dataset``). Each batch then has ``batch["source"]``.
+        cache_dir, cache_limit, filesystem: for a remote ``dataset`` URL (``s3://``, ``gs://``,
+            ``az://``, ``abfs://``, ``https://``): where the node-local shard cache lives (default
+            ``$FASTLOAD_CACHE`` or ``~/.cache/fastload``), its byte budget (int or ``"200GB"``;
+            default: the whole dataset if it fits in 80% of the free disk), and a
+            ``pyarrow.fs.FileSystem`` (or a callable making one) instead of the URL's default.
+            Shards are downloaded in the sampler's first-use order and deleted after their
+            last use; ``stats()`` then also reports ``bytes_downloaded``, ``download_wait_s``,
+            ``download_MBps``, ``cache_hits``, ``evictions`` and ``retries``.
 
     Every batch is a dict of tensors (plus ``batch["index"]``, the global sample indices);
     ``len(loader)`` is the number of batches per epoch on this rank. The configuration is
     fixed at construction (``loader.options``).
     """
 
-    def __init__(self, dataset: DatasetReader | str | os.PathLike, *, batch_size: int, shuffle: bool = True,
+    def __init__(self, dataset: DatasetReader | Mixture | Sequence | str | os.PathLike, *, batch_size: int,
+                 shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False, device=None, rank: int | None = None,
                  world_size: int | None = None, fields: Sequence[str] | None = None,
                  transforms: Mapping[str, Any] | None = None, threads: int | None = None,
                  prefetch: int | None = None, weights: Any = None, replacement: bool = True,
                  num_draws: int | None = None, balance: bool | str = False, shuffle_mode: str = "full",
-                 window: int | None = None, on_error: str = "raise", log_every: int | None = None):
+                 window: int | None = None, on_error: str = "raise", log_every: int | None = None,
+                 ragged: Any = None, pad_value: Any = None, max_length: Any = None, pad_to_multiple: Any = None,
+                 pack_to: Any = None, batch_transform: Any = None, device_transform: Any = None,
+                 mix: Any = None, epoch_size: int | None = None, stop_on: Any = None,
+                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
+                 filesystem: Any = None):
         self._closed = True  # until fully built (__del__ / close() of a half-built Loader)
         self._parts = None
-        ds = dataset if isinstance(dataset, DatasetReader) else Dataset(dataset)
+        self._remote = None
+        self._mixture = as_mixture(dataset, mix=mix, epoch_size=epoch_size, stop_on=stop_on, fields=fields)
+        remote_args = cache_dir is not None or cache_limit is not None or filesystem is not None
+        self._owns_dataset = self._mixture is None and not isinstance(dataset, DatasetReader)
+        if remote_args and not self._owns_dataset:
+            raise ValueError("cache_dir / cache_limit / filesystem go with a URL; a Dataset passed in has its "
+                             "own (fastload.Dataset(url, cache_dir=..., cache_limit=..., filesystem=...))")
+        if self._mixture is not None:
+            ds = self._mixture.reader
+        else:
+            ds = dataset if isinstance(dataset, DatasetReader) else Dataset(
+                dataset, cache_dir=cache_dir, cache_limit=cache_limit, filesystem=filesystem)
+            if getattr(ds, "transform", None) is not None:
+                if self._owns_dataset:
+                    ds.close()
+                raise ValueError("Dataset(transform=...) is per-sample code for DataLoader use; the Loader gathers "
+                                 "whole batches: pass batch_transform= (or a DALI graph in transforms=) instead")
         self._dataset = ds
+        try:
+            self._build(ds, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, device=device,
+                        rank=rank, world_size=world_size, fields=fields, transforms=transforms, threads=threads,
+                        prefetch=prefetch, weights=weights, replacement=replacement, num_draws=num_draws,
+                        balance=balance, shuffle_mode=shuffle_mode, window=window, on_error=on_error,
+                        log_every=log_every, ragged=ragged, pad_value=pad_value, max_length=max_length,
+                        pad_to_multiple=pad_to_multiple, pack_to=pack_to, batch_transform=batch_transform,
+                        device_transform=device_transform)
+        except BaseException:
+            if self._owns_dataset:
+                ds.close()
+            raise
+
+    def _build(self, ds, *, batch_size, shuffle, seed, drop_last, device, rank, world_size, fields, transforms,
+               threads, prefetch, weights, replacement, num_draws, balance, shuffle_mode, window, on_error,
+               log_every, ragged, pad_value, max_length, pad_to_multiple, pack_to, batch_transform,
+               device_transform) -> None:
         self._world = World.detect(rank, world_size)
         self._options = build_options(ds, batch_size=batch_size, seed=seed, device=device, fields=fields,
                                       transforms=transforms, threads=threads, prefetch=prefetch, on_error=on_error,
-                                      log_every=log_every)
+                                      log_every=log_every, ragged=ragged, pad_value=pad_value,
+                                      max_length=max_length, pad_to_multiple=pad_to_multiple, pack_to=pack_to,
+                                      batch_transform=batch_transform, device_transform=device_transform)
         self._sampler = make_sampler(ds, self._world, batch_size=self._options.batch_size, seed=self._options.seed,
                                      shuffle=shuffle, drop_last=drop_last, weights=weights, replacement=replacement,
-                                     num_draws=num_draws, balance=balance, shuffle_mode=shuffle_mode, window=window)
+                                     num_draws=num_draws, balance=balance, shuffle_mode=shuffle_mode, window=window,
+                                     mixture=self._mixture)
         self._stats = Stats()
         self._progress = Progress()
+        if getattr(ds, "cache", None) is not None:  # a remote dataset (see remote.py)
+            from .remote import RemoteShards
+
+            if self._options.pack is not None or self._options.ragged:
+                raise ValueError(f"ragged fields and pack_to= are not read from a remote dataset ({ds.url}) yet: "
+                                 f"run `fastload prefetch {ds.url} DIR`, then read DIR")
+
+            self._remote = RemoteShards(ds, self._sampler, batch_size=self._options.batch_size,
+                                        world_size=self._world.world_size, prefetch=self._options.prefetch,
+                                        stats=self._stats)
         # Threads, the ring and DALI pipelines live in Parts, which holds no reference to
         # the Loader: the finalizer can then run when the Loader is garbage collected.
-        self._parts = Parts(ds, self._options, self._stats)
+        self._parts = Parts(ds, self._options, self._stats, remote=self._remote,
+                            owned=ds if self._owns_dataset else None)
         self._finalizer = weakref.finalize(self, self._parts.close)
         self._closed = False
 
     # -- the configuration (read-only) ------------------------------------------------------
     dataset = property(lambda self: self._dataset)
+    mixture = property(lambda self: self._mixture)  # the Mixture being read, or None
     sampler = property(lambda self: self._sampler)
     world = property(lambda self: self._world)
     options: Options = property(lambda self: self._options)
@@ -113,7 +194,17 @@ class Loader:
 
     # -- iteration -----------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._sampler)
+        if self._options.pack is None:
+            return len(self._sampler)
+        s = self._sampler
+        return len(self._pack_plan(s.epoch, s._start(), s.stream(s.epoch)))  # a loaded position, or 0
+
+    def _pack_plan(self, epoch: int, start: int, stream):
+        name, d = self._options.pack
+        s = self._sampler
+        return pack_plan(epoch, start, stream, self._dataset.lengths(name), rows=self._options.batch_size,
+                         length=d.pack_to, world_size=s.world_size, rank=s.rank, drop_last=s.drop_last,
+                         max_length=d.max_length)
 
     @property
     def epoch(self) -> int:
@@ -131,11 +222,17 @@ class Loader:
         if self._closed:
             raise RuntimeError("this Loader is closed")
         self._parts.stop_iter()
-        plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
         o = self._options
+        if o.pack is None:
+            plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
+        else:  # the same stream of samples, read as tokens (the position counts tokens)
+            plan = self._pack_plan(*self._sampler.begin_pass())
+        if self._remote is not None:
+            self._remote.begin(plan)
+        fixed = o.fixed_size and o.batch_transform is None and o.device_transform is None
         it = EpochIterator(plan, self._parts.source(plan.epoch), prefetch=o.prefetch, stats=self._stats,
-                           progress=self._progress, dataset=self._dataset, list_fields=o.list_fields,
-                           log_every=o.log_every)
+                           progress=self._progress, fixed_size=fixed, log_every=o.log_every,
+                           on_position=self._remote.advance if self._remote is not None else None)
         self._parts.track(it)
         return it
 
@@ -148,6 +245,7 @@ class Loader:
             "batch_size": self.batch_size,
             "fields": self.fields,
             "transforms": {n: t.describe() for n, t in self._options.transforms.items()},
+            "ragged": {n: d.describe() for n, d in self._options.ragged.items()},
             "seed": self.seed,
             "sampler": self._sampler.state_dict(consumed=self._progress.position),
         }
@@ -160,8 +258,8 @@ class Loader:
         if state.get("version") != LOADER_STATE_VERSION:
             raise ValueError(f"Loader state version {state.get('version')!r} is not {LOADER_STATE_VERSION}")
         mine = self.state_dict()
-        for key in ("dataset", "seed", "fields", "transforms"):
-            if state.get(key) != mine[key]:
+        for key in ("dataset", "seed", "fields", "transforms", "ragged"):
+            if state.get(key, {} if key == "ragged" else None) != mine[key]:
                 raise ValueError(f"Loader state mismatch in {key}: saved {state.get(key)!r}, "
                                  f"this loader has {mine[key]!r}")
         self._parts.stop_iter()
@@ -175,6 +273,10 @@ class Loader:
         wait_fraction = time the training loop spent blocked in ``next()`` / wall time: near 0
         means data loading keeps up; near 1 means the loop is starved."""
         out = self._stats.snapshot()
+        if self._remote is not None:
+            from .remote import download_stats
+
+            download_stats(out)
         out["epoch"] = self._sampler.epoch
         ring = self._parts.ring_stats() if self._parts is not None else None
         if ring is not None:

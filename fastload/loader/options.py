@@ -8,9 +8,9 @@ transform, string/bytes fields as lists), the device, and the thread and prefetc
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from ..ring import default_threads
 from ..sampling import Sampler
 from ..store.format import INDEX_KEY
 from ..validate import check_choice, check_int
+from .ragged import RaggedDelivery, resolve_ragged
 
 __all__ = ["ON_ERROR", "Options", "build_options", "default_cuda_image_prefetch", "default_gather_threads",
            "default_prefetch", "make_sampler"]
@@ -45,6 +46,19 @@ class Options:
     prefetch: int  # batches in flight
     on_error: str
     log_every: int | None
+    ragged: Mapping[str, RaggedDelivery] = field(default_factory=lambda: MappingProxyType({}))  # ragged fields
+    batch_transform: Callable | None = None  # host, in a fastload thread, before the device copy
+    device_transform: Callable | None = None  # on the device, on fastload's stream
+
+    @property
+    def pack(self) -> tuple[str, RaggedDelivery] | None:
+        """The field packed with ``pack_to`` (and its delivery), if any."""
+        return next(((n, d) for n, d in self.ragged.items() if d.mode == "pack"), None)
+
+    @property
+    def fixed_size(self) -> bool:
+        """True when every batch of a given row count has the same bytes (no ragged or list field)."""
+        return not self.ragged and not self.list_fields
 
 
 def default_prefetch(threads: int, batch_bytes: int) -> int:
@@ -76,7 +90,7 @@ def _resolve_fields(ds, fields: Sequence[str] | None, transforms: Any) -> tuple[
                          "e.g. transforms={'image': fastload.vision.train(224)}")
     transforms = dict(transforms or {})
     if fields is None:
-        fields = [n for n, f in ds.fields.items() if f.kind in ("tensor", "scalar", "image")]
+        fields = [n for n, f in ds.fields.items() if f.kind in ("tensor", "scalar", "ragged", "image")]
         if INDEX_KEY in fields:  # only in datasets written before the name was reserved
             fields.remove(INDEX_KEY)
             logger.warning("fastload: %s has a field named 'index'; it is not delivered, because "
@@ -110,12 +124,21 @@ def _resolve_fields(ds, fields: Sequence[str] | None, transforms: Any) -> tuple[
 
 
 def build_options(ds, *, batch_size: Any, seed: Any, device: Any, fields: Sequence[str] | None, transforms: Any,
-                  threads: Any, prefetch: Any, on_error: Any, log_every: Any) -> Options:
+                  threads: Any, prefetch: Any, on_error: Any, log_every: Any, ragged: Any = None,
+                  pad_value: Any = None, max_length: Any = None, pad_to_multiple: Any = None, pack_to: Any = None,
+                  batch_transform: Any = None, device_transform: Any = None) -> Options:
     batch_size = check_int("batch_size", batch_size, min=1)
     check_choice("on_error", on_error, ON_ERROR)
     if log_every is not None:
         log_every = check_int("log_every", log_every, min=1)
+    for name, fn in (("batch_transform", batch_transform), ("device_transform", device_transform)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name}={fn!r} must be a function batch -> batch (dict of tensors)")
     fields, transforms = _resolve_fields(ds, fields, transforms)
+    ragged_names = tuple(n for n in fields if ds.fields[n].ragged)
+    deliveries = resolve_ragged(ds, ragged_names, ragged=ragged, pad_value=pad_value, max_length=max_length,
+                                pad_to_multiple=pad_to_multiple, pack_to=pack_to)
+    _check_keys(ds, fields, deliveries)
     raw = tuple(n for n in fields if ds.fields[n].fixed)
     images = tuple(n for n in fields if ds.fields[n].kind == "image")
     lists = tuple(n for n in fields if ds.fields[n].kind in ("string", "bytes"))
@@ -123,6 +146,9 @@ def build_options(ds, *, batch_size: Any, seed: Any, device: Any, fields: Sequen
     threads = default_gather_threads() if threads is None else check_int("threads", threads, min=1, max=256)
     device = resolve_device(device)
     batch_bytes = batch_size * (sum(ds.fields[n].row_nbytes for n in raw) + 8)  # + the index
+    for n, d in deliveries.items():  # a typical batch: the mean length (rows of N when packing)
+        mean = d.pack_to if d.pack_to else float(np.mean(ds.lengths(n))) if len(ds) else 0.0
+        batch_bytes += int(batch_size * mean * ds.fields[n].item_nbytes)
     image_bytes = batch_size * sum(np.dtype(t.out_dtype).itemsize * int(np.prod(t.out_shape))
                                    for t in transforms.values())
     if prefetch is not None:
@@ -134,14 +160,62 @@ def build_options(ds, *, batch_size: Any, seed: Any, device: Any, fields: Sequen
     return Options(batch_size=batch_size, seed=check_int("seed", seed, min=0), device=device,
                    fields=tuple(fields), raw_fields=raw, image_fields=images, list_fields=lists,
                    transforms=MappingProxyType(transforms), threads=threads, prefetch=prefetch,
-                   on_error=on_error, log_every=log_every)
+                   on_error=on_error, log_every=log_every, ragged=MappingProxyType(deliveries),
+                   batch_transform=batch_transform, device_transform=device_transform)
+
+
+def _check_keys(ds, fields: Sequence[str], deliveries: Mapping[str, RaggedDelivery]) -> None:
+    """The keys a batch gets beside the fields (lengths/offsets/positions of ragged fields,
+    ``"source"`` of a mixture) must not shadow a delivered field; packing takes no image."""
+    extra = {k: n for n, d in deliveries.items() for k in d.keys(n)}
+    if getattr(ds, "split", None) is not None:
+        extra["source"] = "the mixture"
+    for k, owner in extra.items():
+        if k in fields:
+            raise ValueError(f"field {k!r} would be shadowed by batch[{k!r}] (added for {owner!r}); leave it out "
+                             "with fields=[...] or rename it")
+    pack = next((n for n, d in deliveries.items() if d.mode == "pack"), None)
+    images = [n for n in fields if ds.fields[n].kind == "image"]
+    if pack is not None and images:
+        raise ValueError(f"pack_to packs {pack!r} across samples, so a row has no single image; leave the image "
+                         f"field(s) {images} out with fields=[...]")
+
+
+def as_mixture(dataset: Any, *, mix: Any, epoch_size: Any, stop_on: Any, fields: Any):
+    """The Mixture a Loader reads: ``dataset`` itself, or one built from a list / dict of
+    datasets with ``mix`` (weights); None for a single dataset."""
+    from ..mixture import Mixture
+
+    given = {k: v for k, v in (("mix", mix), ("epoch_size", epoch_size), ("stop_on", stop_on)) if v is not None}
+    if isinstance(dataset, Mixture):
+        if given:
+            raise ValueError(f"{next(iter(given))}= is set on the Mixture itself, not the Loader")
+        return dataset
+    if isinstance(dataset, (list, tuple, Mapping)):
+        if mix is None:
+            raise ValueError("a list of datasets is a mixture: pass mix=[weights] (and epoch_size= or stop_on=), "
+                             "or a fastload.Mixture")
+        return Mixture(dataset, mix, epoch_size=epoch_size, stop_on=stop_on, fields=fields)
+    if given:
+        raise ValueError(f"{next(iter(given))}= mixes several datasets; pass a list of datasets (or a fastload.Mixture)")
+    return None
 
 
 def make_sampler(ds, world, *, batch_size: int, seed: int, shuffle: bool, drop_last: bool, weights: Any,
                  replacement: bool, num_draws: int | None, balance: bool | str, shuffle_mode: str,
-                 window: int | None) -> Sampler:
+                 window: int | None, mixture: Any = None) -> Sampler:
     """The Sampler of a Loader: ``weights`` may name a scalar field, ``balance=True``
-    balances the label field (or the named one)."""
+    balances the label field (or the named one); a mixture's is a MixtureSampler."""
+    if mixture is not None:
+        from ..mixture import MixtureSampler
+
+        other = {"weights": weights is not None, "num_draws": num_draws is not None, "balance": bool(balance),
+                 "shuffle_mode": shuffle_mode != "full", "window": window is not None}
+        bad = [k for k, v in other.items() if v]
+        if bad:
+            raise ValueError(f"{bad[0]}= does not apply to a mixture (its proportions are the mixture's weights)")
+        return MixtureSampler(mixture, batch_size=batch_size, world_size=world.world_size, rank=world.rank,
+                              seed=seed, shuffle=shuffle, drop_last=drop_last)
     if isinstance(weights, str):
         wf = ds.fields.get(weights)
         if wf is None or wf.kind != "scalar":

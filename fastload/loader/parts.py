@@ -13,9 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from ..packing import max_pieces
 from ..ring import Ring
 from .decode import Decoders
+from .finish import Finish
 from .host import HostSource
+from .ragged import ring_field
+from .threaded import ThreadedSource
 from .options import Options
 from .source import INDEX, BatchSource
 from .stats import Stats
@@ -24,8 +28,10 @@ __all__ = ["Parts"]
 
 
 class Parts:
-    def __init__(self, dataset, options: Options, stats: Stats) -> None:
+    def __init__(self, dataset, options: Options, stats: Stats, *, remote=None, owned=None) -> None:
         self._dataset = dataset
+        self._remote = remote  # RemoteShards for a remote dataset (remote.py), else None
+        self._owned = owned  # a dataset the Loader opened from a URL: closed with the parts
         self._opts = options
         self._stats = stats
         self._ring: Ring | None = None
@@ -44,18 +50,29 @@ class Parts:
             ds, o = self._dataset, self._opts
             specs: dict[str, Any] = {}
             sources: dict[str, list] = {}
+            remote = self._remote is not None
             for n in o.raw_fields:
                 f = ds.fields[n]
                 specs[n] = (f.np_dtype, f.shape)
-                sources[n] = [ds.column(s, n) for s in range(ds.num_shards)]
+                # a remote dataset's shards become sources as they arrive (RemoteShards.prepare)
+                sources[n] = [None if remote else ds.column(s, n) for s in range(ds.num_shards)]
+            rows = o.batch_size
+            pack = o.pack
+            if pack is not None:  # one row per piece: at most this many pieces per batch
+                rows = max_pieces(ds.lengths(pack[0]), o.batch_size, pack[1].pack_to, pack[1].max_length)
+            for n, d in o.ragged.items():
+                specs[n] = ring_field(ds, n, d, o.batch_size)
+                sources[n] = [_values_offsets(ds.ragged_column(s, n)) for s in range(ds.num_shards)]
             if not self.cuda:
                 for n in o.image_fields:
                     t = o.transforms[n]
                     specs[n] = (np.dtype(t.out_dtype), tuple(t.out_shape))
             specs[INDEX] = (np.int64, ())
-            ring = Ring(specs, o.batch_size, sources, index_field=INDEX, threads=o.threads,
-                        slots=max(o.prefetch + 2, 3))
+            ring = Ring(specs, rows, sources, index_field=INDEX, threads=o.threads,
+                        slots=max(o.prefetch + 2, 3), shard_rows=ds.shard_sizes.tolist())
             self._ring = ring
+            if self._remote is not None:
+                self._remote.attach_ring(ring, o.raw_fields)
             self._stats.attach("ring", lambda: {"gather_s": ring.stats()["gather_ns"] / 1e9})
         return self._ring
 
@@ -85,16 +102,23 @@ class Parts:
         return self._delivery
 
     def source(self, epoch: int) -> BatchSource:
-        """This epoch's source of ready batches: host or CUDA delivery."""
+        """This epoch's source of ready batches: host or CUDA delivery, run in a fastload
+        thread when the user's transforms must run off the training loop's thread."""
         o = self._opts
         decoders = self.decoders() if o.image_fields else None
+        finish = Finish(dataset=self._dataset, options=o, epoch=epoch, on_host_device=not self.cuda)
         common = dict(ring=self.ring(), dataset=self._dataset, image_fields=o.image_fields, decoders=decoders,
-                      epoch=epoch, on_error=o.on_error, stats=self._stats)
+                      epoch=epoch, on_error=o.on_error, stats=self._stats, finish=finish,
+                      prepare=self._remote.prepare if self._remote is not None else None)
+        threaded = o.batch_transform is not None or o.device_transform is not None
         if self.cuda:
-            from .cuda import CudaSource
+            from .cuda import CudaSource, StreamHandoff
 
-            return CudaSource(delivery=self.delivery(), device=o.device, **common)
-        return HostSource(**common)
+            src = CudaSource(delivery=self.delivery(), device=o.device, device_transform=o.device_transform,
+                             **common)
+            return ThreadedSource(src, handoff=StreamHandoff(o.device)) if threaded else src
+        src = HostSource(**common)
+        return ThreadedSource(src) if threaded else src
 
     # -- the live epoch --------------------------------------------------------------------
     def track(self, it) -> None:
@@ -115,6 +139,17 @@ class Parts:
         delivery, self._delivery = self._delivery, None
         if delivery is not None:
             delivery.close()
+        remote, self._remote = self._remote, None
+        if remote is not None:
+            remote.close()
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.close()
+        owned, self._owned = self._owned, None
+        if owned is not None:
+            owned.close()
+
+
+def _values_offsets(column: tuple) -> tuple:
+    offsets, values = column
+    return values, offsets

@@ -1,7 +1,9 @@
 """The contract between an epoch's iteration and whatever produces its batches.
 
-A *source of ready batches* takes the epoch's batches of global sample indices in order
-(``put``) and hands back, in the same order, batches ready for the training loop (``get``):
+A *source of ready batches* takes the epoch's batch requests in order (``put``: a
+:class:`~fastload.packing.Request` holds the global sample indices, the batch's stream
+position and, when packing, each row's window of tokens) and hands back, in the same order,
+batches ready for the training loop (``get``):
 every delivered field as a tensor on the loader's device, ``"index"`` included (the global
 indices actually delivered, after any replacement of undecodable images). ``close()`` ends
 the epoch's work: threads started for it are joined, batches still in flight are drained.
@@ -12,11 +14,14 @@ Two implementations, chosen once by the Loader from its device: ``HostSource``
 """
 from __future__ import annotations
 
+import collections
 from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-__all__ = ["INDEX", "BatchSource", "Ready", "RingFedSource", "submit_batches"]
+from ..packing import Request
+
+__all__ = ["INDEX", "BatchSource", "Ready", "Request", "RingFedSource", "submit_batches"]
 
 INDEX = "index"  # the ring field (and batch key) holding each batch's global sample indices
 
@@ -31,8 +36,8 @@ class BatchSource(Protocol):
     # the epoch then refills only when half of the batches in flight have been taken.
     amortize: bool
 
-    def put(self, batches: Sequence[np.ndarray]) -> None:
-        """Request these batches (global indices, int64), after every earlier one."""
+    def put(self, batches: Sequence[Request]) -> None:
+        """Request these batches, after every earlier one."""
 
     def get(self) -> Ready:
         """The next batch in request order; raises the batch's error (e.g. DecodeError)."""
@@ -41,19 +46,21 @@ class BatchSource(Protocol):
         """Stop this epoch's work: join its threads, drain what is in flight. Idempotent."""
 
 
-def submit_batches(ring, dataset, batches: Sequence[np.ndarray]) -> None:
+def submit_batches(ring, dataset, batches: Sequence[Request]) -> None:
     """Locate and submit consecutive batches with one call when they have equal sizes (the
-    sampler only shortens the last one), else one by one; their indices fill ``INDEX``."""
-    idx_all = np.concatenate(batches) if len(batches) > 1 else batches[0]
+    sampler only shortens the last one), else one by one; their indices fill ``INDEX`` and
+    their windows (packing) the ragged fields'."""
+    idx_all = np.concatenate([b.index for b in batches]) if len(batches) > 1 else batches[0].index
     shard, row = dataset.locate(idx_all, check=False)
-    sizes = {len(b) for b in batches[:-1]}
-    if len(sizes) <= 1 and (not sizes or len(batches[-1]) <= next(iter(sizes))):
-        ring.submit_many(shard, row, len(batches[0]), index=idx_all)
+    sizes = {len(b.index) for b in batches[:-1]}
+    windows = batches[0].start is not None
+    if not windows and len(sizes) <= 1 and (not sizes or len(batches[-1].index) <= next(iter(sizes))):
+        ring.submit_many(shard, row, len(batches[0].index), index=idx_all)
         return
-    start = 0  # pragma: no cover - the sampler only shortens the last batch
+    start = 0
     for b in batches:
-        stop = start + len(b)
-        ring.submit(shard[start:stop], row[start:stop], index=idx_all[start:stop])
+        stop = start + len(b.index)
+        ring.submit(shard[start:stop], row[start:stop], index=idx_all[start:stop], start=b.start, count=b.count)
         start = stop
 
 
@@ -62,19 +69,28 @@ class RingFedSource:
     the ring or hands over device batches), else straight to the ring in runs; ``close()``
     joins the feeder and drains the ring so its slots are free for the next epoch."""
 
-    def __init__(self, ring, dataset, feeder) -> None:
+    def __init__(self, ring, dataset, feeder, prepare=None) -> None:
         self._ring = ring
         self._dataset = dataset
         self._feeder = feeder
+        self._prepare = prepare  # a remote dataset: make the batches' shards local first
         self.amortize = feeder is None
         self._closed = False
+        self._requests: collections.deque = collections.deque()  # put, not yet taken: in order
 
-    def put(self, batches: Sequence[np.ndarray]) -> None:
+    def put(self, batches: Sequence[Request]) -> None:
+        if self._prepare is not None and batches:
+            self._prepare([b.index for b in batches])
+        self._requests.extend(batches)  # before the ring can deliver them
         if self._feeder is not None:
-            for idx in batches:
-                self._feeder.put(idx)
+            for req in batches:
+                self._feeder.put(req.index)
         elif batches:
             submit_batches(self._ring, self._dataset, batches)
+
+    def next_request(self) -> Request:
+        """The request of the batch ``get`` delivers now (requests come back in order)."""
+        return self._requests.popleft()
 
     def close(self) -> None:
         if self._closed:

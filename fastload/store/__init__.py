@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING
 from ..errors import FormatError, SampleError
 from .format import FORMAT_VERSION, Field, parse_field, parse_size
 from .reader import DatasetReader, read_manifest
+from .values import Ragged
 from .verify import verify
 from .writer import ShardWriter
 
 if TYPE_CHECKING:
     from .dataset import Dataset
 
-__all__ = ["FORMAT_VERSION", "Dataset", "DatasetReader", "Field", "FormatError", "SampleError", "ShardWriter",
+__all__ = ["FORMAT_VERSION", "Dataset", "DatasetReader", "Field", "FormatError", "Ragged", "SampleError", "ShardWriter",
            "parse_field", "parse_size", "read_manifest", "verify"]
 
 

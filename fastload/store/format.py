@@ -17,7 +17,11 @@ import pyarrow as pa
 from ..errors import FormatError  # noqa: F401  (still importable from here)
 
 FORMAT_NAME = "fastload"
-FORMAT_VERSION = 1
+# The newest version this fastload reads and writes. A dataset records the lowest version
+# that describes it: 2 only when it has a ragged field, so datasets without one still open
+# with readers of version 1 (see docs/FORMAT.md, "Compatibility").
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 SKIPPED_REPORT = "skipped.jsonl"
 KEY_COLUMN = "__key__"
@@ -25,7 +29,8 @@ SHARD_PATTERN = "shard-{:05d}.arrow"  # at least 5 digits: shard 123456 is shard
 SHARD_FILE_RE = r"shard-[0-9]{5,}\.arrow"  # every name SHARD_PATTERN gives, and nothing else
 CHECKSUM_ALGO = "xxh3_128"
 
-KINDS = ("tensor", "scalar", "image", "bytes", "string")
+KINDS = ("tensor", "scalar", "ragged", "image", "bytes", "string")
+NUMERIC_KINDS = ("tensor", "scalar", "ragged")
 
 # numpy dtypes with a native, zero-copy Arrow primitive type.
 _NATIVE = {
@@ -44,7 +49,7 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
 
-_SPEC_RE = re.compile(r"^\s*([a-z0-9_]+)\s*(?:\[\s*([0-9,\s]*)\s*\])?\s*$")
+_SPEC_RE = re.compile(r"^\s*([a-z0-9_]+)\s*(?:\[\s*([0-9*,\s]*)\s*\])?\s*$")
 
 
 def _check_dtype(dtype: Any, where: str) -> str:
@@ -65,7 +70,10 @@ class Field:
     """One column of a dataset.
 
     kind: "tensor" (fixed shape, any numeric numpy dtype), "scalar" (int/float/bool),
-    "image" (encoded image bytes), "bytes" (opaque binary) or "string" (UTF-8).
+    "ragged" (a variable number of items per sample, each of the fixed ``shape``: ``int32[]``
+    token sequences, ``float32[*,4]`` boxes), "image" (encoded image bytes), "bytes" (opaque
+    binary) or "string" (UTF-8). For a ragged field ``shape`` is the shape of one *item*
+    (``()`` for ``int32[]``, ``(4,)`` for ``float32[*,4]``); the first dimension varies.
     """
 
     kind: str
@@ -75,7 +83,7 @@ class Field:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"field kind {self.kind!r} is unknown; use one of {', '.join(KINDS)}")
-        if self.kind in ("tensor", "scalar"):
+        if self.kind in NUMERIC_KINDS:
             if self.dtype is None:
                 raise ValueError(f"a {self.kind} field needs a dtype")
             object.__setattr__(self, "dtype", _check_dtype(self.dtype, f"{self.kind} field"))
@@ -83,7 +91,7 @@ class Field:
             if self.kind == "scalar" and shape:
                 raise ValueError(f"a scalar field has shape (), not {shape}; use a tensor field")
             if any(s <= 0 for s in shape):
-                raise ValueError(f"tensor shape {shape} must have only positive sizes")
+                raise ValueError(f"{self.kind} shape {shape} must have only positive sizes")
             object.__setattr__(self, "shape", shape)
         else:
             if self.dtype is not None or self.shape:
@@ -96,18 +104,32 @@ class Field:
         return self.kind in ("tensor", "scalar")
 
     @property
+    def ragged(self) -> bool:
+        """True for a variable-length field (``int32[]``, ``float32[*,4]``)."""
+        return self.kind == "ragged"
+
+    @property
     def np_dtype(self) -> np.dtype:
-        if not self.fixed:
+        if self.kind not in NUMERIC_KINDS:
             raise TypeError(f"a {self.kind} field has no numpy dtype")
         return np.dtype(self.dtype)
 
     @property
     def row_nbytes(self) -> int:
+        if not self.fixed:
+            raise TypeError(f"a {self.kind} field has no fixed row size")
+        return self.np_dtype.itemsize * int(math.prod(self.shape))
+
+    @property
+    def item_nbytes(self) -> int:
+        """Bytes of one item of a ragged field (one token, one box)."""
+        if not self.ragged:
+            raise TypeError(f"a {self.kind} field has no items")
         return self.np_dtype.itemsize * int(math.prod(self.shape))
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"kind": self.kind}
-        if self.fixed:
+        if self.kind in NUMERIC_KINDS:
             d["dtype"] = self.dtype
             d["shape"] = list(self.shape)
         return d
@@ -119,13 +141,15 @@ class Field:
     def __str__(self) -> str:
         if self.kind == "tensor":
             return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+        if self.kind == "ragged":
+            return f"{self.dtype}[{','.join(['*', *map(str, self.shape)])}]" if self.shape else f"{self.dtype}[]"
         if self.kind == "scalar":
             return str(self.dtype)
         return self.kind
 
     # -- Arrow mapping ---------------------------------------------------------------------
     def storage(self) -> tuple[str, int]:
-        """(numpy dtype name of the stored values, values per row)."""
+        """(numpy dtype name of the stored values, values per row — per item for ragged)."""
         base, mult = _STORED_AS.get(self.dtype, (self.dtype, 1))
         return base, mult * int(math.prod(self.shape))
 
@@ -135,6 +159,8 @@ class Field:
         if self.kind == "string":
             return pa.string()
         base, n = self.storage()
+        if self.kind == "ragged":  # int64 offsets: no 2 GiB limit on one sample or column
+            return pa.large_list(_NATIVE[base] if n == 1 else pa.list_(_NATIVE[base], n))
         if self.kind == "scalar" and n == 1 and self.dtype not in _STORED_AS:
             return _NATIVE[base]
         if self.kind == "scalar" and self.dtype == "bool":
@@ -143,16 +169,17 @@ class Field:
 
 
 def parse_field(spec: Any, name: str = "?") -> Field:
-    """Turn "image", "int64", "float32[784]", "uint8[3,224,224]" or a Field into a Field."""
+    """Turn "image", "int64", "float32[784]", "uint8[3,224,224]", a ragged "int32[]" /
+    "float32[*,4]", or a Field into a Field."""
     if isinstance(spec, Field):
         return spec
     if not isinstance(spec, str):
         raise ValueError(f"field {name!r}: spec {spec!r} must be a Field or a string such as "
-                         "'image', 'string', 'int64' or 'float32[784]'")
+                         "'image', 'string', 'int64', 'float32[784]' or 'int32[]'")
     m = _SPEC_RE.match(spec)
     if not m:
-        raise ValueError(f"field {name!r}: cannot parse spec {spec!r}; "
-                         "expected e.g. 'image', 'string', 'int64' or 'float32[3,32,32]'")
+        raise ValueError(f"field {name!r}: cannot parse spec {spec!r}; expected e.g. 'image', 'string', "
+                         "'int64', 'float32[3,32,32]', 'int32[]' (ragged) or 'float32[*,4]' (ragged rows of 4)")
     base, dims = m.group(1), m.group(2)
     if base in ("image", "bytes", "string"):
         if dims is not None:
@@ -160,10 +187,23 @@ def parse_field(spec: Any, name: str = "?") -> Field:
         return Field(base)
     if dims is None:
         return Field("scalar", base)
-    shape = tuple(int(d) for d in dims.split(",") if d.strip())
-    if not shape:
-        raise ValueError(f"field {name!r}: empty shape in {spec!r}")
-    return Field("tensor", base, shape)
+    parts = [d.strip() for d in dims.split(",")] if dims.strip() else []
+    if not parts or parts == ["*"]:
+        return Field("ragged", base, ())
+    if any(not p for p in parts):
+        raise ValueError(f"field {name!r}: empty dimension in {spec!r}")
+    ragged = parts[0] == "*"
+    rest = parts[1:] if ragged else parts
+    if any(p == "*" for p in rest):
+        raise ValueError(f"field {name!r}: only the first dimension may vary ('*') in {spec!r}, "
+                         "e.g. 'float32[*,4]'")
+    shape = tuple(int(d) for d in rest)
+    return Field("ragged" if ragged else "tensor", base, shape)
+
+
+def format_version_for(fields: Mapping[str, Field]) -> int:
+    """The lowest format version that describes a dataset with these fields."""
+    return 2 if any(f.ragged for f in fields.values()) else 1
 
 
 def parse_size(value: int | str, what: str = "shard_size") -> int:
@@ -215,7 +255,8 @@ def arrow_schema(fields: Mapping[str, Field]) -> pa.Schema:
             w, h = image_size_columns(name)
             cols += [pa.field(w, pa.int32(), nullable=False), pa.field(h, pa.int32(), nullable=False)]
     cols.append(pa.field(KEY_COLUMN, pa.string(), nullable=False))
-    return pa.schema(cols, metadata={b"fastload_format_version": str(FORMAT_VERSION).encode()})
+    version = format_version_for(fields)
+    return pa.schema(cols, metadata={b"fastload_format_version": str(version).encode()})
 
 
 def shard_name(i: int) -> str:

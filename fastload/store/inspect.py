@@ -31,12 +31,17 @@ def _open(path: str | os.PathLike) -> DatasetReader:
 
 def inspect_json(path: str | os.PathLike) -> dict:
     """The dataset's manifest, after the reader accepted it."""
-    return _open(path).manifest
+    with _open(path) as ds:  # a URL: the manifest is fetched, no shard is
+        return ds.manifest
 
 
 def inspect_text(path: str | os.PathLike) -> str:
     """The human-readable summary printed by ``fastload inspect``."""
-    ds = _open(path)
+    with _open(path) as ds:
+        return _text(ds)
+
+
+def _text(ds: DatasetReader) -> str:
     m = ds.manifest
     sizes = [int(s) for s in ds.shard_sizes]
     lines = [f"dataset   {ds.path}",
@@ -47,7 +52,7 @@ def inspect_text(path: str | os.PathLike) -> str:
              "fields"]
     for name, f in ds.fields.items():
         extra = " (label)" if name == ds.label_field else ""
-        lines.append(f"  {name:<20} {f.kind:<7} {str(f) if f.fixed else ''}{extra}")
+        lines.append(f"  {name:<20} {f.kind:<7} {str(f) if f.fixed or f.ragged else ''}{extra}")
     if ds.class_counts is not None:
         counts = [int(c) for c in ds.class_counts]
         names = ds.class_names or [str(i) for i in range(len(counts))]
@@ -60,7 +65,7 @@ def inspect_text(path: str | os.PathLike) -> str:
                 break
             lines.append(f"  {i:>4} {n:<24} {c:>9,} {100 * c / total:5.1f}%")
     skipped = Path(ds.path) / SKIPPED_REPORT
-    if skipped.exists():
+    if ds.url is None and skipped.exists():
         with open(skipped, encoding="utf-8", errors="replace") as f:
             lines.append(f"skipped   {sum(1 for _ in f)} source sample(s) at convert time (see {skipped})")
     return "\n".join(lines)

@@ -16,16 +16,17 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from ..errors import FormatError
-from .format import FORMAT_NAME, FORMAT_VERSION, KEY_COLUMN, MANIFEST, Field, arrow_schema, image_size_columns
+from .format import (FORMAT_NAME, KEY_COLUMN, MANIFEST, READABLE_VERSIONS, Field, arrow_schema,
+                     format_version_for, image_size_columns)
 from .transaction import STAGING_PREFIX
 
-__all__ = ["DatasetReader", "manifest_fields", "read_manifest"]
+__all__ = ["DatasetReader", "check_manifest", "manifest_fields", "read_manifest"]
 
 
 def read_manifest(path: Path) -> dict:
@@ -52,24 +53,35 @@ def read_manifest(path: Path) -> dict:
             m = json.load(f)
     except (OSError, ValueError) as e:
         raise FormatError(f"{mpath} is not readable JSON ({e}); the dataset is damaged") from None
+    return check_manifest(m, mpath)
+
+
+def check_manifest(m: Any, where: Any) -> dict:
+    """The checks every manifest passes, wherever it was read (``where`` names it)."""
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
-        raise FormatError(f"{mpath} is not a fastload manifest (no \"format\": \"{FORMAT_NAME}\")")
+        raise FormatError(f"{where} is not a fastload manifest (no \"format\": \"{FORMAT_NAME}\")")
     v = m.get("format_version")
-    if v != FORMAT_VERSION:
-        raise FormatError(f"{mpath} has format_version {v!r}; this fastload reads version "
-                          f"{FORMAT_VERSION}. Convert the source again with this version.")
+    if v not in READABLE_VERSIONS or isinstance(v, bool):
+        raise FormatError(f"{where} has format_version {v!r}; this fastload reads versions "
+                          f"{', '.join(map(str, READABLE_VERSIONS))}. Convert the source again with this version"
+                          " (or upgrade fastload, if a newer one wrote it).")
     for k in ("fields", "shards", "num_samples"):
         if k not in m:
-            raise FormatError(f"{mpath} lacks the key {k!r}; the manifest is damaged")
+            raise FormatError(f"{where} lacks the key {k!r}; the manifest is damaged")
     return m
 
 
 def manifest_fields(m: dict, path: Path) -> dict[str, Field]:
     """The fields of a manifest read from the dataset at ``path``, in column order."""
     try:
-        return {n: Field.from_json(d) for n, d in m["fields"].items()}
+        fields = {n: Field.from_json(d) for n, d in m["fields"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise FormatError(f"{path / MANIFEST}: bad field description ({e})") from None
+    need = format_version_for(fields)
+    if m.get("format_version", need) < need:
+        raise FormatError(f"{path / MANIFEST}: format_version {m['format_version']} cannot hold ragged fields "
+                          f"(version {need} or later); the manifest is damaged")
+    return fields
 
 
 class _Shard:
@@ -103,19 +115,51 @@ class DatasetReader:
     (a whole batch, gathered with vectorised numpy), and ``ds.__getitems__`` so a plain
     ``torch.utils.data.DataLoader`` fetches whole batches (through :class:`fastload.Dataset`,
     this class as a ``torch.utils.data.Dataset``). Tensor fields come back as numpy arrays,
-    scalars as numpy scalars, images and bytes as ``bytes``, strings as ``str``. Pickles as
-    its path only (a worker process reopens it), never its data.
+    ragged fields as arrays ``(k, *item)``, scalars as numpy scalars, images and bytes as
+    ``bytes`` (``fastload.vision.decode`` makes a uint8 tensor), strings as ``str``.
+    ``transform(sample) -> anything`` is applied by ``ds[i]`` and ``__getitems__`` (per-sample
+    Python code in DataLoader workers; ``get_batch`` returns the stored values). Pickles as
+    its path and transform (a worker process reopens it), never its data.
     """
 
     _repr_name = "fastload.store.DatasetReader"
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.manifest = read_manifest(self.path)
+    def __init__(self, path: str | os.PathLike, *, transform: Callable[[dict], Any] | None = None,
+                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
+                 filesystem: Any = None, storage_options: dict | None = None):
+        if transform is not None and not callable(transform):
+            raise ValueError(f"transform={transform!r} must be a function sample -> sample")
+        self.transform = transform
+        # A remote dataset (s3://, gs://, az://, https://): the manifest comes from the URL, the
+        # shards from a node-local cache (fastload.remote); self.path is then the display URL.
+        self.url: str | None = None
+        self.cache = None
+        from ..remote.url import is_remote
+
+        if is_remote(path) or filesystem is not None:
+            from ..remote import open_cache
+
+            self.cache = open_cache(path, cache_dir=cache_dir, cache_limit=cache_limit, filesystem=filesystem,
+                                    storage_options=storage_options)
+            self.url = self.path = self.cache.url
+            try:
+                self.manifest = check_manifest(self.cache.remote.manifest, f"{self.url}/{MANIFEST}")
+            except BaseException:
+                self.cache.close()
+                raise
+            base = self.cache.dir
+            self.cache.on_release(self._release_shard)
+        else:
+            if cache_dir is not None or cache_limit is not None or storage_options is not None:
+                raise ValueError(f"cache_dir / cache_limit / storage_options apply to remote datasets "
+                                 f"(s3://, gs://, az://, https://); {str(path)!r} is a local path")
+            self.path = Path(path)
+            self.manifest = read_manifest(self.path)
+            base = self.path
         m = self.manifest
-        self.fields: dict[str, Field] = manifest_fields(m, self.path)
+        self.fields: dict[str, Field] = manifest_fields(m, Path(str(self.path)))
         self.schema = arrow_schema(self.fields)
-        self.shard_files = [self.path / s["file"] for s in m["shards"]]
+        self.shard_files = [base / s["file"] for s in m["shards"]]
         self.shard_sizes = np.array([s["num_samples"] for s in m["shards"]], dtype=np.int64)
         self._starts = np.zeros(len(self.shard_sizes) + 1, dtype=np.int64)
         np.cumsum(self.shard_sizes, out=self._starts[1:])
@@ -130,11 +174,28 @@ class DatasetReader:
         self.class_counts = np.asarray(lab["counts"], dtype=np.int64) if lab else None
 
     # -- pickling for spawn-started DataLoader workers: the path only, never the data ----
+    # (a remote dataset: its URL and cache settings; never a filesystem or a secret)
     def __getstate__(self):
-        return {"path": str(self.path)}
+        if self.cache is not None:
+            return {"path": self.url, "transform": self.transform, "cache_dir": str(self.cache.root),
+                    "cache_limit": self.cache.limit}
+        return {"path": str(self.path), "transform": self.transform}
 
     def __setstate__(self, state):
-        self.__init__(state["path"])
+        self.__init__(state["path"], transform=state.get("transform"), cache_dir=state.get("cache_dir"),
+                      cache_limit=state.get("cache_limit"))
+
+    def close(self) -> None:
+        """Stop a remote dataset's download threads and release its cache (the shards
+        downloaded stay for the next run). Nothing to do for a local dataset."""
+        if self.cache is not None:
+            self.cache.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}: {f}" for n, f in self.fields.items())
@@ -156,6 +217,8 @@ class DatasetReader:
     def shard(self, i: int) -> _Shard:
         s = self._shards[i]
         if s is None:
+            if self.cache is not None:
+                return self._remote_shard(i)
             with self._lock:
                 s = self._shards[i]
                 if s is None:
@@ -165,6 +228,30 @@ class DatasetReader:
                     s = _Shard(self.shard_files[i], self.schema, int(self.shard_sizes[i]))
                     self._shards[i] = s
         return s
+
+    def _remote_shard(self, i: int) -> _Shard:
+        """Map shard ``i`` of a remote dataset, fetching it into the cache first (blocking)."""
+        for attempt in range(3):
+            self.cache.ensure(i)  # outside the lock: other shards map meanwhile
+            with self._lock:
+                s = self._shards[i]
+                if s is not None:
+                    return s
+                try:
+                    s = _Shard(self.shard_files[i], self.schema, int(self.shard_sizes[i]))
+                except FormatError:
+                    if self.shard_files[i].exists() or attempt == 2:
+                        raise
+                    continue  # evicted between ensure() and the mapping (another rank): again
+                self._shards[i] = s
+                return s
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _release_shard(self, i: int) -> None:
+        """The cache no longer needs shard ``i`` here: drop this reader's mapping (views
+        handed out keep the memory alive until they go)."""
+        with self._lock:
+            self._shards[i] = None
 
     def _field(self, name: str) -> Field:
         f = self.fields.get(name)
@@ -176,7 +263,8 @@ class DatasetReader:
         """Zero-copy read-only view ``(rows, *shape)`` of a tensor/scalar field in one shard."""
         f = self._field(field)
         if not f.fixed:
-            raise TypeError(f"field {field!r} is a {f.kind} field; use binary_column()")
+            use = "ragged_column()" if f.ragged else "binary_column()"
+            raise TypeError(f"field {field!r} is a {f.kind} field; use {use}")
         s = self.shard(shard)
         v = s.views.get(field)
         if v is None:
@@ -207,9 +295,40 @@ class DatasetReader:
     def binary_column(self, shard: int, field: str) -> tuple[np.ndarray, np.ndarray]:
         """Zero-copy ``(offsets int32[rows+1], values uint8[...])`` of an image/bytes/string field."""
         f = self._field(field)
-        if f.fixed:
-            raise TypeError(f"field {field!r} is a {f.kind} field; use column()")
+        if f.fixed or f.ragged:
+            raise TypeError(f"field {field!r} is a {f.kind} field; use {'ragged_column' if f.ragged else 'column'}()")
         return self._raw_column(shard, field)
+
+    def ragged_column(self, shard: int, field: str) -> tuple[np.ndarray, np.ndarray]:
+        """Zero-copy read-only ``(offsets, values)`` of a ragged field in one shard: ``offsets``
+        int64 ``(rows + 1,)`` (sample ``r`` is ``values[offsets[r]:offsets[r + 1]]``; they
+        need not start at 0) and ``values`` of shape ``(items, *item_shape)``."""
+        f = self._field(field)
+        if not f.ragged:
+            raise TypeError(f"field {field!r} is a {f.kind} field, not a ragged one")
+        s = self.shard(shard)
+        v = s.views.get(field)
+        if v is None:
+            v = _ragged_views(s.batch.column(field), f, self.shard_files[shard])
+            s.views[field] = v
+        return v
+
+    def lengths(self, field: str) -> np.ndarray:
+        """Items per sample of a ragged field, for every sample (int64, cached): read from
+        the shards' offsets, never from the values."""
+        f = self._field(field)
+        if not f.ragged:
+            raise TypeError(f"field {field!r} is a {f.kind} field, not a ragged one")
+        cache = self.__dict__.setdefault("_lengths", {})
+        v = cache.get(field)
+        if v is None:
+            v = np.empty(len(self), dtype=np.int64)
+            for s in range(self.num_shards):
+                offsets, _ = self.ragged_column(s, field)
+                np.subtract(offsets[1:], offsets[:-1], out=v[self._starts[s]:self._starts[s + 1]])
+            v.flags.writeable = False
+            cache[field] = v
+        return v
 
     def _int_column(self, shard: int, name: str) -> np.ndarray:
         s = self.shard(shard)
@@ -252,6 +371,17 @@ class DatasetReader:
                 out[sel] = col[row[sel]]
         return out
 
+    def _gather_ragged(self, name: str, shard: np.ndarray, row: np.ndarray) -> list[np.ndarray]:
+        """One array ``(k, *item_shape)`` per row: copies, so they outlive the memory map."""
+        out: list = [None] * len(row)
+        for s, sel in self._groups(shard):
+            offsets, values = self.ragged_column(s, name)
+            pos = np.arange(len(row))[sel]
+            r = row[sel]
+            for p, a, b in zip(pos.tolist(), offsets[r].tolist(), offsets[r + 1].tolist()):
+                out[p] = values[a:b].copy()
+        return out
+
     def _gather_binary(self, name: str, shard: np.ndarray, row: np.ndarray) -> list:
         out: list = [None] * len(row)
         as_str = self.fields[name].kind == "string" if name in self.fields else True
@@ -266,7 +396,7 @@ class DatasetReader:
     def views(self, field: str, indices: np.ndarray | Sequence[int]) -> list[np.ndarray]:
         """Zero-copy uint8 views of the encoded bytes of an image/bytes field, one per index."""
         f = self._field(field)
-        if f.fixed:
+        if f.fixed or f.ragged:
             raise TypeError(f"field {field!r} is a {f.kind} field; views() is for binary fields")
         shard, row = self.locate(indices)
         out: list = [None] * len(row)
@@ -305,13 +435,15 @@ class DatasetReader:
         return f"sample {index} (shard {self.shard_files[int(shard[0])].name}, row {int(row[0])}, key {key!r})"
 
     def get_batch(self, indices: np.ndarray | Sequence[int], fields: Sequence[str] | None = None) -> dict:
-        """Gather a whole batch: fixed fields as stacked numpy arrays (vectorised), binary
-        fields as lists of ``bytes``, strings as lists of ``str``."""
+        """Gather a whole batch: fixed fields as stacked numpy arrays (vectorised), ragged
+        fields as lists of arrays ``(k, *item_shape)``, binary fields as lists of ``bytes``,
+        strings as lists of ``str``."""
         shard, row = self.locate(indices)
         out: dict[str, Any] = {}
         for name in (fields if fields is not None else self.fields):
             f = self._field(name)
             out[name] = (self._gather_fixed(name, shard, row) if f.fixed
+                         else self._gather_ragged(name, shard, row) if f.ragged
                          else self._gather_binary(name, shard, row))
         return out
 
@@ -324,11 +456,31 @@ class DatasetReader:
         if i < -n or i >= n:
             raise IndexError(f"sample index {i} is out of range for {self.path} ({n} samples)")
         b = self.get_batch([i % n])
-        return {k: v[0] for k, v in b.items()}
+        sample = {k: v[0] for k, v in b.items()}
+        return sample if self.transform is None else self.transform(sample)
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict]:
         """Batched fetch for ``torch.utils.data.DataLoader``: one vectorised gather, then
         split into the list of samples that ``collate_fn`` expects."""
         b = self.get_batch(indices)
         n = len(indices)
-        return [{k: v[j] for k, v in b.items()} for j in range(n)]
+        samples = [{k: v[j] for k, v in b.items()} for j in range(n)]
+        return samples if self.transform is None else [self.transform(s) for s in samples]
+
+
+def _ragged_views(col: pa.Array, f: Field, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Zero-copy (offsets int64, values (items, *item_shape)) of a large_list column."""
+    if not isinstance(col.type, pa.LargeListType):
+        raise FormatError(f"shard {path}: ragged field column has type {col.type}, not large_list")
+    offsets = col.offsets.to_numpy(zero_copy_only=True)  # indices into col.values, slice-aware
+    items = col.values
+    base, per_item = f.storage()
+    if isinstance(items.type, pa.FixedSizeListType):
+        flat = items.values.to_numpy(zero_copy_only=True)[items.offset * per_item:(items.offset + len(items)) * per_item]
+    else:
+        flat = items.to_numpy(zero_copy_only=True)
+    n_items = len(items)
+    values = flat.view(f.np_dtype).reshape((n_items, *f.shape))
+    if len(offsets) and (offsets[0] < 0 or offsets[-1] > n_items):
+        raise FormatError(f"shard {path}: ragged field offsets run past its {n_items} items; the shard is damaged")
+    return offsets, values

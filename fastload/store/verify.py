@@ -24,6 +24,38 @@ def file_checksum(path: Path) -> str:
     return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
 
 
+def check_shard(p: Path, s: dict, schema: pa.Schema, checksum: str | None = None) -> list[str]:
+    """The problems of one shard file ``p`` against its manifest entry ``s``: missing, size,
+    checksum (``checksum``: already computed, e.g. while downloading), schema, Arrow validity,
+    record batches, rows."""
+    if not p.exists():
+        return [f"{s['file']}: missing"]
+    problems = []
+    size = p.stat().st_size
+    if size != s["bytes"]:
+        problems.append(f"{s['file']}: size {size} bytes, manifest says {s['bytes']}")
+    got = checksum or file_checksum(p)
+    if got != s["checksum"]:
+        problems.append(f"{s['file']}: checksum mismatch (file {got}, manifest {s['checksum']})")
+    try:
+        with pa.memory_map(str(p), "r") as mm:
+            reader = pa.ipc.open_file(mm)
+            if not reader.schema.equals(schema, check_metadata=False):
+                problems.append(f"{s['file']}: schema differs from the manifest's fields")
+            rows = 0
+            for i in range(reader.num_record_batches):
+                b = reader.get_batch(i)
+                b.validate(full=True)
+                rows += b.num_rows
+            if reader.num_record_batches != 1:
+                problems.append(f"{s['file']}: {reader.num_record_batches} record batches, expected 1")
+            if rows != s["num_samples"]:
+                problems.append(f"{s['file']}: {rows} rows, manifest says {s['num_samples']}")
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+        problems.append(f"{s['file']}: not a valid Arrow IPC file ({str(e).splitlines()[0]})")
+    return problems
+
+
 def verify(path: str | os.PathLike) -> list[str]:
     """Check a dataset; return one line per problem found (an empty list: all good).
 
@@ -35,33 +67,8 @@ def verify(path: str | os.PathLike) -> list[str]:
     problems: list[str] = []
     total = 0
     for s in m["shards"]:
-        p = path / s["file"]
         total += s["num_samples"]
-        if not p.exists():
-            problems.append(f"{s['file']}: missing")
-            continue
-        size = p.stat().st_size
-        if size != s["bytes"]:
-            problems.append(f"{s['file']}: size {size} bytes, manifest says {s['bytes']}")
-        got = file_checksum(p)
-        if got != s["checksum"]:
-            problems.append(f"{s['file']}: checksum mismatch (file {got}, manifest {s['checksum']})")
-        try:
-            with pa.memory_map(str(p), "r") as mm:
-                reader = pa.ipc.open_file(mm)
-                if not reader.schema.equals(schema, check_metadata=False):
-                    problems.append(f"{s['file']}: schema differs from the manifest's fields")
-                rows = 0
-                for i in range(reader.num_record_batches):
-                    b = reader.get_batch(i)
-                    b.validate(full=True)
-                    rows += b.num_rows
-                if reader.num_record_batches != 1:
-                    problems.append(f"{s['file']}: {reader.num_record_batches} record batches, expected 1")
-                if rows != s["num_samples"]:
-                    problems.append(f"{s['file']}: {rows} rows, manifest says {s['num_samples']}")
-        except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
-            problems.append(f"{s['file']}: not a valid Arrow IPC file ({str(e).splitlines()[0]})")
+        problems += check_shard(path / s["file"], s, schema)
     if total != m["num_samples"]:
         problems.append(f"{MANIFEST}: shard counts add up to {total}, num_samples is {m['num_samples']}")
     listed = {s["file"] for s in m["shards"]}

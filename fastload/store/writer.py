@@ -19,12 +19,12 @@ import pyarrow as pa
 
 from ..errors import SampleError
 from .format import (
-    CHECKSUM_ALGO, DEFAULT_SHARD_SIZE, FORMAT_NAME, FORMAT_VERSION, KEY_COLUMN, arrow_schema,
-    check_field_names, parse_field, parse_size, shard_name,
+    CHECKSUM_ALGO, DEFAULT_SHARD_SIZE, FORMAT_NAME, KEY_COLUMN, Field, arrow_schema,
+    check_field_names, format_version_for, parse_field, parse_size, shard_name,
 )
 from .geometry import image_size
 from .transaction import Transaction, write_atomic
-from .values import check_label_field, check_labels, encoded, fixed_rows
+from .values import check_label_field, check_labels, encoded, fixed_rows, ragged_rows
 
 __all__ = ["DEFAULT_SHARD_SIZE", "SampleError", "ShardWriter"]
 
@@ -37,7 +37,10 @@ class ShardWriter:
 
     ``fields`` maps names to specs: ``"image"``, ``"bytes"``, ``"string"``, a scalar dtype
     (``"int64"``, ``"float32"``, ``"bool"``), a tensor (``"float32[784]"``,
-    ``"uint8[3,224,224]"``) or a :class:`Field`. ``label`` names an integer scalar field
+    ``"uint8[3,224,224]"``), a ragged field (``"int32[]"``: a 1-d array of any length per
+    sample; ``"float32[*,4]"``: any number of rows of 4) or a :class:`Field`. A ragged value
+    is an array of shape ``(k, *item)`` (``k`` may be 0); ``write_batch`` takes a list of
+    such arrays or a :class:`~fastload.store.values.Ragged` (values + offsets). ``label`` names an integer scalar field
     whose per-class counts (and ``class_names``) go into the manifest. The dataset exists
     only once :meth:`close` (or the end of the ``with`` block) has written the manifest; an
     exception inside the block deletes what was written.
@@ -113,6 +116,9 @@ class ShardWriter:
                 if name == self.label:
                     check_labels(name, row[name], self.class_names, lambda _: key)
                 nbytes += f.row_nbytes
+            elif f.ragged:
+                row[name] = ragged_rows(name, f, v, None, lambda _: key)
+                nbytes += row[name][0].nbytes + 8
             else:
                 b = encoded(name, f, v, key)
                 if f.kind == "image" and image_sizes and name in image_sizes:
@@ -138,10 +144,15 @@ class ShardWriter:
         self._bytes += nbytes
 
     def write_batch(self, batch: Mapping[str, Any], keys: Sequence[str] | None = None) -> None:
-        """Append many samples at once: a dict of arrays (fixed fields) or sequences."""
+        """Append many samples at once: a dict of arrays (fixed fields), lists of arrays or
+        ``Ragged`` (ragged fields), or sequences (image, bytes, string fields)."""
         self._check_open()
         if set(batch) != set(self.fields):
             raise ValueError(f"batch fields {sorted(batch)} differ from the dataset's {sorted(self.fields)}")
+        unsized = [n for n, v in batch.items() if not hasattr(v, "__len__")]
+        if unsized:
+            raise SampleError(f"field {unsized[0]!r} of the batch: expected one value per sample (an array, a list "
+                              f"of arrays or a Ragged), got {type(batch[unsized[0]]).__name__}")
         lengths = {n: len(v) for n, v in batch.items()}
         if len(set(lengths.values())) != 1:
             raise ValueError(f"batch fields have different lengths: {lengths}")
@@ -159,29 +170,59 @@ class ShardWriter:
                  for name, f in self.fields.items() if f.fixed}
         if self.label is not None:
             check_labels(self.label, fixed[self.label], self.class_names, key_of)
-        row_bytes = sum(f.row_nbytes for f in self.fields.values() if f.fixed)
-        if all(f.fixed for f in self.fields.values()):
-            # Split the batch at shard boundaries without per-sample Python work.
-            start = 0
-            while start < n:
-                room = (self.shard_size - self._bytes) // max(row_bytes, 1)
-                if room <= 0 and self._rows:
+        ragged = {name: ragged_rows(name, f, batch[name], n, key_of)
+                  for name, f in self.fields.items() if f.ragged}
+        if all(f.fixed or f.ragged for f in self.fields.values()):
+            self._buffer_bulk(n, fixed, ragged, keys, base)
+            return
+        starts = {name: np.concatenate([[0], np.cumsum(lens)]) for name, (_, lens) in ragged.items()}
+        for i in range(n):
+            sample = {}
+            for name, f in self.fields.items():
+                if name in fixed:
+                    sample[name] = fixed[name][i]
+                elif name in ragged:
+                    sample[name] = ragged[name][0][starts[name][i]:starts[name][i + 1]]
+                else:
+                    sample[name] = batch[name][i]
+            self.write(sample, key=str(base + i) if keys is None else keys[i])
+
+    def _buffer_bulk(self, n: int, fixed: dict, ragged: dict, keys: Sequence[str] | None, base: int) -> None:
+        """Buffer checked rows of fixed and ragged fields, split at shard boundaries without
+        per-sample Python work."""
+        row_bytes = np.full(n, sum(f.row_nbytes for f in self.fields.values() if f.fixed), dtype=np.int64)
+        item_starts = {}
+        for name, (values, lens) in ragged.items():
+            row_bytes += lens * self.fields[name].item_nbytes + 8
+            starts = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(lens, out=starts[1:])
+            item_starts[name] = starts
+        cum = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(row_bytes, out=cum[1:])
+        start = 0
+        while start < n:
+            room = self.shard_size - self._bytes
+            # rows start..stop-1 fit in the room left (at least one row: a row larger than
+            # the whole budget gets a shard of its own)
+            stop = int(np.searchsorted(cum, cum[start] + room, side="right")) - 1
+            if stop <= start:
+                if self._rows:
                     self._flush()
                     continue
-                stop = min(n, start + max(1, room))
-                for name, arr in fixed.items():
-                    self._cols[name].append(arr[start:stop])
-                if keys is None:
-                    self._keys.extend(map(str, range(base + start, base + stop)))
-                else:
-                    self._keys.extend(map(str, keys[start:stop]))
-                self._rows += stop - start
-                self._bytes += (stop - start) * row_bytes
-                start = stop
-            return
-        for i in range(n):
-            self.write({name: (fixed[name][i] if name in fixed else batch[name][i]) for name in self.fields},
-                       key=str(base + i) if keys is None else keys[i])
+                stop = start + 1
+            stop = min(n, stop)
+            for name, arr in fixed.items():
+                self._cols[name].append(arr[start:stop])
+            for name, (values, lens) in ragged.items():
+                st = item_starts[name]
+                self._cols[name].append((values[st[start]:st[stop]], lens[start:stop]))
+            if keys is None:
+                self._keys.extend(map(str, range(base + start, base + stop)))
+            else:
+                self._keys.extend(map(str, keys[start:stop]))
+            self._rows += stop - start
+            self._bytes += int(cum[stop] - cum[start])
+            start = stop
 
     # -- shards --------------------------------------------------------------------------
     def _arrays(self) -> list[pa.Array]:
@@ -198,6 +239,8 @@ class ShardWriter:
                     arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat), per_row))
                 if name == self.label:
                     self._count_labels(name, arr)
+            elif f.ragged:
+                arrays.append(_ragged_array(f, chunks))
             else:
                 arrays.append(pa.array(chunks, type=f.arrow_type()))
                 if f.kind == "image":
@@ -241,7 +284,7 @@ class ShardWriter:
         total = sum(s["num_samples"] for s in self._shards)
         m: dict[str, Any] = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": format_version_for(self.fields),
             "num_samples": total,
             "total_bytes": sum(s["bytes"] for s in self._shards),
             "fields": {n: f.to_json() for n, f in self.fields.items()},
@@ -290,3 +333,16 @@ class ShardWriter:
             except BaseException:
                 self.abort()
                 raise
+
+
+def _ragged_array(f: Field, chunks: list) -> pa.Array:
+    """One shard's ragged column from its buffered ``(values, lengths)`` chunks: a
+    ``large_list`` of the stored values (``fixed_size_list`` items for shaped items)."""
+    values = np.concatenate([c[0] for c in chunks]) if len(chunks) > 1 else chunks[0][0]
+    lengths = np.concatenate([c[1] for c in chunks]) if len(chunks) > 1 else chunks[0][1]
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    base, per_item = f.storage()
+    flat = pa.array(np.ascontiguousarray(values).view(base).reshape(-1))
+    items = flat if per_item == 1 else pa.FixedSizeListArray.from_arrays(flat, per_item)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), items)

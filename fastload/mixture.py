@@ -1,0 +1,285 @@
+"""Mixtures: batches drawn from several datasets in fixed proportions.
+
+    mix = fastload.Mixture({"web": web, "books": books}, weights={"web": 0.7, "books": 0.3},
+                           epoch_size=1_000_000)
+    loader = fastload.Loader(mix, batch_size=32)          # or:
+    loader = fastload.Loader([web, books], mix=[0.7, 0.3], epoch_size=1_000_000, batch_size=32)
+
+The model
+---------
+Each dataset keeps its own stream: its samples in a fresh random order per pass of its own
+(keyed by the loader's seed and the dataset's position), passes one after the other. A
+mixture epoch is a stream of ``M`` positions, each naming a dataset; position ``t`` of
+dataset ``i`` takes the next sample of dataset ``i``'s stream. So a small dataset is read
+again (in a new order) when it runs out, a large one is read partly, and nothing is read
+twice before its whole dataset has been read.
+
+``per="batch"`` (default): every run of ``batch_size`` positions — one rank's batch — holds
+dataset ``i`` ``floor(B * p_i)`` or ``ceil(B * p_i)`` times, and the ceilings rotate over
+the datasets so that over many batches each dataset gets its share (within a few samples of
+``p_i * M`` per epoch). The order inside a batch is shuffled. ``per="epoch"``: the epoch
+holds dataset ``i`` exactly ``round(p_i * M)`` times (largest remainders), in a random order
+per epoch, so batches vary around the proportions.
+
+An epoch is ``epoch_size`` positions, or — ``stop_on=name`` — as many as it takes to read
+every sample of that dataset once (each epoch then is exactly one pass over it).
+
+The stream is a pure function of (seed, epoch, sizes, weights, batch size), identical on
+every rank, and a Loader reads it exactly like a single dataset's: by global steps, with a
+state that is one number (positions consumed), so a mixture resumes exactly, also at
+another world size. ``batch["source"]`` is each row's dataset (its position in the
+mixture), ``batch["index"]`` the sample's index within that dataset.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .sampling import Sampler, _seeds, permutation
+from .validate import check_choice, check_int
+
+__all__ = ["PER", "Mixture", "MixtureSampler", "batch_counts", "mixture_layout"]
+
+PER = ("batch", "epoch")
+_GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+def batch_counts(weights: np.ndarray, batch_size: int, chunks: int) -> np.ndarray:
+    """``(chunks, n)`` samples of each dataset in each run of ``batch_size`` positions: the
+    floor of ``B * p_i`` plus one for the datasets whose fractions the chunk's rotating
+    points fall in (systematic sampling with golden-ratio offsets): every count is the floor
+    or the ceiling, every row sums to ``B``, and each dataset's ceilings come at the rate of
+    its fraction."""
+    ideal = weights * batch_size
+    base = np.floor(ideal).astype(np.int64)
+    frac = ideal - base
+    extra = batch_size - int(base.sum())
+    bounds = np.concatenate([[0.0], np.cumsum(frac)])
+    bounds[-1] = extra  # exactly: the fractions add up to the whole number of extras
+    u = ((np.arange(chunks) + 1) * _GOLDEN) % 1.0
+    # points u + j (j = 0..extra-1) in [bounds[i], bounds[i+1]): at most one per dataset
+    hits = np.ceil(bounds[None, 1:] - u[:, None]) - np.ceil(bounds[None, :-1] - u[:, None])
+    return base[None, :] + hits.astype(np.int64)
+
+
+def _within_chunks(ids: np.ndarray, batch_size: int, rng: np.random.Generator) -> np.ndarray:
+    """``ids`` (grouped by dataset inside each chunk) shuffled within each chunk."""
+    keys = rng.random(len(ids)) + np.arange(len(ids)) // batch_size
+    return ids[np.argsort(keys, kind="stable")]
+
+
+def mixture_layout(weights: np.ndarray, sizes: np.ndarray, *, batch_size: int, per: str, seed: int, epoch: int,
+                   epoch_size: int | None, stop_on: int | None) -> np.ndarray:
+    """The dataset of each of the epoch's positions (int8/int16/int32), see the module
+    docstring. ``per="batch"`` layouts do not depend on the epoch."""
+    n = len(weights)
+    dt = np.int8 if n < 128 else np.int32
+    if per == "epoch":
+        if stop_on is not None:
+            j = stop_on
+            m = max(int(round(sizes[j] / weights[j])), int(sizes[j]))
+            rest = np.delete(weights, j)
+            counts = np.insert(_apportion(m - int(sizes[j]), rest / rest.sum()) if n > 1 else np.zeros(0, np.int64),
+                               j, sizes[j])
+        else:
+            counts = _apportion(epoch_size, weights)
+        ids = np.repeat(np.arange(n, dtype=dt), counts)
+        np.random.Generator(np.random.PCG64(_seeds(seed, epoch, 6))).shuffle(ids)
+        return ids
+    rng = np.random.Generator(np.random.PCG64(_seeds(seed, 0, 5)))  # the same every epoch
+    if stop_on is None:
+        chunks = -(-epoch_size // batch_size)
+        counts = batch_counts(weights, batch_size, chunks)
+        ids = np.repeat(np.tile(np.arange(n, dtype=dt), chunks), counts.ravel())
+        return _within_chunks(ids, batch_size, rng)[:epoch_size]
+    j = stop_on
+    need = int(sizes[j])
+    per_chunk = weights[j] * batch_size
+    chunks = int(need / per_chunk) + 2
+    while True:
+        counts = batch_counts(weights, batch_size, chunks)
+        if counts[:, j].sum() >= need:
+            break
+        chunks *= 2
+    chunks = int(np.searchsorted(np.cumsum(counts[:, j]), need)) + 1  # the chunk holding the last one
+    ids = np.repeat(np.tile(np.arange(n, dtype=dt), chunks), counts[:chunks].ravel())
+    ids = _within_chunks(ids, batch_size, rng)
+    last = int(np.flatnonzero(ids == j)[need - 1])
+    return ids[:last + 1]
+
+
+def _apportion(total: int, weights: np.ndarray) -> np.ndarray:
+    """``total`` split by ``weights`` with largest remainders (sums to ``total`` exactly)."""
+    ideal = weights * total
+    out = np.floor(ideal).astype(np.int64)
+    short = total - int(out.sum())
+    if short > 0:
+        out[np.argsort(-(ideal - out), kind="stable")[:short]] += 1
+    return out
+
+
+def dataset_draws(size: int, seed: int, dataset: int, first: int, count: int, shuffle: bool) -> np.ndarray:
+    """Positions ``first..first+count-1`` of one dataset's own stream: its passes one after
+    the other, each a fresh permutation keyed by (seed, dataset, pass)."""
+    if count == 0:
+        return np.empty(0, np.int64)
+    key = int(np.random.SeedSequence([seed & (2**64 - 1), dataset, 4]).generate_state(1, np.uint64)[0] >> 1)
+    out = []
+    p0, p1 = first // size, (first + count - 1) // size
+    for p in range(p0, p1 + 1):
+        perm = permutation(size, key, p) if shuffle else np.arange(size)
+        a = first - p * size if p == p0 else 0
+        b = first + count - p * size if p == p1 else size
+        out.append(perm[a:b].astype(np.int64))
+    return np.concatenate(out)
+
+
+class Mixture:
+    """Datasets mixed in fixed proportions (see the module docstring).
+
+    Args:
+        datasets: a list of datasets (or paths), or a dict name -> dataset.
+        weights: proportions (any positive numbers; normalised), a list in the same order
+            or a dict by name.
+        epoch_size: positions per epoch; or ``stop_on``: the name (or position) of the
+            dataset whose one complete pass is an epoch. Exactly one of the two.
+        per: ``"batch"`` (each batch holds floor/ceil of ``B * p`` of each dataset) or
+            ``"epoch"`` (exact totals per epoch, random per batch).
+        fields: fields to read (default: every dataset must have the same fields).
+
+    The Loader's ``shuffle`` decides whether each dataset's passes are in random or natural
+    order (the mixture's layout is always random).
+    """
+
+    def __init__(self, datasets: Sequence[Any] | Mapping[str, Any], weights: Sequence[float] | Mapping[str, float],
+                 *, epoch_size: int | None = None, stop_on: str | int | None = None, per: str = "batch",
+                 fields: Sequence[str] | None = None):
+        from .store import DatasetReader
+        from .store.concat import ConcatReader
+
+        if isinstance(datasets, Mapping):
+            names, items = [str(k) for k in datasets], list(datasets.values())
+        elif isinstance(datasets, (list, tuple)):
+            items = list(datasets)
+            names = [_default_name(d, i) for i, d in enumerate(items)]
+        else:
+            raise ValueError(f"datasets must be a list or a dict of datasets, got {type(datasets).__name__}")
+        if not items:
+            raise ValueError("a Mixture needs at least one dataset")
+        if len(set(names)) != len(names):
+            names = [f"{n}#{i}" for i, n in enumerate(names)]
+        readers = []
+        for d in items:
+            if isinstance(d, DatasetReader):
+                readers.append(d)
+            elif isinstance(d, (str, os.PathLike)):
+                from .store import Dataset
+
+                readers.append(Dataset(d))
+            else:
+                raise ValueError(f"a mixture's dataset must be a fastload Dataset or a path, got {type(d).__name__}")
+        self.names = names
+        self.weights = _weights(weights, names)
+        self.per = check_choice("per", per, PER)
+        if (epoch_size is None) == (stop_on is None):
+            raise ValueError("say how long a mixture epoch is: epoch_size=N (positions) or stop_on=NAME "
+                             "(one complete pass over that dataset), not both")
+        self.epoch_size = None if epoch_size is None else check_int("epoch_size", epoch_size, min=1)
+        if stop_on is not None:
+            if isinstance(stop_on, str) and stop_on in names:
+                stop_on = names.index(stop_on)
+            if not (isinstance(stop_on, int) and not isinstance(stop_on, bool) and 0 <= stop_on < len(names)):
+                raise ValueError(f"stop_on={stop_on!r} must name one of the datasets {names} (or be its position)")
+        self.stop_on = stop_on
+        self.reader = ConcatReader(readers, names, fields)
+        self.sizes = np.array([len(r) for r in readers], dtype=np.int64)
+        if (self.sizes == 0).any():
+            raise ValueError(f"the mixture's dataset {names[int(np.flatnonzero(self.sizes == 0)[0])]!r} is empty")
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}: {w:.3g}" for n, w in zip(self.names, self.weights))
+        epoch = f"epoch_size={self.epoch_size}" if self.epoch_size else f"stop_on={self.names[self.stop_on]!r}"
+        return f"fastload.Mixture({{{parts}}}, {epoch}, per={self.per!r})"
+
+    def identity(self, batch_size: int) -> dict:
+        """What defines the mixture's streams (a resumed state must match it)."""
+        return {"datasets": self.names, "sizes": self.sizes.tolist(), "weights": self.weights.tolist(),
+                "per": self.per, "epoch_size": self.epoch_size, "stop_on": self.stop_on,
+                "mix_batch_size": batch_size if self.per == "batch" else None}
+
+
+def _default_name(d: Any, i: int) -> str:
+    path = getattr(d, "path", d)
+    try:
+        return os.path.basename(os.fspath(path).rstrip("/")) or str(i)
+    except TypeError:
+        return str(i)
+
+
+def _weights(weights: Any, names: list[str]) -> np.ndarray:
+    if isinstance(weights, Mapping):
+        unknown = [k for k in weights if k not in names]
+        if unknown or len(weights) != len(names):
+            raise ValueError(f"weights {dict(weights)} must give one weight per dataset {names}")
+        weights = [weights[n] for n in names]
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"weights={weights!r} must be numbers, one per dataset") from None
+    if w.shape != (len(names),):
+        raise ValueError(f"weights={list(np.atleast_1d(w))} must have one entry per dataset ({len(names)}: {names})")
+    if not np.isfinite(w).all() or (w <= 0).any():
+        raise ValueError(f"weights={w.tolist()} must be finite and > 0 (leave a dataset out instead of weight 0)")
+    return w / w.sum()
+
+
+class MixtureSampler(Sampler):
+    """A :class:`~fastload.Sampler` whose stream is a mixture's (global indices into the
+    mixture's :class:`~fastload.store.concat.ConcatReader`): rank partition, padding,
+    drop_last, state and resume are the plain sampler's."""
+
+    def __init__(self, mixture: Mixture, *, batch_size: int, world_size: int = 1, rank: int = 0, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = False):
+        self.mixture = mixture
+        super().__init__(len(mixture.reader), batch_size=batch_size, world_size=world_size, rank=rank,
+                         shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self._layout: np.ndarray | None = None  # per="batch": the same every epoch
+        self._mlen = len(self._layout_for(0))
+
+    @property
+    def stream_len(self) -> int:
+        return getattr(self, "_mlen", 0) or self.num_samples
+
+    def _layout_for(self, epoch: int) -> np.ndarray:
+        m = self.mixture
+        if m.per == "batch" and self._layout is not None:
+            return self._layout
+        ids = mixture_layout(m.weights, m.sizes, batch_size=self.batch_size, per=m.per, seed=self.seed,
+                             epoch=epoch, epoch_size=m.epoch_size, stop_on=m.stop_on)
+        if m.per == "batch":
+            self._layout = ids
+        return ids
+
+    def stream(self, epoch: int | None = None) -> np.ndarray:
+        e = self.epoch if epoch is None else int(epoch)
+        if self._cache is not None and self._cache[0] == e:
+            return self._cache[1]
+        m = self.mixture
+        ids = self._layout_for(e)
+        counts = np.bincount(ids, minlength=len(m.sizes))
+        out = np.empty(len(ids), dtype=np.int64)
+        for i, size in enumerate(m.sizes.tolist()):
+            where = np.flatnonzero(ids == i)
+            local = dataset_draws(size, self.seed, i, e * int(counts[i]), len(where), self.shuffle)
+            out[where] = local + m.reader.starts[i]
+        out.flags.writeable = False
+        if epoch is None or e == self.epoch:
+            self._cache = (e, out)
+        return out
+
+    def _compute_identity(self) -> dict:
+        return {**super()._compute_identity(), "mixture": self.mixture.identity(self.batch_size)}

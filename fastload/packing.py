@@ -1,0 +1,136 @@
+"""Sequence packing: an epoch's documents cut into rows of exactly ``N`` tokens.
+
+``Loader(..., pack_to=N)`` reads the epoch's sample stream (the sampler's order, identical
+on every rank) as one **token stream**: the documents' tokens one after the other. Global
+step ``k`` covers ``W * rows * N`` consecutive tokens of it; rank ``r`` takes the ``r``-th
+block of ``rows * N`` and cuts it into ``rows`` rows of ``N``. A document that does not fit
+in what is left of a row continues at the start of the next row (the standard
+concatenate-and-chunk of language-model pretraining), so every token is read once and no
+row holds padding. Each row is a list of *pieces* ``(document, first token, tokens)``; a
+piece never crosses a row boundary, so ``cu_seqlens`` over the batch are piece boundaries.
+
+The resume state is one number, like the sampler's: the global count of tokens consumed.
+Which document and which of its tokens come next is a pure function of it, so a resumed run
+continues inside a document exactly where it stopped, at any world size.
+
+Coverage follows ``DistributedSampler``: with ``drop_last=False`` the last step wraps around
+to the start of the epoch's token stream (every row is full; the first tokens are read
+again), with ``drop_last=True`` the tokens of an incomplete last step are not read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple
+
+import numpy as np
+
+__all__ = ["PackPlan", "Request", "max_pieces", "pack_bounds", "pack_plan", "pieces"]
+
+
+class Request(NamedTuple):
+    """One batch asked of a source: global sample index per row, the stream position of the
+    batch (samples; tokens when packing), and, when packing, each row's window of items in
+    the packed field and the stream position of its document."""
+
+    index: np.ndarray
+    position: int
+    start: np.ndarray | None = None
+    count: np.ndarray | None = None
+    positions: np.ndarray | None = None  # stream position of each row (None: position + arange)
+
+    def stream_positions(self) -> np.ndarray:
+        if self.positions is not None:
+            return self.positions
+        return self.position + np.arange(len(self.index), dtype=np.int64)
+
+
+def pack_bounds(start: int, total: int, world_size: int, rank: int, rows: int, length: int,
+                drop_last: bool) -> list[tuple[int, int, int]]:
+    """This rank's batches from token ``start`` of a ``total``-token stream: a list of
+    ``(first token, end token, tokens consumed after the step)`` (positions past ``total``
+    wrap around to the stream's start)."""
+    if total <= 0 or start >= total:
+        return []
+    per_rank = rows * length
+    step = per_rank * world_size
+    left = total - start
+    steps = left // step if drop_last else -(-left // step)
+    out = []
+    for k in range(steps):
+        s0 = start + k * step
+        out.append((s0 + rank * per_rank, s0 + (rank + 1) * per_rank, s0 + step))
+    return out
+
+
+def pieces(cum: np.ndarray, begin: int, end: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pieces of tokens ``begin..end-1`` of a token stream whose documents end at
+    ``cum[1:]`` (``cum[0] == 0``), cut at every multiple of ``length`` past ``begin`` and at
+    every document boundary: ``(stream position of the document, first token within it,
+    tokens)``. Positions past ``cum[-1]`` wrap around; empty documents yield no piece."""
+    total = int(cum[-1])
+    cuts = [np.arange(begin, end, length, dtype=np.int64)]  # row starts
+    for k in range(begin // total, (end - 1) // total + 1):  # each pass of the stream the range touches
+        lo, hi = max(begin - k * total, 0), min(end - k * total, total)
+        inner = cum[np.searchsorted(cum, lo, side="right"):np.searchsorted(cum, hi, side="left")]
+        cuts.append(inner + k * total)  # document boundaries inside the range
+        if 0 < k * total < end and k * total > begin:
+            cuts.append(np.array([k * total], dtype=np.int64))  # the wrap-around
+    at = np.union1d(np.concatenate(cuts), [end])  # sorted, unique: empty documents vanish
+    first_tok = at[:-1] % total
+    docs = np.searchsorted(cum, first_tok, side="right") - 1
+    return docs.astype(np.int64), first_tok - cum[docs], np.diff(at)
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """One rank's pass over a packed epoch, as a value (the packed twin of
+    :class:`fastload.sampling.EpochPlan`): ``stream`` the epoch's samples, ``cum`` their
+    cumulative token counts, ``bounds`` this rank's batches in tokens, ``start`` the global
+    token count the pass begins at."""
+
+    epoch: int
+    start: int
+    stream: np.ndarray
+    cum: np.ndarray
+    length: int
+    bounds: tuple[tuple[int, int, int], ...]
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    @property
+    def end(self) -> int:
+        last = self.bounds[-1][2] if self.bounds else self.start
+        return max(last, int(self.cum[-1]))
+
+    def request(self, k: int) -> Request:
+        b, e, _ = self.bounds[k]
+        docs, first, count = pieces(self.cum, b, e, self.length)
+        return Request(self.stream[docs].astype(np.int64), b, first, count, docs)
+
+    def requests(self) -> Iterator[tuple[Request, int]]:
+        for k, (_, _, after) in enumerate(self.bounds):
+            yield self.request(k), after
+
+
+def pack_plan(epoch: int, start: int, stream: np.ndarray, lengths: np.ndarray, *, rows: int, length: int,
+              world_size: int, rank: int, drop_last: bool, max_length: int | None = None) -> PackPlan:
+    """The packed pass over ``stream`` (global sample indices) whose samples have
+    ``lengths`` tokens (indexed by global sample index; truncated to ``max_length``)."""
+    tok = lengths[stream]
+    if max_length is not None:
+        tok = np.minimum(tok, max_length)
+    cum = np.zeros(len(stream) + 1, dtype=np.int64)
+    np.cumsum(tok, out=cum[1:])
+    bounds = pack_bounds(start, int(cum[-1]), world_size, rank, rows, length, drop_last)
+    return PackPlan(epoch, start, stream, cum, length, tuple(bounds))
+
+
+def max_pieces(lengths: np.ndarray, rows: int, length: int, max_length: int | None = None) -> int:
+    """An upper bound on the pieces of one batch of ``rows`` rows of ``length`` tokens: the
+    most whole documents that fit in them (the shortest ones), two partial ones at the ends,
+    one more piece per row cut and two for a wrap-around."""
+    tok = lengths if max_length is None else np.minimum(lengths, max_length)
+    nz = np.sort(tok[tok > 0])
+    fit = int(np.searchsorted(np.cumsum(nz), rows * length, side="right"))
+    return int(min(rows * length, rows + fit + 3))

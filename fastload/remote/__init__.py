@@ -1,0 +1,30 @@
+"""Remote datasets: URL -> filesystem, and the node-local shard cache.
+
+    remote = RemoteDataset("s3://bucket/ds")            # fetches and checks the manifest
+    cache = ShardCache(remote, cache_dir="/nvme/cache", limit="200GB", ahead=4096)
+    cache.plan(sampler_uses(sampler, shard_starts))     # the pass's first-use order
+    path = cache.ensure(shard)                           # blocks until the shard is local
+    cache.advance(consumed)                              # eviction after each shard's last use
+
+Nothing here imports torch. Test servers (SeaweedFS, moto, Range-capable HTTP, a fault
+injecting proxy, a latency proxy) live in :mod:`fastload.remote.testing`.
+"""
+from .cache import ShardCache, default_cache_dir, format_bytes, parse_bytes
+from .download import Concurrency, Downloader, RetryPolicy
+from .manifest import RemoteDataset, check_manifest, manifest_fingerprint
+from .schedule import EpochUses, admission_times, epoch_end, epoch_uses, minimum_budget, plan_uses, sampler_uses
+from .url import REMOTE_SCHEMES, display_url, is_remote, open_transport
+
+
+def open_cache(url: str, *, cache_dir=None, cache_limit=None, filesystem=None, storage_options=None,
+               **kw) -> ShardCache:
+    """The manifest at ``url`` and this node's cache of its shards (no thread started yet)."""
+    remote = RemoteDataset(url, filesystem=filesystem, storage_options=storage_options)
+    return ShardCache(remote, cache_dir=cache_dir, limit=cache_limit, **kw)
+
+__all__ = [
+    "Concurrency", "Downloader", "EpochUses", "REMOTE_SCHEMES", "RemoteDataset", "RetryPolicy", "ShardCache",
+    "admission_times", "check_manifest", "default_cache_dir", "display_url", "epoch_end", "epoch_uses",
+    "format_bytes", "is_remote", "manifest_fingerprint", "minimum_budget", "open_cache", "open_transport",
+    "parse_bytes", "plan_uses", "sampler_uses",
+]

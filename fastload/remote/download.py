@@ -1,0 +1,479 @@
+"""Download one file into place: hashed while it arrives, checked, renamed atomically.
+
+Layers of fault handling, innermost first:
+
+1. the transport's own request retries (pyarrow's ``AwsStandardS3RetryStrategy``);
+2. here, per file: up to ``attempts`` attempts with exponential backoff and full jitter
+   (``base * 2**k``, capped), resuming a partial file where the server allows it (S3 ranges,
+   HTTP ``Range``; an HTTP 200 means start over);
+3. throttling (503 SlowDown, 429) halves the downloads in flight (:class:`Concurrency`,
+   AIMD) and adds one back after as many successes as there are slots;
+4. refused / expired credentials: the transport's filesystem is rebuilt once (reloading
+   credentials) and the attempt repeated; refused again is an error naming the URL;
+5. a checksum mismatch is downloaded once more from scratch, then reported naming the file,
+   its URL and both checksums; a deadline per file names the file.
+"""
+from __future__ import annotations
+
+import heapq
+import http.client
+import itertools
+import os
+import random
+import socket
+import threading
+import time
+import urllib.error
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import xxhash
+
+from ..errors import ChecksumMismatch, DownloadError, DownloadTimeout
+from .url import FaultKind, Transport, classify
+
+__all__ = ["Concurrency", "DownloadCounters", "Downloader", "RetryPolicy", "Cancelled"]
+
+CHECKSUM_PREFIX = "xxh3_128:"
+
+
+class Cancelled(Exception):
+    """The cache is closing: the download stopped (not an error the user sees)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 6           # per file, on top of the transport's request retries
+    backoff_s: float = 0.5      # first pause; doubled each attempt
+    backoff_max_s: float = 30.0
+    timeout_s: float = 600.0    # per file: the deadline that names the file
+
+    def pause(self, attempt: int) -> float:
+        """Full jitter: uniform in [0.5, 1.5] x base * 2**attempt, capped."""
+        return min(self.backoff_max_s, self.backoff_s * (2 ** attempt)) * random.uniform(0.5, 1.5)
+
+
+class Concurrency:
+    """Downloads in flight, adapted AIMD-style: halved on throttling (at most once per
+    ``cooldown_s``), one more after ``limit`` successes, between 1 and ``maximum``."""
+
+    def __init__(self, maximum: int, cooldown_s: float = 1.0):
+        self.maximum = max(1, int(maximum))
+        self._limit = float(self.maximum)
+        self._active = 0
+        self._cond = threading.Condition()
+        self._last_cut = -1e9
+        self._cooldown = cooldown_s
+        self.cuts = 0
+
+    @property
+    def limit(self) -> int:
+        return max(1, int(self._limit))
+
+    def acquire(self, stop: threading.Event | None = None) -> None:
+        with self._cond:
+            while self._active >= self.limit:
+                if stop is not None and stop.is_set():
+                    raise Cancelled()
+                self._cond.wait(0.05)
+            self._active += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def throttled(self) -> None:
+        with self._cond:
+            now = time.monotonic()
+            if now - self._last_cut >= self._cooldown:
+                self._limit = max(1.0, self._limit / 2)
+                self._last_cut = now
+                self.cuts += 1
+
+    def succeeded(self) -> None:
+        with self._cond:
+            if self._limit < self.maximum:
+                self._limit = min(float(self.maximum), self._limit + 1.0 / self._limit)
+                self._cond.notify_all()
+
+
+class _Job:
+    __slots__ = ("fn", "done", "error")
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class RangePool:
+    """Threads that fetch byte ranges of shards, most urgent first (lowest priority value:
+    the shard the reader waits for, then the order of first use), so the next shard needed
+    gets the bandwidth instead of sharing it with shards needed later."""
+
+    def __init__(self, threads: int, concurrency: Concurrency, stop: threading.Event):
+        self._n = max(1, int(threads))
+        self._concurrency = concurrency
+        self._stop = stop
+        self._heap: list = []
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+
+    def submit(self, priority, fn: Callable[[], None]) -> _Job:
+        job = _Job(fn)
+        with self._cond:
+            if not self._threads:
+                self._closing = False
+                self._threads = [threading.Thread(target=self._run, name=f"fastload-range-{i}", daemon=True)
+                                 for i in range(self._n)]
+                for t in self._threads:
+                    t.start()
+            heapq.heappush(self._heap, (priority, next(self._seq), job))
+            self._cond.notify()
+        return job
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap and not self._closing:
+                    self._cond.wait()
+                if not self._heap:
+                    return
+                _, _, job = heapq.heappop(self._heap)
+            try:
+                if self._stop.is_set():
+                    raise Cancelled()
+                self._concurrency.acquire(self._stop)
+                try:
+                    job.fn()
+                finally:
+                    self._concurrency.release()
+            except BaseException as e:  # handed to the waiting download
+                job.error = e
+            job.done.set()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+        with self._cond:
+            self._threads = []
+            for _, _, job in self._heap:  # never run: their downloads are being cancelled
+                job.error = Cancelled()
+                job.done.set()
+            self._heap.clear()
+
+
+class DownloadCounters:
+    """Thread-safe counters; ``busy_s`` is wall time with at least one download running."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.files = 0
+        self.retries = 0
+        self.throttled = 0
+        self.rebuilds = 0
+        self.checksum_failures = 0
+        self._active = 0
+        self._busy_since = 0.0
+        self._busy_s = 0.0
+
+    def add_bytes(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
+
+    def incr(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    def start(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._busy_since = time.monotonic()
+            self._active += 1
+
+    def stop(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._busy_s += time.monotonic() - self._busy_since
+
+    @property
+    def busy_s(self) -> float:
+        with self._lock:
+            return self._busy_s + (time.monotonic() - self._busy_since if self._active else 0.0)
+
+    def mbps(self) -> float:
+        b = self.busy_s
+        return self.bytes / b / 1e6 if b > 0 else 0.0
+
+
+_TRANSIENT_ERRORS = (OSError, http.client.HTTPException, urllib.error.URLError, socket.timeout, ValueError)
+
+
+class _Truncated(OSError):
+    pass
+
+
+class _Mismatch(Exception):
+    def __init__(self, actual: str):
+        self.actual = actual
+
+
+class Downloader:
+    """Fetches files of one :class:`Transport` into local paths (see the module docstring)."""
+
+    def __init__(self, transport: Transport, *, threads: int = 4, policy: RetryPolicy | None = None,
+                 chunk_bytes: int = 16 << 20, stop: threading.Event | None = None,
+                 counters: DownloadCounters | None = None, fsync: bool = True):
+        self.transport = transport
+        self.policy = policy or RetryPolicy()
+        self.concurrency = Concurrency(threads)
+        self.chunk = int(chunk_bytes)
+        self.stop = stop or threading.Event()
+        self.counters = counters or DownloadCounters()
+        self.fsync = fsync
+        # object stores: a shard bigger than one chunk comes as byte ranges fetched in
+        # parallel, the most urgent shard's first (RangePool); http(s): one streamed GET
+        self.ranges = RangePool(threads, self.concurrency, self.stop) if getattr(transport, "ranged", False) else None
+
+    def close(self) -> None:
+        """Join the range threads (they start again with the next download)."""
+        if self.ranges is not None:
+            self.ranges.close()
+
+    def fetch(self, name: str, dest: Path, *, size: int, checksum: str | None, part: Path | None = None,
+              label: str | None = None, deadline: float | None = None, priority: float = 0,
+              on_progress: Callable[[int], None] | None = None) -> None:
+        """Download ``name`` to ``dest`` (atomically: via ``part``, then ``os.replace``).
+
+        ``size``/``checksum`` come from the manifest; ``label`` names the file in errors
+        (default: ``name``). Raises :class:`DownloadError` (or a subclass) naming the file
+        and URL, or :class:`Cancelled` when ``stop`` is set."""
+        label = label or name
+        url = self.transport.file_url(name)
+        part = part or dest.with_name(f".{dest.name}.part")
+        deadline = deadline if deadline is not None else time.monotonic() + self.policy.timeout_s
+        attempt = 0
+        mismatches = 0
+        last: BaseException | None = None
+        rebuilt_for: int | None = None
+        ranged = self.ranges is not None and size > self.chunk
+        done: set[int] = set()  # offsets of ranges already in the partial file (ranged path)
+        while True:
+            if self.stop.is_set():
+                raise Cancelled()
+            if time.monotonic() >= deadline:
+                raise DownloadTimeout(
+                    f"shard {label} was not downloaded within its deadline of {self.policy.timeout_s:g}s "
+                    f"({attempt} attempt(s); last error: {_short(last)}) from {url}; check the network and "
+                    "the server, or raise download_timeout", shard=label, url=url)
+            generation = self.transport.generation
+            if not ranged:  # the range threads take a slot per request instead
+                self.concurrency.acquire(self.stop)
+            self.counters.start()
+            try:
+                if ranged:
+                    self._attempt_ranges(name, dest, part, size, checksum, priority, done, on_progress)
+                else:
+                    self._attempt(name, dest, part, size, checksum, deadline, on_progress)
+            except _Mismatch as m:
+                mismatches += 1
+                self.counters.incr("checksum_failures")
+                _unlink(part)
+                done.clear()
+                if mismatches >= 2:
+                    raise ChecksumMismatch(
+                        f"shard {label} downloaded from {url} twice has checksum {m.actual}, but the manifest "
+                        f"says {checksum}: the remote dataset changed (or is damaged) since its manifest was "
+                        "written; convert or upload it again, then run `fastload verify` on the URL",
+                        shard=label, url=url, expected=checksum, actual=m.actual) from None
+                last = RuntimeError(f"checksum {m.actual} != {checksum}")
+            except (Cancelled, DownloadError):
+                raise
+            except _TRANSIENT_ERRORS as e:
+                last = e
+                kind = classify(e)
+                if kind == FaultKind.MISSING:
+                    _unlink(part)
+                    raise DownloadError(
+                        f"shard {label} does not exist at {url} ({_short(e)}); the remote dataset is incomplete "
+                        "or was moved: check the URL, or upload the dataset again (manifest last)",
+                        shard=label, url=url) from None
+                if kind == FaultKind.THROTTLE:
+                    self.counters.incr("throttled")
+                    self.concurrency.throttled()
+                elif kind == FaultKind.AUTH:
+                    if rebuilt_for is not None:
+                        raise DownloadError(
+                            f"credentials for {url} were refused ({_short(e)}), again after reloading them; "
+                            "check the credentials (environment, credential files, role) for shard "
+                            f"{label}", shard=label, url=url) from None
+                    if self.transport.rebuild(generation):
+                        self.counters.incr("rebuilds")
+                        rebuilt_for = generation
+                        continue  # at once: not a failed attempt
+                    raise DownloadError(
+                        f"credentials for {url} were refused ({_short(e)}) for shard {label}; the "
+                        "filesystem= instance cannot reload them: pass a callable that builds the "
+                        "filesystem, or fix the credentials", shard=label, url=url) from None
+            else:
+                self.concurrency.succeeded()
+                return
+            finally:
+                self.counters.stop()
+                if not ranged:
+                    self.concurrency.release()
+            attempt += 1
+            if attempt >= self.policy.attempts:
+                raise DownloadError(
+                    f"shard {label} could not be downloaded from {url} after {attempt} attempts "
+                    f"(last error: {_short(last)}); check the network and the server, then run again "
+                    "(what was downloaded is kept)", shard=label, url=url)
+            self.counters.incr("retries")
+            pause = min(self.policy.pause(attempt - 1), max(0.0, deadline - time.monotonic()))
+            if self.stop.wait(pause):
+                raise Cancelled()
+
+    def _attempt_ranges(self, name: str, dest: Path, part: Path, size: int, checksum: str | None, priority: float,
+                        done: set[int], on_progress: Callable[[int], None] | None) -> None:
+        """One attempt in byte ranges (object stores): open once (the size is checked against
+        the manifest), fetch the ranges not yet in ``part`` in parallel into a preallocated
+        file, then hash it whole (page-cached: memory speed) and rename it into place."""
+        f, _ = self.transport.open_read(name, 0)
+        try:
+            remote_size = f.size()
+            if remote_size != size:
+                raise _Mismatch(f"(an object of {remote_size} bytes, the manifest says {size})")
+            if not done or not part.exists():
+                done.clear()
+                with open(part, "wb") as out:
+                    out.truncate(size)
+            fd = os.open(part, os.O_WRONLY)
+            try:
+                def get(o: int, n: int) -> None:
+                    b = f.read_at(n, o)
+                    if len(b) != n:
+                        raise _Truncated(f"range at {o}: {len(b)} of {n} bytes")
+                    os.pwrite(fd, memoryview(b), o)
+                    done.add(o)
+                    self.counters.add_bytes(n)
+                    if on_progress is not None:
+                        on_progress(n)
+
+                jobs = [self.ranges.submit((priority, o), lambda o=o: get(o, min(self.chunk, size - o)))
+                        for o in range(0, size, self.chunk) if o not in done]
+                error = None
+                for job in jobs:
+                    while not job.done.wait(0.05):
+                        pass
+                    if job.error is not None and (error is None or isinstance(error, Cancelled)):
+                        error = job.error
+                if error is not None:
+                    raise error
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        finally:
+            try:
+                f.close()
+            except Exception:
+                pass
+        actual = file_checksum_of(part)
+        if checksum is not None and actual != checksum:
+            raise _Mismatch(actual)
+        os.replace(part, dest)
+
+    def _attempt(self, name: str, dest: Path, part: Path, size: int, checksum: str | None, deadline: float,
+                 on_progress: Callable[[int], None] | None) -> None:
+        h = xxhash.xxh3_128()
+        have = part.stat().st_size if part.exists() else 0
+        if have > size:
+            _unlink(part)
+            have = 0
+        stream, start = self.transport.open_read(name, have)
+        try:
+            if start == 0 and have:
+                have = 0  # the server cannot resume: start over
+            mode = "r+b" if have else "wb"
+            with open(part, mode) as out:
+                if have:
+                    # hash what is already there (page-cached: memory speed)
+                    out.seek(0)
+                    left = have
+                    while left:
+                        b = out.read(min(self.chunk, left))
+                        if not b:
+                            break
+                        h.update(b)
+                        left -= len(b)
+                    out.seek(have)
+                    out.truncate(have)
+                pos = have
+                while pos < size:
+                    if self.stop.is_set():
+                        raise Cancelled()
+                    if time.monotonic() >= deadline:
+                        raise socket.timeout("deadline reached mid-download")
+                    b = stream.read(min(self.chunk, size - pos))
+                    if not b:
+                        break
+                    out.write(b)
+                    h.update(b)
+                    n = len(b)
+                    pos += n
+                    self.counters.add_bytes(n)
+                    if on_progress is not None:
+                        on_progress(n)
+                if pos == size:
+                    extra = stream.read(1)
+                    if extra:
+                        raise _Mismatch(f"(more than the manifest's {size} bytes)")
+                if self.fsync and pos == size:
+                    out.flush()
+                    os.fsync(out.fileno())
+        finally:
+            try:
+                stream.close()
+            except Exception:
+                pass
+        got = part.stat().st_size
+        if got < size:
+            raise _Truncated(f"body ended after {got} of {size} bytes")
+        actual = CHECKSUM_PREFIX + h.hexdigest()
+        if checksum is not None and actual != checksum:
+            raise _Mismatch(actual)
+        os.replace(part, dest)
+
+
+def file_checksum_of(path: Path, chunk: int = 8 << 20) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return CHECKSUM_PREFIX + h.hexdigest()
+
+
+def _unlink(p: Path) -> None:
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass
+
+
+def _short(e: BaseException | None) -> str:
+    if e is None:
+        return "none"
+    s = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {s[:300]}" if s else type(e).__name__

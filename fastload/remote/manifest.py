@@ -1,0 +1,130 @@
+"""A remote dataset's manifest: fetched, checked, fingerprinted.
+
+The fingerprint is the one fastload keys resume states and caches by: a hash of the sample
+counts, fields and shard checksums, so the same data reached through another URL (or a
+local copy) has the same fingerprint, and a re-uploaded, changed dataset has another.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from typing import Any, Mapping
+
+from ..errors import FormatError, RemoteError
+from .url import SAFE_NAME, FaultKind, Transport, classify, open_transport
+
+__all__ = ["RemoteDataset", "manifest_fingerprint", "check_manifest"]
+
+MANIFEST = "manifest.json"
+
+
+def manifest_fingerprint(m: Mapping[str, Any]) -> str:
+    """A short hash of what defines the data: sample counts, fields and shard checksums
+    (equal to ``fastload.loader.dataset_fingerprint`` of the same dataset)."""
+    desc = json.dumps({"n": m["num_samples"], "fields": m["fields"],
+                       "shards": [(s["num_samples"], s.get("checksum")) for s in m["shards"]]}, sort_keys=True)
+    return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
+def check_manifest(m: Any, where: str) -> dict:
+    """The checks a *remote* manifest needs to be cached safely: every shard has a byte size
+    and a checksum (the cache verifies every download), and its file name is a plain name (it
+    becomes a file name in the cache directory). The format and its version are checked by
+    the reader (``fastload.store.reader.check_manifest``): this package sits below the store
+    and does not import it."""
+    if not isinstance(m, dict):
+        raise FormatError(f"{where} is not a fastload manifest (not a JSON object)")
+    for k in ("fields", "shards", "num_samples"):
+        if k not in m:
+            raise FormatError(f"{where} lacks the key {k!r}; the manifest is damaged")
+    if not isinstance(m["shards"], list):
+        raise FormatError(f"{where}: 'shards' is not a list; the manifest is damaged")
+    seen = set()
+    for i, s in enumerate(m["shards"]):
+        if not isinstance(s, dict):
+            raise FormatError(f"{where}: shards[{i}] is not an object; the manifest is damaged")
+        name = s.get("file")
+        if not isinstance(name, str) or not SAFE_NAME.match(name) or name == MANIFEST or name in seen:
+            raise FormatError(f"{where}: shards[{i}] has file name {name!r}; a remote dataset's shards must "
+                              "have distinct plain file names (no directories, not hidden)")
+        seen.add(name)
+        for k, t in (("num_samples", int), ("bytes", int), ("checksum", str)):
+            if not isinstance(s.get(k), t) or isinstance(s.get(k), bool):
+                raise FormatError(f"{where}: shard {name} lacks a valid {k!r}; a remote dataset needs every "
+                                  "shard's byte size and xxh3_128 checksum (convert it again)")
+        if s["bytes"] < 0 or s["num_samples"] < 0 or not s["checksum"].startswith("xxh3_128:"):
+            raise FormatError(f"{where}: shard {name} has a bad size or checksum ({s['bytes']!r}, "
+                              f"{s['checksum']!r}); the manifest is damaged")
+    return m
+
+
+class RemoteDataset:
+    """The manifest of a dataset at a URL, and the transport to fetch its files.
+
+    Opening makes one request (the manifest, retried on transient faults). Holds no secret:
+    the transport keeps credentials inside its filesystem object, never in ``url``."""
+
+    def __init__(self, url: str, *, filesystem: Any = None, storage_options: Mapping[str, Any] | None = None,
+                 transport: Transport | None = None, attempts: int = 5):
+        self.transport = transport or open_transport(url, filesystem=filesystem, storage_options=storage_options)
+        self.url = self.transport.url
+        data = self._fetch_manifest(attempts)
+        where = self.transport.file_url(MANIFEST)
+        try:
+            m = json.loads(data)
+        except ValueError as e:
+            raise FormatError(f"{where} is not readable JSON ({e}); the dataset is damaged") from None
+        self.manifest = check_manifest(m, where)
+        self.manifest_bytes = data
+        self.fingerprint = manifest_fingerprint(self.manifest)
+        shards = self.manifest["shards"]
+        self.shard_files: list[str] = [s["file"] for s in shards]
+        self.shard_bytes: list[int] = [int(s["bytes"]) for s in shards]
+        self.checksums: list[str] = [s["checksum"] for s in shards]
+        self.total_bytes = int(sum(self.shard_bytes))
+
+    def __repr__(self) -> str:
+        if not hasattr(self, "shard_files"):
+            return f"RemoteDataset({getattr(self, 'url', '?')!r})"
+        return f"RemoteDataset({self.url!r}, {len(self.shard_files)} shards, {self.total_bytes} bytes)"
+
+    def shard_url(self, i: int) -> str:
+        return self.transport.file_url(self.shard_files[i])
+
+    def _fetch_manifest(self, attempts: int) -> bytes:
+        where = self.transport.file_url(MANIFEST)
+        last: BaseException | None = None
+        rebuilt = False
+        for k in range(max(1, attempts)):
+            gen = self.transport.generation
+            try:
+                return self.transport.read_bytes(MANIFEST)
+            except Exception as e:  # classified below; anything unknown is re-raised
+                if isinstance(e, RemoteError):
+                    raise
+                kind = classify(e)
+                if kind == FaultKind.MISSING:
+                    raise RemoteError(f"{where} does not exist: {self.url} is not a fastload dataset (or its upload "
+                                      "has not finished: the manifest is written last)") from None
+                if kind == FaultKind.AUTH:
+                    if not rebuilt and self.transport.rebuild(gen):
+                        rebuilt = True
+                        continue
+                    raise RemoteError(f"credentials for {where} were refused ({_first_line(e)}); check the "
+                                      "credentials (environment, credential files, role) or pass filesystem=") from None
+                if not isinstance(e, (OSError, ValueError)) and kind == FaultKind.TRANSIENT \
+                        and not type(e).__module__.startswith(("http", "urllib", "socket")):
+                    raise
+                last = e
+            time.sleep(min(10.0, 0.25 * 2 ** k) * random.uniform(0.5, 1.5))
+        raise RemoteError(f"cannot read {where} after {attempts} attempts (last error: {_first_line(last)}); "
+                          "check the URL, the network and the server")
+
+
+def _first_line(e: BaseException | None) -> str:
+    if e is None:
+        return "none"
+    s = str(e).strip()
+    return f"{type(e).__name__}: {s.splitlines()[0][:300]}" if s else type(e).__name__

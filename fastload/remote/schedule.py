@@ -1,0 +1,184 @@
+"""Which shards an epoch needs, when, and when each may be downloaded under a byte budget.
+
+An epoch is read as a stream of global positions (see ``fastload.sampling``): after the
+ranks together consumed ``C`` positions, every position below ``C`` is done on every rank.
+For each shard the schedule keeps its **first** and **last** position of use in the epoch;
+the order of first uses is the download order. Positions of consecutive passes over the
+data are laid end to end on one axis ``T`` ("timeline"), the same on every rank of a node.
+
+A shard is *required* from ``first - ahead`` (the reader asks for shards ``ahead``
+positions before it reports them consumed: its prefetch) until ``last`` (inclusive). The
+smallest budget that lets the reader go on is the largest total size of shards required at
+the same moment (:func:`minimum_budget`): with less, a shard the reader waits for can only
+get room when the reader moves on: a deadlock, refused up front (:class:`CacheTooSmall`).
+
+Admission (:func:`admission_times`) walks the uses in first-use order and gives each the
+earliest ``T`` at which it fits next to the uses admitted before it that are still required
+then. It is strictly in order (a later shard never takes the room of an earlier one, the
+deadlock "admit whatever fits" runs into) and, with a budget of at least the minimum, every
+shard is admitted by the time it is required.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..sampling import per_rank_count, rank_batch_bounds
+
+__all__ = ["EpochUses", "epoch_end", "epoch_uses", "plan_uses", "sampler_uses", "minimum_budget", "admission_times"]
+
+
+@dataclass(frozen=True)
+class EpochUses:
+    """The shards one pass reads: ``shards[j]`` is first used at position ``first[j]`` and
+    last at ``last[j]`` (positions of the epoch's stream, ``start <= first <= last < end``),
+    sorted by ``first``."""
+
+    epoch: int
+    start: int
+    end: int
+    shards: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def same_as(self, other: "EpochUses | None") -> bool:
+        return (other is not None and self.epoch == other.epoch and self.start == other.start
+                and self.end == other.end and np.array_equal(self.shards, other.shards)
+                and np.array_equal(self.first, other.first) and np.array_equal(self.last, other.last))
+
+
+def epoch_end(stream_len: int, *, world_size: int, batch_size: int, drop_last: bool = False,
+              drop_last_batch: bool = False, start: int = 0) -> int:
+    """The global position after the last one the ranks read this pass (padding included:
+    positions ``>= stream_len`` wrap around to the stream's start)."""
+    if drop_last_batch:
+        b = rank_batch_bounds(start, stream_len, world_size, 0, batch_size, drop_last, True)
+        return b[-1][2] if b else start
+    return start + per_rank_count(stream_len - start, world_size, drop_last) * world_size
+
+
+def epoch_uses(stream: np.ndarray, shard_starts: np.ndarray, *, epoch: int = 0, start: int = 0,
+               end: int | None = None, chunk: int = 1 << 22) -> EpochUses:
+    """First and last use of every shard read by positions ``start..end-1`` of ``stream``
+    (position ``p`` reads ``stream[p % len(stream)]``). ``shard_starts``: the cumulative
+    sample counts (length num_shards + 1)."""
+    stream = np.asarray(stream)
+    m = len(stream)
+    end = m if end is None else int(end)
+    starts = np.asarray(shard_starts, dtype=np.int64)
+    nshards = len(starts) - 1
+    first = np.full(nshards, np.iinfo(np.int64).max, dtype=np.int64)
+    last = np.full(nshards, -1, dtype=np.int64)
+    for a in range(start, end, chunk):
+        b = min(end, a + chunk)
+        pos = np.arange(a, b, dtype=np.int64)
+        idx = stream[pos % m] if (a >= m or b > m) else stream[a:b]
+        sh = np.searchsorted(starts, idx, side="right") - 1
+        # first / last occurrence of each shard in this chunk (positions ascend)
+        u, i_first = np.unique(sh, return_index=True)
+        _, i_last = np.unique(sh[::-1], return_index=True)
+        i_last = len(sh) - 1 - i_last
+        np.minimum.at(first, u, pos[i_first])
+        np.maximum.at(last, u, pos[i_last])
+    used = np.flatnonzero(last >= 0)
+    order = used[np.argsort(first[used], kind="stable")]
+    return EpochUses(int(epoch), int(start), int(end), order.astype(np.int64), first[order], last[order])
+
+
+def sampler_uses(sampler, shard_starts: np.ndarray, *, epoch: int | None = None, start: int | None = None) -> EpochUses:
+    """:func:`epoch_uses` for a :class:`fastload.Sampler`'s pass (its epoch and resume
+    position unless given)."""
+    e = sampler.epoch if epoch is None else int(epoch)
+    s = (sampler._start() if e == sampler.epoch else 0) if start is None else int(start)
+    end = epoch_end(sampler.stream_len, world_size=sampler.world_size, batch_size=sampler.batch_size,
+                    drop_last=sampler.drop_last, drop_last_batch=sampler.drop_last_batch, start=s)
+    return epoch_uses(sampler.stream(e), shard_starts, epoch=e, start=s, end=end)
+
+
+def plan_uses(plan, shard_starts: np.ndarray) -> EpochUses:
+    """:func:`epoch_uses` of a :class:`fastload.sampling.EpochPlan` (one rank's pass): the
+    positions every rank of the job reads in it (all ranks step together)."""
+    end = plan.bounds[-1][2] if plan.bounds else plan.start
+    return epoch_uses(plan.stream, shard_starts, epoch=plan.epoch, start=plan.start, end=end)
+
+
+def _merged_intervals(shards: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+    """Per shard, the union of its [lo, hi] intervals: (shard, lo, hi) arrays."""
+    if not len(shards):
+        return shards, lo, hi
+    order = np.lexsort((lo, shards))
+    s, a, b = shards[order], lo[order], hi[order]
+    out_s, out_a, out_b = [], [], []
+    cs, ca, cb = int(s[0]), int(a[0]), int(b[0])
+    for x, y, z in zip(s[1:].tolist(), a[1:].tolist(), b[1:].tolist()):
+        if x == cs and y <= cb + 1:
+            cb = max(cb, z)
+        else:
+            out_s.append(cs), out_a.append(ca), out_b.append(cb)
+            cs, ca, cb = x, y, z
+    out_s.append(cs), out_a.append(ca), out_b.append(cb)
+    return np.array(out_s, np.int64), np.array(out_a, np.int64), np.array(out_b, np.int64)
+
+
+def minimum_budget(shards: np.ndarray, first: np.ndarray, last: np.ndarray, sizes: np.ndarray,
+                   ahead: int = 0) -> tuple[int, int]:
+    """``(bytes, T)``: the largest total size of shards required at one moment ``T`` (a
+    shard is required on ``[first - ahead, last]``), and that moment."""
+    if not len(shards):
+        return 0, 0
+    s, a, b = _merged_intervals(np.asarray(shards, np.int64), np.asarray(first, np.int64) - int(ahead),
+                                np.asarray(last, np.int64))
+    sz = np.asarray(sizes, np.int64)[s]
+    t = np.concatenate([a, b + 1])
+    d = np.concatenate([sz, -sz])
+    order = np.lexsort((d, t))  # at equal T, releases (negative) before admissions
+    run = np.cumsum(d[order])
+    k = int(np.argmax(run))
+    return int(run[k]), int(t[order][k])
+
+
+def admission_times(shards: np.ndarray, first: np.ndarray, last: np.ndarray, sizes: np.ndarray,
+                    limit: int, t0: int) -> np.ndarray:
+    """The earliest ``T >= t0`` at which each use (in the given, first-use, order) may be
+    downloaded: it fits in ``limit`` beside the earlier uses still required at ``T``
+    (required until ``last``), and no earlier than the use before it. A use of a shard that
+    is still resident from an earlier use costs nothing."""
+    n = len(shards)
+    out = np.empty(n, dtype=np.int64)
+    sizes = np.asarray(sizes, np.int64)
+    until: dict[int, int] = {}     # resident shard -> last T it is required
+    heap: list[tuple[int, int]] = []
+    live = 0
+    t = int(t0)
+
+    def release_before(t_now: int) -> None:
+        nonlocal live
+        while heap and heap[0][0] < t_now:
+            u_end, s_ = heapq.heappop(heap)
+            if until.get(s_) == u_end:
+                del until[s_]
+                live -= int(sizes[s_])
+
+    for j in range(n):
+        s = int(shards[j])
+        release_before(t)
+        if s in until:
+            out[j] = t
+            if int(last[j]) > until[s]:
+                until[s] = int(last[j])
+                heapq.heappush(heap, (until[s], s))
+            continue
+        size = int(sizes[s])
+        while live + size > limit and heap:
+            t = max(t, heap[0][0] + 1)
+            release_before(t)
+        out[j] = t
+        until[s] = int(last[j])
+        heapq.heappush(heap, (until[s], s))
+        live += size
+    return out

@@ -1,0 +1,178 @@
+"""Fixtures and helpers shared by the remote-dataset tests (servers on 127.0.0.1 only)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastload.remote import RemoteDataset, RetryPolicy, ShardCache, epoch_uses
+from fastload.remote.testing import FaultProxy, MotoS3, upload_dir
+
+BUCKET = "fastload-test"
+ROWS, DIM = 3000, 64  # float32 rows of 256 B + an int64: ~30 KB of data per shard at 32 KB shards
+
+
+def make_dataset(path: Path, rows: int = ROWS, shard_size: int = 32_000) -> Path:
+    from fastload.store.writer import ShardWriter
+
+    x = (np.arange(rows * DIM, dtype=np.float32) % 9973).reshape(rows, DIM)
+    with ShardWriter(path, {"x": f"float32[{DIM}]", "y": "int64"}, shard_size=shard_size) as w:
+        w.write_batch({"x": x, "y": np.arange(rows, dtype=np.int64)})
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _aws_sdk_event_loop():
+    """The AWS SDK starts one event-loop thread ("AwsEventLoop1") with the first S3 client and
+    keeps it for the life of the process: start it before any test's thread snapshot."""
+    import pyarrow.fs as pafs
+
+    pafs.S3FileSystem(access_key="x", secret_key="x", endpoint_override="127.0.0.1:9", scheme="http",
+                      region="us-east-1")
+
+
+@pytest.fixture
+def local_ds(tmp_path) -> Path:
+    return make_dataset(tmp_path / "local")
+
+
+@pytest.fixture
+def moto():
+    with MotoS3((BUCKET,)) as srv:
+        yield srv
+
+
+@pytest.fixture
+def s3_env(monkeypatch):
+    """Credentials moto accepts, from the environment (where real jobs keep them)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    for v in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(v, raising=False)
+
+
+@pytest.fixture
+def proxy(moto):
+    """A fault-injecting proxy in front of moto."""
+    with FaultProxy(moto.endpoint) as p:
+        yield p
+
+
+def upload(srv, local: Path, prefix: str = "ds") -> str:
+    fs = srv.filesystem()
+    upload_dir(fs, local, f"{BUCKET}/{prefix}")
+    return f"{BUCKET}/{prefix}"
+
+
+def s3_url(endpoint: str, prefix: str = "ds") -> str:
+    return f"s3://{BUCKET}/{prefix}?endpoint_override={endpoint}&scheme=http"
+
+
+def open_remote(endpoint: str, prefix: str = "ds", **storage_options) -> RemoteDataset:
+    # max_attempts=1: pyarrow's own request retries off, so the cache's retry layer is what
+    # the fault tests see (in production both layers are on)
+    storage_options.setdefault("max_attempts", 1)
+    return RemoteDataset(s3_url(endpoint, prefix), storage_options=storage_options)
+
+
+FAST_RETRY = RetryPolicy(attempts=6, backoff_s=0.02, backoff_max_s=0.2, timeout_s=30)
+
+
+def make_cache(remote: RemoteDataset, cache_dir: Path, **kw) -> ShardCache:
+    kw.setdefault("retry", FAST_RETRY)
+    kw.setdefault("local_world_size", 1)
+    kw.setdefault("local_rank", 0)
+    return ShardCache(remote, cache_dir=cache_dir, **kw)
+
+
+def shard_starts(remote: RemoteDataset) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum([s["num_samples"] for s in remote.manifest["shards"]])]).astype(np.int64)
+
+
+def window_stream(remote: RemoteDataset, window: int = 1, seed: int = 0, epoch: int = 0) -> np.ndarray:
+    from fastload.sampling import window_permutation
+
+    return window_permutation([s["num_samples"] for s in remote.manifest["shards"]], window, seed, epoch)
+
+
+def read_pass(cache: ShardCache, remote: RemoteDataset, stream: np.ndarray, *, batch: int = 64, start: int = 0,
+              end: int | None = None, sample: list | None = None, check: bool = True) -> list[int]:
+    """Act as the Loader: ask for the shards of positions up to ``consumed + ahead``, read
+    the rows from the cached files, report progress. Returns the shards in the order first
+    asked for. With ``check``, every row read equals the dataset's (x[i] pattern)."""
+    import pyarrow as pa
+
+    starts = shard_starts(remote)
+    end = len(stream) if end is None else end
+    asked: list[int] = []
+    seen = set()
+    for pos in range(start, end, batch):
+        hi = min(end, pos + batch + cache.ahead)
+        idx = stream[np.arange(pos, hi) % len(stream)]
+        sh = np.searchsorted(starts, idx, side="right") - 1
+        for s in dict.fromkeys(sh.tolist()):
+            p = cache.ensure(int(s))
+            if s not in seen:
+                seen.add(s)
+                asked.append(int(s))
+            if check:
+                bidx = idx[: min(batch, end - pos)]
+                mine = bidx[(np.searchsorted(starts, bidx, side="right") - 1) == s]
+                if len(mine):
+                    with pa.memory_map(str(p)) as mm:
+                        b = pa.ipc.open_file(mm).get_batch(0)
+                        y = b.column("y").to_numpy()
+                        rows = mine - starts[s]
+                        assert np.array_equal(y[rows], mine), f"shard {s}: wrong rows"
+        cache.advance(min(end, pos + batch))
+        if sample is not None:
+            sample.append(cache.disk_usage())
+    return asked
+
+
+class DiskSampler:
+    """Samples the bytes of shards and partial downloads in a directory every ``every`` s
+    in a background thread (the budget must hold at every moment, not only between steps)."""
+
+    def __init__(self, directory: Path, every: float = 0.002):
+        self.directory = directory
+        self.every = every
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="fastload-test-disk-sampler", daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            total = 0
+            try:
+                for e in os.scandir(self.directory):
+                    if e.name.endswith((".arrow", ".part")):
+                        try:
+                            total += e.stat().st_size
+                        except FileNotFoundError:
+                            pass
+            except FileNotFoundError:
+                pass
+            self.samples.append(total)
+            time.sleep(self.every)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+    @property
+    def peak(self) -> int:
+        return max(self.samples, default=0)
+
+
+__all__ = ["_aws_sdk_event_loop", "BUCKET", "DiskSampler", "FAST_RETRY", "epoch_uses", "local_ds", "make_cache", "make_dataset", "moto",
+           "open_remote", "proxy", "read_pass", "s3_env", "s3_url", "shard_starts", "upload", "window_stream"]

@@ -1,0 +1,183 @@
+"""Mixtures: proportions (exact per batch, statistical per epoch), each dataset's own passes,
+epochs by size or by one dataset's exhaustion, fields, source/index, exact resume at any
+world size (also on real gloo ranks)."""
+import numpy as np
+import pytest
+
+import fastload
+from fastload.errors import FormatError
+from fastload.mixture import Mixture, MixtureSampler, batch_counts
+from fastload.store import ShardWriter
+from _dist import run_ranks
+from _resume import check_resume, rows_read
+
+SIZES = {"web": 500, "books": 90, "code": 23}
+OFFSET = {"web": 0, "books": 100_000, "code": 200_000}
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mix")
+    out = {}
+    for name, n in SIZES.items():
+        with ShardWriter(root / name, {"x": "int64", "t": "int32[]", "label": "int64"}, shard_size=2000) as w:
+            w.write_batch({"x": np.arange(n) + OFFSET[name], "label": np.arange(n) % 3,
+                           "t": [np.full(i % 7, OFFSET[name] + i, np.int32) for i in range(n)]})
+        out[name] = fastload.Dataset(root / name)
+    return out
+
+
+def _read(loader, epochs=1):
+    src, idx = [], []
+    for e in range(epochs):
+        loader.set_epoch(e)
+        for b in loader:
+            src.append(b["source"].numpy())
+            idx.append(b["index"].numpy())
+            names = list(SIZES)
+            assert b["x"].tolist() == [OFFSET[names[s]] + i for s, i in zip(b["source"].tolist(), b["index"].tolist())]
+    return src, idx
+
+
+def test_counts_per_batch_are_floor_or_ceil_and_add_up():
+    w = np.array([0.35, 0.3, 0.35])
+    c = batch_counts(w, 10, 5000)
+    assert (c.sum(axis=1) == 10).all() and (c[:, 1] == 3).all()
+    assert set(c[:, 0].tolist()) == {3, 4} and set(c[:, 2].tolist()) == {3, 4}
+    assert abs(c[:, 0].sum() - 0.35 * 50_000) <= 3  # long-run proportions hold to a few samples
+    c = batch_counts(np.array([0.7, 0.2, 0.1]), 8, 10_000)
+    assert np.abs(c.mean(axis=0) - np.array([5.6, 1.6, 0.8])).max() < 1e-3
+    assert set(c[:, 0].tolist()) == {5, 6} and set(c[:, 2].tolist()) == {0, 1}
+
+
+def test_every_batch_holds_the_proportions_exactly(datasets):
+    weights = [0.6, 0.3, 0.1]
+    with fastload.Loader(list(datasets.values()), mix=weights, epoch_size=3000, batch_size=20, seed=1) as loader:
+        src, _ = _read(loader)
+    for s in src:
+        counts = np.bincount(s, minlength=3)
+        assert counts.tolist() in ([12, 6, 2],), counts  # 20 * p is whole: every batch exactly
+    with fastload.Loader(list(datasets.values()), mix=[0.55, 0.3, 0.15], epoch_size=3000, batch_size=16) as loader:
+        src, _ = _read(loader)
+    assert len(src[-1]) == 3000 % 16  # the last batch is short; every full one holds the proportions
+    counts = np.array([np.bincount(s, minlength=3) for s in src[:-1]])
+    assert set(counts[:, 0].tolist()) <= {8, 9} and set(counts[:, 1].tolist()) <= {4, 5}
+    assert set(counts[:, 2].tolist()) <= {2, 3} and (counts.sum(axis=1) == 16).all()
+    assert np.abs(counts.sum(axis=0) / (3000 - 8) - [0.55, 0.3, 0.15]).max() < 0.002
+
+
+def test_per_epoch_totals_are_exact_and_batches_vary_around_them(datasets):
+    mix = Mixture(datasets, {"web": 5, "books": 3, "code": 2}, epoch_size=4000, per="epoch")
+    with fastload.Loader(mix, batch_size=40, seed=3) as loader:
+        src, _ = _read(loader, epochs=2)
+    per_epoch = len(src) // 2
+    for e in range(2):
+        s = np.concatenate(src[e * per_epoch:(e + 1) * per_epoch])
+        assert np.bincount(s).tolist() == [2000, 1200, 800]
+    counts = np.array([np.bincount(s, minlength=3) for s in src])
+    assert len(set(map(tuple, counts.tolist()))) > 5  # batches differ...
+    # ...like draws from the proportions: per-batch counts of "web" have the binomial-ish spread
+    z = (counts[:, 0].mean() - 20) / (counts[:, 0].std() / np.sqrt(len(counts)))
+    assert abs(z) < 4 and 1.5 < counts[:, 0].std() < 4.5
+
+
+def test_each_dataset_keeps_its_own_passes(datasets):
+    with fastload.Loader(datasets, mix=[0.2, 0.4, 0.4], epoch_size=1000, batch_size=10, seed=7) as loader:
+        src, idx = _read(loader, epochs=2)
+    s, i = np.concatenate(src), np.concatenate(idx)
+    for d, n in enumerate(SIZES.values()):
+        seq = i[s == d]
+        full = len(seq) // n
+        passes = [seq[k * n:(k + 1) * n] for k in range(full)]
+        assert full >= (0 if d == 0 else 1)  # 400 of web's 500; books and code several passes
+        assert all(sorted(p.tolist()) == list(range(n)) for p in passes)  # each pass: all once
+        if full >= 2:
+            assert passes[0].tolist() != passes[1].tolist()  # reshuffled per pass
+        rest = seq[full * n:]
+        assert len(set(rest.tolist())) == len(rest)  # a partial pass: no repeat
+
+
+def test_stop_on_reads_that_dataset_once_per_epoch(datasets):
+    with fastload.Loader(datasets, mix=[0.5, 0.3, 0.2], stop_on="books", batch_size=10, seed=2) as loader:
+        n_batches = len(loader)
+        src, idx = _read(loader, epochs=3)
+    per_epoch = len(src) // 3
+    assert per_epoch == n_batches
+    for e in range(3):
+        s = np.concatenate(src[e * per_epoch:(e + 1) * per_epoch])
+        i = np.concatenate(idx[e * per_epoch:(e + 1) * per_epoch])
+        assert sorted(i[s == 1].tolist()) == list(range(90))  # every book once
+        assert s[-1] == 1  # the epoch ends with the last of them
+
+
+def test_fields_must_agree_or_be_restricted(datasets, tmp_path):
+    with ShardWriter(tmp_path / "other", {"x": "int32", "label": "int64"}) as w:
+        w.write_batch({"x": np.arange(5, dtype=np.int32), "label": np.zeros(5, np.int64)})
+    other = fastload.Dataset(tmp_path / "other")
+    with pytest.raises(FormatError, match=r"differ in field\(s\).*pass fields=\[...\] with fields they share: \['label'\]"):
+        fastload.Loader([datasets["web"], other], mix=[1, 1], epoch_size=10, batch_size=2)
+    with pytest.raises(FormatError, match="field 'x' differs between the mixture's datasets"):
+        fastload.Loader([datasets["web"], other], mix=[1, 1], epoch_size=10, batch_size=2, fields=["x"])
+    with fastload.Loader([datasets["web"], other], mix=[1, 1], epoch_size=10, batch_size=2, fields=["label"]) as lo:
+        assert sorted(next(iter(lo))) == ["index", "label", "source"]
+
+
+@pytest.mark.parametrize("kw, err", [
+    ({"mix": [1, 2]}, "mixes several datasets"),
+    ({"dataset": "list"}, "a list of datasets is a mixture: pass mix="),
+    ({"dataset": "list", "mix": [1, 2, 3], "epoch_size": 5, "stop_on": "web"}, "epoch_size=N .* or stop_on=NAME"),
+    ({"dataset": "list", "mix": [1, 2]}, "one entry per dataset"),
+    ({"dataset": "list", "mix": [1, 0, 1], "epoch_size": 5}, "must be finite and > 0"),
+    ({"dataset": "list", "mix": [1, 1, 1], "stop_on": "nope"}, "stop_on='nope' must name one of"),
+    ({"dataset": "list", "mix": [1, 1, 1], "epoch_size": 5, "balance": True}, "balance= does not apply to a mixture"),
+])
+def test_bad_mixture_arguments(datasets, kw, err):
+    kw = dict(kw)
+    ds = list(datasets.values()) if kw.pop("dataset", None) == "list" else datasets["web"]
+    with pytest.raises(ValueError, match=err):
+        fastload.Loader(ds, batch_size=4, **kw)
+
+
+def _make(datasets, per="batch", **kw):
+    def make(rank=0, world_size=1, **extra):
+        mix = Mixture(datasets, [0.5, 0.3, 0.2], epoch_size=333, per=per)
+        return fastload.Loader(mix, batch_size=8, seed=11, rank=rank, world_size=world_size, **kw, **extra)
+    return make
+
+
+@pytest.mark.parametrize("per", ["batch", "epoch"])
+def test_resume_equals_the_uninterrupted_run_at_every_batch(datasets, per):
+    full = check_resume(_make(datasets, per=per), epochs=2)
+    assert len(full) == 2 * 42 and "source" in full[0]
+
+
+def test_resume_packed_mixture(datasets):
+    check_resume(lambda **kw: fastload.Loader(datasets, mix=[2, 1, 1], epoch_size=300, batch_size=2, pack_to=8,
+                                              fields=["t"], seed=5, **kw), epochs=2, stops=[0, 1, 3, 7, 20, 40])
+
+
+def test_resume_at_another_world_size_reads_every_position_once(datasets):
+    make = _make(datasets, drop_last=False)
+    sampler = MixtureSampler(Mixture(datasets, [0.5, 0.3, 0.2], epoch_size=333), batch_size=8, seed=11)
+    stream = sampler.stream(0)
+    full, _ = rows_read(make, 1, key="x")
+    head, state = rows_read(make, 3, stop_after=5, key="x")
+    tail, _ = rows_read(make, 2, state=state, key="x")
+    starts = np.array([OFFSET[n] for n in SIZES])
+    want = sampler.mixture.reader.split(stream)
+    want = starts[want[0]] + want[1]
+    assert np.array_equal(full, want)
+    got = np.concatenate([head, tail])
+    assert np.array_equal(got[:333], want)  # then the wrap-around padding of the last step
+    assert np.array_equal(got[333:], want[:len(got) - 333])
+
+
+def test_mixture_resume_on_real_ranks(datasets):
+    paths = {n: str(d.path) for n, d in datasets.items()}
+    first = run_ranks(3, "dist_jobs:mixture_epoch", {"paths": paths, "stop_after": 4})
+    state = first[0]["state"]
+    rest = run_ranks(2, "dist_jobs:mixture_epoch", {"paths": paths, "state": state})
+    with _make(datasets)() as loader:
+        want = np.concatenate([b["x"].numpy() for b in loader])
+    got = np.array(first[0]["read"] + rest[0]["read"])
+    assert np.array_equal(got[:len(want)], want)
