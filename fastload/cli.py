@@ -99,7 +99,7 @@ def cmd_convert(a, out: Output) -> int:
 
             if a.engine != "local":  # its tasks (other nodes, other ranks) would not see that directory
                 raise UsageError(f"--engine {a.engine} writes to a directory every worker sees, not yet to an "
-                                 "object store: convert into a shared directory, then upload it", code=2)
+                                 "object store: convert into a shared directory, then upload it")
 
             r = convert_to_remote(convert, a.kind, a.src, a.dst, overwrite=a.overwrite, **kw)
         else:
