@@ -310,6 +310,14 @@ def test_other_kinds_split_alike(tmp_path, images):
     convert("table", tmp_path / "list.parquet", tmp_path / "t_ref", progress=False, workers=0)
     inline("table", tmp_path / "list.parquet", tmp_path / "t")
     assert_same(tmp_path / "t_ref", tmp_path / "t")
+    # list columns: ragged wherever some rows differ, even if one group's rows all agree
+    lens = [3] * 100 + [1, 2, 5] * 20  # the first rows (and whole groups) have equal lengths
+    pq.write_table(pa.table({"tok": [list(range(n)) for n in lens], "label": np.arange(len(lens)) % 3}),
+                   tmp_path / "rag.parquet", row_group_size=50)
+    convert("table", tmp_path / "rag.parquet", tmp_path / "r_ref", progress=False)
+    inline("table", tmp_path / "rag.parquet", tmp_path / "r", shard_size=400)
+    assert json.loads((tmp_path / "r" / "manifest.json").read_text())["fields"]["tok"]["kind"] == "ragged"
+    assert_same(tmp_path / "r_ref", tmp_path / "r")
     # a table without image paths keys its rows by global row number
     pq.write_table(pa.table({"v": np.arange(500, dtype=np.int64), "s": [f"r{i}" for i in range(500)]}),
                    tmp_path / "plain.parquet", row_group_size=64)
