@@ -93,16 +93,23 @@ def cmd_convert(a, out: Output) -> int:
 
     kw = dict(workers=a.workers, shard_size=a.shard_size, on_error=a.on_error, label=a.label,
               image_columns=a.image_column or (), max_pixels=a.max_pixels, progress=not a.quiet,
+              engine=a.engine, ray_address=a.ray_address, resume=a.resume,
               allow_small_shards=a.force_small_shards)
     try:
         if is_remote(a.dst):  # converted in a local staging directory, then uploaded (manifest last)
             from .remote.publish import convert_to_remote
+
+            if a.engine != "local":  # its tasks (other nodes, other ranks) would not see that directory
+                raise UsageError(f"--engine {a.engine} writes to a directory every worker sees, not yet to an "
+                                 "object store: convert into a shared directory, then upload it")
 
             r = convert_to_remote(convert, a.kind, a.src, a.dst, overwrite=a.overwrite, **kw)
         else:
             r = convert(a.kind, a.src, a.dst, overwrite=a.overwrite, **kw)
     except (FastloadError, OSError, ValueError) as e:  # ENOSPC, a FIFO, a bad option: one line
         raise UsageError(printable(str(e))) from None
+    if r.get("rank", 0) != 0:  # torchrun: rank 0 reports for all
+        return 0
     rate = r["num_samples"] / r["seconds"] if r["seconds"] else float("inf")
     out.print(f"wrote {r['num_samples']} samples in {r['num_shards']} shard(s), {human_bytes(r['bytes'])}, "
               f"to {r['dst']} in {r['seconds']:.1f} s ({rate:,.0f} samples/s)")
@@ -111,6 +118,9 @@ def cmd_convert(a, out: Output) -> int:
                   "pixels each (--max-pixels; the Loader's transforms refuse larger ones too)")
     if r["skipped"]:
         out.print(f"skipped {r['skipped']} sample(s) that could not be read; the list is in {r['report']}")
+    if "tasks_run" in r:
+        out.print(f"{a.engine}: {r['num_groups']} group(s); {r['tasks_run']} converted by this run, "
+                  f"{r['tasks_reused']} reused from an interrupted one")
     return 0
 
 
@@ -215,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src", help="source file or directory")
     c.add_argument("dst", help="dataset directory to create (must be new or empty), or an object-store URL "
                                "(s3://, gs://, az://): converted locally, then uploaded, the manifest last")
-    c.add_argument("--workers", type=int, default=None, help="processes that read and validate (default: CPU count)")
+    c.add_argument("--workers", type=int, default=None,
+                   help="tasks converting at once: validation processes (local, default: CPU count), Ray tasks "
+                        "(ray, default: the cluster's CPUs), worker processes per rank (torch, default 1)")
     c.add_argument("--shard-size", default="256MB", help="bytes per shard, e.g. 256MB, 1GiB (default 256MB)")
     c.add_argument("--on-error", choices=["raise", "skip"], default="raise",
                    help="a bad sample stops the run (raise) or is left out and listed in DST/skipped.jsonl (skip)")
@@ -226,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse images with more pixels than this (default 2**26 = 67,108,864, the Loader's limit)")
     c.add_argument("--force-small-shards", action="store_true",
                    help="allow --shard-size below 1 MB (one shard per few samples)")
+    c.add_argument("--engine", choices=["local", "ray", "torch"], default="local",
+                   help="local: this machine's process pool (default); ray: one Ray task per group of about "
+                        "one shard; torch: the ranks of torchrun share the groups (see README: converting at scale)")
+    c.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
+                   help="--engine ray: join this Ray cluster (default: a private Ray on this machine, 127.0.0.1 only)")
+    c.add_argument("--resume", action="store_true",
+                   help="--engine ray/torch: finish an interrupted conversion into DST, reusing its finished parts")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
 

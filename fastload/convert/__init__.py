@@ -15,54 +15,18 @@ from collections.abc import Mapping
 from typing import Sequence
 
 from ..errors import ConvertError
-from ..store.geometry import DEFAULT_MAX_PIXELS
-from ..validate import check_bool, check_choice, check_int
-from .common import Source, check_shard_size, run_convert
+from .common import run_convert
 
-KINDS = ("imagefolder", "arrays", "table", "webdataset")
-
-
-# The options each source kind takes; passing another is an error, never silently ignored.
-_OPTIONS = {"imagefolder": {"max_pixels"}, "arrays": {"label"}, "table": {"label", "image_columns", "max_pixels"},
-            "webdataset": {"max_pixels"}}
-_WHY = {("imagefolder", "label"): "its labels are the class folder names",
-        ("webdataset", "label"): "its label is the .cls member",
-        ("arrays", "max_pixels"): "arrays hold no images"}
-
-
-def check_options(kind: str, *, label: str | None, image_columns: Sequence[str], max_pixels: int | None) -> None:
-    given = {"label": label is not None, "image_columns": bool(image_columns), "max_pixels": max_pixels is not None}
-    for opt, on in given.items():
-        if on and opt not in _OPTIONS[kind]:
-            flag = "--" + opt.replace("_", "-").replace("columns", "column")
-            why = _WHY.get((kind, opt), f"only {', '.join(k for k, o in _OPTIONS.items() if opt in o)} take it")
-            raise ConvertError(f"{flag} does not apply to {kind} sources ({why}); leave it out")
-    if label is not None and (not isinstance(label, str) or not label):
-        raise ConvertError(f"--label {label!r} must name a column or array")
-
-
-def make_source(kind: str, src: str | os.PathLike, *, label: str | None = None,
-                image_columns: Sequence[str] = (), max_pixels: int | None = None) -> Source:
-    check_choice("kind", kind, KINDS)
-    check_options(kind, label=label, image_columns=image_columns, max_pixels=max_pixels)
-    max_pixels = DEFAULT_MAX_PIXELS if max_pixels is None else check_int("max_pixels", max_pixels, min=1)
-    if kind == "imagefolder":
-        from .imagefolder import ImageFolderSource
-        return ImageFolderSource(src, max_pixels=max_pixels)
-    if kind == "arrays":
-        from .arrays import ArraysSource
-        return ArraysSource(src, label=label)
-    if kind == "table":
-        from .table import TableSource
-        return TableSource(src, label=label, image_columns=image_columns, max_pixels=max_pixels)
-    from .webdataset import WebDatasetSource
-    return WebDatasetSource(src, max_pixels=max_pixels)
+from ..validate import check_bool
+from .common import check_shard_size
+from .kinds import KINDS, check_options, make_source
 
 
 def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
             shard_size: int | str = "256MB", on_error: str = "raise", overwrite: bool = False,
             label: str | None = None, image_columns: Sequence[str] = (), max_pixels: int | None = None,
-            progress: bool = True, allow_small_shards: bool = False) -> dict:
+            progress: bool = True, engine: str = "local", ray_address: str | None = None,
+            resume: bool = False, allow_small_shards: bool = False) -> dict:
     """Convert a source into a fastload dataset at ``dst``; return a summary dict.
 
     kind: "imagefolder" (SRC/<class>/<images>), "arrays" (.npz / .npy / folder of .npy, or
@@ -73,28 +37,57 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
     behind. Samples the writer refuses (wrong shape, a value out of the field's range) are
     errors naming the sample, or skipped and reported with ``on_error="skip"``.
 
-    Images are decoded by PIL (in ``workers`` processes) and by DALI's CPU decoder (the
-    Loader's), and refused above ``max_pixels`` (default: the Loader's, 2**26), so a dataset
-    that converts is one the Loader decodes. ``shard_size`` below 1 MB needs
-    ``allow_small_shards=True``. Options a source kind does not take (``label`` for an image
-    folder) are errors.
+    engine: "local" (this process writes, ``workers`` processes validate), "ray" (one Ray
+    task per group of about one shard; ``ray_address`` "auto" or HOST:PORT joins a cluster,
+    else a private local Ray with ``workers`` CPUs) or "torch" (the ranks of ``torchrun``
+    share the groups, rank 0 commits). ``workers`` is the number of tasks converting at once
+    (per rank with "torch"). With "ray" and "torch" the samples, keys, labels and image sizes
+    are those of "local"; only the cut into shards may differ. ``resume`` (ray, torch)
+    finishes an interrupted conversion of the same source into ``dst``, reusing its
+    finished parts.
+
+    Images are decoded by PIL and by DALI's CPU decoder (the Loader's), and refused above
+    ``max_pixels`` (default: the Loader's, 2**26), so a dataset that converts is one the Loader
+    decodes. ``shard_size`` below 1 MB needs ``allow_small_shards=True``. Options a source
+    kind does not take (``label`` for an image folder) are errors.
     """
+    from .engines import ENGINES
+
     if kind not in KINDS:
         raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(KINDS)}")
     check_options(kind, label=label, image_columns=image_columns, max_pixels=max_pixels)
     check_shard_size(shard_size, check_bool("allow_small_shards", allow_small_shards))
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} must be one of {', '.join(ENGINES)}")
+    if ray_address is not None and engine != "ray":
+        raise ValueError("ray_address (--ray-address) is for engine='ray' (--engine ray)")
+    if resume and engine == "local":
+        raise ValueError("resume (--resume) needs engine='ray' or 'torch': the local engine writes one dataset "
+                         "in one process and leaves nothing to resume after a failure")
     in_memory = kind == "arrays" and isinstance(src, Mapping)  # a dict of arrays, from Python
+    if in_memory and engine != "local":
+        raise ValueError(f"engine={engine!r} runs tasks in other processes, which cannot see a dict of arrays; "
+                         "save it (numpy.savez) and convert the file")
     if not in_memory and not os.path.exists(src):
         raise ConvertError(f"{src}: no such file or directory")
     s_abs, d_abs = (None, None) if in_memory else (os.path.realpath(src), os.path.realpath(dst))
     if s_abs is not None and os.path.isdir(s_abs) and (d_abs == s_abs or d_abs.startswith(s_abs.rstrip(os.sep) + os.sep)):
         raise ConvertError(f"{dst} is inside the source {src}; choose a destination outside it "
                            "(the dataset would become part of its own source)")
+    if engine != "local":
+        from ..store.format import parse_size
+        from .common import ON_ERROR
+        from .engines import run_engine
+
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
+        return run_engine(engine, kind, src, dst, workers=workers, shard_size=parse_size(shard_size),
+                          on_error=on_error, overwrite=overwrite, resume=resume, progress=progress,
+                          ray_address=ray_address, label=label, image_columns=image_columns, max_pixels=max_pixels)
     source = make_source(kind, src, label=label, image_columns=image_columns, max_pixels=max_pixels)
     try:
         return run_convert(source, dst, workers=workers, shard_size=shard_size, on_error=on_error,
-                           overwrite=overwrite, progress=progress, desc=f"convert {kind}",
-                           allow_small_shards=allow_small_shards)
+                           overwrite=overwrite, progress=progress, desc=f"convert {kind}")
     finally:
         close = getattr(source, "close", None)
         if close is not None:

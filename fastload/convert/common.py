@@ -165,15 +165,13 @@ def check_shard_size(shard_size: int | str, allow_small_shards: bool) -> int:
 
 def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None = None,
                 shard_size: int | str = DEFAULT_SHARD_SIZE, on_error: str = "raise",
-                overwrite: bool = False, progress: bool = True, desc: str = "convert",
-                allow_small_shards: bool = False) -> dict:
+                overwrite: bool = False, progress: bool = True, desc: str = "convert") -> dict:
     """Write ``source`` into the dataset directory ``dst``; return a summary."""
     global _SOURCE
     check_choice("on_error", on_error, ON_ERROR)
     workers = usable_cores() if workers is None else check_int("workers", workers, min=0)
     check_bool("overwrite", overwrite)
-    check_bool("allow_small_shards", allow_small_shards)
-    check_shard_size(shard_size, allow_small_shards)
+    parse_size(shard_size)  # the 1 MB floor is convert()'s (tasks of a distributed convert write parts)
     from tqdm import tqdm as _tqdm
 
     class tqdm(_tqdm):  # noqa: N801

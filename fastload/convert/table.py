@@ -29,7 +29,42 @@ TABLE_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv"
                   ".jsonl": "json", ".ndjson": "json", ".json": "json"}
 
 
-def read_table(path: Path) -> pa.Table:
+def read_table(path: Path, rows: tuple[int, int] | None = None) -> pa.Table:
+    """The table at ``path``, or only its rows ``rows[0]..rows[1]-1``: a Parquet file reads
+    just the row groups that hold them; CSV and JSON have no random access (read, then sliced)."""
+    if rows is not None and TABLE_SUFFIXES.get(path.suffix.lower()) == "parquet" and path.is_file():
+        return _parquet_rows(path, *rows)
+    table = _read_whole(path)
+    return table if rows is None else table.slice(rows[0], rows[1] - rows[0])
+
+
+def _parquet_rows(path: Path, start: int, stop: int, columns: Sequence[str] | None = None) -> pa.Table:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path, memory_map=True)
+        md = pf.metadata
+        groups, first, at = [], None, 0
+        for g in range(md.num_row_groups):
+            n = md.row_group(g).num_rows
+            if at + n > start and at < stop:
+                groups.append(g)
+                first = at if first is None else first
+            at += n
+        if not groups:
+            return pf.schema_arrow.empty_table() if columns is None else pf.schema_arrow.empty_table().select(columns)
+        t = pf.read_row_groups(groups, columns=columns)
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+        raise ConvertError(f"{path}: cannot be read as parquet ({str(e).splitlines()[0]})") from None
+    return t.slice(start - first, stop - start)
+
+
+def parquet_rows(path: str | os.PathLike, start: int, stop: int, columns: Sequence[str] | None = None) -> pa.Table:
+    """Rows ``start..stop-1`` of a Parquet file, reading only the row groups that hold them."""
+    return _parquet_rows(Path(path), start, stop, columns)
+
+
+def _read_whole(path: Path) -> pa.Table:
     kind = TABLE_SUFFIXES.get(path.suffix.lower())
     if kind is None:
         raise ConvertError(f"{path}: unknown table type {path.suffix!r}; use one of {', '.join(sorted(TABLE_SUFFIXES))}")
@@ -63,11 +98,20 @@ def _looks_like_image(value) -> bool:
 
 class TableSource(Source):
     def __init__(self, src: str | os.PathLike, label: str | None = None,
-                 image_columns: Sequence[str] = (), max_pixels: int | None = DEFAULT_MAX_PIXELS):
+                 image_columns: Sequence[str] = (), max_pixels: int | None = DEFAULT_MAX_PIXELS, *,
+                 rows: tuple[int, int] | None = None, classes: Sequence[str] | None = None,
+                 detect_images: bool = True, ragged: Sequence[str] = ()):
+        """``rows=(a, b)``: only rows a..b-1 of the table (keys and messages keep the table's
+        row numbers); ``classes``: the class names of a string label column (found over the
+        whole table by the caller) instead of those of these rows; ``detect_images=False``:
+        image columns are exactly ``image_columns``, none guessed from the values; ``ragged``:
+        list columns stored as ragged fields even where these rows happen to have equal
+        lengths. They let tasks of the distributed convert each read their own rows alike."""
         path = Path(src)
-        table = read_table(path).combine_chunks()
+        table = read_table(path, rows).combine_chunks()
+        self.offset = rows[0] if rows is not None else 0
         if table.num_rows == 0:
-            raise ConvertError(f"{path}: the table has no rows")
+            raise ConvertError(f"{path}: the table has no rows" + (f" in rows {rows[0]}..{rows[1] - 1}" if rows else ""))
         unknown = [c for c in image_columns if c not in table.column_names]
         if unknown:
             raise ConvertError(f"{path}: --image-column {unknown[0]!r} is not a column; columns are {table.column_names}")
@@ -82,12 +126,15 @@ class TableSource(Source):
         for name in table.column_names:
             col = table.column(name).chunk(0) if table.column(name).num_chunks else pa.array([], table.schema.field(name).type)
             if col.null_count:
-                row = int(np.flatnonzero(np.asarray(col.is_null()))[0])
+                row = self.offset + int(np.flatnonzero(np.asarray(col.is_null()))[0])
                 raise ConvertError(f"{path}: column {name!r} has {col.null_count} missing value(s), first at row {row}; "
                                    "fill or drop them first")
             t = col.type
             if name == str_label and (pa.types.is_string(t) or pa.types.is_large_string(t)):
-                class_names, ids = label_from_strings(col.to_pylist())
+                if classes is None:
+                    class_names, ids = label_from_strings(col.to_pylist())
+                else:
+                    class_names, ids = list(classes), _class_ids(col, classes, path, name, self.offset)
                 fields[name] = Field("scalar", "int64")
                 self.columns[name] = ids
             elif pa.types.is_boolean(t):
@@ -100,7 +147,7 @@ class TableSource(Source):
                 lens = pc.list_value_length(col).to_numpy(zero_copy_only=False)
                 nested = pa.types.is_fixed_size_list(t.value_type) or pa.types.is_list(t.value_type) or \
                     pa.types.is_large_list(t.value_type)
-                if nested or len(set(lens.tolist())) != 1 or lens[0] == 0:
+                if nested or name in ragged or len(set(lens.tolist())) != 1 or lens[0] == 0:
                     fields[name], self.columns[name] = _ragged_column(path, name, col, lens)
                     continue
                 flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
@@ -110,14 +157,15 @@ class TableSource(Source):
                 self.columns[name] = flat.reshape(len(col), int(lens[0]))
             elif pa.types.is_string(t) or pa.types.is_large_string(t):
                 values = col.to_pylist()
-                is_img = name in image_columns or (
-                    not image_columns and all(str(v).lower().endswith(IMAGE_EXTENSIONS) for v in values[:100]))
+                is_img = name in image_columns or (detect_images and not image_columns and all(
+                    str(v).lower().endswith(IMAGE_EXTENSIONS) for v in values[:100]))
                 fields[name] = Field("image") if is_img else Field("string")
                 if is_img:
                     self.image_paths.add(name)
                 self.columns[name] = np.array(values, dtype=object)
             elif pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
-                is_img = name in image_columns or (not image_columns and _looks_like_image(col[0].as_py()))
+                is_img = name in image_columns or (detect_images and not image_columns
+                                                   and _looks_like_image(col[0].as_py()))
                 fields[name] = Field("image") if is_img else Field("bytes")
                 self.columns[name] = col
             else:
@@ -138,7 +186,7 @@ class TableSource(Source):
     def key(self, i: int) -> str:
         if self._key_col is not None:
             return str(self.columns[self._key_col][i])
-        return f"{self.path.name}:{i}"
+        return f"{self.path.name}:{self.offset + i}"
 
     def read(self, i: int) -> dict:
         out = {}
@@ -190,3 +238,14 @@ def _ragged_column(path: Path, name: str, col: pa.Array, lens: np.ndarray) -> tu
         raise ConvertError(f"{path}: list column {name!r} holds {values.dtype}, which cannot be stored")
     values = values.reshape(-1, *item_shape)
     return Field("ragged", values.dtype.name, item_shape), Ragged.from_lengths(values, lens.astype(np.int64))
+
+
+def _class_ids(col: pa.Array, classes: Sequence[str], path: Path, name: str, offset: int) -> np.ndarray:
+    """Class ids of string labels ``col`` given every class name (sorted, as label_from_strings)."""
+    ids = pc.index_in(col, value_set=pa.array(list(classes), type=pa.string()))
+    if ids.null_count:
+        row = int(np.flatnonzero(np.asarray(ids.is_null()))[0])
+        raise ConvertError(f"{path}: label {col[row].as_py()!r} of row {offset + row} (column {name!r}) is "
+                           "not one of the class names found when the conversion was planned; was the table "
+                           "changed meanwhile?")
+    return ids.to_numpy(zero_copy_only=False).astype(np.int64)

@@ -36,17 +36,20 @@ import xxhash
 
 from .format import MANIFEST, SHARD_FILE_RE, SKIPPED_REPORT
 
-__all__ = ["HashingFile", "STAGING_PREFIX", "Transaction", "fsync_dir", "is_own_file", "prepare_output_dir",
+__all__ = ["HashingFile", "PARTS_DIR", "STAGING_PREFIX", "Transaction", "fsync_dir", "is_own_file", "prepare_output_dir",
            "remove_own", "write_atomic", "write_json_atomic"]
 
 logger = logging.getLogger("fastload")
 
 STAGING_PREFIX = ".fastload-staging-"
+# The plan and parts of a distributed conversion in progress (fastload.convert.plan).
+PARTS_DIR = ".fastload-parts"
 # Files a fastload dataset directory may hold: the manifest, the skipped report, shards (any
-# number of digits that shard_name() gives), their temporary names, staging directories.
+# number of digits that shard_name() gives), their temporary names, staging directories, the
+# parts directory.
 _OWN_FILE = re.compile(rf"{re.escape(MANIFEST)}|{re.escape(SKIPPED_REPORT)}|{SHARD_FILE_RE}"
                        rf"|\.(?:{SHARD_FILE_RE}|{re.escape(MANIFEST)}|{re.escape(SKIPPED_REPORT)})\.tmp"
-                       rf"|{re.escape(STAGING_PREFIX)}[0-9a-f]{{12}}")
+                       rf"|{re.escape(STAGING_PREFIX)}[0-9a-f]{{12}}|{re.escape(PARTS_DIR)}")
 
 
 _GENERATION = re.compile(r"shard-[0-9]{5,}-([0-9a-f]{8})\.arrow")
@@ -86,14 +89,14 @@ def prepare_output_dir(path: Path, overwrite: bool) -> bool:
 
 def remove_own(path: Path, keep: Iterable[str] = (), staging: bool = True) -> None:
     """Delete fastload's files in ``path`` except ``keep`` (and, with ``staging``, leftover
-    staging directories), the manifest first so that the old dataset stops opening before
+    staging and parts directories), the manifest first so that the old dataset stops opening before
     any shard disappears."""
     keep = set(keep)
     entries = sorted(os.listdir(path), key=lambda e: e != MANIFEST)
     for e in entries:
         if e in keep or not is_own_file(e):
             continue
-        if e.startswith(STAGING_PREFIX):
+        if e.startswith(STAGING_PREFIX) or e == PARTS_DIR:  # directories of ours
             if staging:
                 shutil.rmtree(path / e, ignore_errors=True)
             continue
@@ -194,10 +197,11 @@ class Transaction:
     directory.
     """
 
-    def __init__(self, path: Path, overwrite: bool):
+    def __init__(self, path: Path, overwrite: bool, keep: Iterable[str] = ()):
         self.path = path
         self.dir = path
         self.generation: str | None = None  # the shard-name token of a replacing dataset
+        self.keep = list(keep)  # own entries of ``path`` the swap-in leaves alone
         self._cleanup: weakref.finalize | None = None
         self._swapping = False
         if prepare_output_dir(path, overwrite):
@@ -222,7 +226,7 @@ class Transaction:
         # From here the staging directory may become the only copy: never delete it again.
         self._cleanup.detach()
         self._swapping = True
-        remove_own(self.path, keep=[staging.name])
+        remove_own(self.path, keep=[staging.name, *self.keep])
         for e in sorted(os.listdir(staging)):
             if e != MANIFEST:
                 os.rename(staging / e, self.path / e)

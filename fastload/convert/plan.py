@@ -1,0 +1,289 @@
+"""The plan of a distributed conversion: the source order cut into groups of about one shard.
+
+The driver numbers the source samples exactly as a single-process ``convert`` does, then cuts
+that order into equal runs of ``group_size`` samples, sized from an estimate of the bytes per
+stored sample so that one group makes about one shard. The plan is written to
+``DST/.fastload-parts/plan.json`` (plus, for an image folder, the listing of its files as
+``files.parquet``) before any task starts, so a restarted or resumed conversion uses the very
+same groups. It is small: a task reads the plan, then its own row range of the source.
+
+What a task needs to open its group without redoing the driver's work (``spec``):
+
+* ``imagefolder``: the driver walks SRC once and writes the listing (path, label) to the parts
+  directory; a task reads its row range of that listing.
+* ``table``: the file list at scale. A task reads only its rows (Parquet: only the row groups
+  holding them); the driver reads the schema, the first rows and, for a string label column,
+  that one column (for the class names). Nobody walks or stats every file.
+* ``arrays``, ``webdataset``: each task opens the source (memory-mapped .npy, tar headers)
+  and takes its range.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ._store import MAX_SHARD_SIZE, PARTS, check_destination, remove_tree, write_json
+from .common import ConvertError, Source
+
+PLAN = "plan.json"
+LISTING = "files.parquet"
+PLAN_FORMAT = "fastload-convert-plan"
+PLAN_VERSION = 1
+_SAMPLE_FOR_ESTIMATE = 256  # samples read (evenly spaced) to estimate the bytes per sample
+_LISTING_ROW_GROUP = 65536
+
+
+@dataclass
+class Plan:
+    dst: str
+    kind: str
+    src: str
+    options: dict           # label, image_columns, max_pixels, shard_size: what the user asked
+    num_samples: int
+    group_size: int
+    bytes_per_sample: float
+    spec: dict              # how a task opens its group (see the module docstring)
+    fields: dict            # name -> Field JSON, as every part must have them
+    label: str | None = None
+    class_names: list | None = None
+    metadata: dict = field(default_factory=dict)
+    fingerprint: list = field(default_factory=list)
+    overwrite: bool = False
+    created: float = 0.0
+
+    @property
+    def num_groups(self) -> int:
+        return max(1, math.ceil(self.num_samples / self.group_size))
+
+    def bounds(self, g: int) -> tuple[int, int]:
+        if not 0 <= g < self.num_groups:
+            raise IndexError(f"group {g} is not in 0..{self.num_groups - 1}")
+        return g * self.group_size, min(self.num_samples, (g + 1) * self.group_size)
+
+    @property
+    def parts(self) -> Path:
+        return Path(self.dst) / PARTS
+
+    def part_dir(self, g: int) -> Path:
+        """The part of group ``g``: its name depends on the group only, so a retried or
+        duplicated task finds (or makes) the same part."""
+        return self.parts / f"g-{g:08d}"
+
+    @property
+    def part_shard_size(self) -> int:
+        """The writer's budget inside a part: a group makes one shard unless the estimate
+        was far off (then a second one rather than a huge one)."""
+        return min(MAX_SHARD_SIZE, 2 * int(self.options["shard_size"]))
+
+    def to_json(self) -> dict:
+        return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **asdict(self)}
+
+
+def load_plan(dst: str | os.PathLike) -> Plan:
+    path = Path(dst) / PARTS / PLAN
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise ConvertError(f"{path}: no conversion plan here; on a cluster, DST must be a path every node sees "
+                           "(a shared filesystem), and the parts directory must stay until the commit") from None
+    except ValueError as e:
+        raise ConvertError(f"{path}: not a readable plan ({e})") from None
+    if d.pop("format", None) != PLAN_FORMAT or d.pop("version", None) != PLAN_VERSION:
+        raise ConvertError(f"{path}: not a plan of this fastload version; start over with --overwrite")
+    return Plan(**d)
+
+
+# -- sizing ------------------------------------------------------------------------------
+def _stored_bytes(source: Source, i: int) -> int | None:
+    """About what sample ``i`` takes in a shard (None when it cannot be read: a bad sample
+    is the task's to report, not the planner's)."""
+    try:
+        sample = source.read(i)
+    except Exception:
+        return None
+    n = len(source.key(i))
+    for name, f in source.fields.items():
+        v = sample.get(name)
+        if f.fixed:
+            n += f.row_nbytes
+        elif hasattr(v, "nbytes"):  # a ragged row (numpy)
+            n += int(v.nbytes)
+        elif isinstance(v, str):
+            n += len(v.encode())
+        elif v is not None:
+            n += len(v) + (8 if f.kind == "image" else 0)
+    return n
+
+
+def estimate_bytes_per_sample(source: Source, rows: Sequence[int] | None = None) -> float:
+    """Mean stored bytes of up to 256 evenly spaced samples (a deterministic choice)."""
+    if source.fields and all(f.fixed for f in source.fields.values()):
+        return float(sum(f.row_nbytes for f in source.fields.values()) + len(source.key(0)))
+    n = source.num_samples
+    idx = rows if rows is not None else np.unique(np.linspace(0, n - 1, min(n, _SAMPLE_FOR_ESTIMATE)).astype(np.int64))
+    sizes = [s for s in (_stored_bytes(source, int(i)) for i in idx) if s is not None]
+    return float(np.mean(sizes)) if sizes else 1.0
+
+
+def _fingerprint(src: Path) -> list:
+    """(name, size, mtime) of the source file, or of the files directly in a source folder:
+    a resumed conversion refuses a source changed since it was planned."""
+    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.is_file())
+    out = []
+    for p in files:
+        st = p.stat()
+        out.append([p.name, st.st_size, st.st_mtime_ns])
+    return out
+
+
+# -- planning per source kind --------------------------------------------------------------
+def _plan_imagefolder(src: Path, parts: Path, options: dict) -> tuple[Source, dict, list, float]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .imagefolder import ImageFolderSource
+
+    source = ImageFolderSource(src, max_pixels=options["max_pixels"])
+    table = pa.table({"path": pa.array(source.paths.tolist(), pa.string()), "label": pa.array(source.labels)})
+    tmp = parts / ("." + LISTING + ".tmp")
+    pq.write_table(table, tmp, row_group_size=_LISTING_ROW_GROUP)
+    os.replace(tmp, parts / LISTING)
+    spec = {"root": str(src), "listing": LISTING, "classes": source.class_names, "ignored": source.ignored}
+    return source, spec, [], estimate_bytes_per_sample(source)
+
+
+def _plan_table(src: Path, parts: Path, options: dict) -> tuple[Source, dict, list, float]:
+    from .table import TABLE_SUFFIXES, TableSource
+
+    kw = dict(label=options["label"], image_columns=options["image_columns"], max_pixels=options["max_pixels"])
+    if TABLE_SUFFIXES.get(src.suffix.lower()) == "parquet" and src.is_file():
+        # The file list at scale: the schema, the first rows and (for string labels) the
+        # label column are all the driver reads.
+        import pyarrow.parquet as pq
+
+        n = pq.ParquetFile(src).metadata.num_rows
+        if n == 0:
+            raise ConvertError(f"{src}: the table has no rows")
+        head = TableSource(src, rows=(0, min(n, 4096)), **kw)
+        classes = _string_classes(src, head.label) if head.class_names is not None else None
+        ragged = _ragged_columns(src, head)
+        if classes is not None or ragged:
+            head = TableSource(src, rows=(0, min(n, 4096)), classes=classes, ragged=ragged, **kw)
+        source, num = head, n
+    else:
+        source = TableSource(src, **kw)
+        classes, num = source.class_names, source.num_samples
+    spec = {"label": source.label, "image_columns": sorted(n for n, f in source.fields.items() if f.kind == "image"),
+            "classes": classes, "ragged": sorted(n for n, f in source.fields.items() if f.kind == "ragged"),
+            "num_samples": num}
+    return source, spec, _fingerprint(src), estimate_bytes_per_sample(source)
+
+
+def _string_classes(path: Path, column: str) -> list[str]:
+    """Sorted distinct values of a string column, one row group at a time."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    seen: set[str] = set()
+    for g in range(pf.metadata.num_row_groups):
+        col = pf.read_row_group(g, columns=[column]).column(column)
+        seen.update(pc.unique(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col).to_pylist())
+    return sorted(str(v) for v in seen if v is not None)
+
+
+def _ragged_columns(path: Path, head) -> list[str]:
+    """List columns the first rows show as ragged, plus those that look fixed there but whose
+    lengths vary further down (read one column and row group at a time)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    out = sorted(n for n, f in head.fields.items() if f.kind == "ragged")
+    fixed = {n: f.shape[0] for n, f in head.fields.items() if f.kind == "tensor" and len(f.shape) == 1}
+    if not fixed:
+        return out
+    pf = pq.ParquetFile(path)
+    for name, length in fixed.items():
+        for g in range(pf.metadata.num_row_groups):
+            lens = pc.list_value_length(pf.read_row_group(g, columns=[name]).column(name))
+            if pc.min_max(lens).as_py() != {"min": length, "max": length}:
+                out.append(name)
+                break
+    return sorted(out)
+
+
+def _plan_whole(kind: str, src: Path, options: dict) -> tuple[Source, dict, list, float]:
+    from .kinds import make_source
+
+    source = make_source(kind, src, label=options["label"], image_columns=options["image_columns"],
+                         max_pixels=options["max_pixels"])
+    return source, {"label": source.label}, _fingerprint(src), estimate_bytes_per_sample(source)
+
+
+def make_plan(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, shard_size: int, overwrite: bool,
+              resume: bool, label: str | None = None, image_columns: Sequence[str] = (),
+              max_pixels: int | None = None) -> Plan:
+    """Check DST, then reuse the plan of an interrupted conversion (``resume``) or write a new one."""
+    src, dst = Path(src).resolve(), Path(dst).absolute()
+    options = {"label": label, "image_columns": sorted(image_columns or ()), "max_pixels": max_pixels,
+               "shard_size": int(shard_size)}
+    parts = dst / PARTS
+    if (parts / PLAN).exists() and resume:
+        plan = load_plan(dst)
+        _check_same(plan, kind, src, options)
+        check_destination(dst, overwrite=overwrite or plan.overwrite, allow_leftovers=True)
+        return plan
+    if parts.exists() and not (resume or overwrite):
+        raise FileExistsError(f"{dst} holds an unfinished conversion ({parts}); pass --resume to finish it "
+                              "(finished parts are reused), or --overwrite to start over")
+    check_destination(dst, overwrite=overwrite)
+    if parts.exists():  # a stale, unfinished conversion of our own: start over
+        remove_tree(parts)
+    parts.mkdir(parents=True)
+    try:
+        if kind == "imagefolder":
+            source, spec, fp, est = _plan_imagefolder(src, parts, options)
+        elif kind == "table":
+            source, spec, fp, est = _plan_table(src, parts, options)
+        else:
+            source, spec, fp, est = _plan_whole(kind, src, options)
+        try:
+            num = int(spec.get("num_samples", source.num_samples))
+            plan = Plan(dst=str(dst), kind=kind, src=str(src), options=options, num_samples=num,
+                        group_size=max(1, min(num, int(shard_size // max(est, 1.0)))), bytes_per_sample=est,
+                        spec=spec, fields={n: f.to_json() for n, f in source.fields.items()},
+                        label=source.label, class_names=source.class_names, metadata=dict(source.metadata),
+                        fingerprint=fp, overwrite=bool(overwrite), created=time.time())
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+        write_json(parts / PLAN, plan.to_json())  # last: a plan that exists is complete
+    except BaseException:
+        remove_tree(parts)
+        raise
+    return plan
+
+
+def _check_same(plan: Plan, kind: str, src: Path, options: dict) -> None:
+    where = f"{Path(plan.dst) / PARTS / PLAN}"
+    if plan.kind != kind or plan.src != str(src):
+        raise ConvertError(f"--resume: {where} is the plan of `convert {plan.kind} {plan.src}`, not of "
+                           f"`convert {kind} {src}`; pass --overwrite to start over")
+    for k, v in options.items():
+        if plan.options.get(k) != v:
+            raise ConvertError(f"--resume: the interrupted conversion used {k}={plan.options.get(k)!r}, this one "
+                               f"{k}={v!r}; repeat the same options, or pass --overwrite to start over")
+    if plan.fingerprint and _fingerprint(src) != plan.fingerprint:
+        raise ConvertError(f"--resume: {src} changed since the conversion was planned (sizes or modification "
+                           "times differ); pass --overwrite to start over")

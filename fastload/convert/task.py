@@ -1,0 +1,220 @@
+"""One task of a distributed conversion: convert one group of the plan into its part.
+
+``run_group(dst, g)`` is the whole task, the same on every engine. It opens the group's
+rows of the source (see plan.py), runs fastload's own single-process conversion
+(``run_convert``: every check, the skipped report) into ``g-NNNNNNNN.attempt-<random>/``,
+records ``part.json`` there and renames the attempt to ``g-NNNNNNNN/``. So:
+
+* the part's name depends only on the group: a retried or duplicated task finds the part
+  done and returns at once, or redoes exactly the same work;
+* a killed attempt leaves only its ``.attempt-*`` directory, which nothing reads (the
+  commit removes it with the parts directory);
+* two attempts running at once both finish, the first rename wins and the other deletes
+  its copy (renaming onto a non-empty directory fails).
+
+A task returns a small dict (counts, timings, its process id and peak memory), never
+sample data. A sample error under ``on_error="raise"`` comes back as ``{"error": ...}``
+naming the sample's key, not as an exception, so an engine does not retry it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._store import MANIFEST, SKIPPED_REPORT, fsync_dir, write_json
+from .common import ConvertError, Source, run_convert
+from .plan import Plan, load_plan
+
+PART = "part.json"
+# Modules a conversion worker must never pay for (~1.9 s and ~250 MB each).
+HEAVY_MODULES = ("torch", "nvidia.dali")
+
+
+class RangeSource(Source):
+    """Samples ``start..stop-1`` of another source, numbered from 0 (keys unchanged)."""
+
+    def __init__(self, inner: Source, start: int, stop: int):
+        super().__init__(fields=inner.fields, num_samples=stop - start, label=inner.label,
+                         class_names=inner.class_names, metadata=inner.metadata, max_pixels=inner.max_pixels)
+        self.inner, self.start = inner, start
+
+    def key(self, i: int) -> str:
+        return self.inner.key(self.start + i)
+
+    def read(self, i: int) -> dict[str, Any]:
+        return self.inner.read(self.start + i)
+
+    def validate(self, i: int) -> dict[str, tuple[int, int]]:
+        return self.inner.validate(self.start + i)
+
+    def fast_chunks(self):
+        chunks = self.inner.fast_chunks()
+        return None if chunks is None else self._ranged(chunks)
+
+    def _ranged(self, chunks):
+        a, b = self.start, self.start + self.num_samples
+        for s, e, batch in chunks:  # the inner chunks are views: skipping them costs nothing
+            lo, hi = max(s, a), min(e, b)
+            if lo < hi:
+                yield lo - a, hi - a, {n: v[lo - s:hi - s] for n, v in batch.items()}
+            if e >= b:
+                break
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+
+def open_group(plan: Plan, g: int) -> Source:
+    """The source of group ``g`` alone: same fields, keys, labels and class names as the
+    whole source, samples numbered from 0."""
+    a, b = plan.bounds(g)
+    spec, opts = plan.spec, plan.options
+    if plan.kind == "imagefolder":
+        from .imagefolder import ImageFolderSource
+        from .table import parquet_rows
+
+        rows = parquet_rows(plan.parts / spec["listing"], a, b)
+        return ImageFolderSource.from_listing(
+            spec["root"], spec["classes"], np.array(rows.column("path").to_pylist(), dtype=str),
+            rows.column("label").to_numpy(), spec["ignored"], opts["max_pixels"])
+    if plan.kind == "table":
+        from .table import TableSource
+
+        return TableSource(plan.src, label=spec["label"], image_columns=spec["image_columns"],
+                           max_pixels=opts["max_pixels"], rows=(a, b), classes=spec["classes"], detect_images=False,
+                           ragged=spec.get("ragged", ()))
+    from .kinds import make_source
+
+    return RangeSource(make_source(plan.kind, plan.src, label=spec.get("label"), max_pixels=opts["max_pixels"]), a, b)
+
+
+def read_part(part: Path) -> dict | None:
+    """The record of a finished part, or None when the group is not done."""
+    try:
+        with open(part / PART, encoding="utf-8") as f:
+            return json.load(f)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def finished_part(part: Path) -> dict | None:
+    """The record of a finished, intact part; None when the group must be (re)done. A part
+    whose shard files are gone (an interrupted commit had moved them) is set aside."""
+    rec = read_part(part)
+    if rec is None:
+        return None
+    try:
+        with open(part / MANIFEST, encoding="utf-8") as f:
+            shards = json.load(f)["shards"]
+    except FileNotFoundError:
+        shards = []
+    if all((part / s["file"]).is_file() and (part / s["file"]).stat().st_size == s["bytes"] for s in shards) \
+            and (shards or rec["num_samples"] == 0):
+        return rec
+    broken = part.with_name(f"{part.name}.attempt-{uuid.uuid4().hex[:12]}")
+    try:  # renamed first, so that a concurrent reader never sees it half deleted
+        os.rename(part, broken)
+        shutil.rmtree(broken, ignore_errors=True)
+    except OSError:
+        pass
+    return None
+
+
+def _peak_rss() -> int:
+    """Peak resident memory of this process's program, in bytes. Linux's VmHWM (unlike
+    getrusage's maxrss, which keeps the high-water mark of a parent the process was forked
+    from before it exec'd: a torch-sized rank for the torch engine's workers)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux; macOS: bytes
+
+
+def _result(rec: dict, t0: float, reused: bool) -> dict:
+    return {"group": rec["group"], "num_samples": rec["num_samples"], "skipped": rec["skipped"],
+            "source_samples": rec["stop"] - rec["start"], "seconds": time.perf_counter() - t0, "reused": reused,
+            "pid": os.getpid(), "host": socket.gethostname(),
+            "peak_rss_bytes": _peak_rss(),
+            "heavy_modules": [m for m in HEAVY_MODULES if m in sys.modules], "error": None}
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def run_group(dst: str | os.PathLike, g: int, on_error: str = "raise") -> dict:
+    """Convert group ``g`` of the plan in ``dst`` (idempotent); return a small result dict."""
+    t0 = time.perf_counter()
+    plan = load_plan(dst)
+    final = plan.part_dir(g)
+    done = finished_part(final)
+    if done is not None:
+        return _result(done, t0, reused=True)
+    a, b = plan.bounds(g)
+    attempt = plan.parts / f"{final.name}.attempt-{uuid.uuid4().hex[:12]}"
+    where = f"group {g} (samples {a}..{b - 1})"
+
+    def failed(msg: str) -> dict:  # a data error: reported, never retried (it would fail again)
+        shutil.rmtree(attempt, ignore_errors=True)
+        return {**_result({"group": g, "num_samples": 0, "skipped": 0, "start": a, "stop": b}, t0, False),
+                "error": f"{where}: {msg}"}
+
+    try:
+        source = open_group(plan, g)
+    except ConvertError as e:
+        return failed(str(e))
+    try:
+        fields = {n: f.to_json() for n, f in source.fields.items()}
+        if fields != plan.fields or source.num_samples != b - a:
+            return failed(f"the source changed since the conversion was planned (fields {fields} and "
+                          f"{source.num_samples} samples, planned {plan.fields} and {b - a}); start over "
+                          "with --overwrite")
+        try:
+            r = run_convert(source, attempt, workers=1, shard_size=plan.part_shard_size, on_error=on_error,
+                            progress=False, desc=f"group {g}")
+            n, skipped = r["num_samples"], r["skipped"]
+        except ConvertError as e:
+            if not (on_error == "skip" and _count_lines(attempt / SKIPPED_REPORT) == b - a):
+                return failed(str(e))
+            n, skipped = 0, b - a  # every sample of the group skipped: an empty part
+    except BaseException:
+        shutil.rmtree(attempt, ignore_errors=True)
+        raise
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+    rec = {"group": g, "start": a, "stop": b, "num_samples": n, "skipped": skipped,
+           "seconds": round(time.perf_counter() - t0, 3), "host": socket.gethostname(), "pid": os.getpid()}
+    write_json(attempt / PART, rec)
+    try:
+        os.rename(attempt, final)  # fails when another attempt of this group got there first
+    except OSError:
+        winner = read_part(final)
+        shutil.rmtree(attempt, ignore_errors=True)
+        if winner is None:
+            raise
+        return _result(winner, t0, reused=True)
+    fsync_dir(plan.parts)
+    return _result(rec, t0, reused=False)
+

@@ -1,0 +1,478 @@
+"""Conversion at scale: plan -> one task per group -> commit, on Ray and on torchrun ranks.
+
+Every distributed run is a real engine in real processes: a private Ray on 127.0.0.1 with
+2 CPUs, or ``torchrun --standalone --nproc-per-node 2`` (gloo on the loopback interface).
+They run in subprocesses (the CLI), so no Ray or process-group thread ever lives in the
+pytest process. Faults are injected by tests/fault_site/sitecustomize.py (on PYTHONPATH).
+The output must equal single-process ``convert`` sample for sample.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fastload.convert import ConvertError, convert
+from fastload.convert.commit import commit
+from fastload.convert.plan import PLAN, load_plan, make_plan
+from fastload.convert.task import run_group
+from fastload.sample_data import make_image_folder
+from fastload.store import verify
+
+HERE = Path(__file__).resolve().parent
+PARTS = ".fastload-parts"
+SHARD = "200KB"  # ~1.7 MB of JPEGs -> 6 groups of about 55 images
+
+have_ray = pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import ray"], capture_output=True).returncode != 0,
+    reason="ray is not installed (pip install 'fastload[ray]')")
+
+
+# -- helpers -------------------------------------------------------------------------------
+def load(path: Path) -> tuple[dict, pa.Table]:
+    """(manifest without the shard cut, every row of every shard in order)."""
+    m = json.loads((path / "manifest.json").read_text())
+    t = pa.concat_tables([pa.ipc.open_file(pa.memory_map(str(path / s["file"]))).read_all() for s in m["shards"]])
+    for k in ("shards", "total_bytes"):
+        m.pop(k)
+    return m, t
+
+
+def assert_same(a: Path, b: Path) -> None:
+    """Same manifest (fields, counts, labels, class names, metadata) and the same rows:
+    every field, key, label and recorded image size, in the same order."""
+    ma, ta = load(a)
+    mb, tb = load(b)
+    assert ma == mb
+    assert ta.schema == tb.schema and ta.num_rows == tb.num_rows
+    for name in ta.column_names:
+        assert ta.column(name).equals(tb.column(name)), name
+    assert verify(a) == [] and verify(b) == []
+    assert not (b / PARTS).exists()
+
+
+def env_for(tmp: Path, fault_group: int | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "fault_site"), str(HERE.parent),
+                                                        os.environ.get("PYTHONPATH", "")]),
+           "FASTLOAD_TEST_HEAVY": str(tmp / "heavy"), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    (tmp / "heavy").mkdir(exist_ok=True)
+    if fault_group is not None:
+        (tmp / "faults").mkdir(exist_ok=True)
+        env["FASTLOAD_TEST_FAULT"] = f"{fault_group}:{tmp / 'faults'}"
+    return env
+
+
+_RUN = "import json, sys; from fastload.convert import convert; print(json.dumps(convert(**json.loads(sys.argv[1]))))"
+_CLI_LINES = [(re.compile(r"^wrote (\d+) samples"), ("num_samples",)),
+              (re.compile(r"^skipped (\d+) sample"), ("skipped",)),
+              (re.compile(r"^\w+: (\d+) group\(s\); (\d+) converted by this run, (\d+) reused"),
+               ("num_groups", "tasks_run", "tasks_reused"))]
+
+
+def run_engine(engine: str, src: Path, dst: Path, tmp: Path, *, fault_group: int | None = None, ranks: int = 2,
+               watch: set | None = None, extra_env: dict | None = None, cli: bool = False,
+               **kw) -> tuple[int, dict | None, str]:
+    """Run a conversion in fresh processes: the API in a subprocess, or (``cli``) the
+    ``fastload convert`` command; with engine "torch", on every rank of ``torchrun
+    --standalone --nproc-per-node ranks``. Returns (exit status, rank 0's summary or None,
+    stderr); from the CLI the summary holds what it prints. ``watch``: a set that receives
+    every IP address the processes' TCP sockets used."""
+    if cli:
+        flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in kw.items() if v is not False]
+        cmd = ["-m", "fastload", "convert", "imagefolder", str(src), str(dst), f"--engine={engine}",
+               f"--shard-size={SHARD}", "-q", *flags]
+    else:
+        cmd = ["-c", _RUN, json.dumps({"kind": "imagefolder", "src": str(src), "dst": str(dst), "engine": engine,
+                                       "shard_size": SHARD, "progress": False, **kw})]
+    if engine == "torch":  # torchrun: every rank runs the same command
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "--no-python", sys.executable, *cmd]
+    else:
+        cmd = [sys.executable, *cmd]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**env_for(tmp, fault_group), **(extra_env or {})})
+    try:
+        addresses = _watch_addresses(p) if watch is not None else set()
+        stdout, stderr = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:  # a hang: end the driver and every process it started, by pid
+            import psutil
+
+            try:
+                tree = psutil.Process(p.pid).children(recursive=True)
+            except psutil.Error:
+                tree = []
+            p.kill()
+            p.wait()
+            for child in tree:
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+    if watch is not None:
+        watch.update(addresses)
+    if cli:
+        first = {}
+        for line in stdout.splitlines():
+            for rx, names in _CLI_LINES:
+                m = rx.match(line)
+                if m:
+                    first.update(zip(names, map(int, m.groups())))
+        return p.returncode, first or None, stderr
+    outs = [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
+    first = next((o for o in outs if o.get("rank", 0) == 0), None)
+    return p.returncode, first, stderr
+
+
+def _watch_addresses(p: subprocess.Popen) -> set[str]:
+    """Every IP address a TCP socket of ``p`` or its descendants (Ray's GCS, raylet and
+    workers, the task processes) used, sampled until ``p`` exits."""
+    import psutil
+
+    seen: set[str] = set()
+    root = psutil.Process(p.pid)
+    while p.poll() is None:
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            break
+        for proc in procs:
+            try:
+                conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections("tcp")
+            except psutil.Error:
+                continue
+            for c in conns:
+                for a in (c.laddr, c.raddr):
+                    if a:
+                        try:
+                            seen.add(a.ip if _is_loopback(a.ip) else f"{a.ip} ({' '.join(proc.cmdline())[:100]})")
+                        except psutil.Error:
+                            seen.add(a.ip)
+        time.sleep(0.2)
+    return seen
+
+
+def _is_loopback(ip: str) -> bool:
+    return ip.startswith(("127.", "::ffff:127.")) or ip in ("::1", "::", "0.0.0.0")
+
+
+def non_loopback(addresses: set[str]) -> set[str]:
+    """The addresses (with the process that used them) that are not this machine's loopback."""
+    return {a for a in addresses if not _is_loopback(a)}
+
+
+def heavy_modules(tmp: Path) -> dict:
+    return {p.name: p.read_text() for p in (tmp / "heavy").iterdir() if p.read_text()}
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("scale") / "images"
+    make_image_folder(root, 300, seed=3, min_side=64, max_side=160)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(images, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "ds"
+    convert("imagefolder", images, out, workers=0, progress=False)
+    return out
+
+
+def corrupt_copy(images: Path, tmp: Path, which: int) -> tuple[Path, str]:
+    """A copy of the folder where the ``which``-th image (in source order) is not a JPEG."""
+    src = tmp / "images"
+    shutil.copytree(images, src)
+    files = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.jpg"))
+    (src / files[which]).write_bytes(b"\xff\xd8\xff\xe0 truncated, not a JPEG")
+    return src, files[which]
+
+
+# -- the core, in this process (no engine) ---------------------------------------------------
+def inline(kind, src, dst, on_error="raise", **kw):
+    plan = make_plan(kind, src, dst, shard_size=kw.pop("shard_size", 200_000), overwrite=kw.pop("overwrite", False),
+                     resume=kw.pop("resume", False), **kw)
+    for g in range(plan.num_groups):
+        r = run_group(dst, g, on_error)
+        if r["error"]:
+            raise ConvertError(r["error"])
+    return commit(plan, on_error)
+
+
+def test_plan_is_deterministic_and_reused(images, reference, tmp_path):
+    a = make_plan("imagefolder", images, tmp_path / "a", shard_size=200_000, overwrite=False, resume=False)
+    b = make_plan("imagefolder", images, tmp_path / "b", shard_size=200_000, overwrite=False, resume=False)
+    assert (a.group_size, a.num_groups, a.num_samples) == (b.group_size, b.num_groups, 300)
+    assert a.num_groups > 3 and a.bounds(a.num_groups - 1)[1] == 300
+    assert pq.read_table(a.parts / "files.parquet").equals(pq.read_table(b.parts / "files.parquet"))
+    # an unfinished conversion is neither overwritten silently nor resumed with other options
+    with pytest.raises(FileExistsError, match="--resume"):
+        make_plan("imagefolder", images, tmp_path / "a", shard_size=200_000, overwrite=False, resume=False)
+    with pytest.raises(ConvertError, match="shard_size"):
+        make_plan("imagefolder", images, tmp_path / "a", shard_size=300_000, overwrite=False, resume=True)
+    again = make_plan("imagefolder", images, tmp_path / "a", shard_size=200_000, overwrite=False, resume=True)
+    assert again == a
+
+
+def test_tasks_are_idempotent_and_the_commit_equals_local(images, reference, tmp_path):
+    dst = tmp_path / "ds"
+    plan = make_plan("imagefolder", images, dst, shard_size=200_000, overwrite=False, resume=False)
+    first = run_group(dst, 1)
+    assert not first["reused"] and first["num_samples"] == first["source_samples"]
+    # a duplicate attempt finds the part done; a killed attempt's directory is ignored
+    assert run_group(dst, 1)["reused"]
+    (plan.parts / "g-00000002.attempt-deadbeef0000").mkdir()
+    (plan.parts / "g-00000002.attempt-deadbeef0000" / "shard-00000.arrow").write_bytes(b"half")
+    with pytest.raises(ConvertError, match="group 0 .*not converted"):
+        commit(plan)  # every group must be there
+    assert not (dst / "manifest.json").exists()
+    for g in range(plan.num_groups):
+        run_group(dst, g)
+    r = commit(plan)
+    assert r["num_samples"] == 300 and r["num_shards"] == plan.num_groups
+    assert_same(reference, dst)
+
+
+def test_commit_puts_moved_shards_back_when_it_fails(images, tmp_path, monkeypatch):
+    dst = tmp_path / "ds"
+    plan = make_plan("imagefolder", images, dst, shard_size=200_000, overwrite=False, resume=False)
+    for g in range(plan.num_groups):
+        run_group(dst, g)
+    from fastload.convert import commit as commit_mod
+
+    def boom(self, manifest):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(commit_mod.LocalTarget, "put_manifest", boom)
+    with pytest.raises(OSError, match="disk full"):
+        commit(plan)
+    monkeypatch.undo()
+    assert not (dst / "manifest.json").exists() and not list(dst.glob("shard-*"))
+    assert inline("imagefolder", images, dst, resume=True)["num_samples"] == 300
+
+
+def test_overwrite_keeps_the_old_dataset_until_the_new_one_is_complete(images, reference, tmp_path):
+    dst = tmp_path / "ds"
+    convert("arrays", _npz(tmp_path), dst, progress=False)
+    old = (dst / "manifest.json").read_text()
+    src, key = corrupt_copy(images, tmp_path, 100)
+    with pytest.raises(ConvertError, match=key):
+        inline("imagefolder", src, dst, overwrite=True)
+    assert (dst / "manifest.json").read_text() == old and verify(dst) == []
+    assert (dst / PARTS / PLAN).exists()  # kept for --resume
+    inline("imagefolder", images, dst, overwrite=True)  # a new plan replaces the stale parts
+    assert_same(reference, dst)
+    assert not list(dst.glob(".fastload-staging-*"))
+
+
+def test_local_overwrite_replaces_unfinished_parts(images, reference, tmp_path):
+    src, key = corrupt_copy(images, tmp_path, 100)
+    dst = tmp_path / "ds"
+    with pytest.raises(ConvertError, match=key):
+        inline("imagefolder", src, dst)
+    assert (dst / PARTS).is_dir() and not (dst / "manifest.json").exists()
+    with pytest.raises(FileExistsError, match="not empty"):
+        convert("imagefolder", images, dst, progress=False, workers=0)
+    convert("imagefolder", images, dst, overwrite=True, progress=False, workers=0)
+    assert sorted(os.listdir(dst)) == sorted(os.listdir(reference))
+    assert verify(dst) == []
+
+
+def _npz(tmp: Path) -> Path:
+    rng = np.random.default_rng(0)
+    p = tmp / "a.npz"
+    np.savez(p, x=rng.standard_normal((1000, 7)).astype(np.float32), label=rng.integers(0, 5, 1000))
+    return p
+
+
+def test_other_kinds_split_alike(tmp_path, images):
+    # arrays: bulk chunks cut at group bounds
+    npz = _npz(tmp_path)
+    convert("arrays", npz, tmp_path / "a_ref", progress=False)
+    inline("arrays", npz, tmp_path / "a", shard_size=3000)
+    assert load_plan  # noqa: B018  (imported for the plan checks above)
+    assert_same(tmp_path / "a_ref", tmp_path / "a")
+    # a Parquet file list (path, string label): tasks read their own row range, class
+    # names come from the whole label column
+    files = sorted(images.rglob("*.jpg"))
+    pq.write_table(pa.table({"path": [str(p) for p in files], "label": [p.parent.name for p in files]}),
+                   tmp_path / "list.parquet", row_group_size=37)
+    convert("table", tmp_path / "list.parquet", tmp_path / "t_ref", progress=False, workers=0)
+    inline("table", tmp_path / "list.parquet", tmp_path / "t")
+    assert_same(tmp_path / "t_ref", tmp_path / "t")
+    # list columns: ragged wherever some rows differ, even if one group's rows all agree
+    lens = [3] * 100 + [1, 2, 5] * 20  # the first rows (and whole groups) have equal lengths
+    pq.write_table(pa.table({"tok": [list(range(n)) for n in lens], "label": np.arange(len(lens)) % 3}),
+                   tmp_path / "rag.parquet", row_group_size=50)
+    convert("table", tmp_path / "rag.parquet", tmp_path / "r_ref", progress=False)
+    inline("table", tmp_path / "rag.parquet", tmp_path / "r", shard_size=400)
+    assert json.loads((tmp_path / "r" / "manifest.json").read_text())["fields"]["tok"]["kind"] == "ragged"
+    assert_same(tmp_path / "r_ref", tmp_path / "r")
+    # a table without image paths keys its rows by global row number
+    pq.write_table(pa.table({"v": np.arange(500, dtype=np.int64), "s": [f"r{i}" for i in range(500)]}),
+                   tmp_path / "plain.parquet", row_group_size=64)
+    convert("table", tmp_path / "plain.parquet", tmp_path / "p_ref", progress=False)
+    inline("table", tmp_path / "plain.parquet", tmp_path / "p", shard_size=1000)
+    assert_same(tmp_path / "p_ref", tmp_path / "p")
+
+
+def test_skip_report_has_global_indices(images, tmp_path):
+    src, key = corrupt_copy(images, tmp_path, 150)  # a middle group
+    convert("imagefolder", src, tmp_path / "ref", progress=False, workers=0, on_error="skip")
+    r = inline("imagefolder", src, tmp_path / "ds", on_error="skip")
+    assert r["skipped"] == 1
+    assert_same(tmp_path / "ref", tmp_path / "ds")
+    rec = [json.loads(x) for x in (tmp_path / "ds" / "skipped.jsonl").read_text().splitlines()]
+    assert rec == [json.loads(x) for x in (tmp_path / "ref" / "skipped.jsonl").read_text().splitlines()]
+    assert rec[0]["index"] == 150 and rec[0]["key"] == key
+
+
+def test_a_group_with_every_sample_skipped_leaves_no_shard(images, tmp_path):
+    src = tmp_path / "images"
+    shutil.copytree(images, src)
+    dst = tmp_path / "ds"
+    plan = make_plan("imagefolder", src, dst, shard_size=200_000, overwrite=False, resume=False)
+    a, b = plan.bounds(1)
+    files = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.jpg"))
+    for f in files[a:b]:  # every image of group 1 goes bad after the plan was made
+        (src / f).write_bytes(b"not an image")
+    for g in range(plan.num_groups):
+        assert run_group(dst, g, "skip")["error"] is None
+    r = commit(plan, "skip")
+    assert r["skipped"] == b - a and r["num_samples"] == 300 - (b - a) and r["num_shards"] == plan.num_groups - 1
+    convert("imagefolder", src, tmp_path / "ref", progress=False, workers=0, on_error="skip")
+    assert_same(tmp_path / "ref", dst)
+    assert (dst / "skipped.jsonl").read_text() == (tmp_path / "ref" / "skipped.jsonl").read_text()
+
+
+def test_engine_arguments_are_checked(images, tmp_path):
+    with pytest.raises(ValueError, match="engine"):
+        convert("imagefolder", images, tmp_path / "x", engine="spark")
+    with pytest.raises(ValueError, match="ray_address"):
+        convert("imagefolder", images, tmp_path / "x", ray_address="auto")
+    with pytest.raises(ValueError, match="resume"):
+        convert("imagefolder", images, tmp_path / "x", resume=True)
+
+
+# -- Ray ---------------------------------------------------------------------------------------
+@have_ray
+@pytest.mark.slow
+def test_ray_equals_local_and_retries_a_killed_worker(images, reference, tmp_path):
+    dst = tmp_path / "ds"
+    addresses: set[str] = set()
+    code, r, err = run_engine("ray", images, dst, tmp_path, fault_group=3, workers=2, watch=addresses)
+    assert code == 0, err
+    assert addresses and non_loopback(addresses) == set()  # the private Ray stays on 127.0.0.1
+    assert (tmp_path / "faults" / "died-3").exists()  # the first attempt of group 3 died ...
+    assert r["tasks_run"] == r["num_groups"] >= 5 and r["worker_pids"] >= 2  # ... and was retried
+    assert_same(reference, dst)
+    assert len(list((tmp_path / "heavy").iterdir())) >= 2  # every task checked its process ...
+    assert heavy_modules(tmp_path) == {}  # ... no worker imported torch or DALI
+    assert r["worker_heavy_modules"] == []
+
+
+@have_ray
+@pytest.mark.slow
+def test_ray_failure_then_resume(images, reference, tmp_path):
+    src, key = corrupt_copy(images, tmp_path, 299)  # in the last group
+    dst = tmp_path / "ds"
+    code, _, err = run_engine("ray", src, dst, tmp_path, workers=2, cli=True)
+    plan = load_plan(dst)
+    g = plan.num_groups - 1
+    a, b = plan.bounds(g)
+    assert code != 0 and f"group {g} (samples {a}..{b - 1})" in err and key in err and "--resume" in err, err
+    assert not (dst / "manifest.json").exists()
+    done = sorted(p.name for p in (dst / PARTS).glob("g-????????"))
+    assert done and f"g-{g:08d}" not in done
+    shutil.copy(images / key, src / key)  # the user fixes the file
+    code, r, err = run_engine("ray", src, dst, tmp_path, workers=2, resume=True, cli=True)
+    assert code == 0, err
+    assert r["tasks_reused"] == len(done) and r["tasks_run"] == plan.num_groups - len(done)
+    assert_same(reference, dst)
+
+
+@have_ray
+@pytest.mark.slow
+def test_ray_skip_merges_the_report(images, tmp_path):
+    src, key = corrupt_copy(images, tmp_path, 150)
+    convert("imagefolder", src, tmp_path / "ref", progress=False, workers=0, on_error="skip")
+    code, r, err = run_engine("ray", src, tmp_path / "ds", tmp_path, workers=2, on_error="skip")
+    assert code == 0, err
+    assert r["skipped"] == 1
+    assert_same(tmp_path / "ref", tmp_path / "ds")
+    assert (tmp_path / "ds" / "skipped.jsonl").read_text() == (tmp_path / "ref" / "skipped.jsonl").read_text()
+
+
+@have_ray
+@pytest.mark.slow
+def test_ray_address_joins_a_running_cluster_and_leaves_it_running(images, reference, tmp_path):
+    # A Ray cluster of its own (started by a helper driver on 127.0.0.1); closing the
+    # helper's stdin ends it, and with it every process of that cluster.
+    helper = subprocess.Popen(
+        [sys.executable, "-c", "import ray, sys; ray.init(num_cpus=2, include_dashboard=False); "
+                               "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        address = helper.stdout.readline().strip()
+        assert address.startswith("127.0.0.1:"), address
+        code, r, err = run_engine("ray", images, tmp_path / "ds", tmp_path, ray_address=address,
+                                  extra_env={"RAY_AUTH_MODE": "token"})  # a local Ray's token is the default
+        assert code == 0, err
+        assert r["workers"] == 2  # the cluster's CPUs
+        assert_same(reference, tmp_path / "ds")
+        assert helper.poll() is None  # the engine left the cluster running
+    finally:
+        helper.stdin.close()
+        try:
+            helper.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            helper.kill()
+            helper.wait()
+
+
+# -- torchrun ------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_torchrun_equals_local_and_retries_a_killed_task(images, reference, tmp_path):
+    dst = tmp_path / "ds"
+    addresses: set[str] = set()
+    code, r, err = run_engine("torch", images, dst, tmp_path, fault_group=2, watch=addresses)
+    assert code == 0, err
+    assert addresses and non_loopback(addresses) == set()
+    assert (tmp_path / "faults" / "died-2").exists()
+    assert r["world_size"] == 2 and r["num_groups"] >= 5
+    assert_same(reference, dst)
+    assert heavy_modules(tmp_path) == {}
+
+
+@pytest.mark.slow
+def test_torchrun_failure_then_resume_and_skip(images, reference, tmp_path):
+    src, key = corrupt_copy(images, tmp_path, 150)  # a middle group
+    dst = tmp_path / "ds"
+    code, _, err = run_engine("torch", src, dst, tmp_path, cli=True)
+    plan = load_plan(dst)
+    g = 150 // plan.group_size
+    a, b = plan.bounds(g)
+    assert code != 0 and f"group {g} (samples {a}..{b - 1})" in err and key in err, err
+    assert not (dst / "manifest.json").exists()
+    done = sorted(p.name for p in (dst / PARTS).glob("g-????????"))
+    assert f"g-{g:08d}" not in done
+    # resume under --on-error skip: finished parts reused, the bad image reported globally
+    code, r, err = run_engine("torch", src, dst, tmp_path, resume=True, on_error="skip", cli=True)
+    assert code == 0, err
+    assert r["tasks_reused"] == len(done) >= 1 and r["tasks_run"] == plan.num_groups - len(done)
+    assert r["skipped"] == 1 and r["num_samples"] == 299
+    rec = [json.loads(x) for x in (dst / "skipped.jsonl").read_text().splitlines()]
+    assert [(x["index"], x["key"]) for x in rec] == [(150, key)]
+    convert("imagefolder", src, tmp_path / "ref", progress=False, workers=0, on_error="skip")
+    assert_same(tmp_path / "ref", dst)
