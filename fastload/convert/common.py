@@ -73,6 +73,12 @@ class Source:
     metadata: dict[str, Any] = field(default_factory=dict)
     max_pixels: int | None = DEFAULT_MAX_PIXELS
 
+    def __post_init__(self) -> None:
+        if self.max_pixels is None:  # one limit: the Loader's (a source asked for none gets it too)
+            self.max_pixels = DEFAULT_MAX_PIXELS
+        if any(f.kind == "image" for f in self.fields.values()):
+            self.metadata["max_pixels"] = int(self.max_pixels)  # stated in the dataset's manifest
+
     def key(self, i: int) -> str:
         return str(i)
 
@@ -182,8 +188,6 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
     dst = Path(dst)
     image_fields = [n for n, f in source.fields.items() if f.kind == "image"]
     metadata = dict(source.metadata)
-    if image_fields:
-        metadata["max_pixels"] = source.max_pixels
     writer = ShardWriter(dst, source.fields, shard_size=shard_size, label=source.label,
                          class_names=source.class_names, overwrite=overwrite, metadata=metadata)
     bar = tqdm(total=source.num_samples, unit="samples", desc=desc, disable=not progress,

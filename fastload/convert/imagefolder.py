@@ -88,20 +88,20 @@ class ImageFolderSource(Source):
             raise ConvertError(f"{root}: class folder(s) {shown} hold no image files; remove them or add "
                                "images (class ids are the sorted folder names, so an empty folder "
                                "would still be a class)")
-        self._init(root, classes, np.array(paths), np.array(labels, dtype=np.int64), ignored, max_pixels)
+        self._init(root, classes, np.array(paths), np.array(labels, dtype=np.int64), ignored, max_pixels, repeated)
 
     @classmethod
     def from_listing(cls, root: str | os.PathLike, classes: list[str], paths, labels, ignored: int,
-                     max_pixels: int | None = None) -> "ImageFolderSource":
+                     max_pixels: int | None = None, repeated_dirs: int = 0) -> "ImageFolderSource":
         """The source of an already walked folder (or a slice of its listing: the distributed
         convert's tasks read their row range of the listing instead of walking SRC again)."""
         self = cls.__new__(cls)
         self._init(Path(root), list(classes), np.asarray(paths), np.asarray(labels, dtype=np.int64),
-                   int(ignored), max_pixels)
+                   int(ignored), max_pixels, int(repeated_dirs))
         return self
 
     def _init(self, root: Path, classes: list[str], paths: np.ndarray, labels: np.ndarray, ignored: int,
-              max_pixels: int | None) -> None:
+              max_pixels: int | None, repeated: int = 0) -> None:
         super().__init__(fields={"image": Field("image"), "label": Field("scalar", "int64")},
                          num_samples=len(paths), label="label", class_names=classes,
                          metadata={"source": "imagefolder", "ignored_files": ignored, "repeated_dirs": repeated},
@@ -111,6 +111,7 @@ class ImageFolderSource(Source):
         self.paths = paths
         self.labels = labels
         self.ignored = ignored
+        self.repeated_dirs = repeated
 
     def key(self, i: int) -> str:
         return str(self.paths[i])

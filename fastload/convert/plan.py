@@ -153,11 +153,14 @@ def _plan_imagefolder(src: Path, parts: Path, options: dict) -> tuple[Source, di
     from .imagefolder import ImageFolderSource
 
     source = ImageFolderSource(src, max_pixels=options["max_pixels"])
-    table = pa.table({"path": pa.array(source.paths.tolist(), pa.string()), "label": pa.array(source.labels)})
+    # paths as bytes: a file name need not be UTF-8 (os.fsencode / os.fsdecode carry it exactly)
+    table = pa.table({"path": pa.array([os.fsencode(p) for p in source.paths.tolist()], pa.binary()),
+                      "label": pa.array(source.labels)})
     tmp = parts / ("." + LISTING + ".tmp")
     pq.write_table(table, tmp, row_group_size=_LISTING_ROW_GROUP)
     os.replace(tmp, parts / LISTING)
-    spec = {"root": str(src), "listing": LISTING, "classes": source.class_names, "ignored": source.ignored}
+    spec = {"root": str(src), "listing": LISTING, "classes": source.class_names, "ignored": source.ignored,
+            "repeated_dirs": source.repeated_dirs}
     return source, spec, [], estimate_bytes_per_sample(source)
 
 

@@ -86,9 +86,10 @@ def open_group(plan: Plan, g: int) -> Source:
         from .table import parquet_rows
 
         rows = parquet_rows(plan.parts / spec["listing"], a, b)
+        paths = [os.fsdecode(p) for p in rows.column("path").to_pylist()]  # bytes: any file name
         return ImageFolderSource.from_listing(
-            spec["root"], spec["classes"], np.array(rows.column("path").to_pylist(), dtype=str),
-            rows.column("label").to_numpy(), spec["ignored"], opts["max_pixels"])
+            spec["root"], spec["classes"], np.array(paths, dtype=str),
+            rows.column("label").to_numpy(), spec["ignored"], opts["max_pixels"], spec.get("repeated_dirs", 0))
     if plan.kind == "table":
         from .table import TableSource
 

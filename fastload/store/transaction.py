@@ -205,7 +205,8 @@ class Transaction:
         self._cleanup: weakref.finalize | None = None
         self._swapping = False
         if prepare_output_dir(path, overwrite):
-            self.generation = new_generation(os.listdir(path))
+            if (path / MANIFEST).exists():  # a dataset a reader may have open: never reuse its names
+                self.generation = new_generation(os.listdir(path))
             self.dir = path / f"{STAGING_PREFIX}{uuid.uuid4().hex[:12]}"
             self.dir.mkdir()
             self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
