@@ -49,7 +49,8 @@ print("RESULT " + json.dumps(r))
 def run_engine(src: Path, dst: Path, engine: str, workers: int, shard_size: int, ranks: int = 1) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     args = json.dumps({"kind": "imagefolder", "src": str(src), "dst": str(dst), "engine": engine,
-                       "workers": workers, "shard_size": shard_size, "progress": False})
+                       "workers": workers, "shard_size": shard_size, "allow_small_shards": True,  # groups, on purpose
+                       "progress": False})
     cmd = [sys.executable, "-c", _RUN, args]
     if engine == "torch":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
