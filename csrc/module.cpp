@@ -262,7 +262,7 @@ class BoundRing {
   BoundRing(const std::vector<std::string>& names, const std::vector<py::dtype>& dtypes,
             const std::vector<std::vector<py::ssize_t>>& shapes, std::int64_t batch_size,
             const py::list& sources, int index_field, int threads, int slots, int max_slots,
-            std::int64_t min_part_bytes, const py::list& ragged) {
+            std::int64_t min_part_bytes, const py::list& ragged, int nice) {
     const std::size_t nf = names.size();
     if (dtypes.size() != nf || shapes.size() != nf || py::len(sources) != nf || py::len(ragged) != nf)
       throw py::value_error("names, dtypes, shapes, sources and ragged must have one entry per field");
@@ -292,7 +292,7 @@ class BoundRing {
     }
     // Starts C++ threads; does not touch Python (GIL stays held, see the file comment).
     ring_ = std::make_shared<Ring>(std::move(layout), batch_size, threads, slots, max_slots,
-                                   static_cast<std::size_t>(min_part_bytes));
+                                   static_cast<std::size_t>(min_part_bytes), nice);
   }
 
   // Install (arrays, one per field; None for fields without sources) or drop (every entry
@@ -642,10 +642,10 @@ PYBIND11_MODULE(_C, m) {
   py::class_<BoundRing>(m, "Ring")
       .def(py::init<const std::vector<std::string>&, const std::vector<py::dtype>&,
                     const std::vector<std::vector<py::ssize_t>>&, std::int64_t,
-                    const py::list&, int, int, int, int, std::int64_t, const py::list&>(),
+                    const py::list&, int, int, int, int, std::int64_t, const py::list&, int>(),
            py::arg("names"), py::arg("dtypes"), py::arg("shapes"), py::arg("batch_size"),
            py::arg("sources"), py::arg("index_field"), py::arg("threads"), py::arg("slots"),
-           py::arg("max_slots"), py::arg("min_part_bytes"), py::arg("ragged"))
+           py::arg("max_slots"), py::arg("min_part_bytes"), py::arg("ragged"), py::arg("nice") = 0)
       .def("submit_many", &BoundRing::submit_many, py::arg("shard"), py::arg("row"),
            py::arg("index"), py::arg("batch_size"), py::arg("start") = py::none(),
            py::arg("count") = py::none(),

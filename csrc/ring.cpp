@@ -12,6 +12,9 @@
 
 #if defined(__linux__)
 #include <pthread.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <cerrno>
 #endif
 #include <unistd.h>
 
@@ -30,10 +33,11 @@ std::size_t align_up(std::size_t x, std::size_t a) { return (x + a - 1) / a * a;
 }  // namespace
 
 Ring::Ring(Layout layout, std::int64_t batch_size, int threads, int slots, int max_slots,
-           std::size_t min_part_bytes)
+           std::size_t min_part_bytes, int nice)
     : layout_(std::move(layout)),
       batch_size_(batch_size),
       nthreads_(threads),
+      nice_(std::max(0, std::min(19, nice))),
       max_slots_(max_slots),
       min_part_bytes_(std::max<std::size_t>(min_part_bytes, 1)),
       owner_pid_(::getpid()) {
@@ -310,6 +314,12 @@ void Ring::assign_locked() {
 void Ring::worker() {
 #if defined(__linux__)
   pthread_setname_np(pthread_self(), "fastload-ring");  // visible in /proc, top -H, gdb
+  if (nice_ > 0) {  // Linux nice values are per thread; only raising it needs no privilege
+    const id_t tid = static_cast<id_t>(::syscall(SYS_gettid));
+    errno = 0;
+    const int cur = ::getpriority(PRIO_PROCESS, tid);
+    if (errno == 0 && cur < nice_) ::setpriority(PRIO_PROCESS, tid, nice_);
+  }
 #endif
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {

@@ -127,8 +127,11 @@ struct Delivery {
 class Ring : public std::enable_shared_from_this<Ring> {
  public:
   // `layout` gives row sizes, sources and the index field (offsets are computed here).
+  // nice: the producers' thread priority (Linux nice value, 0..19; 0 leaves it as is). A
+  // loader's producers run below the training loop's threads, which then win a contended core;
+  // the consumer helps with queued parts when its batch is late, so they cannot starve it.
   Ring(Layout layout, std::int64_t batch_size, int threads, int slots, int max_slots,
-       std::size_t min_part_bytes);
+       std::size_t min_part_bytes, int nice = 0);
   ~Ring();
   Ring(const Ring&) = delete;
   Ring& operator=(const Ring&) = delete;
@@ -233,6 +236,7 @@ class Ring : public std::enable_shared_from_this<Ring> {
   std::size_t gathered_row_bytes_ = 0;  // bytes per row the producers copy (parts are cut by it)
   bool any_gathered_ = false;           // some field is sourced or the index field
   int nthreads_;
+  int nice_ = 0;
   int max_slots_;
   std::size_t min_part_bytes_;
 

@@ -42,6 +42,7 @@ from .ringspec import check_source as _check_source
 from .ringspec import parse_fields as _parse_fields
 from .ringspec import parse_sources as _parse_sources
 from .system import rank_cores
+from .validate import check_int
 from .validate import is_int as _is_int
 
 __all__ = ["FillSlot", "RaggedField", "Ring", "RingBatch", "default_slots", "default_threads"]
@@ -176,6 +177,9 @@ class Ring:
             (a remote dataset's cache maps shards as they arrive and releases them after
             their last use). A batch that needs a shard that is not loaded fails with a
             ValueError naming the shard.
+        nice: the producer threads' priority (a Linux nice value, 0..19; 0: unchanged).
+            A Loader runs its producers below the training loop's threads
+            (:func:`fastload.system.loader_nice`).
     """
 
     def __init__(
@@ -190,6 +194,7 @@ class Ring:
         max_slots: int | None = None,
         min_part_bytes: int = _MIN_PART_BYTES,
         shard_rows: Sequence[int] | None = None,
+        nice: int = 0,
     ) -> None:
         self._core = None
         self._closed = True
@@ -209,6 +214,7 @@ class Ring:
                         for dt, s, r in zip(dtypes, shapes, ragged) if r is None)
         descs, ragged_bytes = ragged_descs(ragged, srcs, int(batch_size), dtypes, shapes)
         threads = default_threads() if threads is None else threads
+        nice = check_int("nice", nice, min=0, max=19)
         threads, slots, max_slots, min_part_bytes = ring_sizes(
             batch_size, row_bytes, ragged_bytes, threads=threads,
             slots=default_slots(threads) if slots is None and _is_int(threads) else slots,
@@ -229,7 +235,7 @@ class Ring:
         self._warned_copy = False
         self._core = _C.Ring(
             names, dtypes, [list(s) for s in shapes], int(batch_size), srcs, index,
-            int(threads), int(slots), int(max_slots), int(min_part_bytes), descs,
+            int(threads), int(slots), int(max_slots), int(min_part_bytes), descs, nice,
         )
         self._closed = False
 

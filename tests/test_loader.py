@@ -349,6 +349,34 @@ def test_corrupt_image_skip_replaces_deterministically_and_counts(corrupt_ds):
     assert batches[1]["label"].tolist() == [1, 1, 1, 1]  # the raw fields follow the replacement
 
 
+def test_large_batches_of_unchecked_images_are_decoded_in_safe_runs(corrupt_ds, tmp_path):
+    """A store written without convert's DALI check is decoded in runs of CPU_RUN images (a
+    failed larger DALI run can crash the process); a converted store in whole batches."""
+    from fastload.pipeline.runner import CPU_RUN
+
+    t = {"image": vision.eval(32)}
+    with Loader(corrupt_ds, batch_size=12, shuffle=False, transforms=t, on_error="skip") as lo:
+        batches = collect(lo)
+        runners = list(lo._parts.decoders()._runners.values())
+    assert [len(b["index"]) for b in batches] == [12] and runners and not any(r.whole_batches for r in runners)
+    # a converted store: the manifest says its images were checked with DALI
+    p = photos(["chelsea"])["chelsea"]
+    src = tmp_path / "folder" / "cat"
+    src.mkdir(parents=True)
+    for i in range(CPU_RUN + 4):
+        (src / f"{i:03d}.jpg").write_bytes(_jpeg(p[i * 5:i * 5 + 100, :120]))
+    fastload.convert("imagefolder", tmp_path / "folder", tmp_path / "conv", progress=False)
+    ds = fastload.Dataset(tmp_path / "conv")
+    assert ds.manifest["metadata"]["images_checked"] == "dali"
+    with Loader(ds, batch_size=CPU_RUN + 4, shuffle=False, transforms=t) as lo:
+        whole = collect(lo)[0]["image"]
+        runners = list(lo._parts.decoders()._runners.values())
+    assert runners and all(r.whole_batches for r in runners)
+    with Loader(ds, batch_size=1, shuffle=False, transforms=t) as lo:
+        one = torch.cat([b["image"] for b in collect(lo)])
+    assert torch.equal(whole, one)
+
+
 def test_dataset_inside_a_plain_dataloader_still_works(raw_ds):
     ds, x = raw_ds
     dl = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=0)

@@ -345,3 +345,93 @@ def test_recorded_size_is_the_size_dali_decodes():
             assert check_image(data) == (w, h), name
     finally:
         pipe._shutdown()  # join DALI's threads now (what Pipeline.__del__ does)
+
+
+def test_held_outputs_are_never_overwritten_by_later_runs(images):
+    """CPU outputs are DALI's own buffers (zero-copy): a batch the training loop still holds
+    must keep its pixels while the runner decodes more batches."""
+    enc, _, w, h = images
+    r = vision.eval(32, resize=40).runner(device="cpu", batch_size=4, num_threads=2)
+    try:
+        held = [r.run(enc[:4], w[:4], h[:4], np.arange(4), 0)]
+        first = held[0].clone()
+        for k in range(6):
+            held.append(r.run(enc[3:7], w[3:7], h[3:7], np.arange(4) + 10 * k, 0))
+        assert torch.equal(held[0], first)
+        assert not torch.equal(held[0], held[1])  # different images, so a reused buffer would show
+    finally:
+        r.close()
+
+
+_CRASH_SCRIPT = """
+import io, numpy as np
+from PIL import Image
+from fastload import vision
+from fastload.pipeline import BadSamples
+rng = np.random.default_rng(0)
+enc = []
+for _ in range(32):
+    b = io.BytesIO(); Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(b, "JPEG")
+    enc.append(np.frombuffer(b.getvalue(), np.uint8))
+enc[2] = np.frombuffer(b"not an image " * 20, np.uint8)
+r = vision.eval(32, resize=40).runner(device="cpu", batch_size=32, num_threads=2)
+wh = np.full(32, 64, np.int32)
+try:
+    r.run(enc, wh, wh, np.arange(32), 0)
+except BadSamples as e:
+    print("bad", e.positions)
+r.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_large_cpu_batch_does_not_crash_the_process():
+    """DALI 2.4 segfaults in ~40% of processes that shut a CPU pipeline down after it failed
+    a batch of 32 with an early bad image, when the cores are busy (10 of 20 runs with two
+    busy loops beside it, either executor; never with runs of 16-24). The runner decodes in
+    runs of CPU_RUN images instead."""
+    import subprocess
+    import sys
+
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for _ in range(5):
+            p = subprocess.run([sys.executable, "-u", "-c", _CRASH_SCRIPT], capture_output=True, text=True,
+                               timeout=120)
+            assert p.returncode == 0, (p.returncode, p.stdout[-500:], p.stderr[-2000:])
+            assert "bad [2]" in p.stdout
+    finally:
+        for q in load:
+            q.kill()
+            q.wait()
+
+
+def test_large_cpu_batches_are_decoded_in_runs_with_the_same_pixels():
+    """A CPU batch larger than CPU_RUN is decoded in runs (DALI 2.4 crash, see CPU_RUN): the
+    same pixels as runs of one image each, bad samples named by their batch position."""
+    from fastload.pipeline.runner import CPU_RUN
+
+    rng = np.random.default_rng(1)
+    n = 2 * CPU_RUN + 8
+    enc = [encode(rng.integers(0, 255, (48 + i % 5, 64, 3), dtype=np.uint8)) for i in range(n)]
+    w = np.full(n, 64, np.int32)
+    h = np.array([48 + i % 5 for i in range(n)], np.int32)
+    t = vision.train(24)
+    one = t.runner(device="cpu", batch_size=1, num_threads=1)
+    r = t.runner(device="cpu", batch_size=n, num_threads=2)
+    try:
+        want = torch.cat([one.run([enc[i]], w[i:i + 1], h[i:i + 1], np.array([i]), 3) for i in range(n)])
+        got = r.run(enc, w, h, np.arange(n), 3)
+        assert got.shape == (n, 3, 24, 24) and torch.equal(got, want)
+        out = torch.empty_like(want)
+        assert r.run(enc, w, h, np.arange(n), 3, out=out) is out and torch.equal(out, want)
+        junk = np.frombuffer(b"not an image " * 20, np.uint8)
+        bad = list(enc)
+        bad[5] = bad[CPU_RUN + 3] = bad[n - 1] = junk
+        with pytest.raises(BadSamples) as e:
+            r.run(bad, w, h, np.arange(n), 3)
+        assert e.value.positions == [5, CPU_RUN + 3, n - 1]
+        assert torch.equal(r.run(enc, w, h, np.arange(n), 3), want)  # and it recovers
+    finally:
+        one.close()
+        r.close()

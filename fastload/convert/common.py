@@ -36,6 +36,9 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".pbm", ".pnm", ".b
 ON_ERROR = ("raise", "skip")
 
 
+IMAGES_CHECKED = "images_checked"  # manifest metadata: the images were decoded by DALI at convert time
+
+
 def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
     """Decode ``data`` fully and return (width, height); raise ValueError when it is not an
     image DALI can decode."""
@@ -78,6 +81,9 @@ class Source:
             self.max_pixels = DEFAULT_MAX_PIXELS
         if any(f.kind == "image" for f in self.fields.values()):
             self.metadata["max_pixels"] = int(self.max_pixels)  # stated in the dataset's manifest
+            # every image went through DALI's decoder before it was written: the Loader may
+            # decode whole batches on the CPU (see fastload.pipeline.runner.CPU_RUN)
+            self.metadata[IMAGES_CHECKED] = "dali"
 
     def key(self, i: int) -> str:
         return str(i)

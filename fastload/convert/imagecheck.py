@@ -25,7 +25,8 @@ from ..system import usable_cores
 __all__ = ["DaliImageCheck"]
 
 # A batch decodes at most this many images / pixels at once (decoded RGB: 3 bytes a pixel).
-MAX_BATCH = 32
+# No more than the Loader's CPU_RUN: a failed DALI run of more images can crash the process.
+MAX_BATCH = 16
 MAX_BATCH_PIXELS = 1 << 27
 
 

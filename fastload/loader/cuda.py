@@ -6,7 +6,7 @@ to the device by ``CudaDelivery``: every slot page-locked when the delivery is m
 stream, the consumer's stream waiting for that stream, ``record_stream`` on the outputs, and
 the slot's host tensors (its lease) held until the copy's event has completed — so a slot is
 never refilled while the GPU still reads it. Image fields are decoded by DALI on the GPU
-(``mixed`` decoder) by ``CudaImageFeeder``: two workers, each with its own DALI pipelines,
+(``mixed`` decoder) by the ``ImageFeeder`` (``feeder.py``, shared with the host): two workers, each with its own DALI pipelines,
 so one batch is decoded while the other's is copied out; a worker fills the batch's ring
 slot (raw fields and final indices) and hands its image tensors over with the runners'
 ready events, which the consumer's stream waits on. Nothing is waited for on the host per
@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
-import threading
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..device import clear_cuda_error, guard, select
-from .decode import Decoders, decode_fields, runner_decoder
+from ..device import clear_cuda_error, guard
+from .decode import Decoders
+from .feeder import ImageFeeder
 from .source import INDEX, Ready, RingFedSource
 
-__all__ = ["CudaDelivery", "CudaImageFeeder", "CudaSource", "StreamHandoff"]
+__all__ = ["CudaDelivery", "CudaSource", "StreamHandoff"]
 
 logger = logging.getLogger("fastload")
 
@@ -187,7 +186,7 @@ class CudaSource(RingFedSource):
         # GPU-decoded images are not in it) and the device transform (all fields).
         self._finish = None if finish is None or finish.trivial else finish
         self._device_fn = device_transform
-        super().__init__(ring, dataset, CudaImageFeeder(
+        super().__init__(ring, dataset, ImageFeeder(
             ring=ring, dataset=dataset, device=device, image_fields=image_fields, decoders=decoders, epoch=epoch,
             on_error=on_error, stats=stats, workers=workers) if image_fields else None, prepare)
 
@@ -213,132 +212,6 @@ class CudaSource(RingFedSource):
             if self._device_fn is not None:
                 out = self._delivery.run_on_stream(self._device_fn, out)
         return Ready(out, index)
-
-
-class CudaImageFeeder:
-    """Workers that decode each batch's image fields on the GPU, in order (see the module
-    docstring). Under a lock a worker takes the next indices and acquires the next ring
-    slot (so slots are acquired in request order); it then decodes (DALI, replacing
-    undecodable samples per the policy), gathers the raw fields and the final indices into
-    the slot, hands the images over and commits the slot."""
-
-    def __init__(self, *, ring, dataset, device, image_fields: Sequence[str], decoders: Decoders, epoch: int,
-                 on_error: str, stats, workers: int = 2) -> None:
-        self._ring = ring
-        self._dataset = dataset
-        self._device = device
-        self._image_fields = list(image_fields)
-        self._epoch = epoch
-        self._on_error = on_error
-        self._stats = stats
-        self._inbox: queue.Queue = queue.Queue()
-        self._acquired: queue.Queue = queue.Queue()  # the seq of each slot acquired, or the error
-        self._done: dict[int, tuple[dict, tuple]] = {}  # slot seq -> (images, ready events)
-        self._done_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._take_lock = threading.Lock()
-        self._known_bad = decoders.known_bad
-        self._runners = [decoders.for_worker(self._image_fields, k) for k in range(workers)]
-        self._threads = [threading.Thread(target=self._run, args=(k,), name=f"fastload-feeder-cuda-{k}",
-                                          daemon=True) for k in range(workers)]
-        for t in self._threads:
-            t.start()
-
-    def put(self, idx: np.ndarray) -> None:
-        self._inbox.put(idx)
-
-    def wait_acquired(self) -> int:
-        """Wait until a worker holds the next batch's slot (or raise why it could not); the
-        slot's sequence number (the ring hands batches out in this order)."""
-        while True:
-            try:
-                item = self._acquired.get(timeout=0.1)
-            except queue.Empty:
-                self._check_alive()
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            return item
-
-    def take(self, seq: int) -> tuple[dict, tuple]:
-        """The images and ready events of batch ``seq``, just taken from the ring (a worker
-        hands them over before it commits the slot)."""
-        with self._done_lock:
-            return self._done.pop(seq)
-
-    def _check_alive(self) -> None:
-        if not any(t.is_alive() for t in self._threads):
-            raise RuntimeError("fastload CUDA feeder threads stopped unexpectedly") from None
-
-    # -- the workers -------------------------------------------------------------------------
-    def _take(self):
-        """(indices, slot) of the next batch, slots acquired in order; None when stopping."""
-        with self._take_lock:
-            while True:
-                if self._stop.is_set():
-                    return None
-                try:
-                    idx = self._inbox.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                if idx is None:
-                    self._inbox.put(None)  # let the other workers see it too
-                    return None
-                try:
-                    slot = self._ring.acquire()
-                except BaseException as e:  # the ring is closing: no slot for this batch
-                    self._acquired.put(e)
-                    return None
-                self._acquired.put(slot.seq)
-                return idx, slot
-
-    def _run(self, worker: int) -> None:
-        try:
-            select(self._device)  # first: every CUDA call of this thread goes to the loader's GPU
-        except BaseException as e:  # pragma: no cover - a device that vanished
-            self._acquired.put(e)
-            return
-        runners = self._runners[worker]
-        while True:
-            job = self._take()
-            if job is None:
-                return
-            idx, slot = job
-            try:
-                self._fill(slot, idx, runners)
-            except BaseException as e:  # the consumer raises it for this very batch
-                slot.fail(e)
-
-    def _fill(self, slot, idx: np.ndarray, runners: dict) -> None:
-        ds = self._dataset
-        decoders = {name: runner_decoder(runners[name], ds, name, self._epoch, None, self._stats)
-                    for name in self._image_fields}
-        images, final, replaced = decode_fields(decoders, idx, num_samples=len(ds), on_error=self._on_error,
-                                                describe=ds.describe, known_bad=self._known_bad)
-        if replaced:
-            self._stats.add("replaced_samples", replaced)
-        # each field's last run produced its image tensor: its runner's ready event covers it
-        events = tuple(runners[name].ready_event for name in self._image_fields)
-        slot.gather(*ds.locate(final), index=final)  # raw fields + the indices delivered
-        with self._done_lock:
-            self._done[slot.seq] = (images, events)
-        slot.commit(len(idx))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._inbox.put(None)
-        # A worker may be blocked in ring.acquire() waiting for a free slot: keep draining
-        # the ring until every worker has seen the stop flag and returned.
-        deadline = time.monotonic() + 30
-        while any(t.is_alive() for t in self._threads):
-            self._ring.drain(timeout=0.1, warn=False)  # bounded: the deadline below is checked
-            for t in self._threads:
-                t.join(timeout=0.01)
-            if time.monotonic() > deadline:  # pragma: no cover - only if DALI hangs
-                logger.warning("fastload: the CUDA feeder threads did not stop within 30 s")
-                break
-        with self._done_lock:
-            self._done.clear()
 
 
 class StreamHandoff:

@@ -127,10 +127,13 @@ def runner_decoder(runner, dataset, name: str, epoch: int, out: Any, stats) -> C
 
 class Decoders:
     """The DALI runners of one Loader: ``get(field, worker)`` builds on first use; ``close()``
-    stops them all. ``device`` is ``"cpu"`` or ``"cuda"``; ``device_id`` the CUDA index."""
+    stops them all. ``device`` is ``"cpu"`` or ``"cuda"``; ``device_id`` the CUDA index.
+    ``checked``: every image was decoded by DALI when the dataset was converted, so the CPU
+    runners decode whole batches (``Runner.whole_batches``)."""
 
     def __init__(self, transforms: Mapping[str, Any], *, device: str, device_id: int | None, batch_size: int,
-                 seed: int) -> None:
+                 seed: int, checked: bool = False) -> None:
+        self._checked = bool(checked)
         self._transforms = dict(transforms)
         self._device = device
         self._device_id = device_id
@@ -150,6 +153,7 @@ class Decoders:
             r = self._transforms[field].runner(device=self._device, batch_size=self._batch_size,
                                                num_threads=None, prefetch=None, seed=self._seed,
                                                device_id=self._device_id)
+            r.whole_batches = self._checked
             self._runners[(field, worker)] = r
         return r
 

@@ -17,6 +17,7 @@ import numpy as np
 from .. import lifecycle
 from ..packing import max_pieces
 from ..ring import Ring
+from ..system import loader_nice
 from .decode import Decoders
 from .finish import Finish
 from .host import HostSource
@@ -66,8 +67,8 @@ class Parts:
         return self._opts.device.type == "cuda"
 
     def ring(self) -> Ring:
-        """Raw fields (gathered from the memory-mapped shards), on the host path the image
-        fields' outputs (filled by the feeders), and the int64 ``"index"`` field."""
+        """Raw fields (gathered from the memory-mapped shards) and the int64 ``"index"``
+        field; decoded images never pass through it (they are DALI's own buffers)."""
         if self._ring is None:
             ds, o = self._dataset, self._opts
             specs: dict[str, Any] = {}
@@ -86,13 +87,10 @@ class Parts:
             for n, d in o.ragged.items():
                 specs[n] = ring_field(ds, n, d, o.slot_rows or o.batch_size)
                 sources[n] = [_values_offsets(ds.ragged_column(s, n, verify=False)) for s in range(ds.num_shards)]
-            if not self.cuda:
-                for n in o.image_fields:
-                    t = o.transforms[n]
-                    specs[n] = (np.dtype(t.out_dtype), tuple(t.out_shape))
             specs[INDEX] = (np.int64, ())
             ring = Ring(specs, rows, sources, index_field=INDEX, threads=o.threads,
-                        slots=o.slots or ring_slots(o.prefetch), shard_rows=ds.shard_sizes.tolist())
+                        slots=o.slots or ring_slots(o.prefetch), shard_rows=ds.shard_sizes.tolist(),
+                        nice=loader_nice())
             self._ring = ring
             if self._remote is not None:
                 self._remote.attach_ring(ring, o.raw_fields)
@@ -113,7 +111,8 @@ class Parts:
             o = self._opts
             self._decoders = Decoders(o.transforms, device=o.device.type,
                                       device_id=o.device.index if self.cuda else None,
-                                      batch_size=o.slot_rows or o.batch_size, seed=o.seed)
+                                      batch_size=o.slot_rows or o.batch_size, seed=o.seed,
+                                      checked=images_checked(self._dataset))
         return self._decoders
 
     def undecodable(self) -> int:
@@ -184,3 +183,11 @@ class Parts:
 def _values_offsets(column: tuple) -> tuple:
     offsets, values = column
     return values, offsets
+
+
+def images_checked(dataset) -> bool:
+    """Whether ``fastload convert`` decoded every image of ``dataset`` with DALI (its manifest
+    says so): then no batch can fail to decode unless a shard changed, which verification
+    catches."""
+    manifest = getattr(dataset, "manifest", None)
+    return isinstance(manifest, dict) and (manifest.get("metadata") or {}).get("images_checked") == "dali"

@@ -5,6 +5,12 @@ per-sample parameters into the transform's DALI graph and writes the result into
 host tensor (a ring slot) or returns a CUDA tensor. A batch DALI fails on is bisected to
 the failing samples, raised as :class:`fastload.errors.BadSamples`.
 
+On the CPU, DALI's dynamic executor runs the graph, in runs of at most ``CPU_RUN`` images
+unless the images were checked at convert time (a failed larger run can crash DALI 2.4,
+see CPU_RUN); a batch of one run is handed over as
+DALI's own output buffer without a copy (DLPack; reference-counted, never reused while
+held), a larger one is concatenated from its runs.
+
 On CUDA (the thin part): DALI runs host-synchronously (the legacy executor; ``run(stream)``
 needs the dynamic one), and its output is copied into a new torch tensor on the runner's own
 *copy stream*, asynchronously (``feed_ndarray(..., cuda_stream=copy_stream)``); the runner
@@ -35,6 +41,14 @@ __all__ = ["Runner", "default_threads"]
 
 GPU_PIPELINE_THREADS = 4  # CPU threads of a GPU pipeline: parsing and nvJPEG's host stage
 CPU_SEARCH_CHUNK = 16  # samples per CPU run when locating the bad samples of a failed GPU batch
+# Images per DALI run on the CPU. DALI 2.4's CPU image decoder crashes the process when a run
+# of more than ~24 images fails on a bad image while the cores are busy: its thread pool
+# still decodes the rest after the run raised (SIGSEGV in ImageDecoder<CPUBackend>::RunImplImpl,
+# either executor; 10 of 20 processes at 32 images, 0 of 20 at 16, 20 and 24). Larger batches
+# are decoded in runs of this size and concatenated (one copy; ~30% fewer images/s in
+# bench_jpeg), unless every image was decoded by DALI at convert time (``whole_batches``,
+# set for stores ``fastload convert`` wrote: their manifest metadata says images_checked).
+CPU_RUN = 16
 
 
 def default_threads(device: str = "cpu") -> int:
@@ -103,6 +117,9 @@ class Runner:
         self._cpu = None  # CUDA: a CPU runner of the same graph, to locate bad samples
         self._pid = os.getpid()
         self.rebuilds = 0
+        # CPU: decode a batch in one DALI run even when it has more than CPU_RUN images (set
+        # when every image was decoded by DALI at convert time, see CPU_RUN)
+        self.whole_batches = False
         self.copy_s = 0.0  # time copying DALI's output out (into a ring slot / a CUDA tensor)
 
     # -- the graph ---------------------------------------------------------------------------
@@ -115,9 +132,9 @@ class Runner:
         gpu = self.device == "cuda"
         names = t.param_names()
 
-        @pipeline_def(batch_size=self.batch_size, num_threads=self.num_threads,
+        @pipeline_def(batch_size=self._pipeline_batch(), num_threads=self.num_threads,
                       device_id=self.device_id if gpu else None, prefetch_queue_depth=1,
-                      exec_dynamic=False, seed=self.seed & 0x7FFFFFFF)
+                      exec_dynamic=not gpu, seed=self.seed & 0x7FFFFFFF)
         def graph():
             enc = fn.external_source(name="encoded", dtype=types.UINT8, no_copy=True)
             params = {n: fn.external_source(name=n, dtype=types.FLOAT if d == np.float32 else types.INT32,
@@ -126,6 +143,10 @@ class Runner:
                            device="gpu" if gpu else "cpu")
 
         return graph()
+
+    def _pipeline_batch(self) -> int:
+        whole = self.device == "cuda" or self.whole_batches
+        return self.batch_size if whole else min(self.batch_size, CPU_RUN)
 
     def _build(self):
         pipe = self._define()
@@ -148,14 +169,14 @@ class Runner:
         pipe, self._pipe = self._pipe, None
         self.ready_event = None
         if pipe is not None:
-            _leak_in_child(pipe)
+            _leak(pipe)
 
     def _drop_pipeline(self) -> None:
         if os.getpid() != self._pid:  # a forked child's copy (see _after_fork_in_child)
             pipe, self._pipe = self._pipe, None
             self.ready_event = None
             if pipe is not None:
-                _leak_in_child(pipe)
+                _leak(pipe)
             return
         ev, self.ready_event = self.ready_event, None
         if ev is not None:  # CUDA: the last copy out of DALI's buffer must be done before it goes
@@ -177,9 +198,10 @@ class Runner:
         pipe.feed_input("encoded", encoded)
         for n, a in params.items():
             pipe.feed_input(n, a)  # one (n, ...) array: a uniform batch, no per-sample list
-        # Host-synchronous run on both devices: run(stream) needs DALI's dynamic executor. On
-        # CUDA the output stays on the device and _deliver copies it out on the copy stream;
-        # DALI's stream waits for that copy before this run may overwrite the buffer.
+        # Host-synchronous run on both devices. On the CPU, DALI's dynamic executor: its output
+        # buffers are reference-counted, so _deliver hands them over without a copy. On CUDA
+        # (the legacy executor) the output stays on the device and _deliver copies it out on
+        # the copy stream; DALI's stream waits for that copy before a run overwrites the buffer.
         with decoder_output_captured():  # the decoders' own [ERROR] lines: reported by fastload instead
             out, = pipe.run()
         return out
@@ -225,40 +247,64 @@ class Runner:
                 if pixels[i] > self.max_pixels else f"invalid recorded size {int(widths[i])}x{int(heights[i])}"
                 for i in refused])
         params = self.transform.params(self.seed, epoch, indices, widths, heights)
+        if n > self._pipeline_batch():
+            return self._run_chunked(encoded, params, n, out)
         res, err = self._try(encoded, params)
         if err is not None:
-            bad = self._locate_bad(encoded, params, err)
-            if not bad:  # the batch failed but no part of it does: not a data problem
-                raise RuntimeError(f"DALI failed on a batch of {n} images, but on no part of it: {err}")
-            if len(bad) == n:  # every image fails: the data, or the pipeline itself?
-                canary = self._canary_error()
-                if canary is not None:
-                    raise RuntimeError(
-                        f"the DALI pipeline fails on every image, including a valid built-in "
-                        f"{_CANARY_SIZE}x{_CANARY_SIZE} JPEG, so this is not a data problem: {canary}")
-            raise BadSamples(sorted(bad), [bad[p] for p in sorted(bad)])
+            self._raise_bad(self._locate_bad(encoded, params, err), n, err)
         return self._deliver(res, n, out)
 
+    def _run_chunked(self, encoded: list, params: dict[str, np.ndarray], n: int, out):
+        """``run`` on the CPU in runs of at most CPU_RUN images, concatenated (see CPU_RUN)."""
+        import torch
+
+        parts, bad, err = [], {}, None
+        for start in range(0, n, CPU_RUN):
+            pos = np.arange(start, min(n, start + CPU_RUN))
+            res, e = self._try([encoded[i] for i in pos], {k: a[pos] for k, a in params.items()})
+            if e is not None:
+                err = e
+                self._find_bad(encoded, params, pos, e, bad)
+            elif not bad and err is None:
+                parts.append(self._deliver(res, len(pos), None))
+        if err is not None:
+            self._raise_bad(bad, n, err)
+        whole = torch.cat(parts)
+        if out is None:
+            return whole
+        out = out if isinstance(out, torch.Tensor) else torch.from_numpy(out)
+        out.copy_(whole)
+        return out
+
+    def _raise_bad(self, bad: dict[int, str], n: int, err: str):
+        """Raise what a failed batch of ``n`` images means: BadSamples naming ``bad``, or a
+        RuntimeError when the pipeline itself is at fault."""
+        if not bad:  # the batch failed but no part of it does: not a data problem
+            raise RuntimeError(f"DALI failed on a batch of {n} images, but on no part of it: {err}")
+        if len(bad) == n:  # every image fails: the data, or the pipeline itself?
+            canary = self._canary_error()
+            if canary is not None:
+                raise RuntimeError(
+                    f"the DALI pipeline fails on every image, including a valid built-in "
+                    f"{_CANARY_SIZE}x{_CANARY_SIZE} JPEG, so this is not a data problem: {canary}")
+        raise BadSamples(sorted(bad), [bad[p] for p in sorted(bad)])
+
     def _locate_bad(self, encoded: list, params: dict[str, np.ndarray], err: str) -> dict[int, str]:
-        """{position: reason} of the samples a failed batch fails on. On CUDA the search runs
-        on a CPU runner of the same graph (one GPU rebuild per failing batch, not one per
-        bisection step); only when the CPU decodes every image (a GPU-only failure) does it
+        """{position: reason} of the samples a failed batch fails on, searched in chunks of
+        CPU_SEARCH_CHUNK on a CPU runner of the same graph (a chunk without a bad sample takes
+        one run; on CUDA, a small CPU runner: one GPU rebuild per failing batch, not one per
+        bisection step). Only when the CPU decodes every image (a GPU-only failure) does it
         bisect on the GPU."""
         n = len(encoded)
         bad: dict[int, str] = {}
-        if self.device == "cuda":
-            # In chunks of CPU_SEARCH_CHUNK: DALI 2.4's CPU decoder intermittently crashes the
-            # process when a pipeline is torn down after a failed batch with many samples
-            # still behind the failing one (seen from ~32 on; never up to 24).
-            cpu = self._cpu_runner()
-            for start in range(0, n, CPU_SEARCH_CHUNK):
-                part = np.arange(start, min(n, start + CPU_SEARCH_CHUNK))
-                _, cpu_err = cpu._try([encoded[i] for i in part], {k: a[part] for k, a in params.items()})
-                if cpu_err is not None:
-                    cpu._find_bad(encoded, params, part, cpu_err, bad)
-            if bad:
-                return bad
-        self._find_bad(encoded, params, np.arange(n), err, bad)
+        cpu = self if self.device == "cpu" else self._cpu_runner()
+        for start in range(0, n, CPU_SEARCH_CHUNK):
+            part = np.arange(start, min(n, start + CPU_SEARCH_CHUNK))
+            _, cpu_err = cpu._try([encoded[i] for i in part], {k: a[part] for k, a in params.items()})
+            if cpu_err is not None:
+                cpu._find_bad(encoded, params, part, cpu_err, bad)
+        if not bad and self.device == "cuda":
+            self._find_bad(encoded, params, np.arange(n), err, bad)
         return bad
 
     def _cpu_runner(self) -> "Runner":
@@ -307,8 +353,10 @@ class Runner:
             self.ready_event = ev
             return t
         if out is None:
-            out = torch.empty((n, *self.out_shape), dtype=_TORCH[self.out_dtype.name])
-        elif not isinstance(out, torch.Tensor):
+            # DALI's own buffer, zero-copy: the dynamic executor never reuses a buffer that a
+            # DLPack capsule still references (measured: +18% img/s over a copy into a slot)
+            return torch.from_dlpack(res.as_tensor())
+        if not isinstance(out, torch.Tensor):
             out = torch.from_numpy(out)
         feed_ndarray(res.as_tensor(), out)
         return out
@@ -327,13 +375,15 @@ class Runner:
 
 
 _CANARY_SIZE = 256
-_LEAKED: list = []  # pipelines inherited by a forked child: never shut down there
+_LEAKED: list = []  # pipelines never shut down: inherited by a forked child, or abandoned
 
 
-def _leak_in_child(pipe) -> None:
-    """Make an inherited DALI pipeline inert in a forked child: out of DALI's exit-time
-    registry, its backend object referenced forever (an extra reference that even the
-    interpreter's teardown does not drop), so nothing ever joins the parent's threads."""
+def _leak(pipe) -> None:
+    """Make a DALI pipeline inert for good: out of DALI's exit-time registry, its backend
+    object referenced forever (an extra reference that even the interpreter's teardown does
+    not drop), so nothing ever shuts it down or joins its threads. For a pipeline inherited
+    by a forked child (its threads do not exist there) and for one DALI might crash in
+    shutting down (a failed CPU batch, see Runner._abandon_pipeline)."""
     import ctypes
     import weakref
 

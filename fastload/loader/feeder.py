@@ -1,0 +1,161 @@
+"""ImageFeeder: worker threads that decode each batch's image fields, in request order.
+
+The one protocol of both deliveries. Under a lock a worker takes the next batch's indices
+and acquires the next ring slot, so slots are acquired in request order; then, outside the
+lock, it decodes every image field through its own DALI runners (replacing undecodable
+samples per the policy in ``decode.py``), gathers the raw fields and the final indices into
+the slot, hands the decoded images over by the slot's sequence number and commits the slot.
+The consumer waits for the next slot to be acquired (``wait_acquired``: the ring then has
+that batch pending), takes it from the ring, and picks up its images (``take``).
+
+The images are DALI's own output buffers: zero-copy torch tensors on the host (DLPack, DALI's
+dynamic executor never reuses a buffer while it is referenced), CUDA tensors made on each
+runner's copy stream on a GPU, with the events a consumer's stream must wait on. Two workers,
+each with its own pipelines, take batches in turn: while one worker's Python glue runs
+(views, crop parameters), the other's DALI threads keep the cores busy.
+
+Feeder threads run at the loader's thread priority (``system.lower_priority``), and so do
+the DALI threads they start: a training step's own threads win a contended core.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..system import lower_priority
+from .decode import Decoders, decode_fields, runner_decoder
+
+__all__ = ["ImageFeeder"]
+
+logger = logging.getLogger("fastload")
+
+
+class ImageFeeder:
+    """See the module docstring. ``device``: a CUDA ``torch.device`` (each worker selects it
+    first, so every CUDA call of the thread goes to the loader's GPU), or None on the host."""
+
+    def __init__(self, *, ring, dataset, image_fields: Sequence[str], decoders: Decoders, epoch: int,
+                 on_error: str, stats, workers: int = 2, device=None) -> None:
+        self._ring = ring
+        self._dataset = dataset
+        self._device = device
+        self._image_fields = list(image_fields)
+        self._epoch = epoch
+        self._on_error = on_error
+        self._stats = stats
+        self._inbox: queue.Queue = queue.Queue()
+        self._acquired: queue.Queue = queue.Queue()  # the seq of each slot acquired, or the error
+        self._done: dict[int, tuple[dict, tuple]] = {}  # slot seq -> (images, ready events)
+        self._done_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._take_lock = threading.Lock()
+        self._known_bad = decoders.known_bad
+        self._runners = [decoders.for_worker(self._image_fields, k) for k in range(workers)]
+        name = "fastload-feeder" + ("-cuda" if device is not None else "")
+        self._threads = [threading.Thread(target=self._run, args=(k,), name=f"{name}-{k}", daemon=True)
+                         for k in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def put(self, idx: np.ndarray) -> None:
+        self._inbox.put(idx)
+
+    def wait_acquired(self) -> int:
+        """Wait until a worker holds the next batch's slot (or raise why it could not); the
+        slot's sequence number (the ring hands batches out in this order)."""
+        while True:
+            try:
+                item = self._acquired.get(timeout=0.1)
+            except queue.Empty:
+                if not any(t.is_alive() for t in self._threads):
+                    raise RuntimeError("fastload feeder threads stopped unexpectedly") from None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def take(self, seq: int) -> tuple[dict[str, Any], tuple]:
+        """The images and ready events of batch ``seq``, just taken from the ring (a worker
+        hands them over before it commits the slot)."""
+        with self._done_lock:
+            return self._done.pop(seq)
+
+    # -- the workers -------------------------------------------------------------------------
+    def _take(self):
+        """(indices, slot) of the next batch, slots acquired in order; None when stopping."""
+        with self._take_lock:
+            while True:
+                if self._stop.is_set():
+                    return None
+                try:
+                    idx = self._inbox.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if idx is None:
+                    self._inbox.put(None)  # let the other workers see it too
+                    return None
+                try:
+                    slot = self._ring.acquire()
+                except BaseException as e:  # the ring is closing: no slot for this batch
+                    self._acquired.put(e)
+                    return None
+                self._acquired.put(slot.seq)
+                return idx, slot
+
+    def _run(self, worker: int) -> None:
+        try:
+            lower_priority()  # before DALI starts its threads: they inherit it
+            if self._device is not None:
+                from ..device import select
+
+                select(self._device)  # first: every CUDA call of this thread goes to the loader's GPU
+        except BaseException as e:  # pragma: no cover - a device that vanished
+            self._acquired.put(e)
+            return
+        runners = self._runners[worker]
+        while True:
+            job = self._take()
+            if job is None:
+                return
+            idx, slot = job
+            try:
+                self._fill(slot, idx, runners)
+            except BaseException as e:  # the consumer raises it for this very batch
+                slot.fail(e)
+
+    def _fill(self, slot, idx: np.ndarray, runners: dict) -> None:
+        ds = self._dataset
+        decoders = {name: runner_decoder(runners[name], ds, name, self._epoch, None, self._stats)
+                    for name in self._image_fields}
+        images, final, replaced = decode_fields(decoders, idx, num_samples=len(ds), on_error=self._on_error,
+                                                describe=ds.describe, known_bad=self._known_bad)
+        if replaced:
+            self._stats.add("replaced_samples", replaced)
+        # on a GPU each field's last run produced its tensor: its runner's ready event covers it
+        events = tuple(ev for ev in (getattr(runners[n], "ready_event", None) for n in self._image_fields)
+                       if ev is not None)
+        slot.gather(*ds.locate(final), index=final)  # raw fields + the indices delivered
+        with self._done_lock:
+            self._done[slot.seq] = (images, events)
+        slot.commit(len(idx))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        # A worker may be blocked in ring.acquire() waiting for a free slot: keep draining
+        # the ring until every worker has seen the stop flag and returned.
+        deadline = time.monotonic() + 30
+        while any(t.is_alive() for t in self._threads):
+            self._ring.drain(timeout=0.1, warn=False)  # bounded: the deadline below is checked
+            for t in self._threads:
+                t.join(timeout=0.01)
+            if time.monotonic() > deadline:  # pragma: no cover - only if DALI hangs
+                logger.warning("fastload: feeder threads did not stop within 30 s")
+                break
+        with self._done_lock:
+            self._done.clear()
