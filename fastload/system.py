@@ -16,9 +16,12 @@ __all__ = ["LOADER_NICE", "available_memory", "check_fits_in_memory", "loader_ni
 # start), as a Linux nice value: below the training loop's threads, so that when both want a
 # core the loop's (torch's OpenMP team, which spins at its barriers) wins, and loading fills
 # the gaps. Nothing starves: the consumer gathers late batches itself (the ring's "help"
-# path), and DALI's threads still get the cores whenever the loop waits. Measured with
-# bench/bench_loop.py (MLP on MNIST rows, torch's default threads): see the README.
-LOADER_NICE = 10
+# path), and DALI's threads still get the cores whenever the loop waits. Measured on 2 cores
+# with bench/bench_loop.py, torch's default threads, epoch time against the batches held in
+# memory: MLP on MNIST rows 1.20x at nice 0, 1.27x at 10, 1.10x at 19 (FASTLOAD_NICE=N
+# bench/bench_loop.py --only mlp --repeats 5; +-15% noise); small CNN on JPEGs 1.174 s/epoch
+# at nice 0, 1.058 s at 19.
+LOADER_NICE = 19
 
 
 def usable_cores() -> int:
@@ -99,9 +102,14 @@ def loader_nice() -> int:
     """The nice value for a loader's threads: :data:`LOADER_NICE`, or ``$FASTLOAD_NICE``
     (0..19; 0 keeps the loop's priority) where set."""
     v = os.environ.get("FASTLOAD_NICE", "").strip()
-    if v.isdigit():
-        return min(19, int(v))
-    return LOADER_NICE
+    if not v:
+        return LOADER_NICE
+    if not v.isdigit() or int(v) > 19:
+        from .errors import UsageError
+
+        raise UsageError(f"FASTLOAD_NICE={v!r}: expected a nice value 0..19 (0: the loader's threads run at "
+                         f"the training loop's priority; unset: {LOADER_NICE})")
+    return int(v)
 
 
 def lower_priority(nice: int | None = None) -> None:

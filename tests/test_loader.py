@@ -483,3 +483,49 @@ def test_default_cuda_device_follows_local_rank(monkeypatch):
     assert L.default_cuda_index() == 2
     cur["d"] = 1  # the script chose a device with torch.cuda.set_device: it wins
     assert L.default_cuda_index() == 1
+
+
+def _thread_nices(prefix: str) -> list[int]:
+    """Nice values of this process's threads named ``prefix``... (the OS name of C++ threads,
+    the Python name of Python threads; Linux /proc)."""
+    import os
+    import threading
+
+    py = {t.native_id for t in threading.enumerate() if t.name.startswith(prefix)}
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if name.startswith(prefix) or int(tid) in py:
+            out.append(int(fields[16]))  # field 19 of stat: nice (fields[0] is field 3)
+    return out
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_loader_threads_run_below_the_training_loop(raw_ds, image_ds, monkeypatch):
+    from fastload.errors import UsageError
+    from fastload.system import LOADER_NICE
+
+    ds, _ = raw_ds
+    with Loader(ds, batch_size=64, threads=2) as lo:
+        next(iter(lo))
+        assert _thread_nices("fastload-ring") == [LOADER_NICE] * 2
+    with Loader(image_ds, batch_size=8, transforms={"image": vision.eval(32)}) as lo:
+        it = iter(lo)  # the feeders live as long as the epoch's iterator
+        next(it)
+        feeders = _thread_nices("fastload-feeder")
+        del it
+        assert feeders and set(feeders) == {LOADER_NICE}
+    monkeypatch.setenv("FASTLOAD_NICE", "0")
+    with Loader(ds, batch_size=64, threads=2) as lo:
+        next(iter(lo))
+        assert _thread_nices("fastload-ring") == [0, 0]
+    monkeypatch.setenv("FASTLOAD_NICE", "high")
+    with pytest.raises(UsageError, match="FASTLOAD_NICE='high'"):
+        with Loader(ds, batch_size=64) as lo:
+            next(iter(lo))
