@@ -287,7 +287,10 @@ class Loader:
         """Throughput and where the time went, since the current epoch's iteration began.
 
         wait_fraction = time the training loop spent blocked in ``next()`` / wall time: near 0
-        means data loading keeps up; near 1 means the loop is starved."""
+        means data loading keeps up; near 1 means the loop is starved. ``loop_s`` is the
+        loop's own time (outside ``next()``); ``bottleneck`` names what sets the pace after
+        the first batch: ``"loop"`` (the training step; a faster loader gains nothing),
+        ``"loader"`` (the loop waits over 20% of the time) or ``"both"``."""
         out = self._stats.snapshot()
         if self._remote is not None:
             from .remote import download_stats

@@ -21,7 +21,11 @@ import time
 from collections import defaultdict
 from typing import Callable
 
-__all__ = ["STAGES", "Stats"]
+__all__ = ["STAGES", "Stats", "bottleneck"]
+
+# Steady-state wait fractions (after the first batch) that name the pace setter
+LOOP_BOUND_BELOW = 0.05  # the loop hardly ever waits: its own step sets the speed
+LOADER_BOUND_ABOVE = 0.20  # the loop waits a fifth of its time or more: loading does
 
 STAGES = ("gather_s", "decode_s", "copy_s")  # where the time went, summed over threads
 _COUNTERS = ("replaced_samples",)  # counters that always appear, zero or not
@@ -44,6 +48,7 @@ class Stats:
         self.samples = 0
         self.bytes = 0
         self.wait_s = 0.0
+        self.first_wait_s = 0.0  # the first batch's wait (pipeline start-up), apart
         self.first_batch_s: float | None = None
         self.counters: dict[str, float] = defaultdict(float)
 
@@ -82,6 +87,8 @@ class Stats:
         returns the epoch's batch count."""
         with self._lock:
             self.wait_s += wait_s
+            if self.batches == 0:
+                self.first_wait_s = wait_s
             self.batches += 1
             self.samples += samples
             self.bytes += nbytes
@@ -120,8 +127,23 @@ class Stats:
                 "samples_per_s": self.samples / wall if wall > 0 else 0.0,
                 "mb_per_s": self.bytes / wall / 1e6 if wall > 0 else 0.0,
                 "first_batch_s": self.first_batch_s,
+                # the training loop's own time (outside next()), and which side sets the pace
+                "loop_s": max(0.0, wall - self.wait_s),
+                "bottleneck": bottleneck(self.batches, wall - self.first_wait_s, self.wait_s - self.first_wait_s),
                 "stages": {name: float(totals.pop(name, 0.0)) for name in STAGES},
             }
         for name, v in totals.items():
             out[name] = int(v) if float(v).is_integer() else v
         return out
+
+
+def bottleneck(batches: int, steady_wall_s: float, steady_wait_s: float) -> str | None:
+    """What sets the pace of an epoch, from the time the loop waited in ``next()`` after
+    its first batch (start-up is apart): ``"loop"`` when it waited under 5% of the time (the
+    training step is the bottleneck: a faster loader gains nothing), ``"loader"`` above 20%
+    (the loop is starved: more threads, a GPU decode or smaller images help), ``"both"`` in
+    between, None before the second batch."""
+    if batches < 2 or steady_wall_s <= 0:
+        return None
+    f = steady_wait_s / steady_wall_s
+    return "loop" if f < LOOP_BOUND_BELOW else "loader" if f > LOADER_BOUND_ABOVE else "both"
