@@ -87,20 +87,21 @@ class NoSpaceError(FastloadError, OSError):
     def __str__(self) -> str:
         try:
             free = shutil.disk_usage(self.dst if os.path.isdir(self.dst) else os.path.dirname(self.dst) or ".").free
-            has = f"; its filesystem has {_human(free)} free"
+            has = f"; its filesystem has {format_bytes(free)} free"
         except OSError:
             has = ""
-        at = f" (while writing {self.detail}, after {_human(self.written)})" if self.detail else ""
-        return (f"no space left on the device of {self.dst}{at}: the dataset needs about {_human(self.needed)}"
+        at = f" (while writing {self.detail}, after {format_bytes(self.written)})" if self.detail else ""
+        return (f"no space left on the device of {self.dst}{at}: the dataset needs about {format_bytes(self.needed)}"
                 f"{has}. Nothing of it was kept; free space or choose another destination")
 
 
-def _human(n: float) -> str:
-    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+def format_bytes(n: float) -> str:
+    """A byte count for a message: ``"812 B"``, ``"1.5 MB"`` (decimal units, as ``--shard-size``)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    return f"{n} bytes"  # pragma: no cover
+    return f"{n} B"  # pragma: no cover
 
 
 

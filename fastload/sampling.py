@@ -43,7 +43,6 @@ remaining batches equal an uninterrupted run's.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any

@@ -49,7 +49,7 @@ import contextlib
 import threading
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -426,7 +426,12 @@ class FakeCuda:
 
     # -- installing ---------------------------------------------------------------------------
     @classmethod
-    def install(cls, monkeypatch, device_count: int = 2, **kw) -> "FakeCuda":
+    def install(cls, monkeypatch, device_count: int = 2, *, outside_torchrun: bool = False, **kw) -> "FakeCuda":
+        """Patch torch.cuda for the test; ``outside_torchrun``: also unset the launcher's
+        rank variables, so that device selection sees a single process."""
+        if outside_torchrun:
+            for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):
+                monkeypatch.delenv(k, raising=False)
         fake = cls(device_count, **kw)
         fake._patch(monkeypatch)
         return fake

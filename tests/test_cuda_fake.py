@@ -23,9 +23,7 @@ from fastload.sample_data import photos
 
 @pytest.fixture
 def fake(monkeypatch):
-    for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(k, raising=False)
-    return FakeCuda.install(monkeypatch, device_count=2)
+    return FakeCuda.install(monkeypatch, device_count=2, outside_torchrun=True)
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,7 @@ from fastload import system
 
 @pytest.fixture
 def fake(monkeypatch):
-    for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(k, raising=False)
-    return FakeCuda.install(monkeypatch, device_count=4)
+    return FakeCuda.install(monkeypatch, device_count=4, outside_torchrun=True)
 
 
 def _torchrun(monkeypatch, rank: int, local_world_size: int):

@@ -144,7 +144,6 @@ def _validated(source: Source, workers: int) -> Iterator[tuple[int, Any, str | N
         for b in bounds:
             yield from _validate_chunk(b)
         return
-    global _SOURCE
     ctx = mp.get_context("fork")
     # Forked with SIGINT blocked (the workers ignore it before unblocking); here a Ctrl-C that
     # came meanwhile is delivered when it is unblocked, as a KeyboardInterrupt.

@@ -272,14 +272,14 @@ class Loader:
                 raise ValueError(f"Loader state mismatch in {key}: saved {state.get(key)!r}, "
                                  f"this loader has {mine[key]!r}")
         self._parts.stop_iter()
-        end = None
+        pack_end = None
         if self._options.pack is not None:  # the position counts tokens: at most the epoch's, padded
             name, d = self._options.pack
 
-            def end(epoch: int, world: int, drop_last: bool) -> int:
+            def pack_end(epoch: int, world: int, drop_last: bool) -> int:
                 plan = self._pack_plan(epoch, 0, self._sampler.stream(epoch))
                 return int(plan.cum[-1]) + world * self.batch_size * d.pack_to
-        self._sampler.load_state_dict(state["sampler"], epoch_end=end)  # validates seed, size, version, position
+        self._sampler.load_state_dict(state["sampler"], epoch_end=pack_end)  # validates seed, size, version, position
         self._progress.position = None
 
     # -- stats and lifetime --------------------------------------------------------------------

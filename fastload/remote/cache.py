@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import CacheTooSmall, DownloadError, DownloadTimeout, FastloadError, RemoteError
+from ..errors import CacheTooSmall, DownloadError, DownloadTimeout, FastloadError, RemoteError, format_bytes
 from .download import Cancelled, Downloader, DownloadCounters, RetryPolicy
 from .manifest import RemoteDataset
 from .schedule import EpochUses, admission_times, minimum_budget
@@ -84,14 +84,6 @@ def parse_bytes(value: int | str, what: str = "cache_limit") -> int:
     if n <= 0:
         raise ValueError(f"{what}={value!r} must be a positive size")
     return n
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"  # pragma: no cover
 
 
 class _Flock:
@@ -463,7 +455,7 @@ class ShardCache:
 
     # -- timeline ----------------------------------------------------------------------------
     def _rebuild_timeline(self, n_prev: int, t0: int) -> None:
-        shards, first, last, admit = [], [], [], []
+        shards, first, last = [], [], []
         for j, p in enumerate(self._passes):
             u: EpochUses = p["uses"]
             off = p["base"] - u.start

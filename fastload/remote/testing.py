@@ -34,10 +34,8 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 __all__ = ["SeaweedFS", "MotoS3", "HttpFileServer", "FaultProxy", "Fault", "DelayProxy", "free_port",
            "s3_filesystem", "upload_dir", "weed_binary"]
