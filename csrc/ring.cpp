@@ -313,13 +313,14 @@ void Ring::assign_locked() {
 
 void Ring::worker() {
 #if defined(__linux__)
-  pthread_setname_np(pthread_self(), "fastload-ring");  // visible in /proc, top -H, gdb
   if (nice_ > 0) {  // Linux nice values are per thread; only raising it needs no privilege
     const id_t tid = static_cast<id_t>(::syscall(SYS_gettid));
     errno = 0;
     const int cur = ::getpriority(PRIO_PROCESS, tid);
     if (errno == 0 && cur < nice_) ::setpriority(PRIO_PROCESS, tid, nice_);
   }
+  // named after its priority is set: a thread seen by this name runs at it
+  pthread_setname_np(pthread_self(), "fastload-ring");  // visible in /proc, top -H, gdb
 #endif
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {

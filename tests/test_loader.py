@@ -499,9 +499,20 @@ def test_default_cuda_device_follows_local_rank(monkeypatch):
     assert L.default_cuda_index() == 1
 
 
-def _thread_nices(prefix: str) -> list[int]:
+def _thread_nices(prefix: str, timeout: float = 10.0) -> list[int]:
     """Nice values of this process's threads named ``prefix``... (the OS name of C++ threads,
-    the Python name of Python threads; Linux /proc)."""
+    the Python name of Python threads; Linux /proc). Waits up to ``timeout`` for one: a C++
+    thread names itself when it first runs, which on a loaded machine may be after the
+    consumer gathered the first batch itself."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = _thread_nices_now(prefix)
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.01)
+
+
+def _thread_nices_now(prefix: str) -> list[int]:
     import os
     import threading
 
