@@ -10,6 +10,11 @@ quality 90) in an ImageFolder tree; fastload reads the same images converted to 
 Every row is one shuffled epoch of 224x224 crops in batches, measured round-robin with the
 others (interleaved_medians); GB/s counts the JPEG bytes decoded. DALI runs synchronously
 (exec_async=False, exec_pipelined=False) so that it does no work between its timed epochs.
+
+One more row, in a table of its own, reads a second store converted with ``--max-size 256``:
+the images re-encoded at convert time so that their longer side is 256 px (FFCV's
+``max_resolution``). Those are NOT the same bytes (fewer pixels to decode), so that row is
+never compared with the DataLoader, DALI or the headline: it shows what pre-resizing buys.
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ from fastload.bench.baseline import EpochSampler, PILImageWork
 from fastload.bench.report import Measurement, headline, interleaved_medians, print_table, system_info
 from fastload.sample_data import make_image_folder
 from fastload.system import usable_cores
+
+MAX_SIZE = 256  # the pre-resized store's --max-size
+RESIZED = f"fastload Loader (cpu) float32 CHW, stored at --max-size {MAX_SIZE}"
 
 
 class PILFolder(Dataset):
@@ -118,10 +126,14 @@ def main(argv=None) -> list:
     tmp = Path(tempfile.mkdtemp(prefix="bench_jpeg_"))
     loaders, pipes, dls = [], [], []
     try:
-        src, store = tmp / "folder", tmp / "store"
+        src, store, small = tmp / "folder", tmp / "store", tmp / "store_small"
         make_image_folder(src, n, seed=0)
         fastload.convert("imagefolder", src, store, progress=False)
         jpeg_bytes = sum(p.stat().st_size for p in src.rglob("*.jpg"))
+        # the same photos re-encoded at convert (longer side <= MAX_SIZE): other bytes
+        resized = fastload.convert("imagefolder", src, small, progress=False, max_size=MAX_SIZE)["resized_images"]
+        sds = fastload.Dataset(small)
+        small_bytes = sum(len(x) for x in sds.get_batch(list(range(len(sds))))["image"])
 
         fns = {}
         for name, tf, dtype, shape in (
@@ -129,6 +141,9 @@ def main(argv=None) -> list:
                 ("uint8 HWC", fastload.vision.train(224, dtype="uint8", layout="HWC"), torch.uint8, (224, 224, 3))):
             loaders.append(fastload.Loader(str(store), batch_size=b, transforms={"image": tf}, device="cpu", seed=0))
             fns[f"fastload Loader (cpu) {name}"] = loader_epoch(loaders[-1], n, dtype, shape)
+        loaders.append(fastload.Loader(str(small), batch_size=b, transforms={"image": fastload.vision.train(224)},
+                                       device="cpu", seed=0))
+        fns[RESIZED] = loader_epoch(loaders[-1], n, torch.float32, (3, 224, 224))
         ds = PILFolder(src, PILImageWork(fastload.vision.train(224), seed=0))
         for w in (0, 2):
             sampler = EpochSampler(RandomSampler(ds))
@@ -139,7 +154,8 @@ def main(argv=None) -> list:
             pipes.append(dali_pipe(src, b, cores, hwc))
             fns[name] = (lambda p: lambda: [p.run() for _ in range(runs)])(pipes[-1])
 
-        secs = interleaved_medians(fns, repeats=a.repeats, warmup=1)
+        secs = interleaved_medians(fns, repeats=a.repeats, warmup=1)  # the resized row too: same conditions
+        small_s = secs.pop(RESIZED)
         kinds = {"DALI alone (files from disk)": "limit", "DALI alone, uint8 HWC": "other"}
         notes = {
             "fastload Loader (cpu) float32 CHW": f"threads={loaders[0].threads}",
@@ -153,6 +169,12 @@ def main(argv=None) -> list:
                             else kinds[k], notes.get(k, "")) for k, v in secs.items()]
         for r in rows:
             r.note = f"{r.seconds:.2f} s/epoch" + (f"; {r.note}" if r.note else "")
+        speedup = secs["fastload Loader (cpu) float32 CHW"] / small_s
+        resized_rows = [Measurement(
+            RESIZED, n, small_bytes, small_s, "other",
+            f"{small_s:.2f} s/epoch; threads={loaders[2].threads}; NOT the same bytes: {resized} of {n} images "
+            f"re-encoded at convert (longer side {MAX_SIZE}, JPEG q90), {small_bytes / 1e6:.1f} MB stored vs "
+            f"{jpeg_bytes / 1e6:.1f} MB; {speedup:.2f}x the full-size fastload float32 CHW row")]
     finally:
         for ld in loaders:
             ld.close()
@@ -164,6 +186,8 @@ def main(argv=None) -> list:
     print(f"{n} JPEGs ({jpeg_bytes / 1e6:.1f} MB) -> RandomResizedCrop 224 + flip, batch {b}, "
           f"one shuffled epoch per run, median of {a.repeats}; {system_info()}")
     print_table("JPEG decode: one epoch, 224x224 crops", rows)
+    print_table(f"Stored pre-resized (convert --max-size {MAX_SIZE}): other bytes, not comparable with the "
+                "table above", resized_rows)
     by = {r.system: r.samples_per_s for r in rows}
     ours, ours_u8 = by["fastload Loader (cpu) float32 CHW"], by["fastload Loader (cpu) uint8 HWC"]
     best_dl = max(r.samples_per_s for r in rows if r.kind == "dataloader")
@@ -179,7 +203,7 @@ def main(argv=None) -> list:
     print(f"fastload uint8 HWC: {ours_u8 / by['DALI alone, uint8 HWC']:.2f}x DALI alone uint8 HWC")
     print("GPU figures (DALI mixed / nvJPEG decoder, Loader device=\"cuda\") were not measurable on this "
           "machine (no GPU).")
-    return rows
+    return rows + resized_rows
 
 
 if __name__ == "__main__":

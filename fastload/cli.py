@@ -94,7 +94,7 @@ def cmd_convert(a, out: Output) -> int:
     kw = dict(workers=a.workers, shard_size=a.shard_size, on_error=a.on_error, label=a.label,
               image_columns=a.image_column or (), max_pixels=a.max_pixels, progress=not a.quiet,
               engine=a.engine, ray_address=a.ray_address, resume=a.resume,
-              allow_small_shards=a.force_small_shards)
+              allow_small_shards=a.force_small_shards, max_size=a.max_size, quality=a.quality)
     try:
         if is_remote(a.dst):  # converted in a local staging directory, then uploaded (manifest last)
             from .remote.publish import convert_to_remote
@@ -116,6 +116,9 @@ def cmd_convert(a, out: Output) -> int:
     if r.get("max_pixels"):
         out.print(f"images were checked with PIL and DALI (the Loader's decoder) and limited to {r['max_pixels']:,} "
                   "pixels each (--max-pixels; the Loader's transforms refuse larger ones too)")
+    if r.get("max_size"):
+        out.print(f"{r.get('resized_images') or 0:,} image(s) with a longer side above {r['max_size']} pixels were "
+                  f"stored re-encoded at {r['max_size']} (--max-size); the others as they were")
     if r["skipped"]:
         out.print(f"skipped {r['skipped']} sample(s) that could not be read; the list is in {r['report']}")
     if "tasks_run" in r:
@@ -236,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--image-column", action="append", help="table column holding image paths or bytes (repeatable)")
     c.add_argument("--max-pixels", type=int, default=None,
                    help="refuse images with more pixels than this (default 2**26 = 67,108,864, the Loader's limit)")
+    c.add_argument("--max-size", type=int, default=None, metavar="N",
+                   help="store images pre-resized: those whose longer side exceeds N pixels are re-encoded with "
+                        "a longer side of N (aspect kept, Lanczos, EXIF orientation applied; JPEG stays JPEG, PNG "
+                        "stays PNG, other formats become JPEG); the others are stored unchanged (N >= 16)")
+    c.add_argument("--quality", type=int, default=None, metavar="Q",
+                   help="JPEG quality of the images --max-size re-encodes (1-100, default 90)")
     c.add_argument("--force-small-shards", action="store_true",
                    help="allow --shard-size below 1 MB (one shard per few samples)")
     c.add_argument("--engine", choices=["local", "ray", "torch"], default="local",

@@ -26,7 +26,8 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
             shard_size: int | str = "256MB", on_error: str = "raise", overwrite: bool = False,
             label: str | None = None, image_columns: Sequence[str] = (), max_pixels: int | None = None,
             progress: bool = True, engine: str = "local", ray_address: str | None = None,
-            resume: bool = False, allow_small_shards: bool = False) -> dict:
+            resume: bool = False, allow_small_shards: bool = False, max_size: int | None = None,
+            quality: int | None = None) -> dict:
     """Convert a source into a fastload dataset at ``dst``; return a summary dict.
 
     kind: "imagefolder" (SRC/<class>/<images>), "arrays" (.npz / .npy / folder of .npy, or
@@ -48,14 +49,20 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
 
     Images are decoded by PIL and by DALI's CPU decoder (the Loader's), and refused above
     ``max_pixels`` (default: the Loader's, 2**26), so a dataset that converts is one the Loader
-    decodes. ``shard_size`` below 1 MB needs ``allow_small_shards=True``. Options a source
-    kind does not take (``label`` for an image folder) are errors.
+    decodes. ``max_size`` (at least 16) stores images pre-resized, like FFCV's
+    ``max_resolution``: an image whose longer side exceeds it is re-encoded with that longer
+    side (aspect kept, Lanczos, EXIF orientation applied; JPEG at ``quality``, default 90, PNG
+    stays PNG, other formats become JPEG; see ``fastload.convert.resize``), the others are
+    stored byte for byte; the manifest's metadata records ``max_size``, ``quality`` and
+    ``resized_images``. ``shard_size`` below 1 MB needs ``allow_small_shards=True``. Options
+    a source kind does not take (``label`` for an image folder) are errors.
     """
     from .engines import ENGINES
 
     if kind not in KINDS:
         raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(KINDS)}")
-    check_options(kind, label=label, image_columns=image_columns, max_pixels=max_pixels)
+    check_options(kind, label=label, image_columns=image_columns, max_pixels=max_pixels, max_size=max_size,
+                  quality=quality)
     check_shard_size(shard_size, check_bool("allow_small_shards", allow_small_shards))
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} must be one of {', '.join(ENGINES)}")
@@ -83,8 +90,10 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
             raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
         return run_engine(engine, kind, src, dst, workers=workers, shard_size=parse_size(shard_size),
                           on_error=on_error, overwrite=overwrite, resume=resume, progress=progress,
-                          ray_address=ray_address, label=label, image_columns=image_columns, max_pixels=max_pixels)
-    source = make_source(kind, src, label=label, image_columns=image_columns, max_pixels=max_pixels)
+                          ray_address=ray_address, label=label, image_columns=image_columns, max_pixels=max_pixels,
+                          max_size=max_size, quality=quality)
+    source = make_source(kind, src, label=label, image_columns=image_columns, max_pixels=max_pixels,
+                         max_size=max_size, quality=quality)
     try:
         return run_convert(source, dst, workers=workers, shard_size=shard_size, on_error=on_error,
                            overwrite=overwrite, progress=progress, desc=f"convert {kind}")

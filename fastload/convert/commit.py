@@ -5,7 +5,8 @@
 2. In group order, rename the part shards to ``shard-NNNNN.arrow`` (inside DST, or inside a
    staging directory when DST holds a dataset to replace: ``--overwrite`` keeps its
    guarantee, the old dataset is untouched until the new one is complete).
-3. Merge label counts; concatenate the parts' ``skipped.jsonl`` with indices made global.
+3. Merge label counts and the counts of images resized for ``--max-size``; concatenate the
+   parts' ``skipped.jsonl`` with indices made global.
 4. Write ``manifest.json`` last (then swap the staging directory in), and remove the parts.
 
 The checksums are the ones each task computed while writing (the shard files are renamed,
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ._store import MANIFEST, SKIPPED_REPORT, commit_transaction, fsync_dir, remove_tree, shard_name, write_report
-from .common import ConvertError
+from .common import RESIZED_IMAGES, ConvertError
 from .plan import Plan
 from .task import read_part
 
@@ -120,7 +121,7 @@ def check_parts(plan: Plan, on_error: str) -> list[tuple[int, dict, dict | None]
         else:
             label = m.get("label") or {}
             if m["fields"] != plan.fields or label.get("field") != plan.label or \
-                    label.get("class_names") != plan.class_names or m.get("metadata", {}) != plan.metadata:
+                    label.get("class_names") != plan.class_names or _planned(m.get("metadata", {})) != plan.metadata:
                 raise ConvertError(f"{where}: its fields, label or metadata differ from the plan's; "
                                    "start over with --overwrite")
             for s in m["shards"]:
@@ -131,6 +132,11 @@ def check_parts(plan: Plan, on_error: str) -> list[tuple[int, dict, dict | None]
                                        f", its manifest says {s['bytes']}")
         out.append((g, rec, m))
     return out
+
+
+def _planned(metadata: dict) -> dict:
+    """A part's metadata less what each part counts for itself."""
+    return {k: v for k, v in metadata.items() if k != RESIZED_IMAGES}
 
 
 def commit(plan: Plan, on_error: str = "raise", target: Any = None) -> dict:
@@ -168,6 +174,9 @@ def commit(plan: Plan, on_error: str = "raise", target: Any = None) -> dict:
                         total_bytes=int(sum(s["bytes"] for s in shards)), shards=shards)
         if "label" in manifest:
             manifest["label"] = {**manifest["label"], "counts": counts.tolist()}
+        if RESIZED_IMAGES in manifest.get("metadata", {}):
+            resized = sum(int((m or {}).get("metadata", {}).get(RESIZED_IMAGES, 0)) for _, _, m in parts)
+            manifest["metadata"] = {**manifest["metadata"], RESIZED_IMAGES: resized}
         target.put_report(skipped)
         target.put_manifest(manifest)
     except BaseException:
@@ -176,4 +185,5 @@ def commit(plan: Plan, on_error: str = "raise", target: Any = None) -> dict:
     target.discard_parts(plan.parts)
     return {"dst": str(dst), "num_samples": manifest["num_samples"], "num_shards": len(shards),
             "bytes": manifest["total_bytes"], "skipped": len(skipped),
-            "report": str(dst / SKIPPED_REPORT) if skipped else None, "num_groups": plan.num_groups}
+            "report": str(dst / SKIPPED_REPORT) if skipped else None, "num_groups": plan.num_groups,
+            **{k: manifest.get("metadata", {}).get(k) for k in ("max_pixels", "max_size", RESIZED_IMAGES)}}

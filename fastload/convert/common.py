@@ -2,8 +2,10 @@
 
 A source describes its fields and numbers its samples 0..n-1. Worker *processes* validate
 samples (read the file, decode the image fully, read its size) and send back only small
-tuples — never the data. The main process reads each valid sample and hands it to the
-ShardWriter in source order, so the output is deterministic whatever ``workers`` is.
+tuples — never the source data; only an image re-encoded for ``--max-size`` (small by then,
+see resize.py) comes back as bytes. The main process reads each valid sample (putting the
+re-encoded images in) and hands it to the ShardWriter in source order, so the output is
+deterministic whatever ``workers`` is.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from ..store.writer import ShardWriter
 from ..system import usable_cores
 from ..validate import check_bool, check_choice, check_int
 from .imagecheck import DaliImageCheck, MAX_BATCH as MAX_CHECK_BATCH
+from .resize import DEFAULT_QUALITY, shrink
 
 # What DALI's decoders read (fn.decoders.image): anything else must be re-encoded first. MPO is
 # the multi-picture JPEG phones write (PIL's name for it); DALI decodes its first picture, as PIL.
@@ -37,11 +40,21 @@ ON_ERROR = ("raise", "skip")
 
 
 IMAGES_CHECKED = "images_checked"  # manifest metadata: the images were decoded by DALI at convert time
+RESIZED_IMAGES = "resized_images"  # manifest metadata: images re-encoded for --max-size (a count)
 
 
 def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
     """Decode ``data`` fully and return (width, height); raise ValueError when it is not an
     image DALI can decode."""
+    return prepare_image(data, max_pixels)[1]
+
+
+def prepare_image(data: bytes, max_pixels: int | None = None, max_size: int | None = None,
+                  quality: int = DEFAULT_QUALITY) -> tuple[bytes | None, tuple[int, int]]:
+    """Decode ``data`` fully; return (the re-encoded image or None, its (width, height)).
+    With ``max_size``, an image whose longer side exceeds it is re-encoded (resize.py) and the
+    new bytes are checked as any image; others are kept as they are (None). Raise ValueError
+    when it is not an image DALI can decode."""
     from PIL import Image
 
     try:
@@ -51,18 +64,22 @@ def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
             if fmt not in DECODABLE_FORMATS:
                 raise ValueError(f"image format {fmt} cannot be decoded by DALI; re-encode it as JPEG or PNG")
             if max_pixels is not None and w * h > max_pixels:
-                raise ValueError(f"image of {w}x{h} = {w * h} pixels exceeds max_pixels={max_pixels} (the "
-                                 "Loader would refuse it too; raise --max-pixels and the transform's max_pixels "
-                                 "together if it is genuine)")
+                why = ("convert decodes it to resize it; raise --max-pixels if it is genuine" if max_size else
+                       "the Loader would refuse it too; raise --max-pixels and the transform's max_pixels "
+                       "together if it is genuine")
+                raise ValueError(f"image of {w}x{h} = {w * h} pixels exceeds max_pixels={max_pixels} ({why})")
             im.load()
             w, h = displayed_size(im)  # after load(): a PNG's eXIf chunk may follow its pixels
+            if max_size is not None and max(w, h) > max_size:
+                small = shrink(im, max_size, quality)
+                return small, prepare_image(small, max_pixels)[1]
     except ValueError:
         raise
     except Exception as e:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError…)
         if type(e).__name__ == "UnidentifiedImageError":
             raise ValueError("not an image: the header matches no known image format") from None
         raise ValueError(f"not a decodable image ({type(e).__name__}: {e})") from None
-    return int(w), int(h)
+    return None, (int(w), int(h))
 
 
 @dataclass
@@ -75,12 +92,19 @@ class Source:
     class_names: list[str] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     max_pixels: int | None = DEFAULT_MAX_PIXELS
+    max_size: int | None = None  # images re-encoded so that their longer side is at most this
+    quality: int | None = None   # the JPEG quality of those (default DEFAULT_QUALITY)
 
     def __post_init__(self) -> None:
         if self.max_pixels is None:  # one limit: the Loader's (a source asked for none gets it too)
             self.max_pixels = DEFAULT_MAX_PIXELS
+        if self.quality is None:
+            self.quality = DEFAULT_QUALITY
         if any(f.kind == "image" for f in self.fields.values()):
             self.metadata["max_pixels"] = int(self.max_pixels)  # stated in the dataset's manifest
+            if self.max_size is not None:  # (the count of resized images is added by the writer)
+                self.metadata["max_size"] = int(self.max_size)
+                self.metadata["quality"] = int(self.quality)
             # every image went through DALI's decoder before it was written: the Loader may
             # decode whole batches on the CPU (see fastload.pipeline.runner.CPU_RUN)
             self.metadata[IMAGES_CHECKED] = "dali"
@@ -94,8 +118,19 @@ class Source:
 
     def validate(self, i: int) -> dict[str, tuple[int, int]]:
         """Check sample i; return the (width, height) of each image field. Raise on bad data."""
+        return self.check(i)[0]
+
+    def check(self, i: int) -> tuple[dict[str, tuple[int, int]], dict[str, bytes]]:
+        """Check sample i: the (width, height) of each image field as stored, and the images
+        re-encoded for ``max_size`` (field -> new bytes; the others are stored as read)."""
         sample = self.read(i)
-        return {n: check_image(sample[n], self.max_pixels) for n, f in self.fields.items() if f.kind == "image"}
+        sizes, new = {}, {}
+        for n, f in self.fields.items():
+            if f.kind == "image":
+                small, sizes[n] = prepare_image(sample[n], self.max_pixels, self.max_size, self.quality)
+                if small is not None:
+                    new[n] = small
+        return sizes, new
 
     @property
     def needs_validation(self) -> bool:
@@ -122,7 +157,7 @@ def _validate_chunk(bounds: tuple[int, int]) -> list[tuple[int, Any, str | None]
     out = []
     for i in range(*bounds):
         try:
-            out.append((i, _SOURCE.validate(i), None))
+            out.append((i, _SOURCE.check(i), None))
         except Exception as e:  # reported to the user with the sample's key
             out.append((i, None, str(e) or type(e).__name__))
     return out
@@ -198,7 +233,8 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
     bar = tqdm(total=source.num_samples, unit="samples", desc=desc, disable=not progress,
                file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
     checker = DaliImageCheck() if image_fields else None
-    pending: list[tuple[int, dict, dict]] = []  # read, waiting for the DALI check, in source order
+    pending: list[tuple[int, dict, dict, int]] = []  # read, waiting for the DALI check, in source order
+    resized = [0]  # images written re-encoded (--max-size)
     _SOURCE = source
     try:
         with writer:
@@ -211,9 +247,10 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
                     raise ConvertError(f"{key_of(i)}: {err} (use --on-error skip to leave it out)")
                 skipped.append({"index": i, "key": key_of(i), "reason": err})
 
-            def write(i: int, sample: dict, sizes: dict) -> None:
+            def write(i: int, sample: dict, sizes: dict, new: int = 0) -> None:
                 try:  # the writer checks shapes, dtypes and value ranges
                     writer.write(sample, key=key_of(i), image_sizes=sizes)
+                    resized[0] += new
                 except SampleError as e:  # refused before buffering: the writer goes on
                     bad(i, str(e))
 
@@ -229,29 +266,31 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
                     for j, v in zip(ok, verdicts):
                         if v is not None:
                             errors[j] = v if len(image_fields) == 1 else f"field {name!r}: {v}"
-                for j, (i, sample, sizes) in enumerate(pending):
+                for j, (i, sample, sizes, new) in enumerate(pending):
                     if j in errors:
                         bad(i, errors[j])
                     else:
-                        write(i, sample, sizes)
+                        write(i, sample, sizes, new)
                 pending.clear()
 
-            def one(i: int, sizes: dict, err: str | None) -> None:
+            def one(i: int, checked: tuple[dict, dict] | None, err: str | None) -> None:
+                sizes, new = checked or ({}, {})
                 if err is None:
                     try:
                         sample = source.read(i)
+                        sample.update(new)  # the images re-encoded for --max-size (checked as such)
                     except Exception as e:
                         err = str(e) or type(e).__name__
                 if err is not None:
                     flush_pending()  # keep the order of errors and writes
                     bad(i, err)
                 elif checker is not None and sizes:
-                    pending.append((i, sample, sizes))
+                    pending.append((i, sample, sizes, len(new)))
                     if len(pending) >= MAX_CHECK_BATCH:
                         flush_pending()
                 else:
                     flush_pending()
-                    write(i, sample, sizes)
+                    write(i, sample, sizes, len(new))
 
             def bulk(start: int, stop: int, batch: dict, keys: list[str]) -> None:
                 try:  # all rows are checked before any is buffered
@@ -261,7 +300,7 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
                         raise ConvertError(f"{e} (use --on-error skip to leave it out)") from None
                     if stop - start <= 16:
                         for i in range(start, stop):  # name and skip the bad rows
-                            one(i, {}, None)
+                            one(i, None, None)
                         return
                     # bisect: the good rows around a few bad ones still go in bulk, in order
                     mid = (start + stop) // 2
@@ -276,7 +315,7 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
                     bar.update(stop - start)
             else:
                 it = (_validated(source, workers) if source.needs_validation
-                      else ((i, {}, None) for i in range(source.num_samples)))
+                      else ((i, None, None) for i in range(source.num_samples)))
                 with contextlib.closing(it):  # on any error: the worker pool is shut down now
                     for i, sizes, err in it:
                         one(i, sizes, err)
@@ -288,6 +327,8 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
                                    + (f" ({first}{'; …' if len(skipped) > 3 else ''})" if skipped else ""))
             if skipped:
                 write_report(writer.dir / SKIPPED_REPORT, skipped)  # moves with the new dataset
+            if image_fields and source.max_size is not None:
+                writer.metadata[RESIZED_IMAGES] = resized[0]  # the manifest is written on close
     except NoSpaceError as e:  # one line: the destination, what it needs, what it has
         done = max(writer.num_written, 1)
         e.needed = max(e.needed, e.written * source.num_samples // done)
@@ -314,7 +355,9 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
     return {"dst": str(dst), "num_samples": m["num_samples"], "num_shards": len(m["shards"]),
             "bytes": m["total_bytes"], "skipped": len(skipped), "seconds": seconds,
             "report": str(dst / SKIPPED_REPORT) if skipped else None,
-            "max_pixels": source.max_pixels if image_fields else None}
+            "max_pixels": source.max_pixels if image_fields else None,
+            "max_size": source.max_size if image_fields else None,
+            "resized_images": resized[0] if image_fields and source.max_size is not None else None}
 
 
 def label_from_strings(values: Sequence[str]) -> tuple[list[str], Any]:

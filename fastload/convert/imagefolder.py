@@ -34,7 +34,8 @@ def _ident(path) -> tuple[int, int] | None:
 
 
 class ImageFolderSource(Source):
-    def __init__(self, src: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS):
+    def __init__(self, src: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS, *,
+                 max_size: int | None = None, quality: int | None = None):
         root = Path(src)
         if not root.is_dir():
             raise ConvertError(f"{root}: not a directory; imagefolder expects SRC/<class>/<image files>")
@@ -88,24 +89,27 @@ class ImageFolderSource(Source):
             raise ConvertError(f"{root}: class folder(s) {shown} hold no image files; remove them or add "
                                "images (class ids are the sorted folder names, so an empty folder "
                                "would still be a class)")
-        self._init(root, classes, np.array(paths), np.array(labels, dtype=np.int64), ignored, max_pixels, repeated)
+        self._init(root, classes, np.array(paths), np.array(labels, dtype=np.int64), ignored, max_pixels, repeated,
+                   max_size, quality)
 
     @classmethod
     def from_listing(cls, root: str | os.PathLike, classes: list[str], paths, labels, ignored: int,
-                     max_pixels: int | None = None, repeated_dirs: int = 0) -> "ImageFolderSource":
+                     max_pixels: int | None = None, repeated_dirs: int = 0, *, max_size: int | None = None,
+                     quality: int | None = None) -> "ImageFolderSource":
         """The source of an already walked folder (or a slice of its listing: the distributed
         convert's tasks read their row range of the listing instead of walking SRC again)."""
         self = cls.__new__(cls)
         self._init(Path(root), list(classes), np.asarray(paths), np.asarray(labels, dtype=np.int64),
-                   int(ignored), max_pixels, int(repeated_dirs))
+                   int(ignored), max_pixels, int(repeated_dirs), max_size, quality)
         return self
 
     def _init(self, root: Path, classes: list[str], paths: np.ndarray, labels: np.ndarray, ignored: int,
-              max_pixels: int | None, repeated: int = 0) -> None:
+              max_pixels: int | None, repeated: int = 0, max_size: int | None = None,
+              quality: int | None = None) -> None:
         super().__init__(fields={"image": Field("image"), "label": Field("scalar", "int64")},
                          num_samples=len(paths), label="label", class_names=classes,
                          metadata={"source": "imagefolder", "ignored_files": ignored, "repeated_dirs": repeated},
-                         max_pixels=max_pixels)
+                         max_pixels=max_pixels, max_size=max_size, quality=quality)
         self.root = root
         # One numpy array of fixed-width strings rather than a list of Python str.
         self.paths = paths

@@ -8,23 +8,28 @@ from ..errors import ConvertError
 from ..store.geometry import DEFAULT_MAX_PIXELS
 from ..validate import check_int
 from .common import Source
+from .resize import check_resize_options
 
 KINDS = ("imagefolder", "arrays", "table", "webdataset")
 
 # The options each source kind takes; passing another is an error, never silently ignored.
-_OPTIONS = {"imagefolder": {"max_pixels"}, "arrays": {"label"}, "table": {"label", "image_columns", "max_pixels"},
-            "webdataset": {"max_pixels"}}
+_IMAGES = {"max_pixels", "max_size", "quality"}  # the options of sources with image fields
+_OPTIONS = {"imagefolder": _IMAGES, "arrays": {"label"}, "table": {"label", "image_columns", *_IMAGES},
+            "webdataset": _IMAGES}
 _WHY = {("imagefolder", "label"): "its labels are the class folder names",
         ("webdataset", "label"): "its label is the .cls member",
-        ("arrays", "max_pixels"): "arrays hold no images"}
+        **{("arrays", o): "arrays hold no images" for o in _IMAGES}}
 
 
-def check_options(kind: str, *, label: str | None, image_columns: Sequence[str], max_pixels: int | None) -> None:
+def check_options(kind: str, *, label: str | None, image_columns: Sequence[str], max_pixels: int | None,
+                  max_size: int | None = None, quality: int | None = None) -> None:
     """ConvertError for an option ``kind`` does not take (``--label`` for an image folder,
-    whose labels are its folder names) instead of ignoring it."""
+    whose labels are its folder names) instead of ignoring it; UsageError for a bad
+    ``max_size`` / ``quality``."""
     if kind not in _OPTIONS:
         raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(KINDS)}")
-    given = {"label": label is not None, "image_columns": bool(image_columns), "max_pixels": max_pixels is not None}
+    given = {"label": label is not None, "image_columns": bool(image_columns), "max_pixels": max_pixels is not None,
+             "max_size": max_size is not None, "quality": quality is not None}
     for opt, on in given.items():
         if on and opt not in _OPTIONS[kind]:
             flag = "--" + opt.replace("_", "-").replace("columns", "column")
@@ -34,24 +39,29 @@ def check_options(kind: str, *, label: str | None, image_columns: Sequence[str],
         raise ConvertError(f"--label {label!r} must name a column or array")
     if max_pixels is not None:
         check_int("max_pixels", max_pixels, min=1)
+    check_resize_options(max_size, quality)
 
 
 def make_source(kind: str, src: str | os.PathLike, *, label: str | None = None,
-                image_columns: Sequence[str] = (), max_pixels: int | None = None) -> Source:
+                image_columns: Sequence[str] = (), max_pixels: int | None = None, max_size: int | None = None,
+                quality: int | None = None) -> Source:
     """The source of ``kind`` at ``src``; images are limited to ``max_pixels`` (default: the
-    Loader's own limit, 2**26)."""
-    check_options(kind, label=label, image_columns=image_columns, max_pixels=max_pixels)
+    Loader's own limit, 2**26) and, with ``max_size``, stored re-encoded when their longer
+    side exceeds it (JPEG ``quality``, default 90; see resize.py)."""
+    check_options(kind, label=label, image_columns=image_columns, max_pixels=max_pixels, max_size=max_size,
+                  quality=quality)
     max_pixels = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+    resize = {"max_size": max_size, "quality": quality}
     if kind == "imagefolder":
         from .imagefolder import ImageFolderSource
-        return ImageFolderSource(src, max_pixels=max_pixels)
+        return ImageFolderSource(src, max_pixels=max_pixels, **resize)
     if kind == "arrays":
         from .arrays import ArraysSource
         return ArraysSource(src, label=label)
     if kind == "table":
         from .table import TableSource
-        return TableSource(src, label=label, image_columns=image_columns, max_pixels=max_pixels)
+        return TableSource(src, label=label, image_columns=image_columns, max_pixels=max_pixels, **resize)
     if kind == "webdataset":
         from .webdataset import WebDatasetSource
-        return WebDatasetSource(src, max_pixels=max_pixels)
+        return WebDatasetSource(src, max_pixels=max_pixels, **resize)
     raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(KINDS)}")

@@ -44,7 +44,7 @@ class Plan:
     dst: str
     kind: str
     src: str
-    options: dict           # label, image_columns, max_pixels, shard_size: what the user asked
+    options: dict           # label, image_columns, max_pixels, max_size, quality, shard_size: what the user asked
     num_samples: int
     group_size: int
     bytes_per_sample: float
@@ -119,9 +119,26 @@ def _stored_bytes(source: Source, i: int) -> int | None:
             n += int(v.nbytes)
         elif isinstance(v, str):
             n += len(v.encode())
+        elif f.kind == "image" and v is not None:
+            n += _stored_image_bytes(v, source.max_size) + 8
         elif v is not None:
-            n += len(v) + (8 if f.kind == "image" else 0)
+            n += len(v)
     return n
+
+
+def _stored_image_bytes(data: bytes, max_size: int | None) -> int:
+    """An image's bytes as stored: with ``max_size``, a larger image scaled by its area (from
+    its header: a rough estimate, enough to size the groups)."""
+    if max_size is None:
+        return len(data)
+    from ..store.geometry import image_size
+
+    try:
+        w, h = image_size(data)
+    except Exception:  # a bad image is the task's to report
+        return len(data)
+    longer = max(w, h)
+    return len(data) if longer <= max_size else max(1, int(len(data) * (max_size / longer) ** 2))
 
 
 def estimate_bytes_per_sample(source: Source, rows: Sequence[int] | None = None) -> float:
@@ -152,7 +169,8 @@ def _plan_imagefolder(src: Path, parts: Path, options: dict) -> tuple[Source, di
 
     from .imagefolder import ImageFolderSource
 
-    source = ImageFolderSource(src, max_pixels=options["max_pixels"])
+    source = ImageFolderSource(src, max_pixels=options["max_pixels"], max_size=options["max_size"],
+                               quality=options["quality"])
     # paths as bytes: a file name need not be UTF-8 (os.fsencode / os.fsdecode carry it exactly)
     table = pa.table({"path": pa.array([os.fsencode(p) for p in source.paths.tolist()], pa.binary()),
                       "label": pa.array(source.labels)})
@@ -167,7 +185,8 @@ def _plan_imagefolder(src: Path, parts: Path, options: dict) -> tuple[Source, di
 def _plan_table(src: Path, parts: Path, options: dict) -> tuple[Source, dict, list, float]:
     from .table import TABLE_SUFFIXES, TableSource
 
-    kw = dict(label=options["label"], image_columns=options["image_columns"], max_pixels=options["max_pixels"])
+    kw = dict(label=options["label"], image_columns=options["image_columns"], max_pixels=options["max_pixels"],
+              max_size=options["max_size"], quality=options["quality"])
     if TABLE_SUFFIXES.get(src.suffix.lower()) == "parquet" and src.is_file():
         # The file list at scale: the schema, the first rows and (for string labels) the
         # label column are all the driver reads.
@@ -229,17 +248,17 @@ def _plan_whole(kind: str, src: Path, options: dict) -> tuple[Source, dict, list
     from .kinds import make_source
 
     source = make_source(kind, src, label=options["label"], image_columns=options["image_columns"],
-                         max_pixels=options["max_pixels"])
+                         max_pixels=options["max_pixels"], max_size=options["max_size"], quality=options["quality"])
     return source, {"label": source.label}, _fingerprint(src), estimate_bytes_per_sample(source)
 
 
 def make_plan(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, shard_size: int, overwrite: bool,
               resume: bool, label: str | None = None, image_columns: Sequence[str] = (),
-              max_pixels: int | None = None) -> Plan:
+              max_pixels: int | None = None, max_size: int | None = None, quality: int | None = None) -> Plan:
     """Check DST, then reuse the plan of an interrupted conversion (``resume``) or write a new one."""
     src, dst = Path(src).resolve(), Path(dst).absolute()
     options = {"label": label, "image_columns": sorted(image_columns or ()), "max_pixels": max_pixels,
-               "shard_size": int(shard_size)}
+               "max_size": max_size, "quality": quality, "shard_size": int(shard_size)}
     parts = dst / PARTS
     if (parts / PLAN).exists() and resume:
         plan = load_plan(dst)

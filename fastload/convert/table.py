@@ -100,7 +100,8 @@ class TableSource(Source):
     def __init__(self, src: str | os.PathLike, label: str | None = None,
                  image_columns: Sequence[str] = (), max_pixels: int | None = DEFAULT_MAX_PIXELS, *,
                  rows: tuple[int, int] | None = None, classes: Sequence[str] | None = None,
-                 detect_images: bool = True, ragged: Sequence[str] = ()):
+                 detect_images: bool = True, ragged: Sequence[str] = (), max_size: int | None = None,
+                 quality: int | None = None):
         """``rows=(a, b)``: only rows a..b-1 of the table (keys and messages keep the table's
         row numbers); ``classes``: the class names of a string label column (found over the
         whole table by the caller) instead of those of these rows; ``detect_images=False``:
@@ -179,7 +180,8 @@ class TableSource(Source):
         if label is not None and not (fields[label].kind == "scalar" and fields[label].dtype.startswith(("int", "uint"))):
             raise ConvertError(f"{path}: label column {label!r} must hold integers or strings, not {fields[label]}")
         super().__init__(fields=fields, num_samples=table.num_rows, label=label, class_names=class_names,
-                         metadata={"source": "table", "file": path.name}, max_pixels=max_pixels)
+                         metadata={"source": "table", "file": path.name}, max_pixels=max_pixels,
+                         max_size=max_size, quality=quality)
         self.path = path
         self._key_col = next((n for n in self.image_paths), None)
 

@@ -45,7 +45,8 @@ class RangeSource(Source):
 
     def __init__(self, inner: Source, start: int, stop: int):
         super().__init__(fields=inner.fields, num_samples=stop - start, label=inner.label,
-                         class_names=inner.class_names, metadata=inner.metadata, max_pixels=inner.max_pixels)
+                         class_names=inner.class_names, metadata=inner.metadata, max_pixels=inner.max_pixels,
+                         max_size=inner.max_size, quality=inner.quality)
         self.inner, self.start = inner, start
 
     def key(self, i: int) -> str:
@@ -54,8 +55,8 @@ class RangeSource(Source):
     def read(self, i: int) -> dict[str, Any]:
         return self.inner.read(self.start + i)
 
-    def validate(self, i: int) -> dict[str, tuple[int, int]]:
-        return self.inner.validate(self.start + i)
+    def check(self, i: int) -> tuple[dict[str, tuple[int, int]], dict[str, bytes]]:
+        return self.inner.check(self.start + i)
 
     def fast_chunks(self):
         chunks = self.inner.fast_chunks()
@@ -81,6 +82,7 @@ def open_group(plan: Plan, g: int) -> Source:
     whole source, samples numbered from 0."""
     a, b = plan.bounds(g)
     spec, opts = plan.spec, plan.options
+    resize = {"max_size": opts.get("max_size"), "quality": opts.get("quality")}  # (absent from older plans)
     if plan.kind == "imagefolder":
         from .imagefolder import ImageFolderSource
         from .table import parquet_rows
@@ -89,16 +91,18 @@ def open_group(plan: Plan, g: int) -> Source:
         paths = [os.fsdecode(p) for p in rows.column("path").to_pylist()]  # bytes: any file name
         return ImageFolderSource.from_listing(
             spec["root"], spec["classes"], np.array(paths, dtype=str),
-            rows.column("label").to_numpy(), spec["ignored"], opts["max_pixels"], spec.get("repeated_dirs", 0))
+            rows.column("label").to_numpy(), spec["ignored"], opts["max_pixels"], spec.get("repeated_dirs", 0),
+            **resize)
     if plan.kind == "table":
         from .table import TableSource
 
         return TableSource(plan.src, label=spec["label"], image_columns=spec["image_columns"],
                            max_pixels=opts["max_pixels"], rows=(a, b), classes=spec["classes"], detect_images=False,
-                           ragged=spec.get("ragged", ()))
+                           ragged=spec.get("ragged", ()), **resize)
     from .kinds import make_source
 
-    return RangeSource(make_source(plan.kind, plan.src, label=spec.get("label"), max_pixels=opts["max_pixels"]), a, b)
+    return RangeSource(make_source(plan.kind, plan.src, label=spec.get("label"), max_pixels=opts["max_pixels"],
+                                   **resize), a, b)
 
 
 def read_part(part: Path) -> dict | None:

@@ -48,7 +48,8 @@ def _split(name: str) -> tuple[str, str]:
 
 
 class WebDatasetSource(Source):
-    def __init__(self, src: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS):
+    def __init__(self, src: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS, *,
+                 max_size: int | None = None, quality: int | None = None):
         root = Path(src)
         if root.is_dir():
             tars = sorted(root.glob("*.tar"))
@@ -124,7 +125,7 @@ class WebDatasetSource(Source):
         self._ext = {_field_name(e): e for e in exts}
         super().__init__(fields=fields, num_samples=len(keys), label="cls" if "cls" in fields else None,
                          metadata={"source": "webdataset", "tars": [printable(t.name) for t in tars]},
-                         max_pixels=max_pixels)
+                         max_pixels=max_pixels, max_size=max_size, quality=quality)
 
     def key(self, i: int) -> str:
         return str(self._keys[i])

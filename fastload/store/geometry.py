@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 
-__all__ = ["DEFAULT_MAX_PIXELS", "displayed_size", "image_size"]
+__all__ = ["DEFAULT_MAX_PIXELS", "displayed_size", "exif_orientation", "image_size"]
 
 # The one image-size limit: the Loader's transforms refuse images with more pixels than this
 # (before decoding), and convert refuses them at conversion time by default, so a dataset that
@@ -24,16 +24,15 @@ _TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)
 _EXIF_FORMATS = ("JPEG", "MPO", "PNG", "WEBP")
 
 
-def displayed_size(im) -> tuple[int, int]:
-    """(width, height) of an open PIL image as DALI decodes it: after its EXIF orientation.
+def exif_orientation(im) -> int:
+    """The EXIF orientation (1-8) of an open PIL image as DALI applies it, 1 when it has none.
 
     Only the real EXIF block counts (JPEG APP1, PNG eXIf, WebP EXIF: ``im.info["exif"]``), not
     PIL's other sources (XMP ``tiff:Orientation``, PNG text "Raw profile type exif"), which DALI
     ignores. Reading it decodes no pixels."""
-    w, h = int(im.size[0]), int(im.size[1])
     raw = im.info.get("exif") if im.format in _EXIF_FORMATS else None
     if not raw:
-        return w, h
+        return 1
     try:
         from PIL import Image
 
@@ -41,8 +40,15 @@ def displayed_size(im) -> tuple[int, int]:
         exif.load(raw)
         orientation = int(exif.get(0x0112, 1))
     except Exception:  # a damaged EXIF block: the decoders ignore it too
-        orientation = 1
-    return (h, w) if orientation in _TRANSPOSING_ORIENTATIONS else (w, h)
+        return 1
+    return orientation if 1 <= orientation <= 8 else 1
+
+
+def displayed_size(im) -> tuple[int, int]:
+    """(width, height) of an open PIL image as DALI decodes it: after its EXIF orientation
+    (see :func:`exif_orientation`). Reading it decodes no pixels."""
+    w, h = int(im.size[0]), int(im.size[1])
+    return (h, w) if exif_orientation(im) in _TRANSPOSING_ORIENTATIONS else (w, h)
 
 
 def image_size(data: bytes) -> tuple[int, int]:

@@ -15,9 +15,10 @@ ENGINES = ("local", "ray", "torch")
 
 def run_engine(engine: str, kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None,
                shard_size: int, on_error: str, overwrite: bool, resume: bool, progress: bool,
-               ray_address: str | None, label: str | None, image_columns, max_pixels: int | None) -> dict:
+               ray_address: str | None, label: str | None, image_columns, max_pixels: int | None,
+               max_size: int | None = None, quality: int | None = None) -> dict:
     opts = dict(shard_size=shard_size, overwrite=overwrite, resume=resume, label=label,
-                image_columns=image_columns, max_pixels=max_pixels)
+                image_columns=image_columns, max_pixels=max_pixels, max_size=max_size, quality=quality)
     if engine == "ray":
         from .ray_engine import run
         return run(kind, src, dst, workers=workers, on_error=on_error, progress=progress, address=ray_address, **opts)

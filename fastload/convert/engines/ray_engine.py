@@ -128,7 +128,7 @@ def ray_session(address: str | None, workers: int | None):
 
 
 def run(kind, src, dst, *, workers, on_error, progress, address, shard_size, overwrite, resume, label,
-        image_columns, max_pixels) -> dict:
+        image_columns, max_pixels, max_size=None, quality=None) -> dict:
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:  # the install hint before any work (not importing
@@ -137,7 +137,7 @@ def run(kind, src, dst, *, workers, on_error, progress, address, shard_size, ove
         raise ValueError(f"workers={workers} must be >= 1 with --engine ray")
     t0 = time.perf_counter()
     plan = make_plan(kind, src, dst, shard_size=shard_size, overwrite=overwrite, resume=resume, label=label,
-                     image_columns=image_columns, max_pixels=max_pixels)
+                     image_columns=image_columns, max_pixels=max_pixels, max_size=max_size, quality=quality)
     from ..commit import commit
 
     with ray_session(address, workers) as (ray, slots):

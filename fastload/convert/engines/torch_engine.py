@@ -205,7 +205,7 @@ def _stop_message(path: Path, rank: int) -> str | None:
 
 
 def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, resume, label, image_columns,
-        max_pixels) -> dict:
+        max_pixels, max_size=None, quality=None) -> dict:
     if workers is not None and workers < 1:
         raise ValueError(f"workers={workers} must be >= 1 with --engine torch")
     slots = workers or 1
@@ -217,7 +217,8 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
         if ranks.rank == 0:
             try:
                 plan = make_plan(kind, src, dst, shard_size=shard_size, overwrite=overwrite, resume=resume,
-                                 label=label, image_columns=image_columns, max_pixels=max_pixels)
+                                 label=label, image_columns=image_columns, max_pixels=max_pixels,
+                                 max_size=max_size, quality=quality)
                 (plan.parts / STOP).unlink(missing_ok=True)
                 reused = sum(read_part(plan.part_dir(g)) is not None for g in range(plan.num_groups))
             except BaseException as e:
