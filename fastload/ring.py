@@ -20,28 +20,26 @@ This module knows nothing of CUDA: a device delivery (``fastload/loader/cuda.py`
 slots (``slot_memory()``) and copies batches to the device, holding each batch's host
 tensors — and so its slot — until its copy has completed.
 
-Validation lives here, once: every argument is checked with a message naming the field and
-shard; the C++ side only asserts its invariants. Defaults (measured on a 2-core VM,
-``bench/bench_tensor.py``): ``threads`` = usable cores (capped at 8) — the gather is
-memory-bound and more threads than cores only add switching; ``slots`` = ``threads + 3`` —
-one slot held by the training loop while the next ``get()`` runs, one in the hand-off, one
-per producer thread, and one spare; batches larger than ``min_part_bytes`` (256 KiB) are
-split across threads.
+Validation happens once, in Python: every argument is checked with a message naming the
+field and shard (:mod:`fastload.ringspec`); the C++ side only asserts its invariants. The sizing
+defaults (threads, slots, growth cap, split size) are :mod:`fastload.ringsize`; the slot
+of an external fill and the batch of ``get_batch()`` are :mod:`fastload.ringslot`. All are
+importable from here.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from . import _C
-from .ringspec import RaggedField, batch_dict, parse_ragged, ragged_descs, ring_sizes, row_args, window_args
-from .ringspec import check_source as _check_source
+from .ringsize import MIN_PART_BYTES, default_slots, default_threads, ring_sizes
+from .ringslot import FillSlot, RingBatch
+from .ringspec import RaggedField, batch_dict, parse_ragged, ragged_descs, row_args, shard_sources, window_args
 from .ringspec import parse_fields as _parse_fields
 from .ringspec import parse_sources as _parse_sources
-from .system import rank_cores
 from .validate import check_int
 from .validate import is_int as _is_int
 
@@ -49,108 +47,7 @@ __all__ = ["FillSlot", "RaggedField", "Ring", "RingBatch", "default_slots", "def
 
 logger = logging.getLogger(__name__)
 
-_MIN_PART_BYTES = 256 << 10  # split a batch across producers above this many bytes per part
-
-
-def default_threads() -> int:
-    """Producer threads used when ``threads=None``: this rank's share of the usable cores
-    (:func:`fastload.system.rank_cores`), at most 8."""
-    return max(1, min(8, rank_cores()))
-
-
-def default_slots(threads: int) -> int:
-    """Initial slots used when ``slots=None`` for ``threads`` producers."""
-    return threads + 3
-
 _INT64 = np.dtype(np.int64)
-
-
-class FillSlot:
-    """A ring slot reserved by :meth:`Ring.acquire` for an external fill.
-
-    ``arrays`` (numpy) and ``tensors`` (torch, same memory) are writable views of the whole
-    slot, shape ``(batch_size, *shape)`` per field. Write the batch, then ``commit(rows)`` to
-    publish it as the next batch in order, or ``fail(error)`` to make ``get()`` raise for it
-    (an exception object is raised as is; a message as ``RuntimeError``). Used as a context
-    manager, an exception inside the block fails the batch. A slot dropped without
-    commit/fail is published as an error, so the consumer never waits forever. The slot is
-    not reused while any of these views (or the delivered batch) is alive.
-    """
-
-    __slots__ = ("_handle", "_arrays", "_ring", "_done", "seq")
-
-    def __init__(self, ring: Ring, handle: Any, arrays: dict[str, np.ndarray]) -> None:
-        self._ring = ring
-        self._handle = handle
-        self._arrays = arrays
-        self._done = False
-        self.seq = handle.seq
-
-    @property
-    def arrays(self) -> dict[str, np.ndarray]:
-        self._check_open()
-        return self._arrays
-
-    @property
-    def tensors(self) -> dict[str, Any]:
-        import torch
-
-        self._check_open()
-        return {k: torch.from_numpy(v) for k, v in self._arrays.items()}
-
-    def gather(self, shard: Any, row: Any, index: Any = None) -> None:
-        """Gather the fields that have sources for rows ``(shard, row)`` into this slot (and
-        ``index`` into the index field), in the calling thread with the GIL released."""
-        self._check_open()
-        self._handle.gather(*self._ring._rows(shard, row, index))
-
-    def commit(self, rows: int) -> None:
-        """Publish the first ``rows`` rows of every field as the next batch."""
-        self._check_open()
-        if not _is_int(rows):
-            raise ValueError(f"rows must be an int, got {rows!r}")
-        self._handle.commit(int(rows))
-        self._release()
-
-    def fail(self, error: BaseException | str) -> None:
-        """Publish an error instead of a batch: ``get()`` raises ``error`` for this batch
-        (a string becomes ``RuntimeError(error)``)."""
-        self._check_open()
-        if isinstance(error, BaseException):
-            self._ring._fill_errors[self.seq] = error
-            self._handle.fail(f"{type(error).__name__}: {error}", True)
-        else:
-            self._handle.fail(str(error), False)
-        self._release()
-
-    def _check_open(self) -> None:
-        if self._done:
-            raise RuntimeError(f"batch {self.seq}: this slot was already committed or failed")
-
-    def _release(self) -> None:
-        # Our references go; the slot stays held only by views the caller kept.
-        self._done = True
-        self._handle = None
-        self._arrays = {}
-
-    def __enter__(self) -> FillSlot:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and not self._done:
-            try:
-                self.fail(f"{exc_type.__name__}: {exc}")
-            except RuntimeError:  # ring already closed: nothing left to notify
-                self._release()
-
-
-class RingBatch(NamedTuple):
-    """One batch from :meth:`Ring.get_batch`: ``tensors`` (host, zero-copy unless
-    ``copied``) and the ``slot`` they view (-1 for a copy)."""
-
-    tensors: dict[str, Any]
-    slot: int
-    copied: bool
 
 
 class Ring:
@@ -192,7 +89,7 @@ class Ring:
         threads: int | None = None,
         slots: int | None = None,
         max_slots: int | None = None,
-        min_part_bytes: int = _MIN_PART_BYTES,
+        min_part_bytes: int = MIN_PART_BYTES,
         shard_rows: Sequence[int] | None = None,
         nice: int = 0,
     ) -> None:
@@ -337,23 +234,8 @@ class Ring:
         if self._ragged_sourced:
             raise ValueError(f"set_source: this ring has ragged fields with sources {self._ragged_sourced}; "
                              "their sources are fixed when the ring is made")
-        if not _is_int(shard) or not 0 <= shard < len(self._shard_rows):
-            raise ValueError(f"shard={shard!r} must be an int in [0, {len(self._shard_rows)})")
-        per_field: list[np.ndarray | None] = [None] * len(self._names)
-        if arrays is not None:
-            if not isinstance(arrays, Mapping):
-                raise ValueError("arrays must be a dict {field: array} or None (to drop the shard)")
-            want = {n for n, src in zip(self._names, self._sourced) if src}
-            if set(arrays) != want:
-                raise ValueError(f"shard {shard}: set_source needs arrays for exactly the sourced fields "
-                                 f"{sorted(want)}, got {sorted(arrays)}")
-            for f, (n, dt, shape) in enumerate(zip(self._names, self._dtypes, self._shapes)):
-                if n in arrays:
-                    a = _check_source(n, int(shard), arrays[n], dt, shape)
-                    if a.shape[0] != self._shard_rows[shard]:
-                        raise ValueError(f"field {n!r} shard {shard}: source has {a.shape[0]} rows, "
-                                         f"the shard {self._shard_rows[shard]}")
-                    per_field[f] = a
+        per_field = shard_sources(shard, arrays, self._names, self._dtypes, self._shapes, self._sourced,
+                                  self._shard_rows)
         core.set_source(int(shard), per_field)
 
     def acquire(self) -> FillSlot:

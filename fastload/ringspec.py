@@ -11,14 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from .system import check_fits_in_memory
 from .validate import is_int as _is_int
 
 __all__ = ["RaggedField", "as_index", "batch_dict", "check_source", "parse_fields", "parse_ragged", "parse_sources", "ragged_descs",
-           "ring_sizes", "row_args", "window_args"]
-
-_GROWTH_BUDGET = 512 << 20  # default max_slots lets the ring grow by about this many bytes
-_MAX_SLOT_BYTES = 1 << 40  # a slot this large is a mistake (batch_size or shapes), not a plan
+           "row_args", "shard_sources", "window_args"]
 
 
 @dataclass(frozen=True)
@@ -247,28 +243,29 @@ def batch_dict(names: list[str], arrays: tuple) -> dict:
     return out
 
 
-def ring_sizes(batch_size: int, row_bytes: int, ragged_bytes: int, *, threads: Any, slots: Any, max_slots: Any,
-               min_part_bytes: Any) -> tuple[int, int, int, int]:
-    """Checked ``(threads, slots, max_slots, min_part_bytes)``; ``max_slots`` defaults to
-    ``slots`` plus about 512 MiB of slots (at least 2, at most 64 more)."""
-    if not _is_int(threads) or not 1 <= threads <= 256:
-        raise ValueError(f"threads={threads!r} must be an int in [1, 256]")
-    if not _is_int(slots) or slots < 1:
-        raise ValueError(f"slots={slots!r} must be an int >= 1")
-    slot_bytes = int(batch_size) * row_bytes + ragged_bytes  # Python ints: no overflow
-    if slot_bytes > _MAX_SLOT_BYTES:
-        raise ValueError(f"batch_size={batch_size} rows of {row_bytes} bytes need a {slot_bytes:,}-byte slot; "
-                         "lower batch_size")
-    check_fits_in_memory(int(slots) * slot_bytes,
-                         f"a ring of {slots} slots of batch_size={batch_size} rows ({row_bytes:,} bytes each)",
-                         "lower batch_size or the number of slots (a Loader's prefetch)")
-    if max_slots is None:
-        max_slots = int(slots) + max(2, min(64, _GROWTH_BUDGET // max(slot_bytes, 1)))
-    if not _is_int(max_slots) or max_slots < slots:
-        raise ValueError(f"max_slots={max_slots!r} must be an int >= slots={slots}")
-    if not _is_int(min_part_bytes) or min_part_bytes < 1:
-        raise ValueError(f"min_part_bytes={min_part_bytes!r} must be an int > 0")
-    return int(threads), int(slots), int(max_slots), int(min_part_bytes)
+def shard_sources(shard: Any, arrays: Any, names: list[str], dtypes: list[np.dtype], shapes: list[tuple],
+                  sourced: list[bool], shard_rows: list[int]) -> list[np.ndarray | None]:
+    """Checked per-field arrays (``None`` for a field without sources) of ``Ring.set_source``:
+    ``arrays`` (``{field: array}`` for every fixed-size sourced field, or ``None`` to drop
+    the shard) for ``shard``, whose row count is ``shard_rows[shard]``."""
+    if not _is_int(shard) or not 0 <= shard < len(shard_rows):
+        raise ValueError(f"shard={shard!r} must be an int in [0, {len(shard_rows)})")
+    per_field: list[np.ndarray | None] = [None] * len(names)
+    if arrays is not None:
+        if not isinstance(arrays, Mapping):
+            raise ValueError("arrays must be a dict {field: array} or None (to drop the shard)")
+        want = {n for n, src in zip(names, sourced) if src}
+        if set(arrays) != want:
+            raise ValueError(f"shard {shard}: set_source needs arrays for exactly the sourced fields "
+                             f"{sorted(want)}, got {sorted(arrays)}")
+        for f, (n, dt, shape) in enumerate(zip(names, dtypes, shapes)):
+            if n in arrays:
+                a = check_source(n, int(shard), arrays[n], dt, shape)
+                if a.shape[0] != shard_rows[shard]:
+                    raise ValueError(f"field {n!r} shard {shard}: source has {a.shape[0]} rows, "
+                                     f"the shard {shard_rows[shard]}")
+                per_field[f] = a
+    return per_field
 
 
 def row_args(shard: Any, row: Any, index: Any, index_field: str | None) -> tuple:

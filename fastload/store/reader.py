@@ -1,10 +1,14 @@
 """DatasetReader: a fastload directory opened for reading, without torch.
 
-Opening reads ``manifest.json`` only. Shards are memory-mapped on first use, one record
-batch each, so every tensor or scalar column of a shard is a single zero-copy numpy view
-of shape ``(rows, *shape)``. The global index -> (shard, row) map is one cumulative-count
-numpy array: no per-sample Python object exists, so forked DataLoader workers do not grow
-by copy-on-write.
+Opening reads ``manifest.json`` only (:mod:`fastload.store.manifest`). Shards are
+memory-mapped on first use, one record batch each (:mod:`fastload.store.shard`), so every
+tensor or scalar column of a shard is a single zero-copy numpy view of shape
+``(rows, *shape)``; each shard is verified against the manifest's checksum before any of
+its rows is delivered (:mod:`fastload.store.verifier`). The global index -> (shard, row)
+map is one cumulative-count numpy array: no per-sample Python object exists, so forked
+DataLoader workers do not grow by copy-on-write. A remote dataset's shards come from a
+node-local cache (:mod:`fastload.remote`), mapped when they arrive and dropped when the
+cache releases them.
 
 This module imports neither torch nor DALI: verify, inspect and conversion use
 :class:`DatasetReader` directly. The public :class:`fastload.Dataset` (``store/dataset.py``)
@@ -12,124 +16,27 @@ is this class made a ``torch.utils.data.Dataset`` as well.
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import pyarrow as pa
 
 from .. import lifecycle
 from ..errors import FormatError, MissingFileError
-from ..files import NotRegularFile, printable, read_regular
-from ..system import usable_cores
-from ..validate import check_choice, check_index_array, is_int
-from .format import KEY_COLUMN, MANIFEST, Field, arrow_schema, image_size_columns, schema_mismatch
-from .integrity import DEFAULT_VERIFY, VERIFY_POLICIES, VerifiedRecord, hash_mapped
-from .schema import validate_manifest
-from .transaction import STAGING_PREFIX
+from ..validate import check_choice, check_index_array
+from .format import MANIFEST, Field, arrow_schema
+from .gather import Gathering
+from .integrity import DEFAULT_VERIFY, VERIFY_POLICIES
+from .manifest import check_manifest, manifest_fields, read_manifest
+from .shard import MappedShard
+from .verifier import ShardVerifier
 
 __all__ = ["DatasetReader", "check_manifest", "manifest_fields", "read_manifest"]
 
 
-# A manifest larger than this is not one fastload wrote (a million shards take ~150 MB).
-MAX_MANIFEST_BYTES = 1 << 30
-
-
-def read_manifest(path: Path) -> dict:
-    """The parsed ``manifest.json`` of the dataset at ``path``, checked against the schema
-    (:func:`check_manifest`: a FormatError names the bad key)."""
-    mpath = path / MANIFEST
-    if not path.exists():
-        raise MissingFileError(f"{path} does not exist; create a dataset with `fastload convert`")
-    if not path.is_dir():
-        raise FormatError(f"{path} is not a directory; a fastload dataset is a directory with {MANIFEST}")
-    if not mpath.exists():
-        shards = sorted(p.name for p in path.glob("*shard-*.arrow*"))
-        staged = sorted(p for p in path.glob(STAGING_PREFIX + "*") if (p / MANIFEST).exists())
-        if staged:  # an overwrite was killed while swapping the new dataset in
-            hint = (f" An overwrite was interrupted while swapping the new dataset in: move every file"
-                    f" of {staged[-1]} up into this directory to complete it (the new shards already"
-                    " moved are here), then remove that directory.")
-        elif shards:
-            hint = (" It holds shard files but no manifest: the writer was interrupted, so the dataset is"
-                    " incomplete; convert again with --overwrite.")
-        else:
-            hint = ""
-        raise FormatError(f"{path} is not a fastload dataset: {MANIFEST} is missing.{hint}")
-    try:
-        raw = read_regular(mpath, what="manifest", max_bytes=MAX_MANIFEST_BYTES)
-    except NotRegularFile as e:
-        raise FormatError(f"{e}; the dataset is damaged") from None
-    except OSError as e:
-        raise FormatError(f"{mpath} cannot be read ({e.strerror or e})") from None
-    try:
-        m = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise FormatError(f"{mpath} is not readable JSON ({str(e)[:200]}); the dataset is damaged") from None
-    return check_manifest(m, mpath)
-
-
-def check_manifest(m: Any, where: Any) -> dict:
-    """Every key of a manifest, wherever it was read (``where`` names it), against the schema
-    (:func:`fastload.store.schema.validate_manifest`); returns ``m``."""
-    validate_manifest(m, where)
-    return m
-
-
-def manifest_fields(m: dict, path: Path) -> dict[str, Field]:
-    """The fields of a manifest (checked by :func:`check_manifest`) read from the dataset at
-    ``path``, in column order."""
-    try:
-        return {n: Field.from_json(d) for n, d in m["fields"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise FormatError(f"{path / MANIFEST}: bad field description ({e})") from None
-
-
-class _Shard:
-    """One memory-mapped shard (no file descriptor kept: ``_C.map_file``), structurally
-    checked against its manifest entry: its record batch and cached zero-copy views."""
-
-    __slots__ = ("batch", "views", "mm")
-
-    def __init__(self, path: Path, entry: dict, fields: dict[str, Field]):
-        from .. import _C
-
-        try:
-            self.mm = _C.map_file(os.fspath(path), entry["bytes"])
-        except FileNotFoundError:
-            raise MissingFileError(
-                f"shard {path} listed in the manifest is missing: the dataset was damaged or replaced "
-                "(e.g. by convert --overwrite) since it was opened; reopen it, or run `fastload verify`") from None
-        except ValueError as e:  # not a regular file, or not the manifest's size
-            raise FormatError(f"shard {printable(str(e))}; the dataset is damaged or was changed since it was "
-                              "written (run `fastload verify`)") from None
-        except OSError as e:
-            raise FormatError(f"shard {path} cannot be read ({e.strerror or e})") from None
-        try:
-            reader = pa.ipc.open_file(pa.py_buffer(self.mm))
-            if reader.num_record_batches != 1:
-                raise FormatError(f"shard {path} holds {reader.num_record_batches} record batches; "
-                                  "fastload shards hold exactly one (run `fastload verify`)")
-            why = schema_mismatch(reader.schema, fields)
-            if why is not None:
-                raise FormatError(f"shard {path} does not hold the manifest's fields: {why}; the dataset is "
-                                  "damaged (run `fastload verify`)")
-            self.batch = reader.get_batch(0)
-            self.batch.validate()  # buffer sizes agree with lengths (cheap; the checksum covers the bytes)
-        except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
-            raise FormatError(f"shard {path} cannot be opened as an Arrow IPC file "
-                              f"({str(e).splitlines()[0][:200]}); run `fastload verify` on the dataset") from None
-        if self.batch.num_rows != entry["num_samples"]:
-            raise FormatError(f"shard {path} holds {self.batch.num_rows} rows, the manifest says "
-                              f"{entry['num_samples']} (run `fastload verify`)")
-        self.views: dict[str, Any] = {}
-
-
-class DatasetReader:
+class DatasetReader(Gathering):
     """A fastload dataset directory, opened read-only (no torch needed).
 
     ``len(ds)``, ``ds.fields``, ``ds[i]`` (one sample as a dict), ``ds.get_batch(indices)``
@@ -189,16 +96,9 @@ class DatasetReader:
         self.shard_sizes = np.array([s["num_samples"] for s in m["shards"]], dtype=np.int64)
         self._starts = np.zeros(len(self.shard_sizes) + 1, dtype=np.int64)
         np.cumsum(self.shard_sizes, out=self._starts[1:])
-        self._shards: list[_Shard | None] = [None] * len(self.shard_files)
+        self._shards: list[MappedShard | None] = [None] * len(self.shard_files)
         self._lock = threading.Lock()
-        n = len(self.shard_files)
-        off = self.verify_policy == "off"
-        self._verified = np.full(n, off, dtype=bool)
-        self._all_verified = off or n == 0
-        self._bad: dict[int, str] = {}  # shard -> why it failed verification
-        self._verify_lock = threading.Lock()
-        self._record = VerifiedRecord() if self.verify_policy == "first-use" else None
-        self._verify_counts = {"shards_hashed": 0, "shards_remembered": 0, "bytes_hashed": 0, "hash_s": 0.0}
+        self._verifier = ShardVerifier(self.verify_policy, m["shards"], self.shard_files, self.path)
         lifecycle.track(self)
         lab = m.get("label")
         self.label_field: str | None = lab["field"] if lab else None
@@ -220,7 +120,7 @@ class DatasetReader:
     def _after_fork_in_child(self) -> None:
         # A thread of the parent may have held these at fork time; the mappings stay valid.
         self._lock = threading.Lock()
-        self._verify_lock = threading.Lock()
+        self._verifier.after_fork()
 
     def close(self) -> None:
         """Stop a remote dataset's download threads and release its cache (the shards
@@ -251,7 +151,7 @@ class DatasetReader:
         return self._starts
 
     # -- shards --------------------------------------------------------------------------
-    def shard(self, i: int) -> _Shard:
+    def shard(self, i: int) -> MappedShard:
         s = self._shards[i]
         if s is None:
             if self.cache is not None:
@@ -259,7 +159,7 @@ class DatasetReader:
             with self._lock:
                 s = self._shards[i]
                 if s is None:
-                    s = _Shard(self.shard_files[i], self.manifest["shards"][i], self.fields)
+                    s = MappedShard(self.shard_files[i], self.manifest["shards"][i], self.fields)
                     self._shards[i] = s
         return s
 
@@ -267,90 +167,14 @@ class DatasetReader:
         """Check the bytes of these shards against the manifest's checksums (as the
         verification policy says) before any of their rows is read; FormatError names a
         shard that does not match. Cheap once every shard is verified."""
-        if self._all_verified:
-            return
-        ids = np.unique(np.asarray(shards, dtype=np.int64))
-        need = ids[~self._verified[ids]]
-        if len(need) == 0:
-            return
-        with self._verify_lock:
-            need = [int(i) for i in need if not self._verified[i]]
-            for i in need:
-                if i in self._bad:
-                    raise FormatError(self._bad[i])
-            mapped = [self.shard(i) for i in need]  # structural checks first
-            expected = [self.manifest["shards"][i]["checksum"] for i in need]
-            if self._record is None:
-                got = self._hash(mapped, need)
-            else:
-                got = self._hash_with_record(mapped, need, expected)
-            for i, g, e in zip(need, got, expected):
-                if g != e:
-                    self._bad[i] = (
-                        f"shard {self.shard_files[i]} does not match the manifest: its checksum is {g}, "
-                        f"{MANIFEST} records {e}. The file was damaged or changed after the dataset was written "
-                        "(a flipped byte, a swapped, replaced or re-linked shard); restore it or convert the "
-                        f"source again (`fastload verify {self.path}` lists every damaged shard)")
-                    raise FormatError(self._bad[i])
-                self._verified[i] = True
-            if self._verified.all():
-                self._all_verified = True
-
-    def _hash(self, mapped: list[_Shard], ids: list[int]) -> list[str]:
-        t0 = time.perf_counter()
-        got = hash_mapped([s.mm for s in mapped])
-        c = self._verify_counts
-        c["hash_s"] += time.perf_counter() - t0
-        c["shards_hashed"] += len(ids)
-        c["bytes_hashed"] += sum(int(s.mm.size) for s in mapped)
-        return got
-
-    def _hash_with_record(self, mapped: list[_Shard], ids: list[int], expected: list[str]) -> list[str]:
-        """Hash what the node's record does not vouch for, one shard per lock (so ranks on
-        a node share the work instead of each hashing everything); remember matches."""
-        record = self._record
-        keys = [record.key(s.mm, e) for s, e in zip(mapped, expected)]
-        got: list[str | None] = [e if record.contains(k) else None for k, e in zip(keys, expected)]
-        self._verify_counts["shards_remembered"] += sum(g is not None for g in got)
-        todo = [j for j, g in enumerate(got) if g is None]
-
-        def one(j: int) -> tuple[str, bool]:
-            with record.locked(keys[j]):
-                if record.contains(keys[j]):  # another process hashed it meanwhile
-                    return expected[j], False
-                h = mapped[j].mm.hash_xxh3_128()
-                if h == expected[j]:
-                    record.add(keys[j], mapped[j].mm, h)
-                return h, True
-
-        if todo:
-            t0 = time.perf_counter()
-            if len(todo) == 1:
-                results = [one(todo[0])]
-            else:
-                from concurrent.futures import ThreadPoolExecutor
-
-                with ThreadPoolExecutor(max_workers=min(len(todo), usable_cores()),
-                                        thread_name_prefix="fastload-verify") as pool:
-                    results = list(pool.map(one, todo))
-            c = self._verify_counts
-            c["hash_s"] += time.perf_counter() - t0
-            for j, (h, hashed) in zip(todo, results):
-                got[j] = h
-                if hashed:
-                    c["shards_hashed"] += 1
-                    c["bytes_hashed"] += int(mapped[j].mm.size)
-                else:
-                    c["shards_remembered"] += 1
-        return got  # type: ignore[return-value]
+        self._verifier.ensure(shards, self.shard)
 
     def verify_stats(self) -> dict:
         """The verification policy and what it cost so far: shards hashed, shards the node's
         record vouched for, bytes hashed, seconds spent hashing (summed over threads' wall)."""
-        return {"policy": self.verify_policy, "shards_verified": int(self._verified.sum()) if
-                self.verify_policy != "off" else 0, "num_shards": self.num_shards, **self._verify_counts}
+        return self._verifier.stats()
 
-    def _remote_shard(self, i: int) -> _Shard:
+    def _remote_shard(self, i: int) -> MappedShard:
         """Map shard ``i`` of a remote dataset, fetching it into the cache first (blocking)."""
         for attempt in range(3):
             self.cache.ensure(i)  # outside the lock: other shards map meanwhile
@@ -359,7 +183,7 @@ class DatasetReader:
                 if s is not None:
                     return s
                 try:
-                    s = _Shard(self.shard_files[i], self.manifest["shards"][i], self.fields)
+                    s = MappedShard(self.shard_files[i], self.manifest["shards"][i], self.fields)
                 except (FormatError, MissingFileError):
                     if self.shard_files[i].exists() or attempt == 2:
                         raise
@@ -390,32 +214,10 @@ class DatasetReader:
             raise TypeError(f"field {field!r} is a {f.kind} field; use {use}")
         if verify:
             self.ensure_verified([shard])
-        s = self.shard(shard)
-        v = s.views.get(field)
-        if v is None:
-            col = s.batch.column(field)
-            values = col.values if isinstance(col.type, pa.FixedSizeListType) else col
-            rows = s.batch.num_rows
-            base, per_row = f.storage()
-            arr = values.to_numpy(zero_copy_only=True)
-            if isinstance(col.type, pa.FixedSizeListType):
-                arr = arr[col.offset * per_row:(col.offset + rows) * per_row]
-            v = arr.view(f.np_dtype).reshape((rows, *f.shape))
-            s.views[field] = v
-        return v
+        return self.shard(shard).fixed(field, f)
 
     def _raw_column(self, shard: int, name: str) -> tuple[np.ndarray, np.ndarray]:
-        s = self.shard(shard)
-        v = s.views.get(name)
-        if v is None:
-            col = s.batch.column(name)
-            bufs = col.buffers()
-            offsets = np.frombuffer(bufs[1], dtype=np.int32)[col.offset: col.offset + len(col) + 1]
-            values = (np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None and bufs[2].size
-                      else np.zeros(0, dtype=np.uint8))
-            v = (offsets, values)
-            s.views[name] = v
-        return v
+        return self.shard(shard).binary(name)
 
     def binary_column(self, shard: int, field: str) -> tuple[np.ndarray, np.ndarray]:
         """Zero-copy ``(offsets int32[rows+1], values uint8[...])`` of an image/bytes/string field."""
@@ -434,12 +236,7 @@ class DatasetReader:
             raise TypeError(f"field {field!r} is a {f.kind} field, not a ragged one")
         if verify:
             self.ensure_verified([shard])
-        s = self.shard(shard)
-        v = s.views.get(field)
-        if v is None:
-            v = _ragged_views(s.batch.column(field), f, self.shard_files[shard])
-            s.views[field] = v
-        return v
+        return self.shard(shard).ragged(field, f, self.shard_files[shard])
 
     def lengths(self, field: str) -> np.ndarray:
         """Items per sample of a ragged field, for every sample (int64, cached): read from
@@ -459,12 +256,7 @@ class DatasetReader:
         return v
 
     def _int_column(self, shard: int, name: str) -> np.ndarray:
-        s = self.shard(shard)
-        v = s.views.get(name)
-        if v is None:
-            v = s.batch.column(name).to_numpy(zero_copy_only=True)
-            s.views[name] = v
-        return v
+        return self.shard(shard).ints(name)
 
     # -- index -----------------------------------------------------------------------------
     def locate(self, indices: np.ndarray | Sequence[int], *, check: bool = True,
@@ -481,138 +273,6 @@ class DatasetReader:
                 bad = int(lo if lo < 0 else hi)
                 raise IndexError(f"sample index {bad} is out of range for {self.path} ({n} samples)")
         shard = np.searchsorted(self._starts, idx, side="right") - 1
-        if verify and not self._all_verified and idx.size:
+        if verify and not self._verifier.all_verified and idx.size:
             self.ensure_verified(shard)
         return shard, idx - self._starts[shard]
-
-    def _groups(self, shard: np.ndarray):
-        if self.num_shards == 1:
-            yield 0, slice(None)
-            return
-        for s in np.unique(shard):
-            yield int(s), shard == s
-
-    # -- reading ---------------------------------------------------------------------------
-    def _gather_fixed(self, name: str, shard: np.ndarray, row: np.ndarray) -> np.ndarray:
-        f = self.fields[name]
-        out = np.empty((len(row), *f.shape), dtype=f.np_dtype)
-        for s, sel in self._groups(shard):
-            col = self.column(s, name)
-            if isinstance(sel, slice):
-                np.take(col, row, axis=0, out=out)
-            else:
-                out[sel] = col[row[sel]]
-        return out
-
-    def _gather_ragged(self, name: str, shard: np.ndarray, row: np.ndarray) -> list[np.ndarray]:
-        """One array ``(k, *item_shape)`` per row: copies, so they outlive the memory map."""
-        out: list = [None] * len(row)
-        for s, sel in self._groups(shard):
-            offsets, values = self.ragged_column(s, name)
-            pos = np.arange(len(row))[sel]
-            r = row[sel]
-            for p, a, b in zip(pos.tolist(), offsets[r].tolist(), offsets[r + 1].tolist()):
-                out[p] = values[a:b].copy()
-        return out
-
-    def _gather_binary(self, name: str, shard: np.ndarray, row: np.ndarray) -> list:
-        out: list = [None] * len(row)
-        as_str = self.fields[name].kind == "string" if name in self.fields else True
-        for s, sel in self._groups(shard):
-            offsets, values = self._raw_column(s, name)
-            pos = np.arange(len(row))[sel]
-            for p, r in zip(pos.tolist(), row[sel].tolist()):
-                b = values[offsets[r]:offsets[r + 1]].tobytes()
-                out[p] = b.decode("utf-8") if as_str else b
-        return out
-
-    def views(self, field: str, indices: np.ndarray | Sequence[int]) -> list[np.ndarray]:
-        """Zero-copy uint8 views of the encoded bytes of an image/bytes field, one per index."""
-        f = self._field(field)
-        if f.fixed or f.ragged:
-            raise TypeError(f"field {field!r} is a {f.kind} field; views() is for binary fields")
-        shard, row = self.locate(indices)
-        out: list = [None] * len(row)
-        for s, sel in self._groups(shard):
-            offsets, values = self._raw_column(s, field)
-            pos = np.arange(len(row))[sel]
-            r = row[sel]
-            starts, ends = offsets[r].tolist(), offsets[r + 1].tolist()
-            for p, a, b in zip(pos.tolist(), starts, ends):
-                out[p] = values[a:b]
-        return out
-
-    def image_sizes(self, field: str, indices: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(width, height) int32 arrays read from the store (recorded at convert time)."""
-        f = self._field(field)
-        if f.kind != "image":
-            raise TypeError(f"field {field!r} is a {f.kind} field, not an image")
-        shard, row = self.locate(indices)
-        wcol, hcol = image_size_columns(field)
-        w = np.empty(len(row), dtype=np.int32)
-        h = np.empty(len(row), dtype=np.int32)
-        for s, sel in self._groups(shard):
-            w[sel] = self._int_column(s, wcol)[row[sel]]
-            h[sel] = self._int_column(s, hcol)[row[sel]]
-        return w, h
-
-    def keys(self, indices: np.ndarray | Sequence[int]) -> list[str]:
-        """The source key (e.g. the relative path of the original file) of each sample."""
-        shard, row = self.locate(indices)
-        return self._gather_binary(KEY_COLUMN, shard, row)
-
-    def describe(self, index: int) -> str:
-        """'shard shard-00003.arrow row 17 (key cat/001.jpg)' for error messages."""
-        shard, row = self.locate([index])
-        key = self.keys([index])[0]
-        return f"sample {index} (shard {self.shard_files[int(shard[0])].name}, row {int(row[0])}, key {key!r})"
-
-    def get_batch(self, indices: np.ndarray | Sequence[int], fields: Sequence[str] | None = None) -> dict:
-        """Gather a whole batch: fixed fields as stacked numpy arrays (vectorised), ragged
-        fields as lists of arrays ``(k, *item_shape)``, binary fields as lists of ``bytes``,
-        strings as lists of ``str``."""
-        shard, row = self.locate(indices)
-        out: dict[str, Any] = {}
-        for name in (fields if fields is not None else self.fields):
-            f = self._field(name)
-            out[name] = (self._gather_fixed(name, shard, row) if f.fixed
-                         else self._gather_ragged(name, shard, row) if f.ragged
-                         else self._gather_binary(name, shard, row))
-        return out
-
-    def __getitem__(self, i: int) -> dict:
-        n = len(self)
-        if not is_int(i):
-            raise TypeError(f"dataset index must be an int, not {type(i).__name__}; use get_batch() for many")
-        i = int(i)
-        if i < -n or i >= n:
-            raise IndexError(f"sample index {i} is out of range for {self.path} ({n} samples)")
-        b = self.get_batch([i % n])
-        sample = {k: v[0] for k, v in b.items()}
-        return sample if self.transform is None else self.transform(sample)
-
-    def __getitems__(self, indices: Sequence[int]) -> list[dict]:
-        """Batched fetch for ``torch.utils.data.DataLoader``: one vectorised gather, then
-        split into the list of samples that ``collate_fn`` expects."""
-        b = self.get_batch(indices)
-        n = len(indices)
-        samples = [{k: v[j] for k, v in b.items()} for j in range(n)]
-        return samples if self.transform is None else [self.transform(s) for s in samples]
-
-
-def _ragged_views(col: pa.Array, f: Field, path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Zero-copy (offsets int64, values (items, *item_shape)) of a large_list column."""
-    if not isinstance(col.type, pa.LargeListType):
-        raise FormatError(f"shard {path}: ragged field column has type {col.type}, not large_list")
-    offsets = col.offsets.to_numpy(zero_copy_only=True)  # indices into col.values, slice-aware
-    items = col.values
-    base, per_item = f.storage()
-    if isinstance(items.type, pa.FixedSizeListType):
-        flat = items.values.to_numpy(zero_copy_only=True)[items.offset * per_item:(items.offset + len(items)) * per_item]
-    else:
-        flat = items.to_numpy(zero_copy_only=True)
-    n_items = len(items)
-    values = flat.view(f.np_dtype).reshape((n_items, *f.shape))
-    if len(offsets) and (offsets[0] < 0 or offsets[-1] > n_items):
-        raise FormatError(f"shard {path}: ragged field offsets run past its {n_items} items; the shard is damaged")
-    return offsets, values

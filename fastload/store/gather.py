@@ -1,0 +1,138 @@
+"""Gathering samples from a reader's shards: ``get_batch``, ``ds[i]``, ``__getitems__``,
+``keys``, ``describe``, encoded-image ``views`` and ``image_sizes``.
+
+:class:`Gathering` is the reading half of :class:`~fastload.store.reader.DatasetReader`:
+global indices are located (``locate``, which verifies the shards first), grouped by shard,
+and each field is gathered from the shard's zero-copy columns with vectorised numpy
+(fixed-size fields) or per row (ragged fields as arrays ``(k, *item_shape)``, binary fields
+as ``bytes``, strings as ``str``; copies, so they outlive the memory map).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..validate import is_int
+from .format import KEY_COLUMN, image_size_columns
+
+__all__ = ["Gathering"]
+
+
+class Gathering:
+    """Batch and sample reads for a reader that provides ``fields``, ``_field(name)``,
+    ``num_shards``, ``shard_files``, ``path``, ``transform``, ``locate(indices)`` and the
+    per-shard columns ``column``, ``ragged_column``, ``_raw_column`` and ``_int_column``."""
+
+    def _groups(self, shard: np.ndarray):
+        if self.num_shards == 1:
+            yield 0, slice(None)
+            return
+        for s in np.unique(shard):
+            yield int(s), shard == s
+
+    def _gather_fixed(self, name: str, shard: np.ndarray, row: np.ndarray) -> np.ndarray:
+        f = self.fields[name]
+        out = np.empty((len(row), *f.shape), dtype=f.np_dtype)
+        for s, sel in self._groups(shard):
+            col = self.column(s, name)
+            if isinstance(sel, slice):
+                np.take(col, row, axis=0, out=out)
+            else:
+                out[sel] = col[row[sel]]
+        return out
+
+    def _gather_ragged(self, name: str, shard: np.ndarray, row: np.ndarray) -> list[np.ndarray]:
+        """One array ``(k, *item_shape)`` per row: copies, so they outlive the memory map."""
+        out: list = [None] * len(row)
+        for s, sel in self._groups(shard):
+            offsets, values = self.ragged_column(s, name)
+            pos = np.arange(len(row))[sel]
+            r = row[sel]
+            for p, a, b in zip(pos.tolist(), offsets[r].tolist(), offsets[r + 1].tolist()):
+                out[p] = values[a:b].copy()
+        return out
+
+    def _gather_binary(self, name: str, shard: np.ndarray, row: np.ndarray) -> list:
+        out: list = [None] * len(row)
+        as_str = self.fields[name].kind == "string" if name in self.fields else True
+        for s, sel in self._groups(shard):
+            offsets, values = self._raw_column(s, name)
+            pos = np.arange(len(row))[sel]
+            for p, r in zip(pos.tolist(), row[sel].tolist()):
+                b = values[offsets[r]:offsets[r + 1]].tobytes()
+                out[p] = b.decode("utf-8") if as_str else b
+        return out
+
+    def views(self, field: str, indices: np.ndarray | Sequence[int]) -> list[np.ndarray]:
+        """Zero-copy uint8 views of the encoded bytes of an image/bytes field, one per index."""
+        f = self._field(field)
+        if f.fixed or f.ragged:
+            raise TypeError(f"field {field!r} is a {f.kind} field; views() is for binary fields")
+        shard, row = self.locate(indices)
+        out: list = [None] * len(row)
+        for s, sel in self._groups(shard):
+            offsets, values = self._raw_column(s, field)
+            pos = np.arange(len(row))[sel]
+            r = row[sel]
+            starts, ends = offsets[r].tolist(), offsets[r + 1].tolist()
+            for p, a, b in zip(pos.tolist(), starts, ends):
+                out[p] = values[a:b]
+        return out
+
+    def image_sizes(self, field: str, indices: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(width, height) int32 arrays read from the store (recorded at convert time)."""
+        f = self._field(field)
+        if f.kind != "image":
+            raise TypeError(f"field {field!r} is a {f.kind} field, not an image")
+        shard, row = self.locate(indices)
+        wcol, hcol = image_size_columns(field)
+        w = np.empty(len(row), dtype=np.int32)
+        h = np.empty(len(row), dtype=np.int32)
+        for s, sel in self._groups(shard):
+            w[sel] = self._int_column(s, wcol)[row[sel]]
+            h[sel] = self._int_column(s, hcol)[row[sel]]
+        return w, h
+
+    def keys(self, indices: np.ndarray | Sequence[int]) -> list[str]:
+        """The source key (e.g. the relative path of the original file) of each sample."""
+        shard, row = self.locate(indices)
+        return self._gather_binary(KEY_COLUMN, shard, row)
+
+    def describe(self, index: int) -> str:
+        """'shard shard-00003.arrow row 17 (key cat/001.jpg)' for error messages."""
+        shard, row = self.locate([index])
+        key = self.keys([index])[0]
+        return f"sample {index} (shard {self.shard_files[int(shard[0])].name}, row {int(row[0])}, key {key!r})"
+
+    def get_batch(self, indices: np.ndarray | Sequence[int], fields: Sequence[str] | None = None) -> dict:
+        """Gather a whole batch: fixed fields as stacked numpy arrays (vectorised), ragged
+        fields as lists of arrays ``(k, *item_shape)``, binary fields as lists of ``bytes``,
+        strings as lists of ``str``."""
+        shard, row = self.locate(indices)
+        out: dict[str, Any] = {}
+        for name in (fields if fields is not None else self.fields):
+            f = self._field(name)
+            out[name] = (self._gather_fixed(name, shard, row) if f.fixed
+                         else self._gather_ragged(name, shard, row) if f.ragged
+                         else self._gather_binary(name, shard, row))
+        return out
+
+    def __getitem__(self, i: int) -> dict:
+        n = len(self)
+        if not is_int(i):
+            raise TypeError(f"dataset index must be an int, not {type(i).__name__}; use get_batch() for many")
+        i = int(i)
+        if i < -n or i >= n:
+            raise IndexError(f"sample index {i} is out of range for {self.path} ({n} samples)")
+        b = self.get_batch([i % n])
+        sample = {k: v[0] for k, v in b.items()}
+        return sample if self.transform is None else self.transform(sample)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict]:
+        """Batched fetch for ``torch.utils.data.DataLoader``: one vectorised gather, then
+        split into the list of samples that ``collate_fn`` expects."""
+        b = self.get_batch(indices)
+        n = len(indices)
+        samples = [{k: v[j] for k, v in b.items()} for j in range(n)]
+        return samples if self.transform is None else [self.transform(s) for s in samples]
