@@ -6,7 +6,7 @@
 // is a SlotLease (or FillHandle) object; numpy (and torch.from_numpy on top) keep that object
 // alive, and when it dies the slot's holder reference is given back to the ring.
 //
-// Validation: the user's arguments are checked once, in fastload/ring.py, with messages
+// Validation: the user's arguments are checked once, in Python (fastload/ringspec.py, fastload/ring.py), with messages
 // naming the field and shard. This file only asserts what would otherwise corrupt memory
 // (buffer sizes, contiguity) and translates the ring's typed errors to Python exceptions in
 // one place (raise_err).

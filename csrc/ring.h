@@ -52,7 +52,7 @@
 // destroyed by whoever drops the last shared_ptr (always a Python object's destructor, GIL
 // held), and its destructor joins the producers (they need no GIL, so this cannot deadlock).
 //
-// Errors. Arguments are validated once, in Python (fastload/ring.py); this class only
+// Errors. Arguments are validated once, in Python (fastload/ringspec.py); this class only
 // asserts its invariants (std::invalid_argument / std::logic_error). A bad shard/row in a
 // request is detected by the gather kernel and stored in the request (kind + message);
 // take() delivers it to the consumer for that very batch. An external fill that failed is

@@ -22,7 +22,7 @@ from ..files import printable
 from ..system import usable_cores
 from .format import MANIFEST, SHARD_FILE_RE, Field, field_of_arrow, schema_mismatch
 from .integrity import VerifiedRecord
-from .reader import manifest_fields, read_manifest
+from .manifest import manifest_fields, read_manifest
 
 __all__ = ["check_shard", "file_checksum", "verify"]
 
