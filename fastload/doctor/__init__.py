@@ -269,7 +269,7 @@ def assess(f: Facts) -> list[Check]:
 
 # -- the preset graphs -------------------------------------------------------------------------
 def presets() -> dict[str, Any]:
-    from . import vision
+    from .. import vision
 
     return {"train": vision.train(224), "train-uint8": vision.train(224, dtype="uint8", layout="HWC"),
             "eval": vision.eval(224), "eval-fp16": vision.eval(224, dtype="float16")}
@@ -278,7 +278,7 @@ def presets() -> dict[str, Any]:
 def check_graphs(device: str, gpu_usable: bool, device_id: int | None = None) -> list[Check]:
     """Each preset's graph: validated offline for ``device`` (DALI's checks, operator
     placement) and, on the CPU or a usable GPU, built and run on a valid JPEG."""
-    from .pipeline import offline
+    from ..pipeline import offline
 
     out = []
     for name, t in presets().items():
@@ -371,8 +371,8 @@ DECODE_WORKERS = 2  # image feeder workers per Loader (host and CUDA), each with
 
 def _thread_plan(f: Facts) -> None:
     """fastload's per-rank threads, from the functions the Loader sizes them with."""
-    from .loader.options import default_gather_threads
-    from .pipeline import default_threads as dali_default
+    from ..loader.options import default_gather_threads
+    from ..pipeline import default_threads as dali_default
 
     f.gather_threads = default_gather_threads()
     f.dali_threads = DECODE_WORKERS * dali_default(f.device)
@@ -383,7 +383,7 @@ def _dataset(f: Facts, batch_size: int) -> None:
     only; DALI hands images over on the device)."""
     import numpy as np
 
-    from .store import Dataset
+    from ..store import Dataset
 
     try:
         ds = Dataset(f.dataset)
@@ -393,7 +393,7 @@ def _dataset(f: Facts, batch_size: int) -> None:
     f.shards, f.samples = ds.num_shards, len(ds)
     raw = [fl for fl in ds.fields.values() if fl.fixed]
     row = sum(fl.np_dtype.itemsize * int(np.prod(fl.shape)) for fl in raw) + 8  # + the int64 index
-    from .loader.options import default_prefetch
+    from ..loader.options import default_prefetch
 
     batch = batch_size * row
     slots = max(default_prefetch(f.gather_threads, batch) + 2, 3)
@@ -403,7 +403,7 @@ def _dataset(f: Facts, batch_size: int) -> None:
 def gather(device: str = "cuda", dataset: str | None = None, batch_size: int = 256) -> Facts:
     import torch
 
-    from .system import local_world_size, usable_cores
+    from ..system import local_world_size, usable_cores
 
     f = Facts(device=device, dataset=dataset)
     f.driver, f.driver_cuda, f.gpus, f.driver_error = _nvml()
@@ -432,7 +432,7 @@ def gather(device: str = "cuda", dataset: str | None = None, batch_size: int = 2
     if f.dali_version is not None:
         dev_id = None
         if device == "cuda" and f.gpu_usable:
-            from .device import resolve_device, select
+            from ..device import resolve_device, select
 
             dev_id = resolve_device("cuda").index  # the GPU a Loader of this rank would use
             select(dev_id)  # and nothing of this process on another one
@@ -464,7 +464,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_command(a: argparse.Namespace, out) -> int:
     """``fastload doctor`` (``fastload.cli``): the report on ``out.text``."""
-    from .errors import UsageError
+    from ..errors import UsageError
 
     if a.batch_size < 1:
         raise UsageError(f"--batch-size={a.batch_size} must be >= 1", code=2)
@@ -478,7 +478,3 @@ def main(argv: list[str] | None = None) -> int:
     if a.batch_size < 1:
         p.error(f"--batch-size={a.batch_size} must be >= 1")
     return run(a.device, a.dataset, a.batch_size)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
