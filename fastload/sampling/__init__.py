@@ -49,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from .system import check_fits_in_memory
-from .validate import check_bool, check_int, check_seed
+from ..system import check_fits_in_memory
+from ..validate import check_bool, check_int, check_seed
 
 SAMPLER_STATE_VERSION = 2  # 2: plain permutations by fastload._C.permutation (1: numpy's)
 SHUFFLE_MODES = ("full", "window")
@@ -81,7 +81,7 @@ def per_rank_count(remaining: int, world_size: int, drop_last: bool) -> int:
 
 def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     """A uniformly random permutation of ``0..n-1`` keyed by (seed, epoch)."""
-    from . import _C
+    from .. import _C
 
     key = _seeds(seed, epoch, 0).generate_state(2, np.uint64)
     out = np.empty(n, dtype=_index_dtype(n))
@@ -256,7 +256,7 @@ class EpochPlan:
     def requests(self):
         """``(Request, consumed_after)`` per batch: the indices with the batch's stream
         position (what a loader hands its source; see fastload.packing.Request)."""
-        from .packing import Request
+        from ..packing import Request
 
         for k, (b, _, after) in enumerate(self.bounds):
             yield Request(self.indices(k), b), after
