@@ -44,15 +44,16 @@ The package
 -----------
 ``streams`` (the keyed random streams, :func:`permutation`, :func:`window_permutation`),
 ``draws`` (:func:`weighted_draws`, :func:`balanced_draws`), ``plan`` (:func:`epoch_stream`,
-the rank partition, :class:`EpochPlan`), ``sampler`` (the :class:`Sampler` object and its
-resume state). Every name is importable from here.
+the rank partition, :class:`EpochPlan`), ``state`` (the resume state and its checks),
+``sampler`` (the :class:`Sampler` object). Every name is importable from here.
 """
 from __future__ import annotations
 
 from . import streams
 from .draws import balanced_draws, weighted_draws
 from .plan import EpochPlan, epoch_stream, per_rank_count, rank_batch_bounds
-from .sampler import SAMPLER_STATE_VERSION, SHUFFLE_MODES, Sampler
+from .sampler import SHUFFLE_MODES, Sampler
+from .state import SAMPLER_STATE_VERSION
 from .streams import permutation, window_permutation
 
 __all__ = ["EpochPlan", "Sampler", "SAMPLER_STATE_VERSION", "SHUFFLE_MODES", "balanced_draws", "epoch_stream",

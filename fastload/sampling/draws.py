@@ -1,6 +1,9 @@
-"""Weighted and class-balanced draws: :func:`weighted_draws` (with or without replacement) and
-:func:`balanced_draws` (every batch holds each class equally often)."""
+"""Weighted and class-balanced draws: :func:`weighted_draws` (with or without replacement),
+:func:`balanced_draws` (every batch holds each class equally often), and the checks of
+their per-sample arguments (``weights``, ``balance_labels``)."""
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -73,3 +76,33 @@ def balanced_draws(labels: np.ndarray, num_draws: int, batch_size: int, seed: in
         out[where] = passes.ravel()[:len(where)]
     return out
 
+
+def check_weights(weights: Any, num_samples: int) -> tuple[np.ndarray, int]:
+    """``weights`` as float64, one per sample (>= 0, finite, not all zero), and how many of
+    them are positive."""
+    w = np.asarray(weights)
+    if w.ndim != 1 or len(w) != num_samples:
+        raise ValueError(f"weights has shape {w.shape}; expected ({num_samples},), one per sample")
+    if not np.issubdtype(w.dtype, np.number) or np.issubdtype(w.dtype, np.complexfloating):
+        raise ValueError(f"weights must be real numbers, got dtype {w.dtype}")
+    w = w.astype(np.float64)
+    bad = np.flatnonzero(~np.isfinite(w))
+    if len(bad):
+        raise ValueError(f"weights[{bad[0]}]={w[bad[0]]} is not finite ({len(bad)} such weights)")
+    neg = np.flatnonzero(w < 0)
+    if len(neg):
+        raise ValueError(f"weights[{neg[0]}]={w[neg[0]]} is negative ({len(neg)} negative weights)")
+    positive = int(np.count_nonzero(w))
+    if positive == 0:
+        raise ValueError("weights are all zero; at least one sample needs a positive weight")
+    return w, positive
+
+
+def check_balance_labels(balance_labels: Any, num_samples: int) -> np.ndarray:
+    """``balance_labels`` as an array, one label per sample (no NaN or inf)."""
+    lab = np.asarray(balance_labels)
+    if lab.ndim != 1 or len(lab) != num_samples:
+        raise ValueError(f"balance_labels has shape {lab.shape}; expected ({num_samples},)")
+    if lab.dtype.kind == "f" and not np.isfinite(lab).all():
+        raise ValueError("balance_labels contains NaN or inf")
+    return lab

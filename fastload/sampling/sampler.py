@@ -4,7 +4,6 @@ any world size (the order itself comes from the pure functions of ``plan``, ``st
 and ``draws``)."""
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -12,17 +11,11 @@ import numpy as np
 
 from ..system import check_fits_in_memory
 from ..validate import check_bool, check_int, check_seed
+from .draws import check_balance_labels, check_weights
 from .plan import EpochPlan, epoch_stream, per_rank_count, rank_batch_bounds
+from .state import SAMPLER_STATE_VERSION, check_state, order_identity
 
-SAMPLER_STATE_VERSION = 2  # 2: plain permutations by fastload._C.permutation (1: numpy's)
 SHUFFLE_MODES = ("full", "window")
-
-
-def _digest(a: np.ndarray | None) -> str | None:
-    if a is None:
-        return None
-    a = np.ascontiguousarray(a)
-    return hashlib.blake2b(a.dtype.str.encode() + a.tobytes(), digest_size=8).hexdigest()
 
 
 def _int(name: str, v: Any, lo: int) -> int:
@@ -79,30 +72,10 @@ class Sampler:
 
         self.weights = None
         if weights is not None:
-            w = np.asarray(weights)
-            if w.ndim != 1 or len(w) != self.num_samples:
-                raise ValueError(f"weights has shape {w.shape}; expected ({self.num_samples},), one per sample")
-            if not np.issubdtype(w.dtype, np.number) or np.issubdtype(w.dtype, np.complexfloating):
-                raise ValueError(f"weights must be real numbers, got dtype {w.dtype}")
-            w = w.astype(np.float64)
-            bad = np.flatnonzero(~np.isfinite(w))
-            if len(bad):
-                raise ValueError(f"weights[{bad[0]}]={w[bad[0]]} is not finite ({len(bad)} such weights)")
-            neg = np.flatnonzero(w < 0)
-            if len(neg):
-                raise ValueError(f"weights[{neg[0]}]={w[neg[0]]} is negative ({len(neg)} negative weights)")
-            positive = int(np.count_nonzero(w))
-            if positive == 0:
-                raise ValueError("weights are all zero; at least one sample needs a positive weight")
-            self.weights = w
+            self.weights, positive = check_weights(weights, self.num_samples)
         self.labels = None
         if balance_labels is not None:
-            lab = np.asarray(balance_labels)
-            if lab.ndim != 1 or len(lab) != self.num_samples:
-                raise ValueError(f"balance_labels has shape {lab.shape}; expected ({self.num_samples},)")
-            if lab.dtype.kind == "f" and not np.isfinite(lab).all():
-                raise ValueError("balance_labels contains NaN or inf")
-            self.labels = lab
+            self.labels = check_balance_labels(balance_labels, self.num_samples)
         if num_draws is not None:
             if self.weights is None and self.labels is None:
                 raise ValueError("num_draws applies to weighted or class-balanced sampling only")
@@ -219,14 +192,7 @@ class Sampler:
         return self._identity_cache
 
     def _compute_identity(self) -> dict:
-        return {
-            "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
-            "weights": _digest(self.weights), "balance_labels": _digest(self.labels),
-            "stream_len": self.stream_len, "replacement": self.replacement if self.weights is not None else None,
-            "shuffle_mode": self.shuffle_mode, "window": self.window if self.shuffle_mode == "window" else None,
-            "shard_sizes": _digest(np.asarray(self.shard_sizes, np.int64)) if self.shard_sizes else None,
-            "balance_batch_size": self.batch_size if self.labels is not None else None,
-        }
+        return order_identity(self)
 
     @property
     def consumed(self) -> int:
@@ -248,34 +214,7 @@ class Sampler:
         beyond the end of its epoch is refused: ``epoch_end(epoch, world_size, drop_last)``
         gives that end in the caller's unit (default: stream positions; a packing loader
         counts tokens)."""
-        if not isinstance(state, Mapping):
-            raise ValueError(f"sampler state must be a dict, got {type(state).__name__}")
-        if state.get("version") != SAMPLER_STATE_VERSION:
-            raise ValueError(f"sampler state version {state.get('version')!r} is not {SAMPLER_STATE_VERSION} "
-                             "(saved by another fastload version)")
-        for key, mine in self._identity().items():
-            if key not in state:
-                raise ValueError(f"sampler state lacks {key!r}; not a fastload Sampler state?")
-            if state[key] != mine:
-                raise ValueError(f"sampler state was saved with {key}={state[key]!r}, but this sampler has "
-                                 f"{key}={mine!r}; resume with the same {key}")
-        epoch = _int("state['epoch']", state.get("epoch"), 0)
-        consumed = _int("state['consumed']", state.get("consumed"), 0)
-        saved_world = _int("state['world_size']", state.get("world_size"), 1)
-        saved_drop = state.get("drop_last")
-        if not isinstance(saved_drop, bool):
-            raise ValueError(f"sampler state has drop_last={saved_drop!r}; not a fastload Sampler state?")
-        # The most a run can have consumed: the whole stream, padded to whole steps of the
-        # world size it was saved at (a state at the end of an epoch resumes to nothing).
-        if epoch_end is None:
-            end = max(self.stream_len, per_rank_count(self.stream_len, saved_world, saved_drop) * saved_world)
-            unit = f"an epoch of {self.stream_len} stream positions"
-        else:
-            end = int(epoch_end(epoch, saved_world, saved_drop))
-            unit = "its epoch"
-        if consumed > end:
-            raise ValueError(f"sampler state has consumed={consumed}, beyond the end of {unit} (at most {end} with "
-                             f"world_size={saved_world}); the state is damaged or belongs to another dataset")
+        epoch, consumed = check_state(state, self._identity(), self.stream_len, epoch_end)
         self.epoch = epoch
         self._consumed = consumed
         self._resume_pending = True
