@@ -1,0 +1,94 @@
+"""Verdicts on the host: the dataset, the limits a job of it meets (pinned memory, memory
+mappings and descriptors, ``/dev/shm``) and the threads of this rank (pure functions of
+:class:`Facts`)."""
+from __future__ import annotations
+
+from .facts import DECODE_WORKERS, FAIL, FD_RESERVE, MAP_RESERVE, OK, SHM_MIN, WARN, Check, Facts, _bytes
+
+
+def check_memlock(f: Facts) -> Check:
+    if f.device == "cpu":
+        return Check(OK, "pinned memory", "not used with --device cpu")
+    if f.memlock is None:
+        return Check(WARN, "pinned memory", "cannot read RLIMIT_MEMLOCK (ulimit -l)")
+    soft = f.memlock[0]
+    limit = _bytes(soft)
+    if f.pinned_bytes is None:
+        return Check(OK, "pinned memory", f"ulimit -l {limit} (pass a DATASET to compare with the ring's slots)")
+    need = f"the ring page-locks up to {_bytes(f.pinned_bytes)}"
+    if soft < 0 or soft >= f.pinned_bytes:
+        return Check(OK, "pinned memory", f"ulimit -l {limit}; {need}")
+    return Check(WARN, "pinned memory", f"ulimit -l {limit} < {need}: page-locking may be refused (the loader "
+                 "then falls back to slower pageable copies) and NCCL over InfiniBand needs it unlimited; raise "
+                 "it: ulimit -l unlimited (docker run --ulimit memlock=-1)")
+
+
+def check_nofile(f: Facts) -> Check:
+    """Shards are memory-mapped without keeping a file descriptor (``fastload._C.map_file``),
+    so ``ulimit -n`` does not bound them: each is one memory mapping, and the limit on those
+    is ``vm.max_map_count``."""
+    if f.nofile is None:
+        return Check(WARN, "open files", "cannot read RLIMIT_NOFILE (ulimit -n)")
+    soft, hard = f.nofile
+    base = f"ulimit -n {soft}; shards are memory-mapped without keeping a file descriptor"
+    if 0 <= soft < FD_RESERVE:
+        return Check(WARN, "open files", f"{base}, but {soft} descriptors leave too few for Python, torch, DALI "
+                     f"and sockets; raise it: ulimit -n {FD_RESERVE if hard < 0 else min(hard, 4096)}")
+    if f.shards is None:
+        return Check(OK, "open files", f"{base} (pass a DATASET to compare its shards with vm.max_map_count)")
+    need = f.shards + MAP_RESERVE
+    msg = f"{base}; the dataset's {f.shards} shard(s) are {f.shards} memory mapping(s)"
+    if f.max_map_count is None or need <= f.max_map_count:
+        limit = "" if f.max_map_count is None else f" (vm.max_map_count {f.max_map_count})"
+        return Check(OK, "open files", msg + limit)
+    return Check(WARN, "open files", f"{msg}, more than vm.max_map_count {f.max_map_count} allows with "
+                 f"{MAP_RESERVE} for the process; raise it (sysctl -w vm.max_map_count={need * 2}) or convert "
+                 "with a larger --shard-size")
+
+
+def check_shm(f: Facts) -> Check:
+    needs = f.device == "cuda" and f.local_world_size > 1
+    why = "NCCL between the local ranks uses it" if needs else "fastload itself does not use it"
+    if f.shm is None:
+        return Check(WARN if needs else OK, "/dev/shm", f"missing; {why}")
+    total, free = f.shm
+    msg = f"{_bytes(total)} ({_bytes(free)} free)"
+    if needs and total < SHM_MIN:
+        return Check(WARN, "/dev/shm", f"{msg}: too small for NCCL between {f.local_world_size} local ranks "
+                     "(Docker's default is 64 MB): docker run --shm-size=8g or --ipc=host")
+    return Check(OK, "/dev/shm", f"{msg}; {why}")
+
+
+def check_threads(f: Facts) -> Check:
+    per_rank = max(1, f.cores // f.local_world_size)
+    rank = f"LOCAL_WORLD_SIZE={f.local_world_size}" + (f", LOCAL_RANK={f.local_rank}" if f.local_rank is not None
+                                                       else "")
+    msg = (f"{f.cores} usable cores, {rank}: {per_rank} core(s) per rank; fastload starts {f.gather_threads} gather "
+           f"+ {f.dali_threads} DALI thread(s) per rank ({DECODE_WORKERS} {f.device.upper()} pipelines)")
+    if f.local_rank is not None and not f.local_world_size_set:
+        return Check(WARN, "threads", f"{msg}; LOCAL_RANK is set but LOCAL_WORLD_SIZE is not, so every rank sizes "
+                     "its threads as if it had the node to itself: export LOCAL_WORLD_SIZE (torchrun does)")
+    if per_rank < 2:
+        return Check(WARN, "threads", f"{msg}; one core per rank runs the training loop, the gather and DALI's "
+                     "host work together: expect the loader to be the bottleneck")
+    return Check(OK, "threads", msg)
+
+
+def check_torch_threads(f: Facts) -> Check:
+    per_rank = max(1, f.cores // f.local_world_size)
+    msg = f"torch uses {f.torch_threads} intra-op thread(s) per rank"
+    if f.torch_threads > per_rank:
+        return Check(WARN, "torch threads", f"{msg}, more than the {per_rank} core(s) a rank has: set "
+                     f"OMP_NUM_THREADS={per_rank} (or torch.set_num_threads({per_rank}))")
+    if f.device == "cpu" and f.torch_threads + f.gather_threads + f.dali_threads > 2 * per_rank:
+        return Check(WARN, "torch threads", f"{msg}; with fastload's {f.gather_threads + f.dali_threads} the "
+                     f"training step and the loader fight for {per_rank} core(s): lower one of them")
+    return Check(OK, "torch threads", f"{msg} ({per_rank} core(s) per rank)")
+
+
+def check_dataset(f: Facts) -> Check | None:
+    if f.dataset is None:
+        return None
+    if f.dataset_error is not None:
+        return Check(FAIL, "dataset", f"{f.dataset}: {f.dataset_error}")
+    return Check(OK, "dataset", f"{f.dataset}: {f.samples:,} samples in {f.shards} shard(s)")

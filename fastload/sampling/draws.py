@@ -1,0 +1,108 @@
+"""Weighted and class-balanced draws: :func:`weighted_draws` (with or without replacement),
+:func:`balanced_draws` (every batch holds each class equally often), and the checks of
+their per-sample arguments (``weights``, ``balance_labels``)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .streams import _index_dtype, _rng
+
+
+def weighted_draws(weights: np.ndarray, num_draws: int, replacement: bool, seed: int, epoch: int) -> np.ndarray:
+    """``num_draws`` indices drawn with probability proportional to ``weights``.
+
+    With replacement: inverse CDF (float64 cumulative sum + binary search), exact for any
+    number of samples (``torch.multinomial`` stops at 2^24). Without: Efraimidis–Spirakis (the ``num_draws`` smallest
+    ``Exp(1) / w`` keys), which is sequential sampling without replacement."""
+    rng = _rng(seed, epoch, 2)
+    n = len(weights)
+    if replacement:
+        cdf = np.cumsum(weights, dtype=np.float64)
+        # Sorted uniforms make the binary searches cache-friendly (10x faster at 10^7);
+        # shuffling the result afterwards gives back an i.i.d. sequence.
+        u = rng.random(num_draws)
+        u.sort()
+        u *= cdf[-1]
+        idx = np.searchsorted(cdf, u, side="right")
+        del u
+        rng.shuffle(idx)
+        # u can round up to cdf[-1]: such a draw goes to the last positive weight
+        np.minimum(idx, int(np.flatnonzero(weights)[-1]), out=idx)
+        return idx.astype(_index_dtype(n), copy=False)
+    with np.errstate(divide="ignore"):
+        keys = rng.standard_exponential(n) / weights  # weight 0 -> inf: never chosen
+    if num_draws < n:
+        part = np.argpartition(keys, num_draws - 1)[:num_draws]
+        idx = part[np.argsort(keys[part], kind="stable")]
+    else:
+        idx = np.argsort(keys, kind="stable")
+    return idx.astype(_index_dtype(n), copy=False)
+
+
+def balanced_draws(labels: np.ndarray, num_draws: int, batch_size: int, seed: int, epoch: int) -> np.ndarray:
+    """``num_draws`` indices in which every run of ``batch_size`` positions holds each class
+    ``batch_size // C`` times, the ``batch_size % C`` extra slots rotating over the classes
+    in random order (so over the epoch every class is drawn equally often). Each class's
+    samples are read in reshuffled passes (minority classes repeat, majority classes are
+    subsampled)."""
+    rng = _rng(seed, epoch, 3)
+    classes, inverse = np.unique(labels, return_inverse=True)
+    c = len(classes)
+    nchunks = -(-num_draws // batch_size)
+    per, extra = divmod(batch_size, c)
+    chunk_cls = np.empty((nchunks, batch_size), dtype=np.int32)
+    if per:
+        chunk_cls[:, :per * c] = np.tile(np.arange(c, dtype=np.int32), per)
+    if extra:
+        need = nchunks * extra
+        perms = rng.permuted(np.tile(np.arange(c, dtype=np.int32), (-(-need // c), 1)), axis=1)
+        chunk_cls[:, per * c:] = perms.ravel()[:need].reshape(nchunks, extra)
+    chunk_cls = rng.permuted(chunk_cls, axis=1).ravel()[:num_draws]
+    n = len(labels)
+    out = np.empty(num_draws, dtype=_index_dtype(n))
+    members_of = np.argsort(inverse, kind="stable")
+    mbounds = np.concatenate([[0], np.cumsum(np.bincount(inverse, minlength=c))])
+    slots_of = np.argsort(chunk_cls, kind="stable")
+    sbounds = np.concatenate([[0], np.cumsum(np.bincount(chunk_cls, minlength=c))])
+    for k in range(c):
+        members = members_of[mbounds[k]:mbounds[k + 1]]
+        where = slots_of[sbounds[k]:sbounds[k + 1]]
+        if not len(where):
+            continue
+        reps = -(-len(where) // len(members))
+        passes = rng.permuted(np.broadcast_to(members, (reps, len(members))), axis=1)
+        out[where] = passes.ravel()[:len(where)]
+    return out
+
+
+def check_weights(weights: Any, num_samples: int) -> tuple[np.ndarray, int]:
+    """``weights`` as float64, one per sample (>= 0, finite, not all zero), and how many of
+    them are positive."""
+    w = np.asarray(weights)
+    if w.ndim != 1 or len(w) != num_samples:
+        raise ValueError(f"weights has shape {w.shape}; expected ({num_samples},), one per sample")
+    if not np.issubdtype(w.dtype, np.number) or np.issubdtype(w.dtype, np.complexfloating):
+        raise ValueError(f"weights must be real numbers, got dtype {w.dtype}")
+    w = w.astype(np.float64)
+    bad = np.flatnonzero(~np.isfinite(w))
+    if len(bad):
+        raise ValueError(f"weights[{bad[0]}]={w[bad[0]]} is not finite ({len(bad)} such weights)")
+    neg = np.flatnonzero(w < 0)
+    if len(neg):
+        raise ValueError(f"weights[{neg[0]}]={w[neg[0]]} is negative ({len(neg)} negative weights)")
+    positive = int(np.count_nonzero(w))
+    if positive == 0:
+        raise ValueError("weights are all zero; at least one sample needs a positive weight")
+    return w, positive
+
+
+def check_balance_labels(balance_labels: Any, num_samples: int) -> np.ndarray:
+    """``balance_labels`` as an array, one label per sample (no NaN or inf)."""
+    lab = np.asarray(balance_labels)
+    if lab.ndim != 1 or len(lab) != num_samples:
+        raise ValueError(f"balance_labels has shape {lab.shape}; expected ({num_samples},)")
+    if lab.dtype.kind == "f" and not np.isfinite(lab).all():
+        raise ValueError("balance_labels contains NaN or inf")
+    return lab

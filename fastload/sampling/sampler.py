@@ -1,0 +1,220 @@
+"""The :class:`Sampler` object: its arguments checked once, the current epoch and how far
+it has been read, each pass as an :class:`EpochPlan`, and its state for an exact resume at
+any world size (the order itself comes from the pure functions of ``plan``, ``streams``
+and ``draws``)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..system import check_fits_in_memory
+from ..validate import check_bool, check_int, check_seed
+from .draws import check_balance_labels, check_weights
+from .plan import EpochPlan, epoch_stream, per_rank_count, rank_batch_bounds
+from .state import SAMPLER_STATE_VERSION, check_state, order_identity
+
+SHUFFLE_MODES = ("full", "window")
+
+
+def _int(name: str, v: Any, lo: int) -> int:
+    return check_int(name, v, min=lo)
+
+
+# Bytes per stream position while drawing an epoch (the stream itself, sorted uniforms and
+# the drawn indices of weighted draws, the class slots of balanced draws).
+_DRAW_BYTES = 24
+
+
+class Sampler:
+    """Per-rank batches of global sample indices; ``DistributedSampler`` semantics plus
+    weighted and class-balanced sampling and exact mid-epoch resume at any world size.
+
+    Args:
+        num_samples: dataset size ``N``.
+        batch_size: samples per batch on each rank.
+        world_size, rank: this process's place among the ranks.
+        shuffle: random order per epoch (``False``: natural order, partitioned over ranks).
+        seed: shared by every rank. The order is a pure function of (seed, epoch, sizes).
+        drop_last: ``False``: pad every rank to ``ceil(M/W)`` samples by wrapping around;
+            ``True``: drop the ``M % W`` tail (both exactly as ``DistributedSampler``).
+        drop_last_batch: also drop a final batch smaller than ``batch_size`` (static shapes).
+        weights: per-sample weights (>= 0, finite, not all zero) for weighted sampling.
+        replacement: weighted draws with replacement (default) or without.
+        num_draws: stream length ``M`` for weighted / balanced sampling (default ``N``).
+        balance_labels: per-sample labels; each batch then holds every class equally often.
+        shuffle_mode: ``"full"`` (default) or ``"window"`` (needs ``shard_sizes``, ``window``).
+
+    Iterating yields int64 numpy arrays. ``len()`` is the number of batches the next
+    iteration yields (a full epoch, or what is left of a loaded mid-epoch state).
+    ``state_dict()`` is a small JSON-able dict; it is up to date after every yielded batch.
+    """
+
+    def __init__(self, num_samples: int, *, batch_size: int, world_size: int = 1, rank: int = 0,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, drop_last_batch: bool = False,
+                 weights: Any = None, replacement: bool = True, num_draws: int | None = None,
+                 balance_labels: Any = None, shuffle_mode: str = "full",
+                 shard_sizes: Sequence[int] | None = None, window: int | None = None):
+        self.num_samples = _int("num_samples", num_samples, 1)
+        self.batch_size = _int("batch_size", batch_size, 1)
+        self.world_size = _int("world_size", world_size, 1)
+        self.rank = _int("rank", rank, 0)
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank={rank} must be < world_size={world_size}")
+        self.seed = check_seed("seed", seed)
+        self.shuffle = check_bool("shuffle", shuffle)
+        self.drop_last = check_bool("drop_last", drop_last)
+        self.drop_last_batch = check_bool("drop_last_batch", drop_last_batch)
+        self.replacement = check_bool("replacement", replacement)
+        if weights is not None and balance_labels is not None:
+            raise ValueError("pass weights= or balance_labels=, not both")
+
+        self.weights = None
+        if weights is not None:
+            self.weights, positive = check_weights(weights, self.num_samples)
+        self.labels = None
+        if balance_labels is not None:
+            self.labels = check_balance_labels(balance_labels, self.num_samples)
+        if num_draws is not None:
+            if self.weights is None and self.labels is None:
+                raise ValueError("num_draws applies to weighted or class-balanced sampling only")
+            num_draws = _int("num_draws", num_draws, 1)
+            check_fits_in_memory(num_draws * _DRAW_BYTES, f"num_draws={num_draws:,} (the epoch's stream of draws)",
+                                 "lower num_draws (it is the number of samples drawn per epoch, all ranks together)")
+            if self.weights is not None and not self.replacement and num_draws > positive:
+                raise ValueError(f"num_draws={num_draws} without replacement exceeds the {positive} "
+                                 "samples with a positive weight")
+        elif self.weights is not None and not self.replacement:
+            num_draws = positive  # every sample with a positive weight, once, in weighted order
+        self.num_draws = num_draws
+        if shuffle_mode not in SHUFFLE_MODES:
+            raise ValueError(f"shuffle_mode={shuffle_mode!r} must be one of {SHUFFLE_MODES}")
+        self.shuffle_mode = shuffle_mode
+        if window is not None and shuffle_mode != "window":
+            raise ValueError(f"window={window!r} only applies to shuffle_mode='window' "
+                             f"(shuffle_mode is {shuffle_mode!r}); pass both or neither")
+        self.shard_sizes = None
+        self.window = 1
+        if shuffle_mode == "window":
+            if shard_sizes is None:
+                raise ValueError("shuffle_mode='window' needs shard_sizes (the dataset's per-shard sample counts)")
+            sizes = [int(s) for s in shard_sizes]
+            if sum(sizes) != self.num_samples or min(sizes, default=0) < 0:
+                raise ValueError(f"shard_sizes sum to {sum(sizes)}, not num_samples={self.num_samples}")
+            self.shard_sizes = sizes
+            self.window = _int("window", 4 if window is None else window, 1)
+
+        self.epoch = 0
+        self._consumed = 0
+        self._resume_pending = False
+        self._cache: tuple[int, np.ndarray] | None = None
+        self._identity_cache: dict | None = None
+
+    # -- the order ---------------------------------------------------------------------------
+    @property
+    def stream_len(self) -> int:
+        """``M``: stream positions per epoch (before padding)."""
+        return self.num_samples if self.num_draws is None else self.num_draws
+
+    def stream(self, epoch: int | None = None) -> np.ndarray:
+        """The epoch's full stream (identical on every rank). Cached for the current epoch."""
+        e = self.epoch if epoch is None else int(epoch)
+        if self._cache is not None and self._cache[0] == e:
+            return self._cache[1]
+        s = epoch_stream(self.num_samples, seed=self.seed, epoch=e, shuffle=self.shuffle, weights=self.weights,
+                         replacement=self.replacement, num_draws=self.num_draws, balance_labels=self.labels,
+                         batch_size=self.batch_size, shuffle_mode=self.shuffle_mode,
+                         shard_sizes=self.shard_sizes, window=self.window)
+        s.flags.writeable = False
+        if epoch is None or e == self.epoch:
+            self._cache = (e, s)
+        return s
+
+    def _bounds(self, start: int) -> list[tuple[int, int, int]]:
+        return rank_batch_bounds(start, self.stream_len, self.world_size, self.rank, self.batch_size,
+                                 self.drop_last, self.drop_last_batch)
+
+    @property
+    def num_samples_per_rank(self) -> int:
+        """Samples this rank reads in a full epoch (``DistributedSampler.num_samples``)."""
+        return per_rank_count(self.stream_len, self.world_size, self.drop_last)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self._bounds(0))
+
+    def __len__(self) -> int:
+        return len(self._bounds(self._start()))
+
+    def _start(self) -> int:
+        return self._consumed if self._resume_pending else 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (call before each epoch, like ``DistributedSampler.set_epoch``).
+        After ``load_state_dict``, setting the loaded epoch keeps the loaded position."""
+        epoch = _int("epoch", epoch, 0)
+        if self._resume_pending and epoch == self.epoch:
+            return
+        self._resume_pending = False
+        self.epoch = epoch
+        self._consumed = 0
+
+    def epoch_plan(self) -> EpochPlan:
+        """Begin a pass over the current epoch (from a loaded mid-epoch position, if any)
+        and return it as a value; what ``iter(sampler)`` walks through."""
+        epoch, start, stream = self.begin_pass()
+        return EpochPlan(epoch, start, stream, tuple(self._bounds(start)))
+
+    def begin_pass(self) -> tuple[int, int, np.ndarray]:
+        """Begin a pass: ``(epoch, consumed count it starts at, the epoch's stream)``. The
+        count is the caller's unit (stream positions; tokens for a packing loader)."""
+        start = self._start()
+        self._resume_pending = False
+        self._consumed = start
+        return self.epoch, start, self.stream(self.epoch)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self._generate(self.epoch_plan())
+
+    def _generate(self, plan: EpochPlan) -> Iterator[np.ndarray]:
+        for idx, after in plan:
+            if self.epoch == plan.epoch:
+                self._consumed = after
+            yield idx
+        if self.epoch == plan.epoch:
+            self._consumed = plan.end  # the epoch is complete (a dropped tail included)
+
+    # -- resume ------------------------------------------------------------------------------
+    def _identity(self) -> dict:
+        if self._identity_cache is None:  # immutable after __init__; hashing weights is not free
+            self._identity_cache = self._compute_identity()
+        return self._identity_cache
+
+    def _compute_identity(self) -> dict:
+        return order_identity(self)
+
+    @property
+    def consumed(self) -> int:
+        """Global stream positions read so far this epoch (all ranks together)."""
+        return int(self._consumed)
+
+    def state_dict(self, *, consumed: int | None = None) -> dict:
+        """Epoch, global stream positions consumed (``consumed`` overrides the current count,
+        e.g. a loader's position behind its prefetch), and what defines the order (JSON-able)."""
+        consumed = int(self._consumed if consumed is None else consumed)
+        return {"version": SAMPLER_STATE_VERSION, "epoch": self.epoch, "consumed": consumed,
+                "world_size": self.world_size, "batch_size": self.batch_size, "drop_last": self.drop_last,
+                **self._identity()}
+
+    def load_state_dict(self, state: Mapping[str, Any], *,
+                        epoch_end: Callable[[int, int, bool], int] | None = None) -> None:
+        """Continue from ``state``; the world size (and batch size, except for class-balanced
+        sampling, whose stream depends on it) may differ from when it was saved. A position
+        beyond the end of its epoch is refused: ``epoch_end(epoch, world_size, drop_last)``
+        gives that end in the caller's unit (default: stream positions; a packing loader
+        counts tokens)."""
+        epoch, consumed = check_state(state, self._identity(), self.stream_len, epoch_end)
+        self.epoch = epoch
+        self._consumed = consumed
+        self._resume_pending = True

@@ -1,0 +1,74 @@
+"""A Sampler's resume state: its version, what defines the order (the identity a saved
+state must match), and the checks of a saved state before a Sampler continues from it."""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..validate import check_int
+from .plan import per_rank_count
+
+if TYPE_CHECKING:
+    from .sampler import Sampler
+
+SAMPLER_STATE_VERSION = 2  # 2: plain permutations by fastload._C.permutation (1: numpy's)
+
+
+def _digest(a: np.ndarray | None) -> str | None:
+    if a is None:
+        return None
+    a = np.ascontiguousarray(a)
+    return hashlib.blake2b(a.dtype.str.encode() + a.tobytes(), digest_size=8).hexdigest()
+
+
+def order_identity(s: Sampler) -> dict:
+    """What defines the order of ``s`` (JSON-able; arrays as digests): a saved state must
+    match it to resume."""
+    return {
+        "num_samples": s.num_samples, "seed": s.seed, "shuffle": s.shuffle,
+        "weights": _digest(s.weights), "balance_labels": _digest(s.labels),
+        "stream_len": s.stream_len, "replacement": s.replacement if s.weights is not None else None,
+        "shuffle_mode": s.shuffle_mode, "window": s.window if s.shuffle_mode == "window" else None,
+        "shard_sizes": _digest(np.asarray(s.shard_sizes, np.int64)) if s.shard_sizes else None,
+        "balance_batch_size": s.batch_size if s.labels is not None else None,
+    }
+
+
+def check_state(state: Mapping[str, Any], identity: dict, stream_len: int,
+                epoch_end: Callable[[int, int, bool], int] | None = None) -> tuple[int, int]:
+    """``(epoch, consumed)`` of a saved ``state``, once it is known to be a state of this
+    version, saved with the same ``identity``, and not beyond the end of its epoch:
+    ``epoch_end(epoch, world_size, drop_last)`` gives that end in the caller's unit
+    (default: ``stream_len`` stream positions, padded to whole steps of the saved world size)."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"sampler state must be a dict, got {type(state).__name__}")
+    if state.get("version") != SAMPLER_STATE_VERSION:
+        raise ValueError(f"sampler state version {state.get('version')!r} is not {SAMPLER_STATE_VERSION} "
+                         "(saved by another fastload version)")
+    for key, mine in identity.items():
+        if key not in state:
+            raise ValueError(f"sampler state lacks {key!r}; not a fastload Sampler state?")
+        if state[key] != mine:
+            raise ValueError(f"sampler state was saved with {key}={state[key]!r}, but this sampler has "
+                             f"{key}={mine!r}; resume with the same {key}")
+    epoch = check_int("state['epoch']", state.get("epoch"), min=0)
+    consumed = check_int("state['consumed']", state.get("consumed"), min=0)
+    saved_world = check_int("state['world_size']", state.get("world_size"), min=1)
+    saved_drop = state.get("drop_last")
+    if not isinstance(saved_drop, bool):
+        raise ValueError(f"sampler state has drop_last={saved_drop!r}; not a fastload Sampler state?")
+    # The most a run can have consumed: the whole stream, padded to whole steps of the
+    # world size it was saved at (a state at the end of an epoch resumes to nothing).
+    if epoch_end is None:
+        end = max(stream_len, per_rank_count(stream_len, saved_world, saved_drop) * saved_world)
+        unit = f"an epoch of {stream_len} stream positions"
+    else:
+        end = int(epoch_end(epoch, saved_world, saved_drop))
+        unit = "its epoch"
+    if consumed > end:
+        raise ValueError(f"sampler state has consumed={consumed}, beyond the end of {unit} (at most {end} with "
+                         f"world_size={saved_world}); the state is damaged or belongs to another dataset")
+    return epoch, consumed
