@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..system import IMAGE_FEEDERS
+
 OK, WARN, FAIL = "ok", "warn", "fail"
 NO_GPU_NOTE = "no GPU: nothing ran on a device"
 FD_RESERVE = 64  # descriptors a process needs: Python, torch, DALI, sockets, logs
 MAP_RESERVE = 4096  # memory mappings beyond the shards: libraries, allocator arenas, ring slots
 SHM_MIN = 1 << 30  # /dev/shm below this breaks NCCL between local ranks (Docker's default is 64 MB)
 GiB, MiB = 1 << 30, 1 << 20
-DECODE_WORKERS = 2  # image feeder workers per Loader (host and CUDA), each with its own DALI pipeline
+DECODE_WORKERS = IMAGE_FEEDERS  # image feeder workers per Loader (host and CUDA), each with its own DALI pipeline
 
 
 @dataclass(frozen=True)

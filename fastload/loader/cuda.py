@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..device import clear_cuda_error, guard
+from ..system import IMAGE_FEEDERS
 from .decode import Decoders
 from .feeder import ImageFeeder
 from .source import INDEX, Ready, RingFedSource
@@ -175,7 +176,7 @@ class CudaSource(RingFedSource):
     """See the module docstring. ``ring`` holds the raw fields and ``"index"``."""
 
     def __init__(self, *, ring, delivery: CudaDelivery, dataset, device, image_fields: Sequence[str],
-                 decoders: Decoders | None, epoch: int, on_error: str, stats, workers: int = 2, finish=None,
+                 decoders: Decoders | None, epoch: int, on_error: str, stats, workers: int = IMAGE_FEEDERS, finish=None,
                  device_transform=None, prepare=None) -> None:
         import torch
 

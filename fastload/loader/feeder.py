@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..system import lower_priority
+from ..system import IMAGE_FEEDERS, lower_priority
 from .decode import Decoders, decode_fields, runner_decoder
 
 __all__ = ["ImageFeeder"]
@@ -40,7 +40,7 @@ class ImageFeeder:
     first, so every CUDA call of the thread goes to the loader's GPU), or None on the host."""
 
     def __init__(self, *, ring, dataset, image_fields: Sequence[str], decoders: Decoders, epoch: int,
-                 on_error: str, stats, workers: int = 2, device=None) -> None:
+                 on_error: str, stats, workers: int = IMAGE_FEEDERS, device=None) -> None:
         self._ring = ring
         self._dataset = dataset
         self._device = device

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..system import IMAGE_FEEDERS
 from .decode import Decoders
 from .feeder import ImageFeeder
 from .source import INDEX, Ready, RingFedSource
@@ -20,7 +21,7 @@ class HostSource(RingFedSource):
     ``"index"`` field."""
 
     def __init__(self, *, ring, dataset, image_fields: Sequence[str], decoders: Decoders | None, epoch: int,
-                 on_error: str, stats, finish=None, workers: int = 2, prepare=None) -> None:
+                 on_error: str, stats, finish=None, workers: int = IMAGE_FEEDERS, prepare=None) -> None:
         super().__init__(ring, dataset, ImageFeeder(
             ring=ring, dataset=dataset, image_fields=image_fields, decoders=decoders, epoch=epoch,
             on_error=on_error, stats=stats, workers=workers) if image_fields else None, prepare)

@@ -1,7 +1,7 @@
 """Loader: the public face. It builds its parts and hands them down; none reaches back up.
 
     options   (options.py)  the keyword arguments, checked once and frozen
-    sampler   (sampling.py) the order; each pass is an EpochPlan value
+    sampler   (sampling/) the order; each pass is an EpochPlan value
     parts     (parts.py)    the ring, the DALI decoders, the device delivery
     source    (host.py / cuda.py)  an epoch's source of ready batches
     stats     (stats.py)    the one object every part reports into
