@@ -104,6 +104,21 @@ def test_raw_path_under_torchrun_uses_only_its_own_gpu(fake, raw, monkeypatch):
     assert fake.contexts == {1}, f"CUDA calls on other devices (F3): {fake.devices_by_thread()}"
 
 
+def test_two_ranks_on_four_gpus_use_local_rank_and_only_that_gpu(raw, monkeypatch):
+    """F3/F11 with torch's lazy initialisation: a rank that has not used CUDA yet gets
+    cuda:LOCAL_RANK even when LOCAL_WORLD_SIZE != device_count (asking for the current
+    device must not count as using CUDA), and touches no other GPU."""
+    fake = FakeCuda.install(monkeypatch, device_count=4)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    ds, x = raw
+    with Loader(ds, batch_size=100, shuffle=False) as lo:
+        assert lo.device == torch.device("cuda", 1)
+        got = np.concatenate([b["x"].cpu().numpy() for b in lo])
+    assert np.array_equal(got, x)
+    assert fake.contexts == {1}, f"CUDA calls on other devices (F3): {fake.devices_by_thread()}"
+
+
 def test_every_slot_is_pinned_once_when_created_and_unpinned_at_close(fake, raw):
     ds, _ = raw
     lo = Loader(ds, batch_size=64, device="cuda:0", shuffle=False)

@@ -49,8 +49,17 @@ def test_local_rank_before_any_cuda_use(fake, monkeypatch):
     _torchrun(monkeypatch, 1, 2)  # 2 ranks on 4 GPUs; the script has not used CUDA yet
     assert not torch.cuda.is_initialized()
     assert D.resolve_device(None) == torch.device("cuda", 1)
+    assert not torch.cuda.is_initialized()  # resolving asked nothing that initialises CUDA
     monkeypatch.setenv("LOCAL_RANK", "6")  # more ranks than GPUs: wrap
     assert D.resolve_device(None) == torch.device("cuda", 2)
+
+
+def test_a_script_that_only_asked_for_the_current_device_has_used_cuda(fake, monkeypatch):
+    """torch.cuda.current_device() initialises CUDA: from then on cuda:0 may be the script's
+    choice, and 2 ranks on 4 GPUs keep it rather than guess LOCAL_RANK."""
+    _torchrun(monkeypatch, 1, 2)
+    assert torch.cuda.current_device() == 0 and torch.cuda.is_initialized()
+    assert D.resolve_device(None) == torch.device("cuda", 0)
 
 
 def test_explicit_devices_win_and_bad_ones_are_named(fake, monkeypatch):
