@@ -128,9 +128,15 @@ def test_threads_are_sized_per_local_rank(monkeypatch, cores, lws, gather, dali_
 def test_tests_not_marked_cuda_see_no_gpu(monkeypatch, tmp_path):
     """Review test E (F1): the conftest hides a GPU from tests not marked `cuda`, so their
     Loaders deliver on the host even on a GPU machine (here: the fake one)."""
+    import os
+
     import fastload
     from conftest import hide_cuda
 
+    # the autouse fixture has already done it for this very test (not marked cuda) ...
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == "" and not torch.cuda.is_available()
+    assert torch.cuda.device_count() == 0
+    # ... and what it does works on a GPU host: shown on the fake one
     with fastload.ShardWriter(tmp_path / "ds", {"x": "float32[2]"}) as wr:
         wr.write_batch({"x": np.zeros((4, 2), np.float32)})
     FakeCuda.install(monkeypatch, device_count=2)
@@ -140,5 +146,4 @@ def test_tests_not_marked_cuda_see_no_gpu(monkeypatch, tmp_path):
     with fastload.Loader(tmp_path / "ds", batch_size=2) as lo:
         assert lo.device == torch.device("cpu")
         assert next(iter(lo))["x"].numpy().shape == (2, 2)
-    import os
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # and subprocesses see none
