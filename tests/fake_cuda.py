@@ -797,8 +797,10 @@ def fake_dali_on_gpu(fake: FakeCuda, monkeypatch) -> list[tuple[str, int]]:
     (``CopyToExternal`` on ``cuda_stream``: asynchronous when a stream is given, else
     host-synchronous). The copy reads DALI's output when called: on a GPU DALI's own stream
     waits for the copy before it reuses that buffer (``wait_order.wait(copy_order)``), which a
-    CPU pipeline does not model. Returns the list of (thread, runner id) of every CUDA graph
-    built, to count pipeline (re)builds."""
+    CPU pipeline does not model. As DALI's legacy executor does (``RunCPU``), a CUDA graph
+    built without a ``device_id`` refuses to run ("Cannot run a pipeline with Mixed/GPU ops in
+    CPU-only mode"). Returns the list of (thread, runner id) of every CUDA graph built, to
+    count pipeline (re)builds."""
     import copy
 
     import nvidia.dali.plugin.pytorch as dali_torch
@@ -815,7 +817,13 @@ def fake_dali_on_gpu(fake: FakeCuda, monkeypatch) -> list[tuple[str, int]]:
         cpu.device, cpu.device_id = "cpu", None
         with fake._lock:
             builds.append((threading.current_thread().name, id(self)))
-        return real_build(cpu)
+        pipe = real_build(cpu)
+        if self.device_id is None:
+            def cpu_only(*a, **kw):
+                raise RuntimeError("Cannot run a pipeline with Mixed/GPU ops in CPU-only mode. Please provide "
+                                   "valid device id or change the operators' device.")
+            pipe.run = cpu_only
+        return pipe
 
     real_feed = dali_torch.feed_ndarray
 
