@@ -147,3 +147,23 @@ def test_tests_not_marked_cuda_see_no_gpu(monkeypatch, tmp_path):
         assert lo.device == torch.device("cpu")
         assert next(iter(lo))["x"].numpy().shape == (2, 2)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # and subprocesses see none
+
+
+def test_the_session_starts_every_gpu_s_decoder_threads(monkeypatch):
+    """conftest.start_gpu_threads (run once per session on a GPU host, before any thread is
+    counted): a context and every preset's mixed DALI pipeline, run on a JPEG, on each GPU."""
+    from conftest import start_gpu_threads
+    from fake_cuda import fake_dali_on_gpu
+
+    from fastload.doctor import presets
+    from fastload.pipeline import Runner
+
+    fake = FakeCuda.install(monkeypatch, device_count=3)
+    fake_dali_on_gpu(fake, monkeypatch)
+    ran = []
+    canary = Runner._canary_error
+    monkeypatch.setattr(Runner, "_canary_error", lambda self: (ran.append(self.device_id), canary(self))[1])
+    checks = start_gpu_threads()
+    assert [c.status for c in checks] == ["ok"] * 3 * len(presets()), [c.message for c in checks]
+    assert sorted(ran) == sorted(list(range(3)) * len(presets()))
+    assert fake.contexts == {0, 1, 2}
