@@ -119,6 +119,27 @@ def test_two_ranks_on_four_gpus_use_local_rank_and_only_that_gpu(raw, monkeypatc
     assert fake.contexts == {1}, f"CUDA calls on other devices (F3): {fake.devices_by_thread()}"
 
 
+def test_a_batch_transform_runs_on_the_loader_s_gpu(fake, raw):
+    """The fastload-transform thread (batch_transform / device_transform) selects the loader's
+    device before it runs any code: a transform that touches CUDA uses cuda:1, not cuda:0."""
+    import threading
+
+    ds, x = raw
+    seen = []
+
+    def double(batch):
+        seen.append((threading.current_thread().name, torch.cuda.current_device()))
+        return {**batch, "x": batch["x"] * 2}
+
+    with Loader(ds, batch_size=100, device="cuda:1", shuffle=False, batch_transform=double) as lo:
+        got = np.concatenate([b["x"].cpu().numpy() for b in lo])
+    assert np.array_equal(got, 2 * x)
+    assert set(seen) == {("fastload-transform", 1)}, seen
+    first = fake.calls_of(thread="fastload-transform")[0]
+    assert (first.kind, first.device) == ("set_device", 1), first
+    assert fake.contexts == {1}, f"CUDA calls on other devices (F3): {fake.devices_by_thread()}"
+
+
 def test_every_slot_is_pinned_once_when_created_and_unpinned_at_close(fake, raw):
     ds, _ = raw
     lo = Loader(ds, batch_size=64, device="cuda:0", shuffle=False)

@@ -219,13 +219,18 @@ class StreamHandoff:
     """Orders the consumer's stream after a batch made on another thread's stream (for
     ``ThreadedSource``: a ``batch_transform`` runs the source in a fastload thread):
     ``record()`` in the producing thread, ``wait(batch, ev)`` in the consumer (which also
-    keeps the batch's memory from reuse until its stream is done)."""
+    keeps the batch's memory from reuse until its stream is done). ``device``: the loader's,
+    which the producing thread selects before anything else."""
 
     def __init__(self, device) -> None:
         import torch
 
         self._torch = torch
         self._device = device
+
+    @property
+    def device(self):
+        return self._device
 
     def record(self):
         with guard(self._device):
