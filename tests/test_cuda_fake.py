@@ -168,10 +168,29 @@ def test_a_failed_pin_falls_back_without_leaving_a_cuda_error(fake, raw, caplog)
     with caplog.at_level(logging.WARNING, logger="fastload"), \
             Loader(ds, batch_size=64, device="cuda:0", shuffle=False) as lo:
         b = next(iter(lo))
-        assert "pageable" in caplog.text
+        assert "pageable" in caplog.text and "ulimit -l" in caplog.text  # what to do about it
         fake.launch_kernel("the training step")  # raises if the failed register left its error (F7)
         assert np.array_equal(b["x"].cpu().numpy(), x[:64])
     assert fake.registered == {}
+
+
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_a_failed_pin_whose_error_cannot_be_cleared_stops_with_what_to_do(fake, raw, monkeypatch, fail_at):
+    """A CUDA runtime fastload cannot reach (statically linked) keeps the failed registration
+    as its last error: fastload stops at once, naming the cause and the remedy (no option of
+    the public API can ask for pageable memory, so the message names none), and unpins the
+    slots it had pinned before."""
+    import fastload.loader.cuda as cuda_mod
+
+    ds, _ = raw
+    monkeypatch.setattr(cuda_mod, "clear_cuda_error", lambda: None)
+    fake.register_error = lambda ptr, size: ERROR_MEMORY_ALLOCATION if len(fake.registrations) == fail_at else 0
+    with pytest.raises(RuntimeError, match=f"ring slot {fail_at}") as e, \
+            Loader(ds, batch_size=64, device="cuda:0", shuffle=False) as lo:
+        next(iter(lo))
+    msg = str(e.value)
+    assert "ulimit -l" in msg and "pin=" not in msg and "out of memory" in msg, msg
+    assert len(fake.registrations) == fail_at and fake.registered == {}  # the pinned ones unpinned
 
 
 # -- image fields -------------------------------------------------------------------------------
