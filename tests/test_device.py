@@ -151,11 +151,10 @@ def test_tests_not_marked_cuda_see_no_gpu(monkeypatch, tmp_path):
 
 def test_the_session_starts_every_gpu_s_decoder_threads(monkeypatch):
     """conftest.start_gpu_threads (run once per session on a GPU host, before any thread is
-    counted): a context and every preset's mixed DALI pipeline, run on a JPEG, on each GPU."""
+    counted): a context and a mixed DALI pipeline per decoder, run on a JPEG, on each GPU."""
     from conftest import start_gpu_threads
     from fake_cuda import fake_dali_on_gpu
 
-    from fastload.doctor import presets
     from fastload.pipeline import Runner
 
     fake = FakeCuda.install(monkeypatch, device_count=3)
@@ -164,6 +163,8 @@ def test_the_session_starts_every_gpu_s_decoder_threads(monkeypatch):
     canary = Runner._canary_error
     monkeypatch.setattr(Runner, "_canary_error", lambda self: (ran.append(self.device_id), canary(self))[1])
     checks = start_gpu_threads()
-    assert [c.status for c in checks] == ["ok"] * 3 * len(presets()), [c.message for c in checks]
-    assert sorted(ran) == sorted(list(range(3)) * len(presets()))
+    assert [c.status for c in checks] == ["ok"] * 6, [c.message for c in checks]
+    assert [c.name for c in checks] == ["graph train", "graph eval"] * 3  # the ROI and the whole-image decoder
+    assert all("@mixed" in c.message for c in checks)
+    assert sorted(ran) == [0, 0, 1, 1, 2, 2]
     assert fake.contexts == {0, 1, 2}
