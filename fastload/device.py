@@ -36,10 +36,15 @@ def default_cuda_index() -> int:
        chosen cuda:0 on purpose);
     3. else the current device (0): a script that put its model on cuda:0 gets its batches
        there too.
+
+    "Used CUDA yet" is ``torch.cuda.is_initialized()``, asked *before* anything else:
+    ``torch.cuda.current_device()`` itself runs torch's lazy initialisation, after which the
+    answer is always yes. A process that has not initialised CUDA has selected no device.
     """
     import torch
 
-    cur = torch.cuda.current_device()
+    used = torch.cuda.is_initialized()
+    cur = torch.cuda.current_device() if used else 0
     if cur != 0:
         return cur
     local = os.environ.get("LOCAL_RANK", "").strip()
@@ -48,7 +53,7 @@ def default_cuda_index() -> int:
     count = max(1, torch.cuda.device_count())
     lws = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     one_gpu_per_rank = lws.isdigit() and int(lws) == count
-    if one_gpu_per_rank or not torch.cuda.is_initialized():
+    if one_gpu_per_rank or not used:
         return int(local) % count
     return cur
 

@@ -75,7 +75,7 @@ def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _start_process_wide_pools() -> None:
+def _start_process_wide_pools(request: pytest.FixtureRequest) -> None:
     """Start the thread pools libraries create lazily and keep for the process's life, so
     that the first test to trigger them is not blamed for a leak."""
     try:
@@ -113,13 +113,32 @@ def _start_process_wide_pools() -> None:
         skimage.data.camera()
     except ImportError:  # pragma: no cover
         pass
-    # On a GPU host the first CUDA context starts the driver's own process-lifetime threads
-    # ("cuda-EvtHandlr", "cuda0000..."): start them (on every visible device) before any
-    # test counts threads, so that the first `cuda` test is not blamed for them.
-    if torch.cuda.is_available():  # pragma: no cover - no GPU on the CI machine
-        for d in range(torch.cuda.device_count()):
-            torch.empty(1, device=torch.device("cuda", d)).add_(1)
-            torch.cuda.synchronize(d)
+    cuda_tests = any(item.get_closest_marker("cuda") is not None for item in request.session.items)
+    if cuda_tests and torch.cuda.is_available():  # pragma: no cover - no GPU on the CI machine
+        start_gpu_threads()
+
+
+def start_gpu_threads() -> list:
+    """On a GPU host the first CUDA context starts the driver's own process-lifetime threads
+    ("cuda-EvtHandlr", "cuda0000..."), and the first mixed DALI pipeline on a device may
+    start those of the GPU image decoders' libraries (nvImageCodec/nvJPEG, the hardware JPEG
+    decoder, NPP): start them all, on every visible device, before any test counts threads,
+    so that the first `cuda` test is not blamed for them (only when a test marked `cuda` is
+    collected: other tests see no GPU). The pipelines are the doctor's canary, one per
+    decoder the presets use (ROI and whole-image), built and run on a JPEG on each device,
+    then closed. Returns the canary's verdicts (failures are the `cuda` tests' to report)."""
+    import importlib.util
+
+    import torch
+
+    for d in range(torch.cuda.device_count()):
+        torch.empty(1, device=torch.device("cuda", d)).add_(1)
+        torch.cuda.synchronize(d)
+    if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.dali") is None:
+        return []
+    from fastload.doctor import check_graphs
+
+    return [c for d in range(torch.cuda.device_count()) for c in check_graphs("cuda", True, d, ["train", "eval"])]
 
 
 def hide_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,16 @@ says something about a GPU:
   ``ATen/cuda/CUDAEvent.h``). Guarded calls use the device of their stream or tensor:
   ``Event.record``/``wait``, ``Stream(...)``, ``Stream.synchronize``, copies to or from a
   device, ``torch.empty(device=...)``. ``contexts`` is the set of devices touched.
+* **Lazy initialisation.** ``torch.cuda.is_initialized()`` is False until something runs
+  torch's ``_lazy_init`` (``torch/cuda/__init__.py``): ``current_device()`` (yes: merely
+  asking initialises), ``set_device``, entering ``device(d)`` for ``d >= 0``
+  (``_cuda_exchangeDevice``), ``Stream(device=...)`` (its device guard),
+  ``current_stream``/``default_stream``, ``stream(s)`` (it asks for the current stream),
+  ``Event.record()``/``wait()`` without a stream, ``synchronize``, ``cudart()``,
+  ``get_device_properties``/``name``/``capability``, ``mem_get_info``, ``init()``, and
+  tensors made on or moved to a CUDA device (``device_lazy_init`` in torch's C++ argument
+  handling). ``is_available()``, ``device_count()``, ``Event()`` and ``device(None)`` do not.
+  Initialising creates no context (torch's ``_cuda_init`` only counts devices).
 * **Streams.** Each thread has a current stream per device, the device's default stream
   until ``stream(s)``/``set_stream(s)`` changes it; ``stream(s)`` also makes ``s``'s device
   current inside the block (``torch._C._cuda_setStream`` sets the device).
@@ -143,6 +153,8 @@ class FakeStream:
 
     def __init__(self, device=None, priority: int = 0, *, _handle: int | None = None, **kw):
         fake = self._fake
+        if device is not None and _handle is None:
+            fake._lazy_init()  # torch: `with torch.cuda.device(device)` around the creation
         idx = fake._index(device)
         if _handle is None:
             with fake._lock:
@@ -220,6 +232,7 @@ class FakeEvent:
     def record(self, stream: FakeStream | None = None) -> None:
         fake = self._fake
         if stream is None:
+            fake._lazy_init()  # torch.cuda.current_stream()
             stream = fake.current_stream()
         fake._call("event_record", stream.device_index, event=self, stream=stream)
         self.stream = stream
@@ -243,6 +256,7 @@ class FakeEvent:
     def wait(self, stream: FakeStream | None = None) -> None:
         fake = self._fake
         if stream is None:
+            fake._lazy_init()  # torch.cuda.current_stream()
             stream = fake.current_stream()
         fake._call("event_wait", stream.device_index, event=self, stream=stream)
         if self.stream is None:
@@ -297,6 +311,7 @@ class _DeviceContext:
         fake = self._fake
         if self.idx is None or self.idx < 0:
             return self
+        fake._lazy_init()  # _cuda_exchangeDevice
         self.prev = fake._tls_device()
         if self.idx != self.prev:  # ExchangeDevice: cudaSetDevice only when it changes
             fake._select(self.idx, how="device_guard")
@@ -320,6 +335,7 @@ class _StreamContext:
         fake, s = self._fake, self.stream
         if s is None:
             return self
+        fake._lazy_init()  # StreamContext.__enter__ asks torch.cuda.current_stream()
         tls = fake._tls()
         self.prev_device = tls.device
         self.src_prev = fake.current_stream()
@@ -406,6 +422,7 @@ class FakeCuda:
         self.cuda_version = cuda_version
         self.clock_hz = 1.5e9  # cycles per second of torch.cuda._sleep
         self.register_error: int | Callable[[int, int], int] | None = None  # inject cudaHostRegister failures
+        self.initialized = False  # torch.cuda.is_initialized(): see "Lazy initialisation"
         self._lock = threading.RLock()
         self._local = threading.local()
         self._next_handle = 0x1000
@@ -440,26 +457,28 @@ class FakeCuda:
         c = torch.cuda
         mp.setattr(c, "is_available", lambda: self.device_count > 0)
         mp.setattr(c, "device_count", lambda: self.device_count)
-        mp.setattr(c, "is_initialized", lambda: bool(self.contexts))
-        mp.setattr(c, "init", lambda: self._call("init", self._tls_device()))
-        mp.setattr(c, "current_device", self._tls_device)
-        mp.setattr(c, "set_device", lambda d: self._select(self._index(d), how="set_device"))
+        init = self._initialising  # what runs torch.cuda._lazy_init first
+        mp.setattr(c, "is_initialized", lambda: self.initialized)
+        mp.setattr(c, "init", self._lazy_init)
+        mp.setattr(c, "current_device", init(self._tls_device))
+        mp.setattr(c, "set_device", init(lambda d: self._select(self._index(d), how="set_device")))
         mp.setattr(c, "device", lambda d: _DeviceContext(self, d))
         mp.setattr(c, "Stream", self.Stream)
         mp.setattr(c, "Event", self.Event)
-        mp.setattr(c, "current_stream", self.current_stream)
-        mp.setattr(c, "default_stream", lambda device=None: self._default[self._index(device)])
+        mp.setattr(c, "current_stream", init(self.current_stream))
+        mp.setattr(c, "default_stream", init(lambda device=None: self._default[self._index(device)]))
         mp.setattr(c, "set_stream", self.set_stream)
         mp.setattr(c, "stream", lambda s: _StreamContext(self, s))
-        mp.setattr(c, "synchronize", self.synchronize)
-        mp.setattr(c, "cudart", lambda: self.cudart)
+        mp.setattr(c, "synchronize", init(self.synchronize))
+        mp.setattr(c, "cudart", init(lambda: self.cudart))
         mp.setattr(c, "_sleep", lambda cycles: self.launch_kernel("_sleep", seconds=cycles / self.clock_hz,
                                                                   cycles=cycles))
-        mp.setattr(c, "get_device_name", lambda device=None: self.name)
-        mp.setattr(c, "get_device_capability", lambda device=None: (9, 0))
-        mp.setattr(c, "get_device_properties", lambda device=None: types.SimpleNamespace(
+        props = init(lambda device=None: types.SimpleNamespace(
             name=self.name, total_memory=self.total_memory, major=9, minor=0, multi_processor_count=132))
-        mp.setattr(c, "mem_get_info", lambda device=None: self.cudart.cudaMemGetInfo(self._index(device)))
+        mp.setattr(c, "get_device_properties", props)
+        mp.setattr(c, "get_device_name", lambda device=None: props(device).name)
+        mp.setattr(c, "get_device_capability", lambda device=None: (props(device).major, props(device).minor))
+        mp.setattr(c, "mem_get_info", init(lambda device=None: self.cudart.cudaMemGetInfo(self._index(device))))
         mp.setattr(torch.backends.cuda, "is_built", lambda: True)
         mp.setattr(torch.version, "cuda", self.cuda_version)
         T = torch.Tensor
@@ -475,6 +494,17 @@ class FakeCuda:
         mp.setattr(torch, "empty", lambda *a, **kw: self._alloc(orig_empty, *a, **kw))
         mp.setattr(torch, "zeros", lambda *a, **kw: self._alloc(orig_zeros, *a, **kw))
         del orig_pin
+
+    def _lazy_init(self) -> None:
+        """``torch.cuda._lazy_init``: from now on ``is_initialized()``; no context is made."""
+        self.initialized = True
+
+    def _initialising(self, fn):
+        """``fn`` as a torch.cuda function that runs ``_lazy_init()`` first."""
+        def call(*a, **kw):
+            self._lazy_init()
+            return fn(*a, **kw)
+        return call
 
     # -- per-thread state ---------------------------------------------------------------------
     def _tls(self):
@@ -594,6 +624,7 @@ class FakeCuda:
         dev = kw.get("device")
         pin = kw.pop("pin_memory", False)
         if dev is not None and torch.device(dev).type == "cuda":
+            self._lazy_init()  # torch's C++ device_lazy_init for a CUDA factory
             idx = self._index(dev)
             kw.pop("device")
             shape = kw.pop("size", None) or (
@@ -643,6 +674,7 @@ class FakeCuda:
             return self._d2h(t, dtype)
         if dst.type != "cuda":
             return orig(t, *args, copy=copy_flag, **kw)
+        self._lazy_init()  # THPVariable_to: device_lazy_init for a CUDA destination
         idx = self._index(dst)
         if src_fake and t._fake_device == idx and dtype in (None, t.dtype) and not copy_flag:
             return t
@@ -765,8 +797,10 @@ def fake_dali_on_gpu(fake: FakeCuda, monkeypatch) -> list[tuple[str, int]]:
     (``CopyToExternal`` on ``cuda_stream``: asynchronous when a stream is given, else
     host-synchronous). The copy reads DALI's output when called: on a GPU DALI's own stream
     waits for the copy before it reuses that buffer (``wait_order.wait(copy_order)``), which a
-    CPU pipeline does not model. Returns the list of (thread, runner id) of every CUDA graph
-    built, to count pipeline (re)builds."""
+    CPU pipeline does not model. As DALI's legacy executor does (``RunCPU``), a CUDA graph
+    built without a ``device_id`` refuses to run ("Cannot run a pipeline with Mixed/GPU ops in
+    CPU-only mode"). Returns the list of (thread, runner id) of every CUDA graph built, to
+    count pipeline (re)builds."""
     import copy
 
     import nvidia.dali.plugin.pytorch as dali_torch
@@ -783,7 +817,13 @@ def fake_dali_on_gpu(fake: FakeCuda, monkeypatch) -> list[tuple[str, int]]:
         cpu.device, cpu.device_id = "cpu", None
         with fake._lock:
             builds.append((threading.current_thread().name, id(self)))
-        return real_build(cpu)
+        pipe = real_build(cpu)
+        if self.device_id is None:
+            def cpu_only(*a, **kw):
+                raise RuntimeError("Cannot run a pipeline with Mixed/GPU ops in CPU-only mode. Please provide "
+                                   "valid device id or change the operators' device.")
+            pipe.run = cpu_only
+        return pipe
 
     real_feed = dali_torch.feed_ndarray
 

@@ -20,18 +20,26 @@ import fastload.errors
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "fastload"
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def env() -> dict[str, str]:
+    """The subprocess environment, built when a test runs (not at import): it carries what
+    the fixtures set, e.g. the empty CUDA_VISIBLE_DEVICES that hides a GPU from tests not
+    marked ``cuda`` (conftest.hide_cuda)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 HEAVY = ("torch", "nvidia", "numpy", "pyarrow", "PIL")
 
 
 def py(code: str, *, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=ENV,
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env(),
                           cwd=ROOT)
 
 
 def fl(*args, cwd=None, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fastload", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=ENV, cwd=cwd or ROOT, **kw)
+                          timeout=timeout, env=env(), cwd=cwd or ROOT, **kw)
 
 
 def loaded_after(code: str, prefixes=("torch", "nvidia")) -> list[str]:
@@ -53,6 +61,13 @@ def raw_ds(tmp_path_factory) -> Path:
 
 
 # -- the package face ----------------------------------------------------------------------
+def test_commands_run_as_the_test_does(monkeypatch):
+    """A GPU host's `fastload bench` run by a test not marked `cuda` sees no GPU either."""
+    monkeypatch.setenv("FASTLOAD_TEST_PROBE", "set by the test")
+    p = py("import os; print(repr((os.environ.get('CUDA_VISIBLE_DEVICES'), os.environ.get('FASTLOAD_TEST_PROBE'))))")
+    assert p.stdout.strip() == repr(("", "set by the test")), p.stderr[-2000:]
+
+
 def test_import_fastload_loads_nothing_heavy():
     assert loaded_after("import fastload", HEAVY) == []
     assert loaded_after("import fastload; fastload.__version__; fastload.FastloadError; fastload.UsageError",
@@ -324,7 +339,7 @@ def test_a_closed_stdout_ends_quietly(raw_ds, tmp_path, args, rc):
     os.close(r)  # the reader is gone before the command writes anything
     try:
         p = subprocess.run([sys.executable, "-m", "fastload", *args], stdout=w, stderr=subprocess.PIPE, text=True,
-                           env=ENV, timeout=600)
+                           env=env(), timeout=600)
     finally:
         os.close(w)
     assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
@@ -336,5 +351,5 @@ def test_a_closed_stdout_ends_quietly(raw_ds, tmp_path, args, rc):
 
 def test_inspect_json_into_head(raw_ds):
     p = subprocess.run(f"'{sys.executable}' -m fastload inspect --json '{raw_ds}' | head -n 2", shell=True,
-                       capture_output=True, text=True, env=ENV, timeout=300)
+                       capture_output=True, text=True, env=env(), timeout=300)
     assert p.stdout == '{\n "format": "fastload",\n' and p.stderr == "", p.stderr

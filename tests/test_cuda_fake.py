@@ -104,6 +104,42 @@ def test_raw_path_under_torchrun_uses_only_its_own_gpu(fake, raw, monkeypatch):
     assert fake.contexts == {1}, f"CUDA calls on other devices (F3): {fake.devices_by_thread()}"
 
 
+def test_two_ranks_on_four_gpus_use_local_rank_and_only_that_gpu(raw, monkeypatch):
+    """F3/F11 with torch's lazy initialisation: a rank that has not used CUDA yet gets
+    cuda:LOCAL_RANK even when LOCAL_WORLD_SIZE != device_count (asking for the current
+    device must not count as using CUDA), and touches no other GPU."""
+    fake = FakeCuda.install(monkeypatch, device_count=4)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    ds, x = raw
+    with Loader(ds, batch_size=100, shuffle=False) as lo:
+        assert lo.device == torch.device("cuda", 1)
+        got = np.concatenate([b["x"].cpu().numpy() for b in lo])
+    assert np.array_equal(got, x)
+    assert fake.contexts == {1}, f"CUDA calls on other devices (F3): {fake.devices_by_thread()}"
+
+
+def test_a_batch_transform_runs_on_the_loader_s_gpu(fake, raw):
+    """The fastload-transform thread (batch_transform / device_transform) selects the loader's
+    device before it runs any code: a transform that touches CUDA uses cuda:1, not cuda:0."""
+    import threading
+
+    ds, x = raw
+    seen = []
+
+    def double(batch):
+        seen.append((threading.current_thread().name, torch.cuda.current_device()))
+        return {**batch, "x": batch["x"] * 2}
+
+    with Loader(ds, batch_size=100, device="cuda:1", shuffle=False, batch_transform=double) as lo:
+        got = np.concatenate([b["x"].cpu().numpy() for b in lo])
+    assert np.array_equal(got, 2 * x)
+    assert set(seen) == {("fastload-transform", 1)}, seen
+    first = fake.calls_of(thread="fastload-transform")[0]
+    assert (first.kind, first.device) == ("set_device", 1), first
+    assert fake.contexts == {1}, f"CUDA calls on other devices (F3): {fake.devices_by_thread()}"
+
+
 def test_every_slot_is_pinned_once_when_created_and_unpinned_at_close(fake, raw):
     ds, _ = raw
     lo = Loader(ds, batch_size=64, device="cuda:0", shuffle=False)
@@ -132,10 +168,29 @@ def test_a_failed_pin_falls_back_without_leaving_a_cuda_error(fake, raw, caplog)
     with caplog.at_level(logging.WARNING, logger="fastload"), \
             Loader(ds, batch_size=64, device="cuda:0", shuffle=False) as lo:
         b = next(iter(lo))
-        assert "pageable" in caplog.text
+        assert "pageable" in caplog.text and "ulimit -l" in caplog.text  # what to do about it
         fake.launch_kernel("the training step")  # raises if the failed register left its error (F7)
         assert np.array_equal(b["x"].cpu().numpy(), x[:64])
     assert fake.registered == {}
+
+
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_a_failed_pin_whose_error_cannot_be_cleared_stops_with_what_to_do(fake, raw, monkeypatch, fail_at):
+    """A CUDA runtime fastload cannot reach (statically linked) keeps the failed registration
+    as its last error: fastload stops at once, naming the cause and the remedy (no option of
+    the public API can ask for pageable memory, so the message names none), and unpins the
+    slots it had pinned before."""
+    import fastload.loader.cuda as cuda_mod
+
+    ds, _ = raw
+    monkeypatch.setattr(cuda_mod, "clear_cuda_error", lambda: None)
+    fake.register_error = lambda ptr, size: ERROR_MEMORY_ALLOCATION if len(fake.registrations) == fail_at else 0
+    with pytest.raises(RuntimeError, match=f"ring slot {fail_at}") as e, \
+            Loader(ds, batch_size=64, device="cuda:0", shuffle=False) as lo:
+        next(iter(lo))
+    msg = str(e.value)
+    assert "ulimit -l" in msg and "pin=" not in msg and "out of memory" in msg, msg
+    assert len(fake.registrations) == fail_at and fake.registered == {}  # the pinned ones unpinned
 
 
 # -- image fields -------------------------------------------------------------------------------

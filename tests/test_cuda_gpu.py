@@ -9,8 +9,9 @@ loading that overlaps a GPU-busy training step instead of queueing behind it (F2
 from __future__ import annotations
 
 import io
+import json
+import math
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -128,6 +129,34 @@ def test_slots_are_page_locked(raw_ds):
         assert all(torch.from_numpy(ring.slot_memory(s)).is_pinned() for s in range(ring.num_slots))
 
 
+def test_a_failed_registration_leaves_no_error_behind():
+    """F7 on the real runtime: fastload reads away the last error a refused cudaHostRegister
+    leaves (ctypes on the libcudart torch links), so torch's next kernel-launch check does not
+    raise it from an unrelated operation."""
+    import mmap
+
+    from fastload.device import clear_cuda_error
+
+    mem = mmap.mmap(-1, 2 << 12)  # page-aligned, like a ring slot
+    buf = np.frombuffer(mem, np.uint8)
+    rt = torch.cuda.cudart()
+    ptr = buf.ctypes.data
+    assert int(rt.cudaHostRegister(ptr, buf.nbytes, 1)) == 0
+    try:
+        err = rt.cudaHostRegister(ptr, buf.nbytes, 1)  # again: cudaErrorHostMemoryAlreadyRegistered
+        assert int(err) != 0
+        cleared = clear_cuda_error()
+        if cleared is None:
+            pytest.skip("torch's CUDA runtime is not a shared library here: its error cannot be cleared")
+        assert cleared == int(err)
+        x = torch.ones(1024, device="cuda")
+        torch.cuda.synchronize()
+        assert float((x + 1).sum()) == 2048.0  # kernels launch: no stale error surfaced
+        assert clear_cuda_error() == 0
+    finally:
+        assert int(rt.cudaHostUnregister(ptr)) == 0
+
+
 def test_a_bad_image_costs_one_gpu_rebuild(tmp_path, photo_ds):
     p = photos(["chelsea"])["chelsea"]
     with fastload.ShardWriter(tmp_path / "ds", {"image": "image"}) as wr:
@@ -148,36 +177,49 @@ def test_a_bad_image_costs_one_gpu_rebuild(tmp_path, photo_ds):
 
 
 _RANK1 = textwrap.dedent("""
-    import os, subprocess, sys
+    import ctypes, json, sys
     import fastload
     from fastload import vision
+
+
+    def primary_contexts_active() -> list[bool]:
+        # The driver's own answer, in this process (no nvidia-smi, no PID namespace): is the
+        # primary context of each visible device active? Driver ordinals follow
+        # CUDA_VISIBLE_DEVICES like torch's, and cuInit creates no context.
+        cu = ctypes.CDLL("libcuda.so.1")
+        assert cu.cuInit(0) == 0
+        n = ctypes.c_int()
+        assert cu.cuDeviceGetCount(ctypes.byref(n)) == 0
+        out = []
+        for i in range(n.value):
+            dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+            assert cu.cuDeviceGet(ctypes.byref(dev), i) == 0
+            assert cu.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
+            out.append(bool(active.value))
+        return out
+
+
     with fastload.Loader(sys.argv[1], batch_size=16, transforms={"image": vision.train(64)}) as lo:
         assert lo.device.index == 1, lo.device
         for i, b in enumerate(lo):
             if i == 3:
                 break
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=True).stdout
-        buses = subprocess.run(["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
-                               capture_output=True, text=True, check=True).stdout
-    mine = {ln.split(",")[1].strip() for ln in out.splitlines() if ln.split(",")[0].strip() == str(os.getpid())}
-    index = {ln.split(",")[1].strip(): int(ln.split(",")[0]) for ln in buses.splitlines()}
-    print(sorted(index[b] for b in mine))
+        print(json.dumps(primary_contexts_active()))
 """)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2 or shutil.which("nvidia-smi") is None,
-                    reason="needs 2 GPUs and nvidia-smi")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_rank_1_opens_no_context_on_gpu_0(photo_ds):
-    """F3: a torchrun rank on cuda:1 (LOCAL_RANK=1) creates no CUDA context on cuda:0, from
-    any of its threads."""
-    env = {**os.environ, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-           "PYTHONPATH": str(ROOT)}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    """F3: a torchrun rank on cuda:1 (LOCAL_RANK=1 of 2, on a node of 2 or more GPUs) creates no
+    CUDA context on cuda:0, from any of its threads (raw fields, DALI's mixed decoder, the
+    feeders, pinning). Asked of the driver inside the process: works in containers too."""
+    env = {**os.environ, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", _RANK1, str(photo_ds.path)], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == "[1]"
+    active = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(active) >= 2 and active[1], active  # it did use its own GPU
+    assert [i for i, a in enumerate(active) if a] == [1], f"primary contexts active on {active}"
 
 
 def _sleep_cycles_per_ms() -> float:
@@ -189,13 +231,15 @@ def _sleep_cycles_per_ms() -> float:
     return 10_000_000 / start.elapsed_time(end)
 
 
-def _epoch(loader, step_cycles: int, batches: int) -> float:
+def _epochs(loader, epochs: int, step_cycles: int = 0) -> float:
+    """Seconds for ``epochs`` whole epochs, each batch followed by a GPU-busy "training step"
+    of ``step_cycles`` on the current stream; the clock stops when the GPU is done."""
+    torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for i, b in enumerate(loader):
-        if step_cycles:
-            torch.cuda._sleep(step_cycles)  # the training step: GPU-busy on the current stream
-        if i + 1 == batches:
-            break
+    for _ in range(epochs):
+        for _b in loader:
+            if step_cycles:
+                torch.cuda._sleep(step_cycles)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
@@ -204,22 +248,31 @@ def _epoch(loader, step_cycles: int, batches: int) -> float:
 @pytest.mark.parametrize("kind", ["raw", "images"])
 def test_loading_overlaps_a_gpu_busy_step(kind, raw_ds, photo_ds):
     """F2/F4/F5: with the GPU busy in the training step, loading (host-to-device copies,
-    DALI's work and its copy out) proceeds beside it: an epoch takes about max(step, load),
-    not step + load, as it does when a copy or a DALI run waits behind the training stream."""
+    DALI's work and its copy out) proceeds beside it: the run takes about max(step, load),
+    not step + load, as it does when a copy or a DALI run waits behind the training stream.
+
+    Sized from this host's own speed: as many epochs as make loading alone last >= 0.3 s
+    (a fast host loads an epoch in milliseconds), and a step per batch exactly as long as
+    loading one batch (the hardest case for overlap, with no floor that a fast host could
+    not beat). Serial would take load + step; the bound asks that at least half of the
+    shorter one be hidden."""
     if kind == "raw":
-        ds, kw, n = raw_ds[0], dict(batch_size=256), 16
+        ds, kw = raw_ds[0], dict(batch_size=256)
     else:
-        ds, kw, n = photo_ds, dict(batch_size=32, transforms={"image": vision.train(128)}), 16
+        ds, kw = photo_ds, dict(batch_size=32, transforms={"image": vision.train(128)})
     with Loader(ds, device="cuda", **kw) as lo:
-        _epoch(lo, 0, n)  # warm up: pipelines built, slots pinned
-        load = min(_epoch(lo, 0, n) for _ in range(2))
-        per_step = max(load / n, 0.002)  # a step as long as loading one batch: the hardest case
-        cycles = int(per_step * 1000 * _sleep_cycles_per_ms())
+        _epochs(lo, 1)  # warm up: pipelines built, slots pinned, allocator primed
+        one = min(_epochs(lo, 1) for _ in range(2))
+        epochs = max(1, min(200, math.ceil(0.3 / max(one, 1e-4))))
+        batches = epochs * len(lo)
+        load = min(_epochs(lo, epochs) for _ in range(2))
+        cycles = max(1, int(load / batches * 1e3 * _sleep_cycles_per_ms()))
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(n):
+        for _ in range(batches):
             torch.cuda._sleep(cycles)
         torch.cuda.synchronize()
         step = time.perf_counter() - t0
-        both = min(_epoch(lo, cycles, n) for _ in range(2))
-    print(f"{kind}: load {load:.3f} s, step {step:.3f} s, both {both:.3f} s")
-    assert both < 0.8 * (load + step), (load, step, both)
+        both = min(_epochs(lo, epochs, cycles) for _ in range(2))
+    print(f"{kind}: {epochs} epoch(s) of {len(lo)} batches: load {load:.3f} s, step {step:.3f} s, both {both:.3f} s")
+    assert both < load + step - 0.5 * min(load, step), (load, step, both)

@@ -49,8 +49,17 @@ def test_local_rank_before_any_cuda_use(fake, monkeypatch):
     _torchrun(monkeypatch, 1, 2)  # 2 ranks on 4 GPUs; the script has not used CUDA yet
     assert not torch.cuda.is_initialized()
     assert D.resolve_device(None) == torch.device("cuda", 1)
+    assert not torch.cuda.is_initialized()  # resolving asked nothing that initialises CUDA
     monkeypatch.setenv("LOCAL_RANK", "6")  # more ranks than GPUs: wrap
     assert D.resolve_device(None) == torch.device("cuda", 2)
+
+
+def test_a_script_that_only_asked_for_the_current_device_has_used_cuda(fake, monkeypatch):
+    """torch.cuda.current_device() initialises CUDA: from then on cuda:0 may be the script's
+    choice, and 2 ranks on 4 GPUs keep it rather than guess LOCAL_RANK."""
+    _torchrun(monkeypatch, 1, 2)
+    assert torch.cuda.current_device() == 0 and torch.cuda.is_initialized()
+    assert D.resolve_device(None) == torch.device("cuda", 0)
 
 
 def test_explicit_devices_win_and_bad_ones_are_named(fake, monkeypatch):
@@ -119,9 +128,15 @@ def test_threads_are_sized_per_local_rank(monkeypatch, cores, lws, gather, dali_
 def test_tests_not_marked_cuda_see_no_gpu(monkeypatch, tmp_path):
     """Review test E (F1): the conftest hides a GPU from tests not marked `cuda`, so their
     Loaders deliver on the host even on a GPU machine (here: the fake one)."""
+    import os
+
     import fastload
     from conftest import hide_cuda
 
+    # the autouse fixture has already done it for this very test (not marked cuda) ...
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == "" and not torch.cuda.is_available()
+    assert torch.cuda.device_count() == 0
+    # ... and what it does works on a GPU host: shown on the fake one
     with fastload.ShardWriter(tmp_path / "ds", {"x": "float32[2]"}) as wr:
         wr.write_batch({"x": np.zeros((4, 2), np.float32)})
     FakeCuda.install(monkeypatch, device_count=2)
@@ -131,5 +146,25 @@ def test_tests_not_marked_cuda_see_no_gpu(monkeypatch, tmp_path):
     with fastload.Loader(tmp_path / "ds", batch_size=2) as lo:
         assert lo.device == torch.device("cpu")
         assert next(iter(lo))["x"].numpy().shape == (2, 2)
-    import os
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # and subprocesses see none
+
+
+def test_the_session_starts_every_gpu_s_decoder_threads(monkeypatch):
+    """conftest.start_gpu_threads (run once per session on a GPU host, before any thread is
+    counted): a context and a mixed DALI pipeline per decoder, run on a JPEG, on each GPU."""
+    from conftest import start_gpu_threads
+    from fake_cuda import fake_dali_on_gpu
+
+    from fastload.pipeline import Runner
+
+    fake = FakeCuda.install(monkeypatch, device_count=3)
+    fake_dali_on_gpu(fake, monkeypatch)
+    ran = []
+    canary = Runner._canary_error
+    monkeypatch.setattr(Runner, "_canary_error", lambda self: (ran.append(self.device_id), canary(self))[1])
+    checks = start_gpu_threads()
+    assert [c.status for c in checks] == ["ok"] * 6, [c.message for c in checks]
+    assert [c.name for c in checks] == ["graph train", "graph eval"] * 3  # the ROI and the whole-image decoder
+    assert all("@mixed" in c.message for c in checks)
+    assert sorted(ran) == [0, 0, 1, 1, 2, 2]
+    assert fake.contexts == {0, 1, 2}

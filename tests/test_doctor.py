@@ -57,6 +57,12 @@ def test_a_healthy_gpu_node_is_all_ok():
     # ulimit -n is fine; each is one memory mapping, bounded by vm.max_map_count
     (dict(nofile=(1024, 1024), shards=2000), "open files", OK, "2000 shard(s) are 2000 memory mapping(s)"),
     (dict(nofile=(32, 4096), shards=10), "open files", WARN, "too few for Python"),
+    (dict(nofile=(32, 4096)), "open files", WARN, "raise it: ulimit -n 4096"),
+    (dict(nofile=(32, -1)), "open files", WARN, "raise it: ulimit -n 4096"),
+    (dict(nofile=(32, 1024)), "open files", WARN, "raise it to the hard limit: ulimit -n 1024"),
+    (dict(nofile=(32, 48)), "open files", WARN, "ulimit -n 48 (the hard limit) is still too few: raise the hard"),
+    (dict(nofile=(32, 32)), "open files", WARN, "the hard limit is 32 too, so ulimit -n cannot raise it"),
+    (dict(nofile=(32, 32)), "open files", WARN, "docker run --ulimit nofile=4096:4096"),
     (dict(nofile=(1024, 1024), shards=70_000, max_map_count=65530), "open files", WARN,
      "more than vm.max_map_count 65530"),
     (dict(nofile=(1024, 1024), shards=2000, max_map_count=65530), "open files", OK, "vm.max_map_count 65530"),
@@ -162,3 +168,22 @@ def test_the_module_runs_alone_and_bad_usage_exits_2():
     assert r.returncode == 2 and r.stderr.strip() == "fastload doctor: error: --batch-size=0 must be >= 1"
     r = _doctor("--device", "tpu", module="fastload.doctor")
     assert r.returncode == 2 and "invalid choice: 'tpu'" in r.stderr
+
+
+def test_the_ring_s_page_locked_bytes_follow_the_loader_s_prefetch(tmp_path):
+    """``ulimit -l`` is compared with what the Loader page-locks: ring slots of the raw fields
+    and the index, for prefetch + 2 slots; with image fields on CUDA the prefetch is at most
+    3 (decoded images live on the device), not the host default of up to 8."""
+    from fastload.doctor import probe
+    from fastload.loader.options import default_prefetch
+
+    with fastload.ShardWriter(tmp_path / "raw", {"x": "float32[64]"}) as wr:
+        wr.write_batch({"x": np.zeros((10, 64), np.float32)})
+    with fastload.ShardWriter(tmp_path / "img", {"image": "image", "label": "int64"}) as wr:
+        wr.write({"image": b"\xff\xd8\xff", "label": 1}, key="a.jpg", image_sizes={"image": (8, 8)})
+    f = Facts(device="cuda", dataset=str(tmp_path / "raw"), gather_threads=3)
+    probe._dataset(f, 16)
+    assert f.pinned_bytes == (default_prefetch(3, 16 * 264) + 2) * 16 * 264  # 64 floats + the int64 index
+    f = Facts(device="cuda", dataset=str(tmp_path / "img"), gather_threads=3)
+    probe._dataset(f, 16)
+    assert f.pinned_bytes == 5 * 16 * 16  # the label and the index; 3 in flight + 2

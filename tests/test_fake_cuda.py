@@ -192,3 +192,48 @@ def test_device_allocations_and_record_stream(fake):
         torch.zeros(2).record_stream(s)
     with pytest.raises(RuntimeError, match="invalid device ordinal"):
         torch.cuda.set_device(2)
+
+
+# torch.cuda calls that run torch.cuda._lazy_init (torch 2.13 torch/cuda/__init__.py, the C++
+# bindings' cuda_lazy_init / device_lazy_init), and calls that do not
+_INITIALISES = {
+    "current_device": lambda f: torch.cuda.current_device(),
+    "set_device": lambda f: torch.cuda.set_device(0),
+    "device(1)": lambda f: torch.cuda.device(1).__enter__(),
+    "Stream(device=0)": lambda f: torch.cuda.Stream(device=0),
+    "current_stream": lambda f: torch.cuda.current_stream(),
+    "default_stream": lambda f: torch.cuda.default_stream(0),
+    "stream(s)": lambda f: torch.cuda.stream(f._default[1]).__enter__(),
+    "Event.record()": lambda f: torch.cuda.Event().record(),
+    "synchronize": lambda f: torch.cuda.synchronize(),
+    "cudart": lambda f: torch.cuda.cudart(),
+    "get_device_properties": lambda f: torch.cuda.get_device_properties(0),
+    "get_device_name": lambda f: torch.cuda.get_device_name(0),
+    "mem_get_info": lambda f: torch.cuda.mem_get_info(0),
+    "init": lambda f: torch.cuda.init(),
+    "Tensor.to(cuda)": lambda f: torch.zeros(2).to("cuda:1", non_blocking=True),
+    "Tensor.cuda()": lambda f: torch.zeros(2).cuda(),
+    "empty(device=cuda)": lambda f: torch.empty(2, device="cuda:0"),
+    "zeros(device=cuda)": lambda f: torch.zeros(2, device="cuda:0"),
+}
+_DOES_NOT = {
+    "is_available": lambda f: torch.cuda.is_available(),
+    "device_count": lambda f: torch.cuda.device_count(),
+    "Event()": lambda f: torch.cuda.Event(blocking=True),
+    "device(None)": lambda f: torch.cuda.device(None).__enter__(),
+    "device(-1)": lambda f: torch.cuda.device(-1).__enter__(),
+    "host tensors": lambda f: torch.zeros(2).to(torch.float64) + torch.empty(2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_INITIALISES))
+def test_lazy_initialisation_is_torch_s(name, monkeypatch):
+    """As in torch: merely asking for the current device (or stream) initialises CUDA, so a
+    check of "has this process used CUDA?" must come before any such call."""
+    fake = FakeCuda.install(monkeypatch, device_count=2)
+    assert not torch.cuda.is_initialized()
+    for other in _DOES_NOT.values():
+        other(fake)
+    assert not torch.cuda.is_initialized()
+    _INITIALISES[name](fake)
+    assert torch.cuda.is_initialized() and fake.initialized

@@ -487,7 +487,7 @@ def test_default_cuda_device_follows_local_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     cur = {"d": 0}
     monkeypatch.setattr(torch.cuda, "current_device", lambda: cur["d"])
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # the script has not used CUDA yet
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cur["d"] != 0)  # set_device initialises CUDA
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert L.default_cuda_index() == 0

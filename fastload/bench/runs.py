@@ -240,16 +240,21 @@ def _dali_args(ds, name: str, idx: np.ndarray) -> tuple:
     return ds.views(name, idx), w, h, idx, 0
 
 
-def run_limit(path, o, device: str, nbytes_per_sample: float, samples: int) -> Measurement | None:
+def run_limit(path, o, device: str, nbytes_per_sample: float, samples: int,
+              device_id: int | None = None) -> Measurement | None:
     """memcpy of the same bytes (raw fields) or the same DALI graph alone on the same encoded
-    bytes (images); None when there is nothing to copy."""
+    bytes (images; on CUDA on GPU ``device_id``, the Loader's); None when there is nothing to
+    copy."""
     from ..store import Dataset
 
     ds = Dataset(path)
     images = _image_fields(ds)
     if o.transform != "none" and images:
         name = images[0]
-        runner = transform_for(o.transform).runner(device=device, batch_size=o.batch_size, seed=0)
+        if device == "cuda" and device_id is None:
+            raise ValueError("run_limit: device='cuda' needs the device_id of the GPU to run DALI on")
+        runner = transform_for(o.transform).runner(device=device, batch_size=o.batch_size, seed=0,
+                                                   device_id=device_id if device == "cuda" else None)
         order = np.random.default_rng(0).permutation(len(ds))[:samples]
         try:
             runner.run(*_dali_args(ds, name, order[:o.batch_size]))  # warm-up: build the graph
@@ -296,12 +301,12 @@ def run(path, o) -> dict:
     ours = run_fastload(path, o)
     device = ours.extra["device"]  # what the Loader chose for "auto"
     results = [ours]
+    on = torch.device(ours.extra["torch_device"]) if device == "cuda" else None  # the Loader's GPU
     if o.compare == "torch":
-        on = torch.device(ours.extra["torch_device"]) if device == "cuda" else None  # the Loader's GPU
         results += [run_torch(path, o, w, on) for w in o.workers]
     if o.limit:
         per = ours.nbytes / ours.samples if ours.samples else 0
-        lim = run_limit(path, o, device, per, ours.samples)
+        lim = run_limit(path, o, device, per, ours.samples, device_id=on.index if on is not None else None)
         if lim is not None:
             results.append(lim)
     title = (f"fastload bench {ds.path.name}: {len(ds):,} samples, batch {o.batch_size}, transform {o.transform}, "

@@ -14,13 +14,17 @@ def presets() -> dict[str, Any]:
             "eval": vision.eval(224), "eval-fp16": vision.eval(224, dtype="float16")}
 
 
-def check_graphs(device: str, gpu_usable: bool, device_id: int | None = None) -> list[Check]:
-    """Each preset's graph: validated offline for ``device`` (DALI's checks, operator
-    placement) and, on the CPU or a usable GPU, built and run on a valid JPEG."""
+def check_graphs(device: str, gpu_usable: bool, device_id: int | None = None,
+                 names: list[str] | None = None) -> list[Check]:
+    """Each preset's graph (or those ``names``): validated offline for ``device`` (DALI's
+    checks, operator placement) and, on the CPU or a usable GPU, built and run on a valid
+    JPEG."""
     from ..pipeline import offline
 
     out = []
     for name, t in presets().items():
+        if names is not None and name not in names:
+            continue
         label = f"graph {name}"
         try:
             report = offline.check(t, device=device)

@@ -24,16 +24,19 @@ def check_memlock(f: Facts) -> Check:
 
 
 def check_nofile(f: Facts) -> Check:
-    """Shards are memory-mapped without keeping a file descriptor (``fastload._C.map_file``),
-    so ``ulimit -n`` does not bound them: each is one memory mapping, and the limit on those
-    is ``vm.max_map_count``."""
+    """Shards are memory-mapped without keeping a file descriptor (``fastload._C.map_file``
+    closes it right after ``mmap``), so ``ulimit -n`` does not bound their number: each is
+    one memory mapping (one VMA, never split: the mapping is read-only and never advised),
+    and the limit on those is ``vm.max_map_count``. The open-file limit only has to leave
+    the process its own descriptors (:data:`FD_RESERVE`)."""
     if f.nofile is None:
         return Check(WARN, "open files", "cannot read RLIMIT_NOFILE (ulimit -n)")
     soft, hard = f.nofile
-    base = f"ulimit -n {soft}; shards are memory-mapped without keeping a file descriptor"
+    base = (f"ulimit -n {soft}; shards are memory-mapped without keeping a file descriptor, so it does not "
+            "limit their number")
     if 0 <= soft < FD_RESERVE:
         return Check(WARN, "open files", f"{base}, but {soft} descriptors leave too few for Python, torch, DALI "
-                     f"and sockets; raise it: ulimit -n {FD_RESERVE if hard < 0 else min(hard, 4096)}")
+                     f"and sockets; {_raise_nofile(soft, hard)}")
     if f.shards is None:
         return Check(OK, "open files", f"{base} (pass a DATASET to compare its shards with vm.max_map_count)")
     need = f.shards + MAP_RESERVE
@@ -44,6 +47,20 @@ def check_nofile(f: Facts) -> Check:
     return Check(WARN, "open files", f"{msg}, more than vm.max_map_count {f.max_map_count} allows with "
                  f"{MAP_RESERVE} for the process; raise it (sysctl -w vm.max_map_count={need * 2}) or convert "
                  "with a larger --shard-size")
+
+
+def _raise_nofile(soft: int, hard: int, want: int = 4096) -> str:
+    """How to raise the open-file limit from ``soft``: with ``ulimit -n`` up to the hard
+    limit; past it (or when the hard limit is the soft one) only root or the container can."""
+    root = (f"raise the hard limit as root (nofile in /etc/security/limits.conf, LimitNOFILE= for a systemd "
+            f"unit) or for the container (docker run --ulimit nofile={want}:{want})")
+    if hard < 0 or hard >= want:
+        return f"raise it: ulimit -n {want}"
+    if hard > soft and hard >= FD_RESERVE:
+        return f"raise it to the hard limit: ulimit -n {hard}"
+    if hard > soft:
+        return f"ulimit -n {hard} (the hard limit) is still too few: {root}"
+    return f"the hard limit is {hard} too, so ulimit -n cannot raise it: {root}"
 
 
 def check_shm(f: Facts) -> Check:

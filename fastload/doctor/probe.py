@@ -79,7 +79,8 @@ def _thread_plan(f: Facts) -> None:
 
 def _dataset(f: Facts, batch_size: int) -> None:
     """Shards, samples and the ring's page-locked bytes for this dataset (CUDA: raw fields
-    only; DALI hands images over on the device)."""
+    and the index only; DALI hands images over on the device, and with image fields the
+    Loader keeps at most 3 batches in flight: ``default_cuda_image_prefetch``)."""
     import numpy as np
 
     from ..store import Dataset
@@ -92,11 +93,12 @@ def _dataset(f: Facts, batch_size: int) -> None:
     f.shards, f.samples = ds.num_shards, len(ds)
     raw = [fl for fl in ds.fields.values() if fl.fixed]
     row = sum(fl.np_dtype.itemsize * int(np.prod(fl.shape)) for fl in raw) + 8  # + the int64 index
-    from ..loader.options import default_prefetch
+    from ..loader.options import default_cuda_image_prefetch, default_prefetch, ring_slots
 
     batch = batch_size * row
-    slots = max(default_prefetch(f.gather_threads, batch) + 2, 3)
-    f.pinned_bytes = slots * batch
+    images = any(fl.kind == "image" for fl in ds.fields.values())
+    prefetch = default_cuda_image_prefetch(1) if images else default_prefetch(f.gather_threads, batch)  # 1: the most
+    f.pinned_bytes = ring_slots(prefetch) * batch
 
 
 def gather(device: str = "cuda", dataset: str | None = None, batch_size: int = 256) -> Facts:

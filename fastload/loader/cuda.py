@@ -42,28 +42,31 @@ _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every C
 
 
 class CudaDelivery:
-    """Host ring batches -> device tensors (see the module docstring). ``pin``: ``None``
-    pins and falls back to pageable memory with a warning if pinning fails, ``True``
-    requires pinning, ``False`` never pins. Every slot the ring has is pinned here, at
-    creation; slots the ring grows later are pinned when first delivered."""
+    """Host ring batches -> device tensors (see the module docstring). Every slot the ring
+    has is page-locked here, at creation; a slot the ring grows later (only while the
+    training loop holds batches) is page-locked when first delivered. If page-locking fails
+    (``ulimit -l``, little free memory), the delivery warns and copies from pageable memory."""
 
-    def __init__(self, ring, device, *, pin: bool | None = None) -> None:
+    def __init__(self, ring, device) -> None:
         import torch
 
         self._torch = torch
         self._ring = ring
         self._device = device
-        self._pin = pin is not False
-        self._pin_required = pin is True
+        self._pin = True  # False after a failed registration: pageable copies from then on
         self._pinned: dict[int, tuple[int, np.ndarray]] = {}
         self._inflight: collections.deque = collections.deque()
         self.copy_s = 0.0  # host time issuing device copies (asynchronous, so a lower bound)
         with guard(device):
             self._stream = torch.cuda.Stream(device=device)
-            for slot in range(ring.num_slots):
-                if not self._pin:
-                    break
-                self._pin_slot(slot)
+            try:
+                for slot in range(ring.num_slots):
+                    if not self._pin:  # one failed: the rest would fail alike
+                        break
+                    self._pin_slot(slot)
+            except BaseException:
+                self.close()  # nobody else will: unpin what was pinned before the failure
+                raise
 
     def probe(self) -> dict:
         return {"copy_s": self.copy_s}
@@ -142,13 +145,15 @@ class CudaDelivery:
         cleared = clear_cuda_error()
         msg = (f"fastload: cudaHostRegister of ring slot {slot} ({size} bytes) failed with cudaError "
                f"{code} ({cudart.cudaGetErrorString(err)})")
+        remedy = ("raise the page-locked memory limit (ulimit -l unlimited; docker run --ulimit memlock=-1), "
+                  "or lower batch_size / prefetch so the ring's slots fit it; `fastload doctor DATASET` "
+                  "compares the limit with what the ring page-locks")
         if cleared is None:
-            raise RuntimeError(msg + "; the CUDA runtime's error could not be cleared (a statically linked "
-                               "runtime?), so fastload stops here rather than let a later CUDA call fail; "
-                               "pass pin=False to use pageable memory")
-        if self._pin_required:
-            raise RuntimeError(msg + "; pass pin=None to fall back to pageable memory")
-        logger.warning("%s; continuing with pageable memory (host-to-device copies will not overlap)", msg)
+            raise RuntimeError(f"{msg}. The CUDA runtime's last error could not be cleared (a statically linked "
+                               "runtime?), so fastload stops here rather than let it fail a later, unrelated CUDA "
+                               f"call in your training step: {remedy}")
+        logger.warning("%s; continuing with pageable memory (host-to-device copies will not overlap the "
+                       "training step): %s", msg, remedy)
         self._pin = False
 
     def close(self) -> None:
@@ -219,13 +224,18 @@ class StreamHandoff:
     """Orders the consumer's stream after a batch made on another thread's stream (for
     ``ThreadedSource``: a ``batch_transform`` runs the source in a fastload thread):
     ``record()`` in the producing thread, ``wait(batch, ev)`` in the consumer (which also
-    keeps the batch's memory from reuse until its stream is done)."""
+    keeps the batch's memory from reuse until its stream is done). ``device``: the loader's,
+    which the producing thread selects before anything else."""
 
     def __init__(self, device) -> None:
         import torch
 
         self._torch = torch
         self._device = device
+
+    @property
+    def device(self):
+        return self._device
 
     def record(self):
         with guard(self._device):

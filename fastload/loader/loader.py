@@ -50,14 +50,23 @@ class Loader:
         batch_size: samples per batch on this rank.
         shuffle, seed, drop_last: as ``DistributedSampler`` (the order is a pure function
             of seed, epoch and world size; see :class:`fastload.Sampler`).
-        device: ``"cuda"``/``"cpu"``/``None`` (CUDA when available).
+        device: ``None`` (default: CUDA when available, else the CPU), ``"cpu"``, ``"cuda"``
+            or ``"cuda:N"`` / a ``torch.device``. ``"cuda"`` without an index: the device the
+            script chose with ``torch.cuda.set_device``; if none, torchrun's ``LOCAL_RANK``
+            where that cannot be wrong (one GPU per local rank, or CUDA not used yet by this
+            process), else ``cuda:0``. Pass ``"cuda:N"`` when ranks and GPUs are laid out
+            otherwise. Put the model on ``loader.device``.
         rank, world_size: default from ``torch.distributed`` when initialised, else the
             ``RANK``/``WORLD_SIZE`` environment variables, else a single process.
         fields: fields to deliver (default: every tensor, scalar and image field; string and
             bytes fields are delivered as lists when named here).
         transforms: ``{image_field: fastload.vision.train(224) | eval(...) | custom(...)}``.
-        threads: gather threads (default: the usable cores minus one, at most 7);
-            prefetch: batches in flight (default: up to 8, fewer for big batches to aim at 256 MB of slots).
+        threads: gather threads (default: this rank's share of the usable cores, i.e. the
+            cores divided by ``LOCAL_WORLD_SIZE``, minus one; at least 1, at most 7).
+        prefetch: batches in flight (default: enough to keep the gather threads busy, up
+            to 8, fewer for big batches to stay near 256 MB of host slots, at least 2; with
+            image fields decoded on a GPU, 2 or 3, so that the decoded images in flight stay
+            near 512 MB of device memory).
         weights, replacement, num_draws, balance: weighted / class-balanced sampling
             (``weights`` may name a field of the dataset; ``balance=True`` balances the label
             field); shuffle_mode / window: locality-preserving shuffle (see Sampler).

@@ -13,7 +13,9 @@ Per-sample image work belongs in a DALI graph (``fastload.vision.custom``), whic
 C++ threads on the GPU or CPU.
 
 On CUDA, ``handoff`` orders the consumer's stream after the worker's: an event recorded in
-the worker (``handoff.record()``), waited on by the consumer (``handoff.wait(batch, ev)``).
+the worker (``handoff.record()``), waited on by the consumer (``handoff.wait(batch, ev)``);
+and the thread selects the loader's device (``handoff.device``) before it runs anything, so
+a transform that touches CUDA works on the loader's GPU and opens no context on cuda:0.
 """
 from __future__ import annotations
 
@@ -45,6 +47,14 @@ class ThreadedSource:
             self._todo.release()
 
     def _run(self) -> None:
+        if self._handoff is not None:
+            from ..device import select
+
+            try:
+                select(self._handoff.device)  # first: the user's transforms run on the loader's GPU
+            except BaseException as e:  # pragma: no cover - a device that vanished
+                self._out.put(e)
+                return
         while True:
             self._todo.acquire()
             if self._stop.is_set():
