@@ -4,7 +4,9 @@
 // Python objects cross this boundary only as buffers (py::buffer / py::array): the source
 // shards come in through the buffer protocol, batches go out as numpy arrays whose `base`
 // is a SlotLease (or FillHandle) object; numpy (and torch.from_numpy on top) keep that object
-// alive, and when it dies the slot's holder reference is given back to the ring.
+// alive, and when it dies the slot's holder reference is given back to the ring. The one
+// other Python object held here is a failed external fill's exception, kept by batch until
+// get() raises it (FillErrors below; GIL held, visible to the garbage collector).
 //
 // Validation: the user's arguments are checked once, in Python (fastload/ringspec.py, fastload/ring.py), with messages
 // naming the field and shard. This file only asserts what would otherwise corrupt memory
