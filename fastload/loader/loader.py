@@ -207,7 +207,7 @@ class Loader:
         if self._options.pack is None:
             return len(self._sampler)
         s = self._sampler
-        return len(self._pack_plan(s.epoch, s._start(), s.stream(s.epoch)))  # a loaded position, or 0
+        return len(self._pack_plan(s.epoch, s.start_position(), s.stream(s.epoch)))  # a loaded position, or 0
 
     def _pack_plan(self, epoch: int, start: int, stream):
         name, d = self._options.pack
