@@ -92,11 +92,10 @@ def _dataset(f: Facts, batch_size: int) -> None:
     f.shards, f.samples = ds.num_shards, len(ds)
     raw = [fl for fl in ds.fields.values() if fl.fixed]
     row = sum(fl.np_dtype.itemsize * int(np.prod(fl.shape)) for fl in raw) + 8  # + the int64 index
-    from ..loader.options import default_prefetch
+    from ..loader.options import default_prefetch, ring_slots
 
     batch = batch_size * row
-    slots = max(default_prefetch(f.gather_threads, batch) + 2, 3)
-    f.pinned_bytes = slots * batch
+    f.pinned_bytes = ring_slots(default_prefetch(f.gather_threads, batch)) * batch  # the Loader's own sizing
 
 
 def gather(device: str = "cuda", dataset: str | None = None, batch_size: int = 256) -> Facts:
