@@ -4,7 +4,9 @@
 // Python objects cross this boundary only as buffers (py::buffer / py::array): the source
 // shards come in through the buffer protocol, batches go out as numpy arrays whose `base`
 // is a SlotLease (or FillHandle) object; numpy (and torch.from_numpy on top) keep that object
-// alive, and when it dies the slot's holder reference is given back to the ring.
+// alive, and when it dies the slot's holder reference is given back to the ring. The one
+// other Python object held here is a failed external fill's exception, kept by batch until
+// get() raises it (FillErrors below; GIL held, visible to the garbage collector).
 //
 // Validation: the user's arguments are checked once, in Python (fastload/ringspec.py, fastload/ring.py), with messages
 // naming the field and shard. This file only asserts what would otherwise corrupt memory
@@ -25,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -52,17 +55,34 @@ namespace {
 
 constexpr int kSliceMs = 50;  // wait slice between Ctrl-C checks
 
-// Raised by get() for a batch whose external fill failed: args (message, seq). The Python
-// face raises the fill's own exception for that seq instead.
-py::object g_fill_failed;
+// The exceptions external fills failed with, by batch seq: FillHandle::fail() puts one in,
+// BoundRing::get() takes it out and raises it for that very batch (its own type, message and
+// traceback). Only touched with the GIL held; owned by the BoundRing (visible to Python's
+// garbage collector through its tp_traverse), the fill handles hold a weak_ptr.
+using FillErrors = std::unordered_map<std::int64_t, py::object>;
 
-// The one translation of the ring's error kinds into Python exceptions.
-[[noreturn]] void raise_err(ErrKind k, const std::string& msg, std::int64_t seq) {
+// Removes and returns the exception kept for batch `seq` (a null object if none): the map
+// is consistent before the caller drops the reference (which may run arbitrary Python).
+py::object take_fill_error(FillErrors* errors, std::int64_t seq) {
+  if (errors == nullptr) return py::object();
+  auto it = errors->find(seq);
+  if (it == errors->end()) return py::object();
+  py::object exc = std::move(it->second);
+  errors->erase(it);
+  return exc;
+}
+
+// The one translation of the ring's error kinds into Python exceptions. A batch whose
+// external fill failed raises the fill's exception (`errors`, when given and still holding
+// it), else a RuntimeError with the message.
+[[noreturn]] void raise_err(ErrKind k, const std::string& msg, std::int64_t seq, FillErrors* errors = nullptr) {
   switch (k) {
     case ErrKind::Index: throw py::index_error(msg);
     case ErrKind::Value: throw py::value_error(msg);
     case ErrKind::External: {
-      PyErr_SetObject(g_fill_failed.ptr(), py::make_tuple(msg, seq).ptr());
+      py::object exc = take_fill_error(errors, seq);
+      if (!exc) throw std::runtime_error(msg);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
       throw py::error_already_set();
     }
     default: throw std::runtime_error(msg);
@@ -222,8 +242,8 @@ class SlotLease {
 // for as long as it (or any array viewing the slot through it) is alive.
 class FillHandle {
  public:
-  FillHandle(std::shared_ptr<Ring> ring, std::shared_ptr<Request> req)
-      : ring_(std::move(ring)), req_(std::move(req)) {}
+  FillHandle(std::shared_ptr<Ring> ring, std::shared_ptr<Request> req, std::weak_ptr<FillErrors> errors)
+      : ring_(std::move(ring)), req_(std::move(req)), errors_(std::move(errors)) {}
   ~FillHandle() { ring_->drop_external(req_); }
   FillHandle(const FillHandle&) = delete;
   FillHandle& operator=(const FillHandle&) = delete;
@@ -241,10 +261,24 @@ class FillHandle {
     if (e != ErrKind::None) raise_err(e, msg, req_->seq);
   }
   void commit(std::int64_t rows) { ring_->publish_external(req_, rows, ErrKind::None, ""); }
-  // external: the Python face holds the exception to raise for this batch.
-  void fail(const std::string& msg, bool external) {
-    ring_->publish_external(req_, 0, external ? ErrKind::External : ErrKind::Runtime,
-                            msg.empty() ? "external fill failed" : msg);
+  // An exception object is kept (GIL held) and raised as is by get() for this batch; any
+  // other object becomes the message of a RuntimeError.
+  void fail(const py::object& error) {
+    if (!PyExceptionInstance_Check(error.ptr())) {
+      const std::string msg = py::str(error);
+      ring_->publish_external(req_, 0, ErrKind::Runtime, msg.empty() ? "external fill failed" : msg);
+      return;
+    }
+    const std::string msg = py::str(py::type::handle_of(error).attr("__name__")).cast<std::string>() + ": " +
+                            py::str(error).cast<std::string>();
+    std::shared_ptr<FillErrors> errors = errors_.lock();  // gone with the BoundRing: no consumer left
+    if (errors) (*errors)[req_->seq] = error;  // before publishing: get() may deliver it at once
+    try {
+      ring_->publish_external(req_, 0, ErrKind::External, msg);
+    } catch (...) {
+      if (errors) take_fill_error(errors.get(), req_->seq);
+      throw;
+    }
   }
   std::int64_t seq() const { return req_->seq; }
   int slot() const { return req_->slot; }
@@ -253,6 +287,7 @@ class FillHandle {
  private:
   std::shared_ptr<Ring> ring_;
   std::shared_ptr<Request> req_;
+  std::weak_ptr<FillErrors> errors_;
 };
 
 // fastload._C.Ring: the ring plus what Python needs around it (field dtypes and shapes for
@@ -300,10 +335,8 @@ class BoundRing {
   // the buffers it no longer reads are released afterwards, with the GIL held.
   void set_source(std::int64_t shard, const py::list& per_field) {
     const std::size_t nf = fields_.size();
-    if (py::len(per_field) != nf) throw py::value_error("set_source: one entry per field");
-    const Layout& L = ring_->layout();
-    if (shard < 0 || shard >= L.num_shards())
-      throw py::index_error("set_source: shard " + std::to_string(shard) + " is out of range");
+    if (py::len(per_field) != nf) throw py::value_error("set_source: one entry per field");  // guards per_field[f]
+    const Layout& L = ring_->layout();  // the shard's range: asserted by Ring::set_source before bufs_ is indexed
     std::vector<Source> srcs(nf);
     std::vector<std::unique_ptr<py::buffer_info>> fresh(nf);
     for (std::size_t f = 0; f < nf; ++f) {
@@ -351,8 +384,9 @@ class BoundRing {
   }
 
   // -> (rows, arrays, slot, copied); arrays[f] has shape (rows, *shape_f). With
-  // timeout_ms >= 0, None when no batch became ready within that time.
-  py::object get(std::int64_t timeout_ms) {
+  // timeout_ms >= 0, None when no batch became ready within that time. With drop_failed, a
+  // batch that failed is dropped (its error too) and False returned instead of raising.
+  py::object get(std::int64_t timeout_ms, bool drop_failed) {
     Delivery d;
     Ring::Status st;
     std::int64_t waited = 0;
@@ -371,7 +405,11 @@ class BoundRing {
     if (st == Ring::Status::Closed) throw std::runtime_error("get() on a closed ring");
     if (st == Ring::Status::Empty)
       throw std::runtime_error("get(): no batch is pending; submit() or acquire() one first");
-    if (d.err != ErrKind::None) raise_err(d.err, d.msg, d.seq);
+    if (d.err != ErrKind::None) {
+      if (!drop_failed) raise_err(d.err, d.msg, d.seq, fill_errors_.get());
+      take_fill_error(fill_errors_.get(), d.seq);  // dropped
+      return py::bool_(false);
+    }
 
     // From here the slot carries our holder; the lease gives it back on every path.
     auto lease = std::make_unique<SlotLease>(ring_, d.slot, d.seq);
@@ -435,7 +473,7 @@ class BoundRing {
   // -> (handle, arrays); arrays[f] is a writable (batch_size, *shape_f) view of the slot
   // (None for a ragged field: the ring gathers those).
   py::tuple acquire() {
-    auto handle = std::make_unique<FillHandle>(ring_, ring_->begin_external());
+    auto handle = std::make_unique<FillHandle>(ring_, ring_->begin_external(), fill_errors_);
     std::shared_ptr<Request> req = handle->request();
     Ring::Status st;
     for (;;) {
@@ -461,8 +499,22 @@ class BoundRing {
   }
 
   void close() {
-    py::gil_scoped_release nogil;  // a plain method, not a destructor: safe to release
-    ring_->close();
+    {
+      py::gil_scoped_release nogil;  // a plain method, not a destructor: safe to release
+      ring_->close();
+    }
+    clear_fill_errors();  // undelivered fill errors go with the ring (GIL held again)
+  }
+
+  // Python's garbage collector sees the fill errors held here (an exception's traceback
+  // often reaches back to the Python ring that holds this object: a cycle it must break).
+  int traverse(visitproc visit, void* arg) const {
+    for (const auto& kv : *fill_errors_) Py_VISIT(kv.second.ptr());
+    return 0;
+  }
+  void clear_fill_errors() {
+    FillErrors gone;
+    gone.swap(*fill_errors_);  // decref'd after the map is consistent again
   }
 
   // The whole slot as a uint8 array (for pinning); keeps the ring's memory alive.
@@ -497,6 +549,7 @@ class BoundRing {
   Ring& ring() { return *ring_; }
 
  private:
+  std::shared_ptr<FillErrors> fill_errors_ = std::make_shared<FillErrors>();
   std::vector<FieldDesc> fields_;
   // keep the sources exported: [field][shard] (null: not loaded)
   std::vector<std::vector<std::unique_ptr<py::buffer_info>>> bufs_;
@@ -601,9 +654,6 @@ void permutation_into(py::buffer out, std::uint64_t key0, std::uint64_t key1) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fastload C++ core: the ring buffer of aligned host slots with a gather thread pool";
-  g_fill_failed = py::reinterpret_steal<py::object>(
-      PyErr_NewException("fastload._C.FillFailed", PyExc_RuntimeError, nullptr));
-  m.attr("FillFailed") = g_fill_failed;
 
   m.def("permutation", &permutation_into, py::arg("out"), py::arg("key0"), py::arg("key1"),
         "Fill the int32/int64 array `out` with a uniformly random permutation of "
@@ -634,12 +684,26 @@ PYBIND11_MODULE(_C, m) {
            "(GIL released).")
       .def("commit", &FillHandle::commit, py::arg("rows"),
            "Publish the slot as the next batch with `rows` valid rows.")
-      .def("fail", &FillHandle::fail, py::arg("message"), py::arg("external") = false,
-           "Publish an error for this batch instead.")
+      .def("fail", &FillHandle::fail, py::arg("error"),
+           "Publish an error for this batch instead: get() raises `error` itself if it is an "
+           "exception, else RuntimeError(str(error)).")
       .def_property_readonly("seq", &FillHandle::seq)
       .def_property_readonly("slot", &FillHandle::slot);
 
-  py::class_<BoundRing>(m, "Ring")
+  py::class_<BoundRing>(m, "Ring", py::custom_type_setup([](PyHeapTypeObject* heap_type) {
+                          auto* type = &heap_type->ht_type;
+                          type->tp_flags |= Py_TPFLAGS_HAVE_GC;
+                          type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) -> int {
+                            Py_VISIT(Py_TYPE(self));
+                            if (!py::detail::is_holder_constructed(self)) return 0;
+                            return py::cast<BoundRing&>(py::handle(self)).traverse(visit, arg);
+                          };
+                          type->tp_clear = [](PyObject* self) -> int {
+                            if (py::detail::is_holder_constructed(self))
+                              py::cast<BoundRing&>(py::handle(self)).clear_fill_errors();
+                            return 0;
+                          };
+                        }))
       .def(py::init<const std::vector<std::string>&, const std::vector<py::dtype>&,
                     const std::vector<std::vector<py::ssize_t>>&, std::int64_t,
                     const py::list&, int, int, int, int, std::int64_t, const py::list&, int>(),
@@ -651,9 +715,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("count") = py::none(),
            "Enqueue rows as consecutive batches of batch_size rows (the last may be shorter); "
            "returns the number of batches.")
-      .def("get", &BoundRing::get, py::arg("timeout_ms") = -1,
+      .def("get", &BoundRing::get, py::arg("timeout_ms") = -1, py::arg("drop_failed") = false,
            "Wait (GIL released, Ctrl-C aware) for the next batch in order; returns "
-           "(rows, arrays, slot, copied), or None if timeout_ms >= 0 passed first.")
+           "(rows, arrays, slot, copied), or None if timeout_ms >= 0 passed first. A batch's "
+           "error raises (a failed external fill: its own exception); with drop_failed, the "
+           "failed batch is dropped and False returned.")
       .def("acquire", &BoundRing::acquire,
            "Reserve the next batch for an external fill; returns (FillHandle, arrays).")
       .def("set_source", &BoundRing::set_source, py::arg("shard"), py::arg("sources"),

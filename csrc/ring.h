@@ -56,7 +56,8 @@
 // asserts its invariants (std::invalid_argument / std::logic_error). A bad shard/row in a
 // request is detected by the gather kernel and stored in the request (kind + message);
 // take() delivers it to the consumer for that very batch. An external fill that failed is
-// published as ErrKind::External: the Python layer raises the fill's own exception then.
+// published as ErrKind::External: the binding (module.cpp) raises the fill's own exception,
+// which it keeps by batch, for that batch.
 // Later batches are unaffected.
 //
 // Note [Shard sources]

@@ -128,7 +128,6 @@ class Ring:
         first = next((s for s in srcs if s is not None), [])
         self._shard_rows = [a if isinstance(a, int) else (len(a[1]) - 1 if isinstance(a, tuple) else a.shape[0])
                             for a in first]
-        self._fill_errors: dict[int, BaseException] = {}  # seq -> the exception a fill failed with
         self._warned_copy = False
         self._core = _C.Ring(
             names, dtypes, [list(s) for s in shapes], int(batch_size), srcs, index,
@@ -182,12 +181,6 @@ class Ring:
         return self._live().slot_memory(int(slot))
 
     # ------------------------------------------------------------------ producer side
-    def _rows(self, shard: Any, row: Any, index: Any) -> tuple:
-        return row_args(shard, row, index, self._index_field)
-
-    def _windows(self, start: Any, count: Any, n: int) -> tuple:
-        return window_args(start, count, n)
-
     def submit(self, shard: Any, row: Any, index: Any = None, *, start: Any = None, count: Any = None) -> None:
         """Enqueue one batch: row ``row[i]`` of shard ``shard[i]`` for every field (and
         ``index[i]`` for the index field). ``start``/``count`` give each row's window of items
@@ -197,11 +190,11 @@ class Ring:
         Never blocks (the request queue is unbounded; index arrays are copied). Bad ids are
         reported by ``get()`` for this batch (IndexError); bad arguments raise ValueError now.
         """
-        s, r, ix = self._rows(shard, row, index)
+        s, r, ix = row_args(shard, row, index, self._index_field)
         n = len(s)
         if not 1 <= n <= self._batch_size:
             raise ValueError(f"a batch must have between 1 and batch_size={self._batch_size} rows, got {n}")
-        self._submit(s, r, ix, n, *self._windows(start, count, n))
+        self._submit(s, r, ix, n, *window_args(start, count, n))
 
     def submit_many(self, shard: Any, row: Any, batch_size: int | None = None, index: Any = None, *,
                     start: Any = None, count: Any = None) -> int:
@@ -209,13 +202,13 @@ class Ring:
         the ring's), the last one possibly shorter — e.g. a whole epoch from
         ``Dataset.locate(order)``. Same rules as :meth:`submit`; returns the number of batches.
         """
-        s, r, ix = self._rows(shard, row, index)
+        s, r, ix = row_args(shard, row, index, self._index_field)
         per = self._batch_size if batch_size is None else batch_size
         if not _is_int(per) or not 1 <= per <= self._batch_size:
             raise ValueError(f"batch_size={per!r} must be an int between 1 and the ring's batch_size={self._batch_size}")
         if len(s) == 0:
             raise ValueError("submit_many() needs at least one row")
-        return self._submit(s, r, ix, int(per), *self._windows(start, count, len(s)))
+        return self._submit(s, r, ix, int(per), *window_args(start, count, len(s)))
 
     def _submit(self, s, r, ix, per: int, start=None, count=None) -> int:
         if self._closed:
@@ -242,7 +235,7 @@ class Ring:
         """Reserve the next batch for an external fill; waits (GIL released, Ctrl-C aware)
         until a slot is free. See :class:`FillSlot`."""
         handle, arrays = self._live().acquire()
-        return FillSlot(self, handle, batch_dict(self._names, arrays))
+        return FillSlot(handle, batch_dict(self._names, arrays), self._index_field)
 
     # ------------------------------------------------------------------ consumer side
     def get_arrays(self) -> dict[str, np.ndarray]:
@@ -269,14 +262,7 @@ class Ring:
 
     def _next(self) -> tuple:
         core = self._live()
-        try:
-            rows, arrays, slot, copied = core.get()
-        except _C.FillFailed as e:
-            msg, seq = e.args
-            err = self._fill_errors.pop(seq, None)
-            if err is None:
-                raise RuntimeError(msg) from None
-            raise err from None
+        rows, arrays, slot, copied = core.get()  # a failed fill raises its own exception here
         if copied and not self._warned_copy:
             self._warned_copy = True
             logger.warning(
@@ -300,12 +286,9 @@ class Ring:
 
         while not self._closed and self.pending > 0:
             t0 = time.monotonic()
-            try:
-                got = self._live().get(-1 if timeout is None else int(timeout * 1000))
-            except _C.FillFailed as e:  # a failed fill: dropped too
-                self._fill_errors.pop(e.args[1], None)
-                continue
-            except Exception:  # a batch's error: dropped too
+            try:  # a batch that failed (a gather error, a failed fill) is dropped with its error
+                got = self._live().get(-1 if timeout is None else int(timeout * 1000), True)
+            except Exception:  # the ring closed or emptied meanwhile: the loop's test decides
                 continue
             if got is None:
                 if not warn:
@@ -313,7 +296,6 @@ class Ring:
                 logger.warning("fastload ring: %d batch(es) still pending after %.1f s; giving up draining",
                                self.pending, time.monotonic() - t0)
                 return False
-        self._fill_errors.clear()
         return True
 
     # ------------------------------------------------------------------ lifetime
@@ -330,8 +312,7 @@ class Ring:
         self._closed = True
         core = self._core
         if core is not None:
-            core.close()
-        self._fill_errors.clear()
+            core.close()  # and drops the errors of fills never delivered
 
     def __enter__(self) -> Ring:
         return self

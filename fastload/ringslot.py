@@ -7,14 +7,12 @@ any view of it is alive.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from .ringspec import row_args
 from .validate import is_int as _is_int
-
-if TYPE_CHECKING:
-    from .ring import Ring
 
 __all__ = ["FillSlot", "RingBatch"]
 
@@ -26,16 +24,16 @@ class FillSlot:
     slot, shape ``(batch_size, *shape)`` per field. Write the batch, then ``commit(rows)`` to
     publish it as the next batch in order, or ``fail(error)`` to make ``get()`` raise for it
     (an exception object is raised as is; a message as ``RuntimeError``). Used as a context
-    manager, an exception inside the block fails the batch. A slot dropped without
+    manager, an exception inside the block fails the batch with that exception. A slot dropped without
     commit/fail is published as an error, so the consumer never waits forever. The slot is
     not reused while any of these views (or the delivered batch) is alive.
     """
 
-    __slots__ = ("_handle", "_arrays", "_ring", "_done", "seq")
+    __slots__ = ("_handle", "_arrays", "_index_field", "_done", "seq")
 
-    def __init__(self, ring: Ring, handle: Any, arrays: dict[str, np.ndarray]) -> None:
-        self._ring = ring
+    def __init__(self, handle: Any, arrays: dict[str, np.ndarray], index_field: str | None = None) -> None:
         self._handle = handle
+        self._index_field = index_field
         self._arrays = arrays
         self._done = False
         self.seq = handle.seq
@@ -56,7 +54,7 @@ class FillSlot:
         """Gather the fields that have sources for rows ``(shard, row)`` into this slot (and
         ``index`` into the index field), in the calling thread with the GIL released."""
         self._check_open()
-        self._handle.gather(*self._ring._rows(shard, row, index))
+        self._handle.gather(*row_args(shard, row, index, self._index_field))
 
     def commit(self, rows: int) -> None:
         """Publish the first ``rows`` rows of every field as the next batch."""
@@ -68,13 +66,10 @@ class FillSlot:
 
     def fail(self, error: BaseException | str) -> None:
         """Publish an error instead of a batch: ``get()`` raises ``error`` for this batch
-        (a string becomes ``RuntimeError(error)``)."""
+        (a string becomes ``RuntimeError(error)``). The ring keeps the exception until that
+        batch is delivered (or dropped by ``drain()``/``close()``)."""
         self._check_open()
-        if isinstance(error, BaseException):
-            self._ring._fill_errors[self.seq] = error
-            self._handle.fail(f"{type(error).__name__}: {error}", True)
-        else:
-            self._handle.fail(str(error), False)
+        self._handle.fail(error if isinstance(error, BaseException) else str(error))
         self._release()
 
     def _check_open(self) -> None:
@@ -93,7 +88,7 @@ class FillSlot:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None and not self._done:
             try:
-                self.fail(f"{exc_type.__name__}: {exc}")
+                self.fail(exc)
             except RuntimeError:  # ring already closed: nothing left to notify
                 self._release()
 

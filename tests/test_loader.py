@@ -245,6 +245,26 @@ def test_stats_say_where_time_went(raw_ds, image_ds):
     assert st["decode_s"] + st["copy_s"] < lo.stats()["wall_s"] * 2 + 1  # two feeders at most
 
 
+STATS_KEYS = ["batches", "samples", "bytes", "wall_s", "wait_s", "wait_fraction", "batches_per_s", "samples_per_s",
+              "mb_per_s", "first_batch_s", "loop_s", "bottleneck", "stages", "replaced_samples", "epoch", "verify"]
+
+
+def test_stats_keys_from_every_part_in_one_report(raw_ds):
+    """Loader.stats() is the Stats object's report: the epoch's counters, then what the parts
+    registered (the epoch, the dataset's verification, the ring while it is open)."""
+    ds, _ = raw_ds
+    with Loader(ds, batch_size=500) as lo:
+        lo.set_epoch(2)
+        assert list(lo.stats()) == STATS_KEYS  # no ring before the first pass
+        for _ in lo:
+            pass
+        s = lo.stats()
+        assert list(s) == STATS_KEYS + ["ring"] and s["epoch"] == 2 and s["batches"] == 6
+        assert s["ring"]["delivered"] == 6 and s["verify"]["num_shards"] == ds.num_shards
+    s = lo.stats()
+    assert list(s) == STATS_KEYS and s["batches"] == 6  # the ring is gone, its figures stay
+
+
 def test_stats_name_the_bottleneck(raw_ds):
     from fastload.loader.stats import bottleneck
 

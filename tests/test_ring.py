@@ -10,6 +10,7 @@ import logging
 import signal
 import threading
 import time
+import weakref
 import _thread
 
 import numpy as np
@@ -349,11 +350,12 @@ def test_external_fill_gather_mixes_gathered_and_written_fields(shards):
 def test_external_fill_errors_reach_the_consumer(shards):
     sizes, data, sources = shards
     with Ring(FIELDS, 4, sources, threads=1, slots=2) as ring:
-        with pytest.raises(ZeroDivisionError):
+        with pytest.raises(ZeroDivisionError) as inside:
             with ring.acquire():
                 1 / 0
-        with pytest.raises(RuntimeError, match="ZeroDivisionError: division by zero"):
+        with pytest.raises(ZeroDivisionError, match="division by zero") as e:  # the block's own error
             ring.get()
+        assert e.value is inside.value
         slot = ring.acquire()
         del slot  # dropped without commit(): the consumer gets an error, not a hang
         with pytest.raises(RuntimeError, match="dropped without commit"):
@@ -509,11 +511,67 @@ def test_a_failed_fill_raises_its_own_exception_for_that_batch(shards):
         ring.submit([0], [1])
         with pytest.raises(Boom) as e:
             ring.get()
-        assert e.value is err
+        assert e.value is err and str(e.value) == "sample 3 is bad"
         assert ring.get()["y"].numpy().tobytes() == sources["y"][0][1:2].tobytes()
-        ring.acquire().fail(Boom("dropped by drain"))
-        ring.drain()
-        assert ring.pending == 0 and not ring._fill_errors
+        # nothing is kept once the batch is delivered...
+        gone = weakref.ref(err)
+        del err, e
+        gc.collect()
+        assert gone() is None
+        # ...or dropped by drain() (any BaseException: a feeder thread's too)
+        dropped = Boom("dropped by drain")
+        ring.acquire().fail(dropped)
+        ring.acquire().fail(KeyboardInterrupt())
+        gone = weakref.ref(dropped)
+        del dropped
+        assert ring.drain() and ring.pending == 0
+        gc.collect()
+        assert gone() is None
+
+
+def test_a_failed_fill_is_kept_apart_from_later_batches_and_freed_at_close(shards):
+    sizes, data, sources = shards
+
+    class Boom(Exception):
+        pass
+
+    ring = Ring({"y": FIELDS["y"]}, 4, {"y": sources["y"]}, threads=1, slots=3)
+    a, b = Boom("first"), Boom("second")
+    for err in (a, b):
+        ring.acquire().fail(err)
+    ring.submit([0], [2])
+    with pytest.raises(Boom, match="first"):
+        ring.get()
+    with pytest.raises(Boom, match="second") as e:
+        ring.get()
+    assert e.value is b and ring.get()["y"].numpy().tobytes() == sources["y"][0][2:3].tobytes()
+    del e, err
+    kept = Boom("never delivered")
+    ring.acquire().fail(kept)
+    refs = [weakref.ref(x) for x in (a, b, kept)]
+    del a, b, kept
+    ring.close()
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+
+
+def test_an_abandoned_ring_whose_fill_error_refers_to_it_is_collected(shards):
+    """The binding keeps a failed fill's exception for the consumer; an exception that
+    reaches back to the ring (its traceback's frames often do) must not keep it alive
+    forever: the garbage collector sees the reference and the ring's threads end."""
+    sizes, data, sources = shards
+
+    class Boom(Exception):
+        pass
+
+    ring = Ring({"y": FIELDS["y"]}, 4, {"y": sources["y"]}, threads=2, slots=2)
+    err = Boom("refers to its ring")
+    err.ring = ring  # a cycle through the C++ side
+    ring.acquire().fail(err)
+    alive = weakref.ref(ring)
+    del ring, err
+    gc.collect()
+    assert alive() is None  # (the conftest fixture checks that its producer threads ended)
 
 
 def test_gather_kernel_alone_equals_numpy():

@@ -108,3 +108,23 @@ def test_install_and_drop_while_producers_gather():
         for _ in range(20):
             r.submit(np.ones(64, np.int64), rng.integers(0, 400, 64))
             r.get_arrays()
+
+
+def test_the_core_asserts_what_python_checked():
+    """One validation layer: Python (above) checks the user's arguments with messages; the
+    C++ core only asserts its invariants, once, so a caller bypassing Python still cannot
+    index out of range."""
+    x = _shards()
+    with Ring({"x": (np.float32, (4,))}, 8, {"x": [x[0], None, None]}, shard_rows=[50, 50, 50]) as r:
+        core = r._core
+        with pytest.raises(IndexError, match="set_source: shard 3 is out of range \\(3 shards\\)"):
+            core.set_source(3, [x[1]])
+        with pytest.raises(IndexError, match="shard -1 is out of range"):
+            core.set_source(-1, [None])
+        with pytest.raises(ValueError, match="one entry per field"):
+            core.set_source(1, [])
+        with pytest.raises(ValueError, match="wrong number of rows"):
+            core.set_source(1, [x[1][:10]])
+        core.set_source(1, [x[1]])  # what ringspec.shard_sources hands down
+        r.submit([1], [4])
+        assert np.array_equal(r.get_arrays()["x"], x[1][4:5])

@@ -414,3 +414,24 @@ def test_permutation_is_uniform_and_pinned_across_machines():
         pos[np.arange(n), permutation(n, 3, epoch)] += 1
     chi2 = ((pos - epochs / n) ** 2 / (epochs / n)).sum(axis=1)
     assert (chi2 < 43.82).mean() >= 0.95, chi2
+
+
+def test_start_position_is_where_the_next_pass_begins():
+    """Sampler.start_position(): a loaded mid-epoch position until a pass begins (or another
+    epoch is set), else 0; it only reads (the Loader's len() and the remote cache's schedule
+    ask it before a pass)."""
+    s = Sampler(100, batch_size=10, seed=1)
+    assert s.start_position() == 0
+    it = iter(s)
+    next(it), next(it)
+    state = s.state_dict()
+    t = Sampler(100, batch_size=10, seed=1)
+    t.load_state_dict(state)
+    assert t.start_position() == t.start_position() == 20 and len(t) == 8
+    t.set_epoch(state["epoch"])  # the same epoch keeps the loaded position
+    assert t.start_position() == 20
+    epoch, start, _ = t.begin_pass()
+    assert start == 20 and t.start_position() == 0  # taken by the pass
+    t.load_state_dict(state)
+    t.set_epoch(1)
+    assert t.start_position() == 0

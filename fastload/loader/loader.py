@@ -172,6 +172,8 @@ class Loader:
                                      mixture=self._mixture)
         self._options = fit_to_epoch(self._options, ds, self._sampler)
         self._stats = Stats()
+        sampler = self._sampler  # a closure over the sampler, not the Loader: Parts hold the stats
+        self._stats.gauge("epoch", lambda: sampler.epoch)
         self._progress = Progress()
         if getattr(ds, "cache", None) is not None:  # a remote dataset (see remote.py)
             from .remote import RemoteShards
@@ -214,7 +216,7 @@ class Loader:
         if self._options.pack is None:
             return len(self._sampler)
         s = self._sampler
-        return len(self._pack_plan(s.epoch, s._start(), s.stream(s.epoch)))  # a loaded position, or 0
+        return len(self._pack_plan(s.epoch, s.start_position(), s.stream(s.epoch)))  # a loaded position, or 0
 
     def _pack_plan(self, epoch: int, start: int, stream):
         name, d = self._options.pack
@@ -300,19 +302,7 @@ class Loader:
         loop's own time (outside ``next()``); ``bottleneck`` names what sets the pace after
         the first batch: ``"loop"`` (the training step; a faster loader gains nothing),
         ``"loader"`` (the loop waits over 20% of the time) or ``"both"``."""
-        out = self._stats.snapshot()
-        if self._remote is not None:
-            from .remote import download_stats
-
-            download_stats(out)
-        out["epoch"] = self._sampler.epoch
-        out["verify"] = self._dataset.verify_stats()
-        if self._options.image_fields:
-            out["undecodable_samples"] = self._parts.undecodable() if self._parts is not None else 0
-        ring = self._parts.ring_stats() if self._parts is not None else None
-        if ring is not None:
-            out["ring"] = ring
-        return out
+        return self._stats.report()  # every part registered what it reports (see stats.py)
 
     def close(self) -> None:
         """Stop and join every thread, release the ring and DALI pipelines. Idempotent. Every

@@ -44,6 +44,11 @@ class Parts:
         self._pid = os.getpid()
         self.forked = False  # True in a child forked from the process that built these parts
         lifecycle.track(self)
+        # what the parts report as they are (stats.py: gauges), after the per-epoch counters
+        stats.gauge("verify", dataset.verify_stats)
+        if options.image_fields:
+            stats.gauge("undecodable_samples", self.undecodable)
+        stats.gauge("ring", self.ring_stats)
 
     # -- process lifecycle (see fastload/lifecycle.py) ---------------------------------------
     def _after_fork_in_child(self) -> None:

@@ -40,7 +40,7 @@ class RemoteShards:
         self._fields: tuple[str, ...] = ()
         self._installed: set[int] = set()
         self._lock = threading.Lock()
-        stats.attach("remote", self._cache.probe)
+        stats.attach("remote", self._cache.probe, derive=download_stats)  # its counters, per epoch
 
     def _hint(self, prefetch: int) -> str:
         """What else to change: the window's minimum for a full shuffle, else smaller windows."""

@@ -1,6 +1,7 @@
-"""Stats: the one object every part of a Loader reports into; ``Loader.stats()`` reads it.
+"""Stats: the one object every part of a Loader reports into; ``Loader.stats()`` is its
+:meth:`Stats.report`.
 
-Parts report in two ways:
+Parts report in three ways:
 
 * ``stats.add(name, value)`` adds to a counter of the current epoch (the feeders' decode and
   copy seconds, replaced samples, ...). A new counter needs nothing else: it appears in the
@@ -9,7 +10,18 @@ Parts report in two ways:
   ring's gather time, measured in C++; a device delivery's copy time): ``probe()`` returns
   ``{counter: total so far}``, and the snapshot shows what accrued since the epoch began.
   ``detach_all()`` (the Loader's ``close()``) keeps the last values, so ``stats()`` stays
-  complete after the parts are gone.
+  complete after the parts are gone. ``derive(out)``, given with the probe, turns its totals
+  into what the report shows (the remote cache's busy time into ``download_MBps``).
+* ``stats.gauge(name, read)`` registers a whole-Loader fact that is read as it is when the
+  report is made, not counted per epoch (the ring's slot states, the dataset's verification
+  counters, the samples found undecodable): ``read()`` returns the value of ``name``, or
+  None to leave it out. Gauges appear after the counters, in the order registered.
+
+Probes and gauges are registered where their part is built (loader/parts.py: the ring, the
+device delivery, verification, undecodable samples; loader/remote.py: the shard cache; the
+Loader: the epoch), so a new stat touches the reporting part and at most that registration.
+``snapshot()`` is the per-epoch counters alone (the ``log_every`` line); ``report()`` adds
+the derived values and the gauges.
 
 The consumer reports each delivered batch with ``delivered()``; ``begin_epoch()`` and
 ``end_epoch()`` bound the wall time (a finished or broken-off epoch's rates stay put).
@@ -19,7 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from typing import Callable
+from typing import Any, Callable
 
 __all__ = ["STAGES", "Stats", "bottleneck"]
 
@@ -31,12 +43,16 @@ STAGES = ("gather_s", "decode_s", "copy_s")  # where the time went, summed over 
 _COUNTERS = ("replaced_samples",)  # counters that always appear, zero or not
 
 Probe = Callable[[], dict]
+Derive = Callable[[dict], Any]
+Gauge = Callable[[], Any]
 
 
 class Stats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._probes: dict[str, Probe] = {}
+        self._derives: dict[str, Derive] = {}  # by probe; kept after detach_all (frozen values)
+        self._gauges: dict[str, Gauge] = {}
         self._frozen: dict[str, dict] = {}  # a detached probe's last values
         self._base: dict[str, dict] = {}  # each probe's values when the epoch began
         self._reset()
@@ -57,12 +73,20 @@ class Stats:
         with self._lock:
             self.counters[name] += value
 
-    def attach(self, name: str, probe: Probe) -> None:
+    def attach(self, name: str, probe: Probe, derive: Derive | None = None) -> None:
         values = probe()
         with self._lock:
             self._probes[name] = probe
             self._frozen.pop(name, None)
             self._base[name] = values  # counts from now on
+            if derive is not None:
+                self._derives[name] = derive
+            else:
+                self._derives.pop(name, None)
+
+    def gauge(self, name: str, read: Gauge) -> None:
+        with self._lock:
+            self._gauges[name] = read
 
     def detach_all(self) -> None:
         with self._lock:
@@ -134,6 +158,21 @@ class Stats:
             }
         for name, v in totals.items():
             out[name] = int(v) if float(v).is_integer() else v
+        return out
+
+    def report(self) -> dict:
+        """The snapshot, each probe's ``derive`` applied, then every gauge: what
+        ``Loader.stats()`` returns."""
+        out = self.snapshot()
+        with self._lock:
+            derives = list(self._derives.values())
+            gauges = list(self._gauges.items())
+        for derive in derives:
+            derive(out)
+        for name, read in gauges:
+            value = read()
+            if value is not None:
+                out[name] = value
         return out
 
 

@@ -3,7 +3,8 @@
 ``Runner.run`` feeds a batch of encoded images (zero-copy views of the shards) and their
 per-sample parameters into the transform's DALI graph and writes the result into the given
 host tensor (a ring slot) or returns a CUDA tensor. A batch DALI fails on is bisected to
-the failing samples, raised as :class:`fastload.errors.BadSamples`.
+the failing samples, raised as :class:`fastload.errors.BadSamples`
+(:mod:`fastload.pipeline.badsamples`).
 
 On the CPU, DALI's dynamic executor runs the graph, in runs of at most ``CPU_RUN`` images
 unless the images were checked at convert time (a failed larger run can crash DALI 2.4,
@@ -13,13 +14,11 @@ held), a larger one is concatenated from its runs.
 
 On CUDA (the thin part): DALI runs host-synchronously (the legacy executor; ``run(stream)``
 needs the dynamic one), and its output is copied into a new torch tensor on the runner's own
-*copy stream*, asynchronously (``feed_ndarray(..., cuda_stream=copy_stream)``); the runner
-records ``ready_event`` after the copy, and whoever uses the tensor makes its stream wait
-for that event. Nothing waits on the host before the next ``run()``: in DALI 2.4
-``CopyToExternal`` makes DALI's own stream wait for a non-blocking copy before it reuses the
-output buffer (``wait_order.wait(copy_order)``, ``backend_impl.cc``). A bad batch is bisected
-with a CPU runner of the same graph, so the GPU pipeline (nvJPEG, the hardware decoder, its
-streams and pools) is rebuilt once per failing batch rather than at every bisection step.
+*copy stream*, asynchronously (:mod:`fastload.pipeline.cuda_copy`); the runner records
+``ready_event`` after the copy, and whoever uses the tensor makes its stream wait for that
+event. A bad batch is bisected with a CPU runner of the same graph, so the GPU pipeline
+(nvJPEG, the hardware decoder, its streams and pools) is rebuilt once per failing batch
+rather than at every bisection step.
 """
 from __future__ import annotations
 
@@ -32,6 +31,9 @@ import numpy as np
 from .. import lifecycle
 from ..errors import BadSamples
 from ..system import rank_cores
+from .badsamples import CPU_SEARCH_CHUNK, BadSampleSearch  # noqa: F401 - CPU_SEARCH_CHUNK re-exported
+from .badsamples import reason as _reason  # (also imported from here by convert/imagecheck.py)
+from .badsamples import strip_tags as _strip_tags
 from .quiet import decoder_output_captured, messages_since
 
 logger = logging.getLogger("fastload")
@@ -40,7 +42,6 @@ __all__ = ["Runner", "default_threads"]
 
 
 GPU_PIPELINE_THREADS = 4  # CPU threads of a GPU pipeline: parsing and nvJPEG's host stage
-CPU_SEARCH_CHUNK = 16  # samples per CPU run when locating the bad samples of a failed GPU batch
 # Images per DALI run on the CPU. DALI 2.4's CPU image decoder crashes the process when a run
 # of more than ~24 images fails on a bad image while the cores are busy: its thread pool
 # still decodes the rest after the run raised (SIGSEGV in ImageDecoder<CPUBackend>::RunImplImpl,
@@ -59,36 +60,7 @@ def default_threads(device: str = "cpu") -> int:
     return min(GPU_PIPELINE_THREADS, cores) if device == "cuda" else cores
 
 
-def _reason(e: BaseException) -> str:
-    """DALI's messages carry the graph's traceback; keep the operator and what went wrong."""
-    text = str(e)
-    op = ""
-    if "operator `" in text:
-        op = text.split("operator `", 1)[1].split("`", 1)[0].replace("nvidia.dali.fn.", "") + ": "
-    if "encountered:" in text:
-        text = text.split("encountered:", 1)[1]
-    keep = []
-    for ln in text.splitlines():
-        ln = ln.strip()
-        if not ln or ln.startswith(("C++ context", "Current pipeline object", "Critical error in pipeline")):
-            continue
-        keep.append(ln)
-    msg = " ".join(keep) or type(e).__name__
-    if "nvImageCodec failure" in msg:
-        msg += " (not a decodable image: corrupt, truncated or an unsupported format)"
-    if "cropping window" in msg:
-        msg += " (the stored width/height do not match the encoded image)"
-    return (op + msg)[:400]
-
-
-def _strip_tags(line: str) -> str:
-    """'\x1b[0;31m[ERROR] \x1b[0m[jpeg_parser] Invalid marker' -> '[jpeg_parser] Invalid marker'."""
-    import re
-
-    return re.sub(r"^\[(?:ERROR|WARNING|WARN|INFO)\]\s*", "", re.sub(r"\x1b\[[0-9;]*m", "", line)).strip()
-
-
-class Runner:
+class Runner(BadSampleSearch):
     """One DALI pipeline for one image field on one device.
 
     ``run(encoded, widths, heights, indices, epoch, out=None)`` decodes and augments one
@@ -219,18 +191,6 @@ class Runner:
         self.rebuilds += 1
         return None, reason
 
-    def _find_bad(self, encoded: list, params: dict[str, np.ndarray], pos: np.ndarray,
-                  err: str, bad: dict[int, str]) -> None:
-        """Bisect the failing batch ``pos`` until single failing samples remain."""
-        if len(pos) == 1:
-            bad[int(pos[0])] = err
-            return
-        half = len(pos) // 2
-        for part in (pos[:half], pos[half:]):
-            _, e = self._try([encoded[i] for i in part], {n: a[part] for n, a in params.items()})
-            if e is not None:
-                self._find_bad(encoded, params, part, e, bad)
-
     def run(self, encoded: list, widths: np.ndarray, heights: np.ndarray, indices: np.ndarray, epoch: int,
             out=None):
         n = len(encoded)
@@ -276,51 +236,6 @@ class Runner:
         out.copy_(whole)
         return out
 
-    def _raise_bad(self, bad: dict[int, str], n: int, err: str):
-        """Raise what a failed batch of ``n`` images means: BadSamples naming ``bad``, or a
-        RuntimeError when the pipeline itself is at fault."""
-        if not bad:  # the batch failed but no part of it does: not a data problem
-            raise RuntimeError(f"DALI failed on a batch of {n} images, but on no part of it: {err}")
-        if len(bad) == n:  # every image fails: the data, or the pipeline itself?
-            canary = self._canary_error()
-            if canary is not None:
-                raise RuntimeError(
-                    f"the DALI pipeline fails on every image, including a valid built-in "
-                    f"{_CANARY_SIZE}x{_CANARY_SIZE} JPEG, so this is not a data problem: {canary}")
-        raise BadSamples(sorted(bad), [bad[p] for p in sorted(bad)])
-
-    def _locate_bad(self, encoded: list, params: dict[str, np.ndarray], err: str) -> dict[int, str]:
-        """{position: reason} of the samples a failed batch fails on, searched in chunks of
-        CPU_SEARCH_CHUNK on a CPU runner of the same graph (a chunk without a bad sample takes
-        one run; on CUDA, a small CPU runner: one GPU rebuild per failing batch, not one per
-        bisection step). Only when the CPU decodes every image (a GPU-only failure) does it
-        bisect on the GPU."""
-        n = len(encoded)
-        bad: dict[int, str] = {}
-        cpu = self if self.device == "cpu" else self._cpu_runner()
-        for start in range(0, n, CPU_SEARCH_CHUNK):
-            part = np.arange(start, min(n, start + CPU_SEARCH_CHUNK))
-            _, cpu_err = cpu._try([encoded[i] for i in part], {k: a[part] for k, a in params.items()})
-            if cpu_err is not None:
-                cpu._find_bad(encoded, params, part, cpu_err, bad)
-        if not bad and self.device == "cuda":
-            self._find_bad(encoded, params, np.arange(n), err, bad)
-        return bad
-
-    def _cpu_runner(self) -> "Runner":
-        if self._cpu is None:
-            self._cpu = Runner(self.transform, device="cpu", batch_size=min(self.batch_size, CPU_SEARCH_CHUNK),
-                               num_threads=min(2, self.num_threads), prefetch=None, seed=self.seed, device_id=None)
-        return self._cpu
-
-    def _canary_error(self) -> str | None:
-        """Run one valid JPEG through the graph; DALI's reason if even that fails."""
-        w = h = np.array([_CANARY_SIZE], np.int32)
-        params = self.transform.params(self.seed, 0, np.zeros(1, np.int64), w, h)
-        res, err = self._try([_canary_jpeg()], params)
-        del res
-        return err
-
     def _deliver(self, res, n: int, out):
         t0 = time.perf_counter()
         try:
@@ -338,19 +253,10 @@ class Runner:
             raise RuntimeError(f"the transform produced {got}; it declares {(n, *self.out_shape)} "
                                "(every image must come out with the declared shape)")
         if self.device == "cuda":
-            from ..device import guard
+            from .cuda_copy import copy_to_cuda
 
-            dt = _TORCH[self.out_dtype.name]
-            with guard(self.device_id):
-                if self._copy_stream is None:
-                    self._copy_stream = torch.cuda.Stream(device=self.device_id)
-                stream = self._copy_stream
-                with torch.cuda.stream(stream):  # the tensor's memory belongs to the copy stream
-                    t = torch.empty((n, *self.out_shape), dtype=dt, device=torch.device("cuda", self.device_id))
-                feed_ndarray(res.as_tensor(), t, cuda_stream=stream)  # asynchronous on the copy stream
-                ev = torch.cuda.Event(blocking=True)  # users wait on the GPU; close() on the host
-                ev.record(stream)
-            self.ready_event = ev
+            t, self.ready_event, self._copy_stream = copy_to_cuda(
+                res.as_tensor(), (n, *self.out_shape), self.out_dtype.name, self.device_id, self._copy_stream)
             return t
         if out is None:
             # DALI's own buffer, zero-copy: the dynamic executor never reuses a buffer that a
@@ -374,7 +280,6 @@ class Runner:
             pass
 
 
-_CANARY_SIZE = 256
 _LEAKED: list = []  # pipelines never shut down: inherited by a forked child, or abandoned
 
 
@@ -397,36 +302,3 @@ def _leak(pipe) -> None:
         pipe._pipe = None  # Pipeline.__del__ / _shutdown now have nothing to shut down
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(pipe))
     _LEAKED.append(pipe)
-
-
-def _canary_jpeg() -> np.ndarray:
-    """A valid, smooth 256x256 RGB JPEG (made once, in memory)."""
-    global _CANARY
-    if _CANARY is None:
-        import io
-
-        from PIL import Image
-
-        x = np.tile(np.linspace(0, 255, _CANARY_SIZE).astype(np.uint8), (_CANARY_SIZE, 1))
-        rgb = np.stack([x, x.T, np.full_like(x, 128)], -1)
-        buf = io.BytesIO()
-        Image.fromarray(rgb).save(buf, "JPEG", quality=90)
-        _CANARY = np.frombuffer(buf.getvalue(), np.uint8)
-    return _CANARY
-
-
-_CANARY = None
-
-
-def _torch_dtypes() -> dict:
-    import torch
-    return {"float32": torch.float32, "float16": torch.float16, "uint8": torch.uint8}
-
-
-class _LazyDtypes(dict):
-    def __missing__(self, key):
-        self.update(_torch_dtypes())
-        return dict.__getitem__(self, key)
-
-
-_TORCH = _LazyDtypes()

@@ -145,10 +145,14 @@ class Sampler:
         return len(self._bounds(0))
 
     def __len__(self) -> int:
-        return len(self._bounds(self._start()))
+        return len(self._bounds(self.start_position()))
 
-    def _start(self) -> int:
+    def start_position(self) -> int:
+        """Where the next pass over the current epoch starts (the consumed count
+        :meth:`begin_pass` will return): a loaded mid-epoch position, else 0. Reads only."""
         return self._consumed if self._resume_pending else 0
+
+    _start = start_position  # the former private name (fastload/remote/schedule.py calls it)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (call before each epoch, like ``DistributedSampler.set_epoch``).
@@ -169,7 +173,7 @@ class Sampler:
     def begin_pass(self) -> tuple[int, int, np.ndarray]:
         """Begin a pass: ``(epoch, consumed count it starts at, the epoch's stream)``. The
         count is the caller's unit (stream positions; tokens for a packing loader)."""
-        start = self._start()
+        start = self.start_position()
         self._resume_pending = False
         self._consumed = start
         return self.epoch, start, self.stream(self.epoch)
