@@ -13,7 +13,7 @@ import numpy as np
 
 from .validate import is_int as _is_int
 
-__all__ = ["RaggedField", "as_index", "batch_dict", "check_source", "parse_fields", "parse_ragged", "parse_sources", "ragged_descs",
+__all__ = ["RaggedField", "as_index", "batch_dict", "check_source", "pad_as", "parse_fields", "parse_ragged", "parse_sources", "ragged_descs",
            "row_args", "shard_sources", "window_args"]
 
 
@@ -84,6 +84,42 @@ def parse_fields(fields: Mapping[str, Any]) -> tuple[list[str], list[np.dtype], 
     return names, dtypes, shapes
 
 
+def pad_as(value: Any, dt: np.dtype) -> np.generic | None:
+    """``value`` as a scalar of dtype ``dt``, or None when it is not a value of ``dt``.
+    Integer and bool fields take exactly representable numbers only; float and complex fields
+    take any real number, rounded to their precision (NaN and infinities included, not a finite
+    value that overflows to infinity), complex fields also complex numbers."""
+    import warnings
+
+    try:
+        a = np.asarray(value)
+    except (TypeError, ValueError):
+        return None
+    if a.ndim != 0 or a.dtype.kind not in "biufc":
+        return None
+    kind = np.dtype(dt).kind
+    v = a.item()
+    if kind in "biu" and a.dtype.kind == "c":
+        return None
+    if kind == "f" and a.dtype.kind == "c":
+        if v.imag != 0:
+            return None
+        a, v = np.asarray(v.real), v.real
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            cast = a.astype(dt)[()]
+        except (TypeError, ValueError, OverflowError):
+            return None
+    if kind in "biu":
+        if a.dtype.kind == "f" and not (np.isfinite(v) and float(v).is_integer()):
+            return None
+        return cast if int(cast) == int(v) else None
+    if np.isinf(cast).any() and not np.isinf(a).any():
+        return None  # a finite value too large for the dtype
+    return cast
+
+
 def parse_ragged(fields: Mapping[str, Any], names: list[str], dtypes: list[np.dtype],
                  shapes: list[tuple[int, ...]]) -> list[RaggedField | None]:
     """Per field: its checked RaggedField, or None for a fixed field."""
@@ -101,13 +137,8 @@ def parse_ragged(fields: Mapping[str, Any], names: list[str], dtypes: list[np.dt
                             ("capacity", spec.capacity, 0)):
             if v is not None and (not _is_int(v) or v < lo):
                 raise ValueError(f"field {name!r}: {what}={v!r} must be an int >= {lo}")
-        try:
-            pad = np.asarray(spec.pad_value)
-            cast = pad.astype(dt)
-            if pad.ndim != 0 or (pad.dtype.kind in "iufcb" and np.asarray(cast).astype(pad.dtype) != pad):
-                raise ValueError
-        except (ValueError, TypeError, OverflowError):
-            raise ValueError(f"field {name!r}: pad_value={spec.pad_value!r} is not a value of dtype {dt}") from None
+        if pad_as(spec.pad_value, dt) is None:
+            raise ValueError(f"field {name!r}: pad_value={spec.pad_value!r} is not a value of dtype {dt}")
         out.append(spec)
     return out
 

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..ringspec import RaggedField
+from ..ringspec import RaggedField, pad_as
 from ..validate import check_choice, check_int
 
 __all__ = ["MODES", "RAGGED_SLOT_BUDGET", "RaggedDelivery", "resolve_ragged", "ring_field", "shape_batch"]
@@ -56,7 +56,14 @@ class RaggedDelivery:
 
 
 def _plain(v: Any) -> Any:
-    return v.item() if isinstance(v, np.generic) else v
+    """A pad value as plain JSON (a state_dict compares it with ``==``): NaN and infinities as
+    the strings ``"nan"``, ``"inf"``, ``"-inf"``; a complex number as ``[real, imag]``."""
+    v = v.item() if isinstance(v, np.generic) else v
+    if isinstance(v, complex):
+        return [_plain(v.real), _plain(v.imag)]
+    if isinstance(v, float) and not np.isfinite(v):
+        return str(v)
+    return v
 
 
 def _per_field(arg: str, value: Any, names: tuple[str, ...]) -> dict[str, Any]:
@@ -106,15 +113,10 @@ def resolve_ragged(ds, names: tuple[str, ...], *, ragged: Any, pad_value: Any, m
             raise ValueError(f"field {n!r} is delivered packed (no padding): pad_value and pad_to_multiple "
                              "apply to ragged='padded'")
         pad = pads.get(n, 0)
-        try:
-            cast = np.asarray(pad).astype(f.np_dtype)
-            ok = np.asarray(pad).ndim == 0 and (np.asarray(pad).dtype.kind not in "iufb"
-                                                or cast.astype(np.asarray(pad).dtype) == pad)
-        except (TypeError, ValueError, OverflowError):
-            ok = False
-        if not ok:
+        cast = pad_as(pad, f.np_dtype)
+        if cast is None:
             raise ValueError(f"pad_value[{n!r}]={pad!r} is not a value of the field's dtype {f.dtype}")
-        out[n] = RaggedDelivery(mode, pad_value=cast[()], max_length=ml,
+        out[n] = RaggedDelivery(mode, pad_value=cast, max_length=ml,
                                 multiple=check_int(f"pad_to_multiple[{n!r}]", mult.get(n, 1), min=1))
     return out
 
@@ -153,15 +155,15 @@ def shape_batch(batch: dict, name: str, d: RaggedDelivery, start: np.ndarray | N
     if d.mode == "padded":
         batch[name + "_lengths"] = offsets[1:] - offsets[:-1]
         return
-    batch[name + "_offsets"] = offsets.to(torch.int32)
+    off = offsets.numpy()
+    batch[name + "_offsets"] = torch.from_numpy(off.astype(np.int32))  # numpy: cheaper than Tensor.to
     if d.mode == "pack":
         values = batch[name]
         rows = values.shape[0] // d.pack_to
         batch[name] = values.view(rows, d.pack_to)
-        off = offsets.numpy()
         # position of each token within its document: the piece's first token + its place in
         # the piece (numpy: torch.repeat_interleave takes milliseconds here)
-        pos = np.repeat(np.asarray(start, dtype=np.int64) - off[:-1], off[1:] - off[:-1])
+        pos = np.repeat(np.asarray(start, dtype=np.int64) - off[:-1], np.diff(off))
         pos += _arange(values.shape[0])
         batch[name + "_positions"] = torch.from_numpy(pos).view(rows, d.pack_to)
 
