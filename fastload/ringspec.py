@@ -27,7 +27,10 @@ class RaggedField:
     0: row ``i`` has ``offsets[i + 1] - offsets[i]`` items). ``max_items`` truncates each
     row; ``multiple`` rounds the padded width up (at least one multiple); ``capacity`` is
     the items a slot holds (default: ``batch_size`` times the longest row) — a larger batch
-    gets memory of its own rather than failing."""
+    gets memory of its own rather than failing. ``positions`` (packed only): the batch also
+    holds ``name + "_positions"``, int64, one per item: its place within its sample (the
+    row's window start plus its place in the window; the position ids of sequence packing),
+    written by the producer with the items."""
 
     dtype: Any
     item_shape: tuple = ()
@@ -36,6 +39,7 @@ class RaggedField:
     max_items: int | None = None
     multiple: int = 1
     capacity: int | None = None
+    positions: bool = False
 
 _INT64 = np.dtype(np.int64)
 
@@ -133,6 +137,9 @@ def parse_ragged(fields: Mapping[str, Any], names: list[str], dtypes: list[np.dt
         if name + "_offsets" in taken:
             raise ValueError(f"field {name!r}: its offsets are delivered as {name + '_offsets'!r}, which is "
                              "also a field name")
+        if spec.positions and (spec.padded or name + "_positions" in taken):
+            raise ValueError(f"field {name!r}: positions are delivered for a packed field (padded=False) as "
+                             f"{name + '_positions'!r}, which must not be a field name")
         for what, v, lo in (("max_items", spec.max_items, 0), ("multiple", spec.multiple, 1),
                             ("capacity", spec.capacity, 0)):
             if v is not None and (not _is_int(v) or v < lo):
@@ -238,7 +245,7 @@ def parse_sources(
 def ragged_descs(ragged: list[RaggedField | None], srcs: list, batch_size: int, dtypes: list[np.dtype],
                  shapes: list[tuple[int, ...]]) -> tuple[list[tuple | None], int]:
     """What the C++ ring takes for each ragged field — ``(padded, pad bytes, max_items or -1,
-    multiple, capacity)`` — and the slot bytes of all ragged regions."""
+    multiple, capacity, positions)`` — and the slot bytes of all ragged regions."""
     descs: list[tuple | None] = []
     nbytes = 0
     for rag, src, dt, shape in zip(ragged, srcs, dtypes, shapes):
@@ -257,18 +264,21 @@ def ragged_descs(ragged: list[RaggedField | None], srcs: list, batch_size: int, 
             cap = batch_size * longest
         pad = np.asarray(rag.pad_value).astype(dt).tobytes() if rag.padded else b""
         descs.append((bool(rag.padded), pad, -1 if rag.max_items is None else int(rag.max_items),
-                      int(rag.multiple), int(cap)))
-        nbytes += (batch_size + 1) * 8 + int(cap) * item
+                      int(rag.multiple), int(cap), bool(rag.positions)))
+        nbytes += (batch_size + 1) * 8 + int(cap) * (item + (8 if rag.positions else 0))
     return descs, nbytes
 
 
 def batch_dict(names: list[str], arrays: tuple) -> dict:
     """The ring's arrays as ``{name: array}``: a ragged field's ``(values, offsets)`` pair as
-    ``name`` and ``name + "_offsets"``; fields without an array (None) left out."""
+    ``name`` and ``name + "_offsets"`` (and its positions as ``name + "_positions"``); fields
+    without an array (None) left out."""
     out = {}
     for n, a in zip(names, arrays):
         if type(a) is tuple:
-            out[n], out[n + "_offsets"] = a
+            out[n], out[n + "_offsets"] = a[0], a[1]
+            if len(a) == 3:
+                out[n + "_positions"] = a[2]
         elif a is not None:
             out[n] = a
     return out

@@ -127,8 +127,8 @@ def ring_field(ds, name: str, d: RaggedDelivery, batch_size: int) -> RaggedField
     own): ``batch_size`` rows of the longest sample (padded), the ``batch_size`` longest
     samples (packed), or exactly ``rows * N`` tokens (pack)."""
     f = ds.fields[name]
-    if d.mode == "pack":
-        return RaggedField(f.np_dtype, f.shape, capacity=batch_size * d.pack_to)
+    if d.mode == "pack":  # the producers also write each token's position in its document
+        return RaggedField(f.np_dtype, f.shape, capacity=batch_size * d.pack_to, positions=True)
     lengths = ds.lengths(name)
     if d.max_length is not None:
         lengths = np.minimum(lengths, d.max_length)
@@ -146,9 +146,9 @@ def ring_field(ds, name: str, d: RaggedDelivery, batch_size: int) -> RaggedField
                        max_items=d.max_length, multiple=d.multiple, capacity=min(bound, budget))
 
 
-def shape_batch(batch: dict, name: str, d: RaggedDelivery, start: np.ndarray | None) -> None:
-    """Turn the ring's ``name`` / ``name + "_offsets"`` (int64) into the delivered keys, in
-    place (``start``: each piece's first token within its document, when packing)."""
+def shape_batch(batch: dict, name: str, d: RaggedDelivery) -> None:
+    """Turn the ring's ``name`` / ``name + "_offsets"`` (int64) / ``name + "_positions"``
+    (packing) into the delivered keys, in place."""
     import torch
 
     offsets = batch.pop(name + "_offsets")
@@ -157,24 +157,7 @@ def shape_batch(batch: dict, name: str, d: RaggedDelivery, start: np.ndarray | N
         return
     off = offsets.numpy()
     batch[name + "_offsets"] = torch.from_numpy(off.astype(np.int32))  # numpy: cheaper than Tensor.to
-    if d.mode == "pack":
-        values = batch[name]
-        rows = values.shape[0] // d.pack_to
-        batch[name] = values.view(rows, d.pack_to)
-        # position of each token within its document: the piece's first token + its place in
-        # the piece (numpy: torch.repeat_interleave takes milliseconds here)
-        pos = np.repeat(np.asarray(start, dtype=np.int64) - off[:-1], np.diff(off))
-        pos += _arange(values.shape[0])
-        batch[name + "_positions"] = torch.from_numpy(pos).view(rows, d.pack_to)
-
-
-_ARANGE = np.arange(0, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    """``np.arange(n)`` (int64), kept between batches (a packed batch always has the same size)."""
-    global _ARANGE
-    if len(_ARANGE) < n:
-        _ARANGE = np.arange(n, dtype=np.int64)
-        _ARANGE.flags.writeable = False
-    return _ARANGE[:n]
+    if d.mode == "pack":  # the ring wrote each token's position in its document (int64)
+        rows = batch[name].shape[0] // d.pack_to
+        batch[name] = batch[name].view(rows, d.pack_to)
+        batch[name + "_positions"] = batch[name + "_positions"].view(rows, d.pack_to)
