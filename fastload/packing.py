@@ -15,7 +15,12 @@ continues inside a document exactly where it stopped, at any world size.
 
 Coverage follows ``DistributedSampler``: with ``drop_last=False`` the last step wraps around
 to the start of the epoch's token stream (every row is full; the first tokens are read
-again), with ``drop_last=True`` the tokens of an incomplete last step are not read.
+again — several times when one batch is longer than the whole stream), with
+``drop_last=True`` the tokens of an incomplete last step are not read.
+
+A pass's pieces are computed for all its batches at once, vectorised, when it begins
+(:func:`epoch_pieces`); the ring is sized once for the most pieces any batch can have in any
+order of the documents (:func:`max_pieces`).
 """
 from __future__ import annotations
 

@@ -15,8 +15,9 @@ Per field, one of three forms (``RaggedDelivery.mode``):
   two pieces) and ``batch[name + "_positions"]`` (int64, ``(rows, N)``) each token's position
   within its document. Every other field, ``"index"`` and ``"source"`` have one row per piece.
 
-The C++ ring gathers each form directly (one copy of the items); this module sizes the
-ring's region for the field and turns the ring's ``(values, offsets)`` into these keys.
+The C++ ring gathers each form directly (one copy of the items; with ``pack_to`` its
+producers also write the positions); this module sizes the ring's region for the field and
+turns the ring's ``(values, offsets[, positions])`` into these keys.
 """
 from __future__ import annotations
 
