@@ -149,16 +149,23 @@ def epoch_pieces(cum: np.ndarray, begins: np.ndarray, ends: np.ndarray,
         e = np.empty(0, np.int64)
         return e, e, e, np.zeros(len(begins) + 1, np.int64)
     rows = -(-int((ends - begins).max()) // length)
-    # every row start, then every document start that falls inside a batch: the document
-    # starts of each pass of the stream the batches touch (empty documents start nowhere)
+    # every row start, then every document start that falls inside a batch (empty documents
+    # start nowhere): each batch split at the passes of the stream it spans, the documents
+    # starting in each piece found by binary search — only this rank's, never every pass's
     row_starts = (begins[:, None] + np.arange(rows, dtype=np.int64) * length).ravel()
     row_starts = row_starts[row_starts < np.repeat(ends, rows)]
     doc_starts = cum[:-1][cum[1:] > cum[:-1]]
-    passes = np.arange(int(begins[0]) // total, (int(ends[-1]) - 1) // total + 1, dtype=np.int64)
-    starts = (doc_starts[None, :] + passes[:, None] * total).ravel()
-    k = np.searchsorted(begins, starts, side="right") - 1
-    inside = (k >= 0) & (starts < ends[np.maximum(k, 0)])
-    cuts = np.union1d(row_starts, starts[inside])  # sorted, unique
+    p0, p1 = begins // total, (ends - 1) // total
+    spans = p1 - p0 + 1
+    seg_pass = np.repeat(p0, spans) + (np.arange(int(spans.sum())) - np.repeat(np.cumsum(spans) - spans, spans))
+    seg_lo = np.maximum(np.repeat(begins, spans), seg_pass * total) - seg_pass * total
+    seg_hi = np.minimum(np.repeat(ends, spans), (seg_pass + 1) * total) - seg_pass * total
+    i0 = np.searchsorted(doc_starts, seg_lo, side="left")
+    n = np.searchsorted(doc_starts, seg_hi, side="left") - i0
+    first_of = np.cumsum(n) - n
+    pick = np.arange(int(n.sum())) - np.repeat(first_of - i0, n)  # the ranges i0..i0+n-1, one after the other
+    inside = doc_starts[pick] + np.repeat(seg_pass * total, n)
+    cuts = np.union1d(row_starts, inside)  # sorted, unique
     batch = np.searchsorted(begins, cuts, side="right") - 1
     stop = np.minimum(np.append(cuts[1:], ends[-1]), ends[batch])  # the next cut or the batch's end
     first_tok = cuts % total

@@ -234,3 +234,29 @@ def test_per_batch_counts_are_exact_on_every_rank_and_after_a_resume_at_another_
     assert np.bincount(last, minlength=3).tolist() == want[-1].tolist()
     if weights == [0.6, 0.3, 0.1]:
         assert (want == [12, 6, 2]).all()
+
+
+def test_pack_to_mixes_documents_and_weights_over_mean_lengths_give_token_shares(tmp_path):
+    """With pack_to a mixture's proportions are of documents: dataset i gets tokens in
+    proportion to p_i times its mean length; dividing the weights by the mean lengths (the
+    README's recipe) gives proportions of tokens."""
+    rng = np.random.default_rng(0)
+    ds = {}
+    for name, (lo, hi) in {"short": (2, 7), "long": (18, 23)}.items():
+        with ShardWriter(tmp_path / name, {"t": "int32[]"}) as w:
+            w.write_batch({"t": [np.zeros(k, np.int32) for k in rng.integers(lo, hi, 400)]})
+        ds[name] = fastload.Dataset(tmp_path / name)
+    means = np.array([ds[n].lengths("t").mean() for n in ds])
+
+    def token_shares(weights):
+        tokens = np.zeros(2)
+        with fastload.Loader(ds, mix=list(weights), epoch_size=4000, batch_size=4, pack_to=16, seed=3) as loader:
+            for b in loader:
+                off = b["t_offsets"].numpy()
+                np.add.at(tokens, b["source"].numpy(), off[1:] - off[:-1])
+        return tokens / tokens.sum()
+
+    got = token_shares([0.5, 0.5])
+    want = 0.5 * means / (0.5 * means).sum()
+    assert np.abs(got - want).max() < 0.02 and got[1] > 0.75  # documents half and half, tokens not
+    assert np.abs(token_shares(np.array([0.5, 0.5]) / means) - 0.5).max() < 0.02
