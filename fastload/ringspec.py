@@ -262,7 +262,7 @@ def ragged_descs(ragged: list[RaggedField | None], srcs: list, batch_size: int, 
             if rag.padded:
                 longest = max(-(-longest // m) * m, m if m > 1 else 0)
             cap = batch_size * longest
-        pad = np.asarray(rag.pad_value).astype(dt).tobytes() if rag.padded else b""
+        pad = pad_as(rag.pad_value, dt).tobytes() if rag.padded else b""  # checked by parse_ragged
         descs.append((bool(rag.padded), pad, -1 if rag.max_items is None else int(rag.max_items),
                       int(rag.multiple), int(cap), bool(rag.positions)))
         nbytes += (batch_size + 1) * 8 + int(cap) * (item + (8 if rag.positions else 0))

@@ -119,3 +119,13 @@ def test_pad_values_that_are_not_values_of_the_dtype_are_refused(written, dtype,
     ds, _ = written
     with pytest.raises(ValueError, match=f"pad_value\\['{dtype}'\\]=.* is not a value of the field's dtype {dtype}"):
         fastload.Loader(ds, batch_size=2, fields=[dtype], pad_value=pad)
+
+
+def test_a_float_pad_is_rounded_to_the_field_s_precision(written):
+    """0.1 has no exact float16/float32 value: the pad is the nearest one (it was refused)."""
+    ds, data = written
+    with fastload.Loader(ds, batch_size=4, seed=0, fields=["float16", "float32"], pad_value=0.1) as loader:
+        b = next(iter(loader))
+    for n in ("float16", "float32"):
+        want = _padded([data[n][i] for i in b["index"].tolist()], np.dtype(n).type(0.1), n)
+        assert b[n].numpy().tobytes() == want.tobytes()
