@@ -47,6 +47,7 @@ struct RaggedSpec {
   std::int64_t max_items = -1;     // per-sample truncation (-1: none)
   std::int64_t multiple = 1;       // padded width rounded up to a multiple (at least one)
   std::int64_t capacity = 0;       // items the slot region holds; larger batches get own memory
+  bool positions = false;          // packed only: also each item's position in its sample (int64)
   std::vector<RaggedSource> sources;  // per shard
 };
 
@@ -55,6 +56,7 @@ struct RaggedSpec {
 struct RaggedPlan {
   std::vector<std::int64_t> src;  // per row: first item in its shard's values
   std::vector<std::int64_t> dst;  // rows + 1: rebased offsets (prefix sums of the item counts)
+  std::vector<std::int64_t> first;  // positions only: per row, its first item's place in its sample
   std::int64_t width = 0;         // padded: items per row of the output
   std::size_t bytes = 0;          // output bytes (packed: total items; padded: rows * width)
   std::uint8_t* own = nullptr;    // memory of its own when `bytes` exceeds the slot region
@@ -62,7 +64,8 @@ struct RaggedPlan {
   RaggedPlan(const RaggedPlan&) = delete;
   RaggedPlan& operator=(const RaggedPlan&) = delete;
   RaggedPlan(RaggedPlan&& o) noexcept
-      : src(std::move(o.src)), dst(std::move(o.dst)), width(o.width), bytes(o.bytes), own(o.own) {
+      : src(std::move(o.src)), dst(std::move(o.dst)), first(std::move(o.first)), width(o.width), bytes(o.bytes),
+        own(o.own) {
     o.own = nullptr;
   }
   RaggedPlan& operator=(RaggedPlan&& o) noexcept {
@@ -70,6 +73,7 @@ struct RaggedPlan {
       std::free(own);
       src = std::move(o.src);
       dst = std::move(o.dst);
+      first = std::move(o.first);
       width = o.width;
       bytes = o.bytes;
       own = o.own;
@@ -79,6 +83,11 @@ struct RaggedPlan {
   }
   ~RaggedPlan() { std::free(own); }
   std::int64_t total() const { return dst.empty() ? 0 : dst.back(); }
+  // Memory of its own holds the items, then (positions) one int64 per item from this offset.
+  std::size_t positions_at() const { return (bytes + 63) / 64 * 64; }
+  std::size_t own_bytes(bool positions) const {
+    return positions ? positions_at() + static_cast<std::size_t>(total()) * sizeof(std::int64_t) : bytes;
+  }
 };
 
 // Where each field lives in a slot and where its rows come from. Immutable once a ring runs.
@@ -91,6 +100,7 @@ struct Layout {
   std::vector<int> ragged_of;                // per field: index into `ragged`, or -1
   std::vector<RaggedSpec> ragged;            // the ragged fields (not gathered by gather_rows)
   std::vector<std::size_t> ragged_values;    // per ragged field: byte offset of its items in a slot
+  std::vector<std::size_t> ragged_positions; // per ragged field: byte offset of its positions (if any)
 
   bool sourced(std::size_t f) const { return !sources[f].empty(); }
   bool is_ragged(std::size_t f) const { return f < ragged_of.size() && ragged_of[f] >= 0; }
@@ -195,7 +205,10 @@ inline ErrKind gather_rows(const Layout& L, const std::int64_t* shard, const std
 // batch's offsets, rebased to 0); padded, row i starts at i * width items and the rest of the
 // row is filled with the pad element. gather_ragged() then copies a range of rows (so one
 // batch can be split across threads), runs of consecutive items coalesced into one copy, and
-// writes the rebased offsets. Each item is copied exactly once.
+// writes the rebased offsets. Each item is copied exactly once. A packed field with
+// `positions` also gets each item's position within its sample (int64: the row's window
+// start plus its place in the row), the position ids of sequence packing, written by the
+// same producer right after the items.
 
 // Plan rows 0..n-1 of one batch for ragged field `spec` (see the Note). start/count may be
 // null (whole samples); count[i] < 0 means "to the end". On a bad row returns Index (or Value
@@ -206,6 +219,7 @@ inline ErrKind plan_ragged(const RaggedSpec& spec, const std::int64_t* shard, co
   const std::int64_t nshards = static_cast<std::int64_t>(spec.sources.size());
   plan.src.assign(static_cast<std::size_t>(n), 0);
   plan.dst.assign(static_cast<std::size_t>(n) + 1, 0);
+  if (spec.positions) plan.first.assign(static_cast<std::size_t>(n), 0);
   std::int64_t total = 0, widest = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t s = shard[i], r = row[i];
@@ -237,6 +251,7 @@ inline ErrKind plan_ragged(const RaggedSpec& spec, const std::int64_t* shard, co
     if (count != nullptr && count[i] >= 0) k = std::min(k, count[i]);
     if (spec.max_items >= 0) k = std::min(k, spec.max_items);
     plan.src[i] = o0 + first;
+    if (spec.positions) plan.first[i] = first;
     total += k;
     plan.dst[i + 1] = total;
     widest = std::max(widest, k);
@@ -276,10 +291,11 @@ inline void fill_pattern(std::uint8_t* dst, std::size_t n, const std::vector<std
 }  // namespace detail
 
 // Copy rows begin..end-1 of a planned batch (n rows in all) into `values` (packed or padded,
-// see the Note) and write offsets[begin..end-1] (and offsets[n] with the last row).
+// see the Note), write offsets[begin..end-1] (and offsets[n] with the last row) and, for a
+// field with positions, positions[dst[begin]..dst[end]-1].
 inline void gather_ragged(const RaggedSpec& spec, const RaggedPlan& plan, const std::int64_t* shard,
                           std::int64_t n, std::int64_t begin, std::int64_t end, std::uint8_t* values,
-                          std::int64_t* offsets) {
+                          std::int64_t* offsets, std::int64_t* positions = nullptr) {
   const std::size_t ib = spec.item_bytes;
   if (spec.padded) {
     const std::size_t row_bytes = static_cast<std::size_t>(plan.width) * ib;
@@ -308,6 +324,13 @@ inline void gather_ragged(const RaggedSpec& spec, const RaggedPlan& plan, const 
   if (offsets != nullptr) {
     std::memcpy(offsets + begin, plan.dst.data() + begin, static_cast<std::size_t>(end - begin) * 8);
     if (end == n) offsets[n] = plan.dst[static_cast<std::size_t>(n)];
+  }
+  if (positions != nullptr && spec.positions && !spec.padded) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      std::int64_t* p = positions + plan.dst[i];
+      const std::int64_t k = plan.dst[i + 1] - plan.dst[i], f = plan.first[i];
+      for (std::int64_t j = 0; j < k; ++j) p[j] = f + j;
+    }
   }
 }
 

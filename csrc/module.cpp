@@ -184,10 +184,10 @@ RaggedSource load_ragged_source(const FieldDesc& fd, py::handle pair,
   return rs;
 }
 
-// (padded, pad bytes, max_items, multiple, capacity) -> a RaggedSpec without sources.
+// (padded, pad bytes, max_items, multiple, capacity[, positions]) -> a RaggedSpec without sources.
 RaggedSpec ragged_spec(const FieldDesc& fd, const py::handle& desc) {
   py::tuple t = py::reinterpret_borrow<py::tuple>(desc);
-  if (t.size() != 5) throw py::value_error("field '" + fd.name + "': bad ragged description");
+  if (t.size() != 5 && t.size() != 6) throw py::value_error("field '" + fd.name + "': bad ragged description");
   RaggedSpec rs;
   rs.padded = t[0].cast<bool>();
   std::string pad = t[1].cast<std::string>();
@@ -195,7 +195,9 @@ RaggedSpec ragged_spec(const FieldDesc& fd, const py::handle& desc) {
   rs.max_items = t[2].cast<std::int64_t>();
   rs.multiple = t[3].cast<std::int64_t>();
   rs.capacity = t[4].cast<std::int64_t>();
+  rs.positions = t.size() == 6 && t[5].cast<bool>();
   rs.item_bytes = fd.row_bytes;
+  if (rs.positions && rs.padded) throw py::value_error("field '" + fd.name + "': positions are for packed fields");
   if (!rs.pad.empty() && rs.pad.size() != static_cast<std::size_t>(fd.dtype.itemsize()))
     throw py::value_error("field '" + fd.name + "': the pad value must be one element of the field's dtype");
   if (rs.capacity < 0 || rs.multiple < 1) throw py::value_error("field '" + fd.name + "': bad ragged capacity");
@@ -383,6 +385,18 @@ class BoundRing {
     return ring_->submit_many(shard.data(), row.data(), ix, n, per, st, ct);
   }
 
+  std::int64_t submit_sizes(const IndexArray& shard, const IndexArray& row, const py::object& index,
+                            const IndexArray& sizes, const py::object& start, const py::object& count) {
+    const std::int64_t n = index_length(shard, row, index);
+    IndexArray keep, keep_start, keep_count;
+    const std::int64_t* ix = index_data(index, keep);
+    const std::int64_t* st = optional_index(start, n, keep_start, "start");
+    const std::int64_t* ct = optional_index(count, n, keep_count, "count");
+    if (sizes.ndim() != 1) throw py::value_error("sizes must be a 1-D int64 array");
+    py::gil_scoped_release nogil;
+    return ring_->submit_sized(shard.data(), row.data(), ix, n, sizes.data(), sizes.shape(0), st, ct);
+  }
+
   // -> (rows, arrays, slot, copied); arrays[f] has shape (rows, *shape_f). With
   // timeout_ms >= 0, None when no batch became ready within that time. With drop_failed, a
   // batch that failed is dropped (its error too) and False returned instead of raising.
@@ -435,8 +449,9 @@ class BoundRing {
     return py::make_tuple(d.rows, std::move(arrays), d.slot, d.copy);
   }
 
-  // A ragged field of a delivered batch: (values, offsets). Views of the slot (kept alive by
-  // `owner`), a copy when the batch is delivered as one, or the batch's own memory.
+  // A ragged field of a delivered batch: (values, offsets), and positions (int64, one per
+  // item) for a field with positions. Views of the slot (kept alive by `owner`), a copy when
+  // the batch is delivered as one, or the batch's own memory.
   py::tuple ragged_arrays(const FieldDesc& fd, const Layout& L, Delivery& d, const py::object& owner) {
     const std::size_t f = static_cast<std::size_t>(&fd - fields_.data());
     const RaggedSpec& rs = L.ragged[static_cast<std::size_t>(fd.ragged)];
@@ -445,21 +460,33 @@ class BoundRing {
       empty.dst.assign(static_cast<std::size_t>(d.rows) + 1, 0);
       py::array off(py::dtype("int64"), std::vector<py::ssize_t>{static_cast<py::ssize_t>(d.rows + 1)});
       std::memset(off.mutable_data(), 0, static_cast<std::size_t>(d.rows + 1) * 8);
+      if (rs.positions)
+        return py::make_tuple(py::array(fd.dtype, ragged_shape(fd, rs, empty, d.rows)), off,
+                              py::array(py::dtype("int64"), std::vector<py::ssize_t>{0}));
       return py::make_tuple(py::array(fd.dtype, ragged_shape(fd, rs, empty, d.rows)), off);
     }
     RaggedPlan& plan = d.ragged[static_cast<std::size_t>(fd.ragged)];
     const auto shape = ragged_shape(fd, rs, plan, d.rows);
     const std::uint8_t* off_mem = d.mem + L.offsets[f];
-    py::array values, offsets;
+    py::array values, offsets, positions;
+    const std::vector<py::ssize_t> npos{static_cast<py::ssize_t>(rs.positions ? plan.total() : 0)};
     if (plan.own != nullptr) {
       std::uint8_t* mem = plan.own;
       plan.own = nullptr;  // the capsule frees it with the last array viewing it
-      values = py::array(fd.dtype, shape, {}, mem, owning_capsule(mem));
+      py::capsule cap = owning_capsule(mem);
+      values = py::array(fd.dtype, shape, {}, mem, cap);
+      if (rs.positions) positions = py::array(py::dtype("int64"), npos, {}, mem + plan.positions_at(), cap);
     } else if (d.copy) {
       values = py::array(fd.dtype, shape);
       std::memcpy(values.mutable_data(), d.mem + L.ragged_values[fd.ragged], plan.bytes);
+      if (rs.positions) {
+        positions = py::array(py::dtype("int64"), npos);
+        std::memcpy(positions.mutable_data(), d.mem + L.ragged_positions[fd.ragged],
+                    static_cast<std::size_t>(plan.total()) * 8);
+      }
     } else {
       values = py::array(fd.dtype, shape, {}, d.mem + L.ragged_values[fd.ragged], owner);
+      if (rs.positions) positions = py::array(py::dtype("int64"), npos, {}, d.mem + L.ragged_positions[fd.ragged], owner);
     }
     if (d.copy) {
       offsets = py::array(py::dtype("int64"), std::vector<py::ssize_t>{static_cast<py::ssize_t>(d.rows + 1)});
@@ -467,6 +494,7 @@ class BoundRing {
     } else {
       offsets = py::array(py::dtype("int64"), std::vector<py::ssize_t>{static_cast<py::ssize_t>(d.rows + 1)}, {}, off_mem, owner);
     }
+    if (rs.positions) return py::make_tuple(values, offsets, positions);
     return py::make_tuple(values, offsets);
   }
 
@@ -715,6 +743,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("count") = py::none(),
            "Enqueue rows as consecutive batches of batch_size rows (the last may be shorter); "
            "returns the number of batches.")
+      .def("submit_sizes", &BoundRing::submit_sizes, py::arg("shard"), py::arg("row"), py::arg("index"),
+           py::arg("sizes"), py::arg("start") = py::none(), py::arg("count") = py::none(),
+           "Enqueue rows as consecutive batches of sizes[k] rows; returns the number of batches.")
       .def("get", &BoundRing::get, py::arg("timeout_ms") = -1, py::arg("drop_failed") = false,
            "Wait (GIL released, Ctrl-C aware) for the next batch in order; returns "
            "(rows, arrays, slot, copied), or None if timeout_ms >= 0 passed first. A batch's "

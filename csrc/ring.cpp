@@ -88,6 +88,7 @@ Ring::Ring(Layout layout, std::int64_t batch_size, int threads, int slots, int m
   std::size_t off = 0;
   layout_.offsets.clear();
   layout_.ragged_values.assign(layout_.ragged.size(), 0);
+  layout_.ragged_positions.assign(layout_.ragged.size(), 0);
   for (std::size_t f = 0; f < nf; ++f) {
     off = align_up(off, kFieldAlign);
     layout_.offsets.push_back(off);
@@ -100,6 +101,14 @@ Ring::Ring(Layout layout, std::int64_t batch_size, int threads, int slots, int m
         throw std::length_error("a ring slot with a ragged capacity of " + std::to_string(rs.capacity) +
                                 " items would exceed 2^48 bytes");
       off += static_cast<std::size_t>(rs.capacity) * rs.item_bytes;
+      if (rs.positions) {  // then one int64 position per item
+        off = align_up(off, kFieldAlign);
+        layout_.ragged_positions[layout_.ragged_of[f]] = off;
+        if (static_cast<std::size_t>(rs.capacity) > (cap - off) / sizeof(std::int64_t))
+          throw std::length_error("a ring slot with a ragged capacity of " + std::to_string(rs.capacity) +
+                                  " positions would exceed 2^48 bytes");
+        off += static_cast<std::size_t>(rs.capacity) * sizeof(std::int64_t);
+      }
       any_gathered_ = true;
       continue;
     }
@@ -229,18 +238,36 @@ Ring::Stats Ring::stats() {
 std::int64_t Ring::submit_many(const std::int64_t* shard, const std::int64_t* row,
                                const std::int64_t* index, std::int64_t n, std::int64_t per,
                                const std::int64_t* start, const std::int64_t* count) {
-  check_owner();
   if (per < 1 || per > batch_size_ || n < 1)
     throw std::invalid_argument("submit: batch size or row count out of range");
+  std::vector<std::int64_t> sizes;
+  sizes.reserve(static_cast<std::size_t>((n + per - 1) / per));
+  for (std::int64_t b = 0; b < n; b += per) sizes.push_back(std::min(per, n - b));
+  return submit_sized(shard, row, index, n, sizes.data(), static_cast<std::int64_t>(sizes.size()), start, count);
+}
+
+std::int64_t Ring::submit_sized(const std::int64_t* shard, const std::int64_t* row, const std::int64_t* index,
+                                std::int64_t n, const std::int64_t* sizes, std::int64_t batches,
+                                const std::int64_t* start, const std::int64_t* count) {
+  check_owner();
+  std::int64_t rows = 0;
+  for (std::int64_t k = 0; k < batches; ++k) {
+    if (sizes[k] < 1 || sizes[k] > batch_size_)
+      throw std::invalid_argument("submit: a batch size is out of range");
+    rows += sizes[k];
+  }
+  if (n < 1 || batches < 1 || rows != n) throw std::invalid_argument("submit: the batch sizes do not add up to the rows");
   for (std::size_t f = 0; f < layout_.sources.size(); ++f)
     if (!layout_.sourced(f) && static_cast<int>(f) != layout_.index_field && !layout_.is_ragged(f))
       throw std::invalid_argument("submit: a field of this ring has no sources");
   if ((layout_.index_field >= 0) != (index != nullptr))
     throw std::invalid_argument("submit: global indices are needed exactly when the ring has an index field");
   std::vector<std::shared_ptr<Request>> reqs;
-  reqs.reserve(static_cast<std::size_t>((n + per - 1) / per));
-  for (std::int64_t b = 0; b < n; b += per) {
-    const std::int64_t e = std::min(n, b + per);
+  reqs.reserve(static_cast<std::size_t>(batches));
+  std::int64_t e = 0;
+  for (std::int64_t k = 0; k < batches; ++k) {
+    const std::int64_t b = e;
+    e = b + sizes[k];
     auto r = std::make_shared<Request>();
     r->shard.assign(shard + b, shard + e);
     r->row.assign(row + b, row + e);
@@ -391,13 +418,14 @@ ErrKind Ring::plan_locked_free(Request& r, const std::int64_t* start, const std:
       // A batch larger than the slot region (rare: sized for the longest samples) gets
       // memory of its own, handed to the consumer with the batch.
       void* p = nullptr;
-      if (posix_memalign(&p, kSlotAlign, plan.bytes) != 0 || p == nullptr) {
-        msg = "cannot allocate " + std::to_string(plan.bytes) + " bytes for a ragged batch";
+      const std::size_t own = plan.own_bytes(spec.positions);
+      if (posix_memalign(&p, kSlotAlign, std::max<std::size_t>(own, 1)) != 0 || p == nullptr) {
+        msg = "cannot allocate " + std::to_string(own) + " bytes for a ragged batch";
         return ErrKind::Runtime;
       }
       plan.own = static_cast<std::uint8_t*>(p);
     }
-    r.ragged_bytes += plan.bytes;
+    r.ragged_bytes += plan.own_bytes(spec.positions);
   }
   return ErrKind::None;
 }
@@ -419,9 +447,14 @@ ErrKind Ring::gather(const Request& r, const std::int64_t* shard, const std::int
       if (!layout_.is_ragged(f)) continue;
       const int g = layout_.ragged_of[f];
       const RaggedPlan& plan = r.ragged[static_cast<std::size_t>(g)];
+      const RaggedSpec& spec = layout_.ragged[g];
       std::uint8_t* values = plan.own != nullptr ? plan.own : base + layout_.ragged_values[g];
-      gather_ragged(layout_.ragged[g], plan, shard, static_cast<std::int64_t>(plan.dst.size()) - 1, begin,
-                    end, values, reinterpret_cast<std::int64_t*>(dst[f]));
+      std::int64_t* positions = nullptr;
+      if (spec.positions)
+        positions = reinterpret_cast<std::int64_t*>(plan.own != nullptr ? plan.own + plan.positions_at()
+                                                                        : base + layout_.ragged_positions[g]);
+      gather_ragged(spec, plan, shard, static_cast<std::int64_t>(plan.dst.size()) - 1, begin, end, values,
+                    reinterpret_cast<std::int64_t*>(dst[f]), positions);
     }
   }
   gather_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(

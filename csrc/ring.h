@@ -144,6 +144,11 @@ class Ring : public std::enable_shared_from_this<Ring> {
   std::int64_t submit_many(const std::int64_t* shard, const std::int64_t* row,
                            const std::int64_t* index, std::int64_t n, std::int64_t per,
                            const std::int64_t* start = nullptr, const std::int64_t* count = nullptr);
+  // The same with batches of varying sizes: batch k is the next sizes[k] rows (each between 1
+  // and batch_size; they add up to n), e.g. the pieces of packed sequences.
+  std::int64_t submit_sized(const std::int64_t* shard, const std::int64_t* row, const std::int64_t* index,
+                            std::int64_t n, const std::int64_t* sizes, std::int64_t batches,
+                            const std::int64_t* start = nullptr, const std::int64_t* count = nullptr);
 
   enum class Status { Got, Timeout, Closed, Empty };
   // Wait up to timeout_ms for the next batch in sequence; on Got, fills `d`. A delivered

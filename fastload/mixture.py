@@ -28,7 +28,16 @@ The stream is a pure function of (seed, epoch, sizes, weights, batch size), iden
 every rank, and a Loader reads it exactly like a single dataset's: by global steps, with a
 state that is one number (positions consumed), so a mixture resumes exactly, also at
 another world size. ``batch["source"]`` is each row's dataset (its position in the
-mixture), ``batch["index"]`` the sample's index within that dataset.
+mixture), ``batch["index"]`` the sample's index within that dataset. Each rank's batch is
+one run of ``batch_size`` positions (every step consumes a multiple of it), so the
+``per="batch"`` counts hold on every rank at any world size — except when an epoch's last
+step splits its remaining positions evenly over the ranks (``DistributedSampler``'s rule):
+those shorter batches hold their run's counts together.
+
+With ``pack_to`` the mixture still mixes *documents* (positions of this stream), and packing
+reads their tokens: dataset ``i``'s share of the tokens is proportional to ``p_i`` times its
+mean document length, and packed rows hold no exact counts. Weights divided by the mean
+lengths give proportions of tokens (see the README).
 """
 from __future__ import annotations
 

@@ -15,16 +15,22 @@ continues inside a document exactly where it stopped, at any world size.
 
 Coverage follows ``DistributedSampler``: with ``drop_last=False`` the last step wraps around
 to the start of the epoch's token stream (every row is full; the first tokens are read
-again), with ``drop_last=True`` the tokens of an incomplete last step are not read.
+again — several times when one batch is longer than the whole stream), with
+``drop_last=True`` the tokens of an incomplete last step are not read.
+
+A pass's pieces are computed for all its batches at once, vectorised, when it begins
+(:func:`epoch_pieces`); the ring is sized once for the most pieces any batch can have in any
+order of the documents (:func:`max_pieces`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, NamedTuple
 
 import numpy as np
 
-__all__ = ["PackPlan", "Request", "max_pieces", "pack_bounds", "pack_plan", "pieces"]
+__all__ = ["PackPlan", "Request", "epoch_pieces", "max_pieces", "pack_bounds", "pack_plan", "pieces"]
 
 
 class Request(NamedTuple):
@@ -86,7 +92,11 @@ class PackPlan:
     """One rank's pass over a packed epoch, as a value (the packed twin of
     :class:`fastload.sampling.EpochPlan`): ``stream`` the epoch's samples, ``cum`` their
     cumulative token counts, ``bounds`` this rank's batches in tokens, ``start`` the global
-    token count the pass begins at."""
+    token count the pass begins at.
+
+    The pieces of every batch of the pass are computed at once, vectorised, on first use
+    (:meth:`request` then only slices them): arrays with one entry per piece, in batch order.
+    """
 
     epoch: int
     start: int
@@ -103,14 +113,66 @@ class PackPlan:
         last = self.bounds[-1][2] if self.bounds else self.start
         return max(last, int(self.cum[-1]))
 
+    @cached_property
+    def _pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(first piece of each batch (len + 1), sample index, first token, tokens, stream
+        position)`` of every piece of the pass."""
+        begins = np.array([b for b, _, _ in self.bounds], dtype=np.int64)
+        ends = np.array([e for _, e, _ in self.bounds], dtype=np.int64)
+        docs, first, count, batch_first = epoch_pieces(self.cum, begins, ends, self.length)
+        return batch_first, self.stream[docs].astype(np.int64), first, count, docs
+
+    @property
+    def most_pieces(self) -> int:
+        """The most pieces one batch of this pass has (0 without batches)."""
+        batch_first = self._pieces[0]
+        return int(np.diff(batch_first).max(initial=0))
+
     def request(self, k: int) -> Request:
-        b, e, _ = self.bounds[k]
-        docs, first, count = pieces(self.cum, b, e, self.length)
-        return Request(self.stream[docs].astype(np.int64), b, first, count, docs)
+        batch_first, index, first, count, docs = self._pieces
+        a, b = batch_first[k], batch_first[k + 1]
+        return Request(index[a:b], self.bounds[k][0], first[a:b], count[a:b], docs[a:b])
 
     def requests(self) -> Iterator[tuple[Request, int]]:
         for k, (_, _, after) in enumerate(self.bounds):
             yield self.request(k), after
+
+
+def epoch_pieces(cum: np.ndarray, begins: np.ndarray, ends: np.ndarray,
+                 length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`pieces` of many batches at once: batch ``k`` covers tokens ``begins[k]..ends[k]-1``
+    (increasing, disjoint; past ``cum[-1]`` the stream wraps around, any number of times).
+    Returns ``(docs, first, count, batch_first)``: the pieces of every batch one after the
+    other, and where each batch's pieces begin (``len(begins) + 1`` entries)."""
+    total = int(cum[-1])
+    if len(begins) == 0 or total <= 0:
+        e = np.empty(0, np.int64)
+        return e, e, e, np.zeros(len(begins) + 1, np.int64)
+    rows = -(-int((ends - begins).max()) // length)
+    # every row start, then every document start that falls inside a batch (empty documents
+    # start nowhere): each batch split at the passes of the stream it spans, the documents
+    # starting in each piece found by binary search — only this rank's, never every pass's
+    row_starts = (begins[:, None] + np.arange(rows, dtype=np.int64) * length).ravel()
+    row_starts = row_starts[row_starts < np.repeat(ends, rows)]
+    doc_starts = cum[:-1][cum[1:] > cum[:-1]]
+    p0, p1 = begins // total, (ends - 1) // total
+    spans = p1 - p0 + 1
+    seg_pass = np.repeat(p0, spans) + (np.arange(int(spans.sum())) - np.repeat(np.cumsum(spans) - spans, spans))
+    seg_lo = np.maximum(np.repeat(begins, spans), seg_pass * total) - seg_pass * total
+    seg_hi = np.minimum(np.repeat(ends, spans), (seg_pass + 1) * total) - seg_pass * total
+    i0 = np.searchsorted(doc_starts, seg_lo, side="left")
+    n = np.searchsorted(doc_starts, seg_hi, side="left") - i0
+    first_of = np.cumsum(n) - n
+    pick = np.arange(int(n.sum())) - np.repeat(first_of - i0, n)  # the ranges i0..i0+n-1, one after the other
+    inside = doc_starts[pick] + np.repeat(seg_pass * total, n)
+    cuts = np.union1d(row_starts, inside)  # sorted, unique
+    batch = np.searchsorted(begins, cuts, side="right") - 1
+    stop = np.minimum(np.append(cuts[1:], ends[-1]), ends[batch])  # the next cut or the batch's end
+    first_tok = cuts % total
+    docs = np.searchsorted(cum, first_tok, side="right") - 1
+    batch_first = np.searchsorted(cuts, begins, side="left")
+    return (docs.astype(np.int64), first_tok - cum[docs], stop - cuts,
+            np.append(batch_first, len(cuts)).astype(np.int64))
 
 
 def pack_plan(epoch: int, start: int, stream: np.ndarray, lengths: np.ndarray, *, rows: int, length: int,
@@ -127,10 +189,19 @@ def pack_plan(epoch: int, start: int, stream: np.ndarray, lengths: np.ndarray, *
 
 
 def max_pieces(lengths: np.ndarray, rows: int, length: int, max_length: int | None = None) -> int:
-    """An upper bound on the pieces of one batch of ``rows`` rows of ``length`` tokens: the
-    most whole documents that fit in them (the shortest ones), two partial ones at the ends,
-    one more piece per row cut and two for a wrap-around."""
+    """An upper bound on the pieces of one batch of ``rows`` rows of ``length`` tokens, in any
+    order of the documents: one piece per row plus one per document start inside the batch.
+    Those documents, but the last, lie whole inside the batch, and they follow each other in
+    the epoch's token stream, which wraps around when the batch is longer than what is left
+    of it (``drop_last=False``) — as many times as the batch is longer than the whole stream.
+    So at most ``q`` whole passes over the documents (``q = rows * length // total``), plus
+    the shortest documents that fit in the rest, plus one."""
     tok = lengths if max_length is None else np.minimum(lengths, max_length)
-    nz = np.sort(tok[tok > 0])
-    fit = int(np.searchsorted(np.cumsum(nz), rows * length, side="right"))
-    return int(min(rows * length, rows + fit + 3))
+    nz = np.sort(tok[tok > 0]).astype(np.int64)
+    total = int(nz.sum())
+    if total == 0:
+        return max(1, rows)  # no token: no batch
+    size = rows * length
+    passes, rest = divmod(size, total)
+    whole = passes * len(nz) + int(np.searchsorted(np.cumsum(nz), rest, side="right"))
+    return int(min(size, rows + whole + 1))

@@ -37,7 +37,7 @@ import numpy as np
 from . import _C
 from .ringsize import MIN_PART_BYTES, default_slots, default_threads, ring_sizes
 from .ringslot import FillSlot, RingBatch
-from .ringspec import RaggedField, batch_dict, parse_ragged, ragged_descs, row_args, shard_sources, window_args
+from .ringspec import RaggedField, as_index, batch_dict, parse_ragged, ragged_descs, row_args, shard_sources, window_args
 from .ringspec import parse_fields as _parse_fields
 from .ringspec import parse_sources as _parse_sources
 from .validate import check_int
@@ -210,12 +210,30 @@ class Ring:
             raise ValueError("submit_many() needs at least one row")
         return self._submit(s, r, ix, int(per), *window_args(start, count, len(s)))
 
-    def _submit(self, s, r, ix, per: int, start=None, count=None) -> int:
+    def submit_sizes(self, shard: Any, row: Any, sizes: Any, index: Any = None, *, start: Any = None,
+                     count: Any = None) -> int:
+        """Enqueue consecutive batches of ``sizes[k]`` rows each (they add up to the rows):
+        :meth:`submit_many` for batches of varying sizes, e.g. the pieces of packed sequences.
+        The arguments are checked once for the whole run; returns the number of batches."""
+        s, r, ix = self._rows(shard, row, index)
+        st, ct = self._windows(start, count, len(s))
+        sz = as_index(sizes, "sizes")
+        if len(sz) == 0 or int(sz.sum()) != len(s) or int(sz.min()) < 1 or int(sz.max()) > self._batch_size:
+            raise ValueError(f"sizes must be between 1 and batch_size={self._batch_size} and add up to the "
+                             f"{len(s)} rows (got {len(sz)} sizes adding up to {int(sz.sum())}, "
+                             f"the largest {int(sz.max(initial=0))})")
+        self._check_submit()
+        return self._core.submit_sizes(s, r, ix, sz, st, ct)
+
+    def _check_submit(self) -> None:
         if self._closed:
             raise RuntimeError("this Ring is closed; create a new one")
         if self._needs_sources:
             raise ValueError(f"field {self._needs_sources[0]!r} has no sources, so submit() cannot gather it; "
                              "fill it with acquire() instead")
+
+    def _submit(self, s, r, ix, per: int, start=None, count=None) -> int:
+        self._check_submit()
         return self._core.submit_many(s, r, ix, per, start, count)
 
     def set_source(self, shard: int, arrays: Mapping[str, np.ndarray] | None) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .validate import is_int as _is_int
 
-__all__ = ["RaggedField", "as_index", "batch_dict", "check_source", "parse_fields", "parse_ragged", "parse_sources", "ragged_descs",
+__all__ = ["RaggedField", "as_index", "batch_dict", "check_source", "pad_as", "parse_fields", "parse_ragged", "parse_sources", "ragged_descs",
            "row_args", "shard_sources", "window_args"]
 
 
@@ -27,7 +27,10 @@ class RaggedField:
     0: row ``i`` has ``offsets[i + 1] - offsets[i]`` items). ``max_items`` truncates each
     row; ``multiple`` rounds the padded width up (at least one multiple); ``capacity`` is
     the items a slot holds (default: ``batch_size`` times the longest row) — a larger batch
-    gets memory of its own rather than failing."""
+    gets memory of its own rather than failing. ``positions`` (packed only): the batch also
+    holds ``name + "_positions"``, int64, one per item: its place within its sample (the
+    row's window start plus its place in the window; the position ids of sequence packing),
+    written by the producer with the items."""
 
     dtype: Any
     item_shape: tuple = ()
@@ -36,6 +39,7 @@ class RaggedField:
     max_items: int | None = None
     multiple: int = 1
     capacity: int | None = None
+    positions: bool = False
 
 _INT64 = np.dtype(np.int64)
 
@@ -84,6 +88,42 @@ def parse_fields(fields: Mapping[str, Any]) -> tuple[list[str], list[np.dtype], 
     return names, dtypes, shapes
 
 
+def pad_as(value: Any, dt: np.dtype) -> np.generic | None:
+    """``value`` as a scalar of dtype ``dt``, or None when it is not a value of ``dt``.
+    Integer and bool fields take exactly representable numbers only; float and complex fields
+    take any real number, rounded to their precision (NaN and infinities included, not a finite
+    value that overflows to infinity), complex fields also complex numbers."""
+    import warnings
+
+    try:
+        a = np.asarray(value)
+    except (TypeError, ValueError):
+        return None
+    if a.ndim != 0 or a.dtype.kind not in "biufc":
+        return None
+    kind = np.dtype(dt).kind
+    v = a.item()
+    if kind in "biu" and a.dtype.kind == "c":
+        return None
+    if kind == "f" and a.dtype.kind == "c":
+        if v.imag != 0:
+            return None
+        a, v = np.asarray(v.real), v.real
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            cast = a.astype(dt)[()]
+        except (TypeError, ValueError, OverflowError):
+            return None
+    if kind in "biu":
+        if a.dtype.kind == "f" and not (np.isfinite(v) and float(v).is_integer()):
+            return None
+        return cast if int(cast) == int(v) else None
+    if np.isinf(cast).any() and not np.isinf(a).any():
+        return None  # a finite value too large for the dtype
+    return cast
+
+
 def parse_ragged(fields: Mapping[str, Any], names: list[str], dtypes: list[np.dtype],
                  shapes: list[tuple[int, ...]]) -> list[RaggedField | None]:
     """Per field: its checked RaggedField, or None for a fixed field."""
@@ -97,17 +137,15 @@ def parse_ragged(fields: Mapping[str, Any], names: list[str], dtypes: list[np.dt
         if name + "_offsets" in taken:
             raise ValueError(f"field {name!r}: its offsets are delivered as {name + '_offsets'!r}, which is "
                              "also a field name")
+        if spec.positions and (spec.padded or name + "_positions" in taken):
+            raise ValueError(f"field {name!r}: positions are delivered for a packed field (padded=False) as "
+                             f"{name + '_positions'!r}, which must not be a field name")
         for what, v, lo in (("max_items", spec.max_items, 0), ("multiple", spec.multiple, 1),
                             ("capacity", spec.capacity, 0)):
             if v is not None and (not _is_int(v) or v < lo):
                 raise ValueError(f"field {name!r}: {what}={v!r} must be an int >= {lo}")
-        try:
-            pad = np.asarray(spec.pad_value)
-            cast = pad.astype(dt)
-            if pad.ndim != 0 or (pad.dtype.kind in "iufcb" and np.asarray(cast).astype(pad.dtype) != pad):
-                raise ValueError
-        except (ValueError, TypeError, OverflowError):
-            raise ValueError(f"field {name!r}: pad_value={spec.pad_value!r} is not a value of dtype {dt}") from None
+        if pad_as(spec.pad_value, dt) is None:
+            raise ValueError(f"field {name!r}: pad_value={spec.pad_value!r} is not a value of dtype {dt}")
         out.append(spec)
     return out
 
@@ -207,7 +245,7 @@ def parse_sources(
 def ragged_descs(ragged: list[RaggedField | None], srcs: list, batch_size: int, dtypes: list[np.dtype],
                  shapes: list[tuple[int, ...]]) -> tuple[list[tuple | None], int]:
     """What the C++ ring takes for each ragged field — ``(padded, pad bytes, max_items or -1,
-    multiple, capacity)`` — and the slot bytes of all ragged regions."""
+    multiple, capacity, positions)`` — and the slot bytes of all ragged regions."""
     descs: list[tuple | None] = []
     nbytes = 0
     for rag, src, dt, shape in zip(ragged, srcs, dtypes, shapes):
@@ -224,20 +262,23 @@ def ragged_descs(ragged: list[RaggedField | None], srcs: list, batch_size: int, 
             if rag.padded:
                 longest = max(-(-longest // m) * m, m if m > 1 else 0)
             cap = batch_size * longest
-        pad = np.asarray(rag.pad_value).astype(dt).tobytes() if rag.padded else b""
+        pad = pad_as(rag.pad_value, dt).tobytes() if rag.padded else b""  # checked by parse_ragged
         descs.append((bool(rag.padded), pad, -1 if rag.max_items is None else int(rag.max_items),
-                      int(rag.multiple), int(cap)))
-        nbytes += (batch_size + 1) * 8 + int(cap) * item
+                      int(rag.multiple), int(cap), bool(rag.positions)))
+        nbytes += (batch_size + 1) * 8 + int(cap) * (item + (8 if rag.positions else 0))
     return descs, nbytes
 
 
 def batch_dict(names: list[str], arrays: tuple) -> dict:
     """The ring's arrays as ``{name: array}``: a ragged field's ``(values, offsets)`` pair as
-    ``name`` and ``name + "_offsets"``; fields without an array (None) left out."""
+    ``name`` and ``name + "_offsets"`` (and its positions as ``name + "_positions"``); fields
+    without an array (None) left out."""
     out = {}
     for n, a in zip(names, arrays):
         if type(a) is tuple:
-            out[n], out[n + "_offsets"] = a
+            out[n], out[n + "_offsets"] = a[0], a[1]
+            if len(a) == 3:
+                out[n + "_positions"] = a[2]
         elif a is not None:
             out[n] = a
     return out

@@ -181,3 +181,82 @@ def test_mixture_resume_on_real_ranks(datasets):
         want = np.concatenate([b["x"].numpy() for b in loader])
     got = np.array(first[0]["read"] + rest[0]["read"])
     assert np.array_equal(got[:len(want)], want)
+
+
+def _batches_by_rank(make, world_size, state=None):
+    """Every rank's batches of epoch 0 (from ``state`` when given): [[source array per batch] per rank]."""
+    out = []
+    for r in range(world_size):
+        with make(rank=r, world_size=world_size) as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            loader.set_epoch(0)
+            out.append([b["source"].numpy().copy() for b in loader])
+    return out
+
+
+@pytest.mark.parametrize("weights", [[0.6, 0.3, 0.1], [0.55, 0.3, 0.15]])
+def test_per_batch_counts_are_exact_on_every_rank_and_after_a_resume_at_another_world_size(datasets, weights):
+    """per="batch": one rank's batch is one run of batch_size stream positions, whatever the
+    world size, so its counts are exactly that run's (floor or ceil of B * p, rotating): at
+    2 and 3 ranks, and on 2 ranks resuming a state 3 ranks saved after 5 steps."""
+    B, M = 20, 3000  # M is a whole number of batches at 1, 2 and 3 ranks: every batch is full
+    want = batch_counts(np.array(weights) / sum(weights), B, M // B)
+
+    def make(rank=0, world_size=1):
+        return fastload.Loader(list(datasets.values()), mix=weights, epoch_size=M, batch_size=B, seed=1,
+                               rank=rank, world_size=world_size)
+
+    for world_size in (1, 2, 3):
+        per_rank = _batches_by_rank(make, world_size)
+        assert all(len(p) == M // B // world_size for p in per_rank)
+        for r, batches in enumerate(per_rank):
+            for k, s in enumerate(batches):
+                chunk = k * world_size + r  # the run of B positions this batch is
+                assert np.bincount(s, minlength=3).tolist() == want[chunk].tolist(), (world_size, r, k)
+    with make(rank=0, world_size=3) as loader:
+        it = iter(loader)
+        for _ in range(5):
+            next(it)
+        state = loader.state_dict()
+        it.close()
+    assert state["sampler"]["consumed"] == 5 * 3 * B
+    per_rank = _batches_by_rank(make, 2, state)
+    left = M // B - 15  # runs of B positions left: 135, so 67 steps of two runs and a last one
+    assert [[len(s) for s in p] for p in per_rank] == [[B] * (left // 2) + [B // 2]] * 2
+    for r, batches in enumerate(per_rank):
+        for k, s in enumerate(batches[:-1]):
+            chunk = 15 + k * 2 + r
+            assert np.bincount(s, minlength=3).tolist() == want[chunk].tolist(), (r, k)
+    # the last run is split between the ranks (equal counts per rank, like DistributedSampler):
+    # together their last batches hold it exactly
+    last = np.concatenate([per_rank[0][-1], per_rank[1][-1]])
+    assert np.bincount(last, minlength=3).tolist() == want[-1].tolist()
+    if weights == [0.6, 0.3, 0.1]:
+        assert (want == [12, 6, 2]).all()
+
+
+def test_pack_to_mixes_documents_and_weights_over_mean_lengths_give_token_shares(tmp_path):
+    """With pack_to a mixture's proportions are of documents: dataset i gets tokens in
+    proportion to p_i times its mean length; dividing the weights by the mean lengths (the
+    README's recipe) gives proportions of tokens."""
+    rng = np.random.default_rng(0)
+    ds = {}
+    for name, (lo, hi) in {"short": (2, 7), "long": (18, 23)}.items():
+        with ShardWriter(tmp_path / name, {"t": "int32[]"}) as w:
+            w.write_batch({"t": [np.zeros(k, np.int32) for k in rng.integers(lo, hi, 400)]})
+        ds[name] = fastload.Dataset(tmp_path / name)
+    means = np.array([ds[n].lengths("t").mean() for n in ds])
+
+    def token_shares(weights):
+        tokens = np.zeros(2)
+        with fastload.Loader(ds, mix=list(weights), epoch_size=4000, batch_size=4, pack_to=16, seed=3) as loader:
+            for b in loader:
+                off = b["t_offsets"].numpy()
+                np.add.at(tokens, b["source"].numpy(), off[1:] - off[:-1])
+        return tokens / tokens.sum()
+
+    got = token_shares([0.5, 0.5])
+    want = 0.5 * means / (0.5 * means).sum()
+    assert np.abs(got - want).max() < 0.02 and got[1] > 0.75  # documents half and half, tokens not
+    assert np.abs(token_shares(np.array([0.5, 0.5]) / means) - 0.5).max() < 0.02

@@ -167,3 +167,54 @@ def test_ragged_field_arguments_are_checked():
         Ring({"r": RaggedField(np.int32, multiple=0)}, 2, {"r": [(vals, off)]})
     with pytest.raises(ValueError, match="'r_offsets'.*also a field name"):
         Ring({"r": RaggedField(np.int32), "r_offsets": (np.int64, ())}, 2, {"r": [(vals, off)]})
+
+
+def _positions_reference(shards, shard, row, start, count):
+    """Each gathered item's place in its sample: the window start, then one more per item."""
+    out = []
+    for s, r, st, c in zip(shard, row, start, count):
+        off = shards[s][1]
+        n = int(off[r + 1] - off[r])
+        first = min(st, n)
+        k = n - first if c < 0 else min(n - first, c)
+        out.append(np.arange(first, first + k))
+    return np.concatenate(out).astype(np.int64) if out else np.empty(0, np.int64)
+
+
+@pytest.mark.parametrize("capacity", [None, 7])  # 7: most batches overflow into memory of their own
+def test_positions_of_windows_in_slots_own_memory_copies_and_split_parts(capacity):
+    """A packed field with positions=True: the producers write each item's position in its
+    sample beside the items — in the slot, in a batch's own memory past the slot region, in
+    the copies of batches delivered while the caller holds every slot, and split across
+    producer threads; batches of varying sizes submitted as one run (submit_sizes)."""
+    rng = np.random.default_rng(6)
+    shards = _shards(rng, nshards=3, rows=60, max_len=30)
+    n = 600
+    shard, row = rng.integers(0, 3, n), rng.integers(0, 60, n)
+    start, count = rng.integers(0, 12, n), rng.integers(-1, 9, n)
+    sizes = rng.integers(1, 17, 80)
+    sizes = sizes[np.cumsum(sizes) <= n]
+    m = int(sizes.sum())
+    fields = {"r": RaggedField(np.int32, capacity=capacity, positions=True), "index": (np.int64, ())}
+    with Ring(fields, 16, {"r": shards}, index_field="index", threads=3, slots=2, max_slots=3,
+              min_part_bytes=64) as ring:
+        assert ring.submit_sizes(shard[:m], row[:m], sizes, index=np.arange(m), start=start[:m],
+                                 count=count[:m]) == len(sizes)
+        held = [ring.get() for _ in sizes]  # more than max_slots held: later ones are copies
+        assert ring.stats()["copies"] > 0
+        a = 0
+        for k, b in enumerate(held):
+            sl = slice(a, a + sizes[k])
+            rv, ro = reference(shards, shard[sl], row[sl], start=start[sl], count=count[sl])
+            assert np.array_equal(b["r"].numpy(), rv) and np.array_equal(b["r_offsets"].numpy(), ro), k
+            want = _positions_reference(shards, shard[sl], row[sl], start[sl], count[sl])
+            assert b["r_positions"].dtype.itemsize == 8 and np.array_equal(b["r_positions"].numpy(), want), k
+            assert b["index"].tolist() == list(range(a, a + sizes[k]))
+            a += sizes[k]
+        del held, b
+        gc.collect()
+    with pytest.raises(ValueError, match="positions are delivered for a packed field"):
+        Ring({"r": RaggedField(np.int32, padded=True, positions=True)}, 2, {"r": shards})
+    with pytest.raises(ValueError, match="sizes must be between 1 and batch_size=2"):
+        with Ring({"r": RaggedField(np.int32)}, 2, {"r": shards}) as ring:
+            ring.submit_sizes([0, 0, 0], [1, 2, 3], [3])

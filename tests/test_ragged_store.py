@@ -1,6 +1,8 @@
 """Ragged fields in the store: specs, round trips (bytes exact, every dtype, zero-length
 samples), the Arrow layout other tools read, shard rolling, bad input, format versions."""
+import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -155,3 +157,51 @@ def test_version_1_datasets_still_open_and_a_version_1_manifest_cannot_claim_rag
     mpath.write_text(json.dumps(m))
     with pytest.raises(FormatError, match="cannot hold ragged fields"):
         DatasetReader(tmp_path / "new")
+
+
+V1 = Path(__file__).resolve().parent / "data" / "v1"  # written by the pre-ragged writer (data/make_v1.py)
+
+
+def _v1_sample(i):
+    return {"label": i % 3, "x": np.array([i, -i, 0.5 * i], np.float32),
+            "m": (np.arange(4, dtype=np.uint8) + 4 * i).reshape(2, 2), "w": i / 8, "key": f"sample-{i:02d}",
+            "blob": bytes(range(i))}
+
+
+def test_a_dataset_written_by_the_pre_ragged_writer_opens_verifies_and_loads(tmp_path):
+    """tests/data/v1 holds the bytes fastload's writer made before format version 2 existed
+    (commit 8d7542b): today's reader, verify and Loader read it, every value as written."""
+    import shutil
+
+    from PIL import Image
+
+    path = tmp_path / "v1"
+    shutil.copytree(V1, path)  # a copy: nothing the test does can touch the committed files
+    m = read_manifest(path)
+    assert m["format_version"] == 1 and m["label"]["counts"] == [4, 4, 4]
+    assert fastload.verify(path, remember=False) == []
+    ds = DatasetReader(path)
+    assert len(ds) == 12 and ds.num_shards == 3 and ds.label_field == "label"
+    for i in range(12):
+        got, want = ds[i], _v1_sample(i)
+        for k, v in want.items():
+            if isinstance(v, np.ndarray):
+                assert got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes(), (i, k)
+            else:
+                assert got[k] == v, (i, k)
+        img = np.asarray(Image.open(io.BytesIO(got["image"])))
+        assert img.shape == (8, 12, 3) and abs(int(img[0, 0, 0]) - 20 * i) <= 8 and img[0, 0, 1] > 150
+    with fastload.Loader(path, batch_size=5, shuffle=False, fields=["x", "m", "w", "label", "key", "blob"]) as loader:
+        batches = list(loader)
+    assert [len(b["index"]) for b in batches] == [5, 5, 2]
+    for b in batches:
+        for row, i in enumerate(b["index"].tolist()):
+            want = _v1_sample(i)
+            assert b["x"][row].numpy().tobytes() == want["x"].tobytes()
+            assert b["m"][row].numpy().tobytes() == want["m"].tobytes()
+            assert b["w"][row].item() == want["w"] and b["label"][row].item() == want["label"]
+            assert b["key"][row] == want["key"] and b["blob"][row] == want["blob"]
+    with fastload.Loader(path, batch_size=4, shuffle=False, fields=["image", "label"],
+                         transforms={"image": fastload.vision.eval(8, resize=8, dtype="uint8")}) as loader:
+        images = [b["image"] for b in loader]
+    assert sum(len(x) for x in images) == 12 and tuple(images[0].shape[1:]) in ((8, 8, 3), (3, 8, 8))

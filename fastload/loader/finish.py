@@ -110,7 +110,7 @@ class Finish:
     def __call__(self, batch: dict, req: Request) -> dict:
         index = gidx = batch[INDEX].numpy()
         for name, d in self._ragged.items():
-            shape_batch(batch, name, d, req.start)
+            shape_batch(batch, name, d)
         source = None
         if self._split is not None:
             import torch

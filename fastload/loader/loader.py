@@ -166,6 +166,10 @@ class Loader:
                                       log_every=log_every, ragged=ragged, pad_value=pad_value,
                                       max_length=max_length, pad_to_multiple=pad_to_multiple, pack_to=pack_to,
                                       batch_transform=batch_transform, device_transform=device_transform)
+        if self._options.pack is not None and balance:
+            raise ValueError(f"balance={balance!r} makes class-balanced batches of samples, and pack_to= cuts "
+                             "documents into rows of tokens, so a packed batch is not class-balanced; use "
+                             "weights= (per-document draw weights, e.g. 1 / the frequency of its class) with pack_to")
         self._sampler = make_sampler(ds, self._world, batch_size=self._options.batch_size, seed=self._options.seed,
                                      shuffle=shuffle, drop_last=drop_last, weights=weights, replacement=replacement,
                                      num_draws=num_draws, balance=balance, shuffle_mode=shuffle_mode, window=window,
@@ -247,6 +251,7 @@ class Loader:
             plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
         else:  # the same stream of samples, read as tokens (the position counts tokens)
             plan = self._pack_plan(*self._sampler.begin_pass())
+            self._parts.check_pieces(plan)
         if self._remote is not None:
             self._remote.begin(plan)
         fixed = o.fixed_size and o.batch_transform is None and o.device_transform is None

@@ -61,8 +61,10 @@ class Options:
 
     @property
     def fixed_size(self) -> bool:
-        """True when every batch of a given row count has the same bytes (no ragged or list field)."""
-        return not self.ragged and not self.list_fields
+        """True when every batch of a given row count has the same bytes: no list field, and
+        no ragged field but the one packed with ``pack_to`` (rows of N tokens; one row of
+        the other keys per piece)."""
+        return not self.list_fields and all(d.mode == "pack" for d in self.ragged.values())
 
 
 def default_prefetch(threads: int, batch_bytes: int) -> int:

@@ -102,6 +102,19 @@ class Parts:
             self._stats.attach("ring", lambda: {"gather_s": ring.stats()["gather_ns"] / 1e9})
         return self._ring
 
+    def check_pieces(self, plan) -> None:
+        """A packed pass's batches fit the ring's rows (one per document piece; sized once
+        from the documents' lengths by ``max_pieces``, an upper bound for any order)."""
+        rows = self.ring().batch_size
+        most = plan.most_pieces
+        if most > rows:
+            name, d = self._opts.pack
+            raise RuntimeError(
+                f"pack_to={d.pack_to} with batch_size={self._opts.batch_size}: a batch of epoch {plan.epoch} holds "
+                f"{most} pieces of documents of {name!r}, more than the {rows} this Loader made room for from "
+                f"the documents' lengths (max_length={d.max_length}); this is a bug in fastload, please report it "
+                "with these numbers")
+
     def ring_stats(self) -> dict | None:
         ring = self._ring
         if ring is None or ring.closed or self.forked:

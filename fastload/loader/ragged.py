@@ -15,8 +15,9 @@ Per field, one of three forms (``RaggedDelivery.mode``):
   two pieces) and ``batch[name + "_positions"]`` (int64, ``(rows, N)``) each token's position
   within its document. Every other field, ``"index"`` and ``"source"`` have one row per piece.
 
-The C++ ring gathers each form directly (one copy of the items); this module sizes the
-ring's region for the field and turns the ring's ``(values, offsets)`` into these keys.
+The C++ ring gathers each form directly (one copy of the items; with ``pack_to`` its
+producers also write the positions); this module sizes the ring's region for the field and
+turns the ring's ``(values, offsets[, positions])`` into these keys.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..ringspec import RaggedField
+from ..ringspec import RaggedField, pad_as
 from ..validate import check_choice, check_int
 
 __all__ = ["MODES", "RAGGED_SLOT_BUDGET", "RaggedDelivery", "resolve_ragged", "ring_field", "shape_batch"]
@@ -56,7 +57,14 @@ class RaggedDelivery:
 
 
 def _plain(v: Any) -> Any:
-    return v.item() if isinstance(v, np.generic) else v
+    """A pad value as plain JSON (a state_dict compares it with ``==``): NaN and infinities as
+    the strings ``"nan"``, ``"inf"``, ``"-inf"``; a complex number as ``[real, imag]``."""
+    v = v.item() if isinstance(v, np.generic) else v
+    if isinstance(v, complex):
+        return [_plain(v.real), _plain(v.imag)]
+    if isinstance(v, float) and not np.isfinite(v):
+        return str(v)
+    return v
 
 
 def _per_field(arg: str, value: Any, names: tuple[str, ...]) -> dict[str, Any]:
@@ -106,15 +114,10 @@ def resolve_ragged(ds, names: tuple[str, ...], *, ragged: Any, pad_value: Any, m
             raise ValueError(f"field {n!r} is delivered packed (no padding): pad_value and pad_to_multiple "
                              "apply to ragged='padded'")
         pad = pads.get(n, 0)
-        try:
-            cast = np.asarray(pad).astype(f.np_dtype)
-            ok = np.asarray(pad).ndim == 0 and (np.asarray(pad).dtype.kind not in "iufb"
-                                                or cast.astype(np.asarray(pad).dtype) == pad)
-        except (TypeError, ValueError, OverflowError):
-            ok = False
-        if not ok:
+        cast = pad_as(pad, f.np_dtype)
+        if cast is None:
             raise ValueError(f"pad_value[{n!r}]={pad!r} is not a value of the field's dtype {f.dtype}")
-        out[n] = RaggedDelivery(mode, pad_value=cast[()], max_length=ml,
+        out[n] = RaggedDelivery(mode, pad_value=cast, max_length=ml,
                                 multiple=check_int(f"pad_to_multiple[{n!r}]", mult.get(n, 1), min=1))
     return out
 
@@ -125,8 +128,8 @@ def ring_field(ds, name: str, d: RaggedDelivery, batch_size: int) -> RaggedField
     own): ``batch_size`` rows of the longest sample (padded), the ``batch_size`` longest
     samples (packed), or exactly ``rows * N`` tokens (pack)."""
     f = ds.fields[name]
-    if d.mode == "pack":
-        return RaggedField(f.np_dtype, f.shape, capacity=batch_size * d.pack_to)
+    if d.mode == "pack":  # the producers also write each token's position in its document
+        return RaggedField(f.np_dtype, f.shape, capacity=batch_size * d.pack_to, positions=True)
     lengths = ds.lengths(name)
     if d.max_length is not None:
         lengths = np.minimum(lengths, d.max_length)
@@ -144,35 +147,18 @@ def ring_field(ds, name: str, d: RaggedDelivery, batch_size: int) -> RaggedField
                        max_items=d.max_length, multiple=d.multiple, capacity=min(bound, budget))
 
 
-def shape_batch(batch: dict, name: str, d: RaggedDelivery, start: np.ndarray | None) -> None:
-    """Turn the ring's ``name`` / ``name + "_offsets"`` (int64) into the delivered keys, in
-    place (``start``: each piece's first token within its document, when packing)."""
+def shape_batch(batch: dict, name: str, d: RaggedDelivery) -> None:
+    """Turn the ring's ``name`` / ``name + "_offsets"`` (int64) / ``name + "_positions"``
+    (packing) into the delivered keys, in place."""
     import torch
 
     offsets = batch.pop(name + "_offsets")
     if d.mode == "padded":
         batch[name + "_lengths"] = offsets[1:] - offsets[:-1]
         return
-    batch[name + "_offsets"] = offsets.to(torch.int32)
-    if d.mode == "pack":
-        values = batch[name]
-        rows = values.shape[0] // d.pack_to
-        batch[name] = values.view(rows, d.pack_to)
-        off = offsets.numpy()
-        # position of each token within its document: the piece's first token + its place in
-        # the piece (numpy: torch.repeat_interleave takes milliseconds here)
-        pos = np.repeat(np.asarray(start, dtype=np.int64) - off[:-1], off[1:] - off[:-1])
-        pos += _arange(values.shape[0])
-        batch[name + "_positions"] = torch.from_numpy(pos).view(rows, d.pack_to)
-
-
-_ARANGE = np.arange(0, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    """``np.arange(n)`` (int64), kept between batches (a packed batch always has the same size)."""
-    global _ARANGE
-    if len(_ARANGE) < n:
-        _ARANGE = np.arange(n, dtype=np.int64)
-        _ARANGE.flags.writeable = False
-    return _ARANGE[:n]
+    off = offsets.numpy()
+    batch[name + "_offsets"] = torch.from_numpy(off.astype(np.int32))  # numpy: cheaper than Tensor.to
+    if d.mode == "pack":  # the ring wrote each token's position in its document (int64)
+        rows = batch[name].shape[0] // d.pack_to
+        batch[name] = batch[name].view(rows, d.pack_to)
+        batch[name + "_positions"] = batch[name + "_positions"].view(rows, d.pack_to)

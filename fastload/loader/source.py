@@ -59,11 +59,13 @@ def submit_batches(ring, dataset, batches: Sequence[Request]) -> None:
     if not windows and len(sizes) <= 1 and (not sizes or len(batches[-1].index) <= next(iter(sizes))):
         ring.submit_many(shard, row, len(batches[0].index), index=idx_all)
         return
-    start = 0
-    for b in batches:
-        stop = start + len(b.index)
-        ring.submit(shard[start:stop], row[start:stop], index=idx_all[start:stop], start=b.start, count=b.count)
-        start = stop
+    sizes = [len(b.index) for b in batches]
+    if windows:  # packed sequences: one row per piece, pieces per batch vary
+        start = np.concatenate([b.start for b in batches]) if len(batches) > 1 else batches[0].start
+        count = np.concatenate([b.count for b in batches]) if len(batches) > 1 else batches[0].count
+        ring.submit_sizes(shard, row, sizes, index=idx_all, start=start, count=count)
+        return
+    ring.submit_sizes(shard, row, sizes, index=idx_all)
 
 
 class RingFedSource:
