@@ -215,8 +215,8 @@ class Ring:
         """Enqueue consecutive batches of ``sizes[k]`` rows each (they add up to the rows):
         :meth:`submit_many` for batches of varying sizes, e.g. the pieces of packed sequences.
         The arguments are checked once for the whole run; returns the number of batches."""
-        s, r, ix = self._rows(shard, row, index)
-        st, ct = self._windows(start, count, len(s))
+        s, r, ix = row_args(shard, row, index, self._index_field)
+        st, ct = window_args(start, count, len(s))
         sz = as_index(sizes, "sizes")
         if len(sz) == 0 or int(sz.sum()) != len(s) or int(sz.min()) < 1 or int(sz.max()) > self._batch_size:
             raise ValueError(f"sizes must be between 1 and batch_size={self._batch_size} and add up to the "
