@@ -518,13 +518,62 @@ def test_a_malformed_manifest_is_refused_naming_the_key(tmp_path, path, value, m
     assert "Traceback" not in err and err.count("\n") == 2
 
 
+def _every_reader(d, ref=None, ref_batches=None):
+    """Open the dataset at ``d`` every way a user can: Dataset.get_batch, `fastload inspect`
+    (text and --json), `fastload verify` and a Loader's epoch. Each must give the very data of
+    ``ref`` / ``ref_batches`` (when given), exit 0/1 with one line, or raise a fastload error;
+    any other exception or a traceback fails the test. Returns {what: "same" | "error"}."""
+    from fastload.cli import main
+
+    out = {}
+    n = len(ref["x"]) if ref is not None else 0
+
+    def dataset():
+        got = fastload.Dataset(d).get_batch(np.arange(n))
+        assert ref is None or all(np.array_equal(got[k], ref[k]) for k in ref), "different data"
+
+    def loader():
+        got = _batches(d)
+        assert ref_batches is None or _same(got, ref_batches), "different batches"
+
+    def cli(*args):
+        def run():
+            import contextlib
+
+            err, stdout = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(stdout):
+                rc = main(list(args) + [str(d)])
+            text = err.getvalue()
+            assert rc in (0, 1) and "Traceback" not in text + stdout.getvalue(), (args, rc, text[-500:])
+            assert text.count("\n") <= 1 and (rc == 1 or text == ""), text[-500:]  # one line, or DAMAGED lines
+            if rc:
+                raise FormatError(text or stdout.getvalue())
+        return run
+
+    for what, fn in (("dataset", dataset), ("inspect", cli("inspect")), ("inspect-json", cli("inspect", "--json")),
+                     ("verify", cli("verify")), ("loader", loader)):
+        try:
+            fn()
+            out[what] = "same"
+        except FastloadError:
+            out[what] = "error"
+        except IndexError as e:  # fewer samples than before: a named out-of-range index
+            assert what == "dataset" and "out of range" in str(e), e
+            out[what] = "error"
+    return out
+
+
 def test_manifest_fuzzer_opens_identically_or_names_the_problem(tmp_path):
-    """Random edits of manifest.json (values of other types, deleted keys, flipped bytes of the
-    text): the dataset either reads exactly as before or raises a fastload error."""
+    """Random edits of manifest.json (values of other types, huge integers, deleted keys,
+    flipped bytes of the text) through every reader (_every_reader): the dataset either reads
+    exactly as before or a fastload error names the problem; never another exception."""
     d = _raw(tmp_path / "ds", n=120, shard_size=1000)
     text = (d / "manifest.json").read_text()
     ref = fastload.Dataset(d).get_batch(np.arange(120))
-    junk = [None, "", "x", -1, 0, 1, 1.5, True, [], {}, [1], {"a": 1}, 2**70, "../x", "shard-00009.arrow"]
+    ref_batches = _batches(d)
+    junk = [None, "", "x", -1, 0, 1, 7, 1.5, True, [], {}, [1], {"a": 1}, 2**31, 2**32, 2**63 - 1, 2**63, 2**64,
+            -2**63, 2**70, 1e308, float("inf"), "../x", "shard-00009.arrow", "xxh3_128:" + "0" * 32, [[1]],
+            {"kind": "tensor"}, "int64", "image", [4], [2, 2]]
 
     def paths(node, prefix=""):
         yield prefix
@@ -535,34 +584,63 @@ def test_manifest_fuzzer_opens_identically_or_names_the_problem(tmp_path):
     all_paths = [p for p in paths(json.loads(text)) if p]
     rng = np.random.default_rng(2019)
     kinds = {"same": 0, "error": 0}
-    for trial in range(150):
+    for trial in range(180):
         m = json.loads(text)
         if trial % 3 == 2:  # flip a byte of the text itself
             raw = bytearray(text.encode())
             raw[int(rng.integers(len(raw)))] ^= 1 << int(rng.integers(8))
             body = bytes(raw)
         else:
-            p = all_paths[int(rng.integers(len(all_paths)))]
-            head, _, last = p.rpartition(".")
-            target = p if trial % 3 == 0 else (f"{head}.-{last}" if head else f"-{last}")
-            try:
-                _set(m, target, junk[int(rng.integers(len(junk)))])
-            except (KeyError, TypeError, IndexError, ValueError):
-                continue  # deleting a list element by name: not a manifest
+            for _ in range(1 + trial % 2):  # one edit, or two
+                p = all_paths[int(rng.integers(len(all_paths)))]
+                head, _, last = p.rpartition(".")
+                target = p if rng.integers(3) else (f"{head}.-{last}" if head else f"-{last}")
+                try:
+                    _set(m, target, junk[int(rng.integers(len(junk)))])
+                except (KeyError, TypeError, IndexError, ValueError):
+                    pass  # deleting a list element by name, or a path a first edit removed
             body = json.dumps(m).encode()
         (d / "manifest.json").write_bytes(body)
-        try:
-            got = fastload.Dataset(d).get_batch(np.arange(120))
-        except FastloadError:
-            kinds["error"] += 1
-            continue
-        except IndexError:  # fewer samples than before: a named out-of-range index
-            kinds["error"] += 1
-            continue
-        assert all(np.array_equal(got[k], ref[k]) for k in ref), (trial, body[:300])
-        kinds["same"] += 1
+        out = _every_reader(d, ref, ref_batches)
+        assert len(set(out.values())) == 1 or out["dataset"] == "error", (trial, out, body[:300])
+        kinds[out["loader"]] += 1
     (d / "manifest.json").write_text(text)
-    assert kinds["error"] > 50 and kinds["same"] > 5  # both outcomes are exercised
+    assert kinds["error"] > 60 and kinds["same"] >= 4  # both outcomes are exercised
+
+
+HUGE = [  # consistent edits (a shard's value and the totals it enters): int64 and beyond
+    ({"shards.0.num_samples": 2**63, "num_samples": 2**63 + 60}, r"json: num_samples must be an integer >= 0 and <= 9,"),
+    ({"shards.0.num_samples": 2**63, "num_samples": 60}, r"shards\[0\].num_samples must be an integer >= 0 and <= 9,"),
+    ({"shards.0.num_samples": 2**64, "num_samples": 2**64 + 60}, r"json: num_samples must be an integer >= 0 and <= 9,"),
+    ({"shards.0.num_samples": 2**62, "num_samples": 2**62 + 60}, r"shards\[0\].num_samples is 4,611,686,"),
+    ({"shards.0.bytes": 2**63, "total_bytes": None}, r"shards\[0\].bytes must be an integer >= 1 and <= "),
+    ({"shards.0.bytes": 2**49, "total_bytes": None}, r"shards\[0\].bytes must be an integer >= 1 and <= "),
+    ({"shards.0.bytes": 2**40, "shards.0.num_samples": 2**40, "num_samples": 2**40 + 60, "-label": None,
+      "total_bytes": None}, r"shard-00000\S*arrow holds 60 rows|size"),
+    ({"-total_bytes": None}, None),  # optional: inspect computes it
+    ({"format_version": 1.0}, "format_version 1.0"),
+    ({"label.class_names": ["a", "b", "a"]}, "label.class_names names 'a' twice"),
+    ({"label.counts": [2**63, 0, 0]}, "label.counts must be a list of integers >= 0 and <= num_samples"),
+]
+
+
+@pytest.mark.parametrize("edits,message", HUGE)
+def test_counts_and_sizes_beyond_int64_are_refused_by_every_reader(tmp_path, edits, message):
+    d = _raw(tmp_path / "ds", n=120, shard_size=1000)
+    m = _manifest(d)
+    for path, value in edits.items():
+        if path == "total_bytes":
+            value = sum(s["bytes"] for s in m["shards"])  # after the shard edits
+        _set(m, path, value)
+    (d / "manifest.json").write_text(json.dumps(m))
+    if message is None:
+        assert set(_every_reader(d).values()) == {"same"}
+        from fastload.store.inspect import inspect_text
+        assert f"({sum(s['bytes'] for s in m['shards']) / 1000:.1f} KB;" in inspect_text(d)
+        return
+    with pytest.raises(FastloadError, match=message):
+        fastload.Dataset(d).get_batch(np.arange(120)) if "holds" in message else fastload.Dataset(d)
+    assert set(_every_reader(d).values()) == {"error"}
 
 
 def test_the_manifest_agrees_with_each_shards_schema_including_shapes(tmp_path):
