@@ -699,6 +699,16 @@ def test_a_non_regular_or_truncated_shard_is_named_not_hung_on(tmp_path, kind):
     assert problems and problems[0].startswith(f.name)
 
 
+def test_verify_does_not_hash_a_shard_whose_size_is_already_wrong(tmp_path):
+    d = _raw(tmp_path / "ds")
+    f = d / _manifest(d)["shards"][1]["file"]
+    with open(f, "r+b") as fh:
+        fh.truncate(1 << 34)  # 16 GiB, sparse: hashing it would read 16 GiB of zeros
+    problems = fastload.verify(d)
+    assert problems[0] == f"{f.name}: size {1 << 34} bytes, manifest says {_manifest(d)['shards'][1]['bytes']}"
+    assert not any("checksum" in p for p in problems)
+
+
 # -- readers keep the dataset they opened -------------------------------------------------
 def test_an_overwrite_never_serves_the_new_rows_under_the_old_manifest(tmp_path):
     d = tmp_path / "ds"
