@@ -736,6 +736,20 @@ def test_an_overwrite_never_serves_the_new_rows_under_the_old_manifest(tmp_path)
         assert not {s["file"] for s in _manifest(d)["shards"]} & new_names
 
 
+def test_ranks_that_opened_different_generations_of_a_dataset_refuse_to_start(tmp_path):
+    from _dist import run_ranks
+    from fastload.loader.loader import dataset_fingerprint
+
+    old = _raw(tmp_path / "old", n=120, seed=0)
+    new = _raw(tmp_path / "new", n=120, seed=1)  # the same shape: only the bytes differ
+    results = run_ranks(3, "dist_jobs:loader_on_own_dataset", {"paths": [str(old), str(new), str(old)]})
+    fo, fn = dataset_fingerprint(fastload.Dataset(old)), dataset_fingerprint(fastload.Dataset(new))
+    for rank, r in enumerate(results):
+        assert r["agreed"] == 10  # 120 samples / 3 ranks / 4 a batch
+        assert r["error"] is not None and f"ranks 0, 2: {fo}; rank 1: {fn}; this is rank {rank})" in r["error"]
+        assert "different versions of" in r["error"]
+
+
 # -- many shards: more than the open-file limit -------------------------------------------
 @pytest.mark.slow
 def test_more_shards_than_the_open_file_limit(tmp_path):
