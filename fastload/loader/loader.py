@@ -52,8 +52,10 @@ class Loader:
         shuffle, seed, drop_last: as ``DistributedSampler`` (the order is a pure function
             of seed, epoch and world size; see :class:`fastload.Sampler`).
         device: ``"cuda"``/``"cpu"``/``None`` (CUDA when available).
-        rank, world_size: default from ``torch.distributed`` when initialised, else the
-            ``RANK``/``WORLD_SIZE`` environment variables, else a single process.
+        rank, world_size: default from ``torch.distributed`` when initialised (then every
+            rank must build the Loader: the ranks check at construction that they opened the
+            same dataset), else the ``RANK``/``WORLD_SIZE`` environment variables, else a
+            single process.
         fields: fields to deliver (default: every tensor, scalar and image field; string and
             bytes fields are delivered as lists when named here).
         transforms: ``{image_field: fastload.vision.train(224) | eval(...) | custom(...)}``.
