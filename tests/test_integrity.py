@@ -584,9 +584,24 @@ def test_manifest_fuzzer_opens_identically_or_names_the_problem(tmp_path):
     all_paths = [p for p in paths(json.loads(text)) if p]
     rng = np.random.default_rng(2019)
     kinds = {"same": 0, "error": 0}
-    for trial in range(180):
+    big = [2**31, 2**32, 2**48, 2**62, 2**63 - 1, 2**63, 2**64, 2**70]
+    for trial in range(240):
         m = json.loads(text)
-        if trial % 3 == 2:  # flip a byte of the text itself
+        if trial % 4 == 3:  # a consistent edit: totals follow the shard's new value, or an optional key goes
+            i, v = int(rng.integers(len(m["shards"]))), big[int(rng.integers(len(big)))]
+            what = ("num_samples", "bytes", "-total_bytes", "-label", "-metadata")[int(rng.integers(5))]
+            if what == "num_samples":
+                delta = v - m["shards"][i]["num_samples"]
+                m["shards"][i]["num_samples"] = v
+                m["num_samples"] += delta
+                m["label"]["counts"][0] += delta
+            elif what == "bytes":
+                m["total_bytes"] += v - m["shards"][i]["bytes"]
+                m["shards"][i]["bytes"] = v
+            else:
+                m.pop(what[1:], None)
+            body = json.dumps(m).encode()
+        elif trial % 4 == 2:  # flip a byte of the text itself
             raw = bytearray(text.encode())
             raw[int(rng.integers(len(raw)))] ^= 1 << int(rng.integers(8))
             body = bytes(raw)
@@ -605,7 +620,7 @@ def test_manifest_fuzzer_opens_identically_or_names_the_problem(tmp_path):
         assert len(set(out.values())) == 1 or out["dataset"] == "error", (trial, out, body[:300])
         kinds[out["loader"]] += 1
     (d / "manifest.json").write_text(text)
-    assert kinds["error"] > 60 and kinds["same"] >= 4  # both outcomes are exercised
+    assert kinds["error"] > 80 and kinds["same"] >= 4  # both outcomes are exercised
 
 
 HUGE = [  # consistent edits (a shard's value and the totals it enters): int64 and beyond

@@ -147,9 +147,10 @@ class ShardVerifier:
     def _announce(self) -> None:
         """One log line when this reader starts hashing a lot: how many shards and bytes are
         not verified yet, and how to avoid the wait."""
-        if self._announced:
-            return
-        self._announced = True
+        with self._cond:
+            if self._announced:
+                return
+            self._announced = True
         left = np.flatnonzero(~self.verified)
         nbytes = sum(int(self._entries[i]["bytes"]) for i in left)
         if nbytes < ANNOUNCE_BYTES:
