@@ -274,27 +274,31 @@ class VerifiedRecord:
             return 0
         return self.prune()
 
-    def prune(self, *, max_entries: int = 1_000_000) -> int:
+    def prune(self, *, max_seconds: float | None = 2.0) -> int:
         """Remove entries whose file no longer exists or changed since it was verified (their
         identity can never match again), and temporary and lock files left by killed
-        processes. Reads each entry (a few hundred bytes) and stats its file; returns the
-        number of files removed."""
+        processes. Reads each entry (a few hundred bytes) and stats its file, the buckets in
+        random order, for at most ``max_seconds`` (None: all), so a huge record is pruned a
+        part a day; returns the number of files removed."""
         if self.dir is None:
             return 0
-        removed = seen = 0
+        import random
+
+        removed = 0
         now = time.time()
+        stop = None if max_seconds is None else time.monotonic() + max_seconds
         try:
-            buckets = [b for b in os.scandir(self.dir) if len(b.name) == 2 and b.is_dir(follow_symlinks=False)]
+            buckets = [b.path for b in os.scandir(self.dir) if len(b.name) == 2 and b.is_dir(follow_symlinks=False)]
         except OSError:
             return 0
+        random.shuffle(buckets)
         for bucket in buckets:
             try:
-                names = list(os.scandir(bucket.path))
+                names = list(os.scandir(bucket))
             except OSError:
                 continue
             for e in names:
-                seen += 1
-                if seen > max_entries:
+                if stop is not None and time.monotonic() > stop:
                     return removed
                 removed += self._prune_one(e, now)
         return removed

@@ -256,25 +256,32 @@ class ShardVerifier:
         return None
 
     def _run_ahead(self) -> None:
-        lower_priority()  # behind the training step and the loader's own threads
-        while True:
-            with self._cond:
-                i = None if self._stopping else self._next_ahead()
-                if i is None:
+        counted = True  # in self._active, until this thread decides to exit (under the lock)
+        try:
+            lower_priority()  # behind the training step and the loader's own threads
+            while True:
+                with self._cond:
+                    i = None if self._stopping else self._next_ahead()
+                    if i is None:
+                        self._active -= 1
+                        counted = False
+                        return
+                    self._busy.add(i)
+                    map_shard = self._map
+                try:
+                    self._check([i], map_shard, pool=False)
+                    with self._cond:
+                        self.counts["shards_hashed_ahead"] += 1
+                except Exception:  # a structural error: the read that needs this shard meets it itself
+                    pass
+                finally:
+                    with self._cond:
+                        self._busy.discard(i)
+                        self._cond.notify_all()
+        finally:
+            if counted:  # pragma: no cover - only if something above raised past its handlers
+                with self._cond:
                     self._active -= 1
-                    return
-                self._busy.add(i)
-                map_shard = self._map
-            try:
-                self._check([i], map_shard, pool=False)
-                with self._cond:
-                    self.counts["shards_hashed_ahead"] += 1
-            except Exception:  # a structural error: the read that needs this shard meets it itself
-                pass
-            finally:
-                with self._cond:
-                    self._busy.discard(i)
-                    self._cond.notify_all()
 
     def stop_ahead(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop hashing ahead and join the background threads (a hash in progress finishes
