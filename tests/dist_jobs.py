@@ -106,3 +106,19 @@ def packed_epoch(path: str, stop_after: int | None = None, state: dict | None = 
     assert most == least
     read = [_gather(s) for s in steps]
     return {"read": np.concatenate(read).tolist() if read else [], "state": out_state}
+
+
+def loader_on_own_dataset(paths: list) -> dict:
+    """Rank r opens paths[r]: a Loader must refuse to start when they are not the same data,
+    on every rank, naming the ranks."""
+    import fastload
+    from fastload.errors import FormatError
+
+    rank = dist.get_rank()
+    with fastload.Loader(paths[0], batch_size=4, device="cpu") as loader:  # every rank the same: fine
+        agreed = len(loader)
+    try:
+        fastload.Loader(paths[rank], batch_size=4, device="cpu").close()
+        return {"agreed": agreed, "error": None}
+    except FormatError as e:
+        return {"agreed": agreed, "error": str(e)}

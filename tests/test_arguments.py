@@ -85,6 +85,16 @@ def test_vision_and_dataset_arguments(ds_path):
                  lambda: vision.train(32, max_pixels=True)):
         with pytest.raises(ValueError, match="max_pixels=.* must be an int"):
             make()
+    build = lambda e, device: e  # noqa: E731
+    for shape, message in (((3, 2.9, 8), r"shape\[1\]=2.9 must be an int"),
+                           ((True, 8, 8), r"shape\[0\]=True must be an int"),
+                           ((3, 0, 8), r"shape\[1\]=0 must be an int > 0"),
+                           ((3, "8", 8), r"shape\[1\]='8' must be an int"),
+                           ((), "must be a non-empty sequence"), (8, "must be a non-empty sequence"),
+                           ("388", "must be a non-empty sequence")):
+        with pytest.raises(ValueError, match=message):
+            vision.custom(build, shape=shape)
+    assert vision.custom(build, shape=np.array([3, 8, 8])).out_shape == (3, 8, 8)
     ds = fastload.Dataset(ds_path)
     for bad in ([1.7], [True, False], np.array([0.0, 1.0]), ["3"]):
         with pytest.raises(ValueError, match="indices must be integers"):
@@ -142,6 +152,16 @@ def test_slots_that_do_not_fit_in_memory_are_refused_before_allocating(ds_path, 
     monkeypatch.undo()
     with pytest.raises(ValueError, match="batch_size=4611686018427387904 rows"):
         Ring({"x": (np.float32, (1024,))}, 2**62, slots=4)
+
+
+def test_shard_sizes_are_whole_byte_counts(tmp_path):
+    for bad, message in ((1.5, "shard_size=1.5 is not a size"), (1e6, "shard_size=1000000.0 is not a size"),
+                         (True, "shard_size=True is not a size"), ("1.5", "'1.5' is not a whole number of bytes"),
+                         (0, "must be between 1 byte and 2 GiB"), ("3GiB", "must be between 1 byte and 2 GiB")):
+        with pytest.raises(ValueError, match=message):
+            fastload.ShardWriter(tmp_path / "w", {"x": "int64"}, shard_size=bad)
+    assert not (tmp_path / "w").exists()
+    assert fastload.ShardWriter(tmp_path / "w", {"x": "int64"}, shard_size="1.5KB").shard_size == 1500
 
 
 # -- convert options ----------------------------------------------------------------------

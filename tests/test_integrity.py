@@ -19,6 +19,7 @@ import pytest
 
 import fastload
 from fastload.errors import FastloadError, FormatError, MissingFileError
+from fastload.store import integrity
 from fastload.store.integrity import VerifiedRecord
 
 N = 300
@@ -84,7 +85,10 @@ def test_a_flipped_byte_is_refused_before_any_row_of_its_shard_is_delivered(tmp_
     assert not _same(got, ref) and len(got) == len(ref)
 
 
-def test_shards_are_hashed_once_per_node_and_again_when_the_file_changes(tmp_path):
+def test_shards_are_hashed_once_per_node_and_again_when_the_file_changes(tmp_path, monkeypatch):
+    # (the shards were written just now: the racy-clean window would keep them out of the
+    # record; test_a_shard_changed_just_before_it_was_hashed_is_not_remembered tests it)
+    monkeypatch.setattr(integrity, "RACY_WINDOW_S", 0.0)
     d = _raw(tmp_path / "ds")
     ds = fastload.Dataset(d)
     ds.get_batch(np.arange(N))
@@ -117,6 +121,262 @@ def test_shards_are_hashed_once_per_node_and_again_when_the_file_changes(tmp_pat
     ds6 = fastload.Dataset(d)
     ds6.get_batch(np.arange(N))
     assert ds6.verify_stats()["shards_hashed"] == 0
+
+
+def test_a_loaders_first_batch_waits_only_for_its_own_shards_the_rest_are_hashed_ahead(tmp_path, monkeypatch):
+    """With a full shuffle, the first run of batches in flight touches most shards: the first
+    batch waits only for the shards it reads; background threads hash the others in the
+    order the requested batches need them, then the rest of the dataset in index order."""
+    import threading
+
+    from fastload.store import verifier
+
+    d = tmp_path / "ds"
+    with fastload.ShardWriter(d, {"x": "int64"}, shard_size=80) as w:  # 10 samples a shard
+        w.write_batch({"x": np.arange(400)})
+    with fastload.Loader(d, batch_size=4, device="cpu", verify="off") as loader:
+        ref = [b["x"].numpy().copy() for b in loader]
+    gate = threading.Event()
+    monkeypatch.setattr(verifier, "lower_priority", lambda: gate.wait(30))  # background threads start held
+    order = []
+    check = verifier.ShardVerifier._check
+
+    def recording(self, ids, map_shard, **kw):
+        if threading.current_thread().name == "fastload-verify-ahead":
+            order.extend(ids)
+        return check(self, ids, map_shard, **kw)
+
+    monkeypatch.setattr(verifier.ShardVerifier, "_check", recording)
+    ds = fastload.Dataset(d, verify="always")
+    ds._verifier.ahead_workers = 1  # one background thread: its order is the order asked for
+    with fastload.Loader(ds, batch_size=4, device="cpu") as loader:
+        it = iter(loader)
+        first = next(it)
+        shards = lambda x: np.asarray(x) // 10  # noqa: E731 - sample -> shard (10 a shard)
+        assert set(np.flatnonzero(ds._verifier.verified)) == set(shards(first["x"]).tolist())
+        assert ds.verify_stats()["shards_hashed"] == len(set(shards(first["x"]).tolist()))
+        gate.set()  # the background hashes the rest while the loop holds on to the first batch
+        deadline = time.monotonic() + 60
+        while not ds.fully_verified and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ds.fully_verified
+        got = [first["x"].numpy().copy()] + [b["x"].numpy().copy() for b in it]
+    assert _same([{"x": g} for g in got], [{"x": r} for r in ref])
+    run = np.concatenate(ref[:loader.prefetch])  # the batches requested with the first one
+    uniq, at = np.unique(shards(run), return_index=True)
+    asked = [int(s) for s in uniq[np.argsort(at)] if s not in set(shards(ref[0]).tolist())]
+    assert len(asked) > 10 and order[:len(asked)] == asked  # first-use order
+    rest = order[len(asked):]
+    assert rest == sorted(rest) and not set(rest) & set(asked)  # then the others, in index order
+    assert ds.verify_stats()["shards_hashed_ahead"] == len(order) > 0
+    assert not [t for t in threading.enumerate() if t.name == "fastload-verify-ahead"]  # joined at the epoch's end
+
+
+def test_hashing_many_bytes_says_so_once_with_how_to_avoid_it(tmp_path, monkeypatch, caplog):
+    from fastload.store import verifier
+
+    d = _raw(tmp_path / "ds")
+    monkeypatch.setattr(verifier, "ANNOUNCE_BYTES", 1000)  # "many" bytes for this small dataset
+    n = len(_manifest(d)["shards"])
+    total = sum(s["bytes"] for s in _manifest(d)["shards"])
+    with caplog.at_level("INFO", logger="fastload"):
+        _batches(d)
+        _batches(d, verify="always")
+    lines = [r.getMessage() for r in caplog.records if "before first use" in r.getMessage()]
+    assert len(lines) == 2 and lines[0] == lines[1]  # one per reader
+    assert f"up to {n} shards ({total / 1e9:.1f} GB)" in lines[0]
+    assert f"fastload verify {d}" in lines[0] and 'verify="off"' in lines[0]
+    assert all(r.levelname == "WARNING" for r in caplog.records if "before first use" in r.getMessage())
+    caplog.clear()
+    monkeypatch.setattr(verifier, "ANNOUNCE_BYTES", 10 * total)
+    with caplog.at_level("INFO", logger="fastload"):
+        _batches(d, verify="always")
+    assert not [r for r in caplog.records if "before first use" in r.getMessage()]
+
+
+def _holder(lock_path):
+    """A process that takes a shard's verification lock and then never finishes (as a rank
+    stopped with Ctrl-Z, or stuck on a dead NFS server, would)."""
+    code = (f"import fcntl, os, time\nfd = os.open({str(lock_path)!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_a_process_holding_a_shards_lock_delays_other_readers_only_until_the_deadline(tmp_path):
+    d = _raw(tmp_path / "ds")
+    ds = fastload.Dataset(d, verify="off")
+    rec = VerifiedRecord()
+    key = rec.key(ds.shard(0).mm, _manifest(d)["shards"][0]["checksum"])
+    lock = rec._lock_path(key)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    holder = _holder(lock)
+    try:
+        script = f"""
+            import logging, time, fastload
+            logging.basicConfig(level=logging.WARNING, format="%(message)s")
+            t0 = time.perf_counter()
+            x = fastload.Dataset({str(d)!r}).get_batch([0, 1])["x"]
+            print(round(time.perf_counter() - t0, 2), x.tolist() == {ds.get_batch([0, 1])["x"].tolist()!r})
+        """
+        env = dict(os.environ, FASTLOAD_VERIFY_LOCK_TIMEOUT="0.5")
+        p = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        took, same = p.stdout.split()
+        assert same == "True" and float(took) < 20  # the tiny shard: 0.5 s, plus start-up
+        lines = [ln for ln in p.stderr.splitlines() if "verification lock" in ln]
+        assert len(lines) == 1 and _manifest(d)["shards"][0]["file"] in lines[0], p.stderr
+        assert "without the lock" in lines[0]
+        # in-process: the context manager says it goes on without the lock
+        t0 = time.perf_counter()
+        with VerifiedRecord(lock_timeout_s=0.2).locked(key) as held:
+            assert held is False
+        assert 0.15 < time.perf_counter() - t0 < 10
+    finally:
+        holder.kill()
+        holder.wait()
+    with VerifiedRecord(lock_timeout_s=0.2).locked(key) as held:  # the holder is gone: the lock is free
+        assert held is True
+        assert lock.exists()
+    assert not lock.exists()  # lock files are removed after use
+
+
+def test_the_lock_handoff_survives_lock_files_being_removed(tmp_path):
+    """Lock files are removed on release; a waiter that opened the removed file must not
+    think it holds the lock while another process holds the path's new file."""
+    import threading
+
+    rec = VerifiedRecord(tmp_path / "cache", lock_timeout_s=5)
+    key = "ab" + "0" * 62
+    results, got, release = [], threading.Event(), threading.Event()
+
+    def waiter():
+        with rec.locked(key) as held:
+            results.append(held)
+            got.set()
+            release.wait(10)
+
+    t = threading.Thread(target=waiter)
+    with rec.locked(key) as held:
+        assert held
+        t.start()
+        time.sleep(0.3)
+        assert not got.is_set()  # waiting for us
+    assert got.wait(10) and results == [True]
+    try:  # the waiter holds the path's current file: a third comer waits (and times out)
+        with VerifiedRecord(tmp_path / "cache", lock_timeout_s=0.2).locked(key) as held:
+            assert held is False
+    finally:
+        release.set()
+        t.join(10)
+    assert not rec._lock_path(key).exists()
+
+
+NO_HOME = """
+    import logging, os, pathlib, sys
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    def no_home(*a, **k):
+        raise RuntimeError("Could not determine home directory")
+    pathlib.Path.home = classmethod(no_home)  # HOME unset and no passwd entry (an arbitrary container UID)
+    import fastload
+    from fastload.store import integrity
+    integrity.RACY_WINDOW_S = 0.0  # (the dataset was written just now)
+    for _ in range(2):
+        ds = fastload.Dataset(sys.argv[1])
+        assert ds.get_batch(list(range(300)))["label"].tolist()[::299] == [0, 2]
+        print(ds.verify_stats()["shards_hashed"], ds.verify_stats()["shards_remembered"])
+    print(integrity.cache_root())
+"""
+
+
+def test_no_home_directory_falls_back_to_xdg_or_a_private_temporary_directory(tmp_path):
+    d = _raw(tmp_path / "ds")
+    n = len(_manifest(d)["shards"])
+    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "FASTLOAD_CACHE", "XDG_CACHE_HOME")}
+
+    def run(**extra):
+        p = subprocess.run([sys.executable, "-c", textwrap.dedent(NO_HOME), str(d)], capture_output=True,
+                           text=True, timeout=120, env={**env, **extra})
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert "Traceback" not in p.stderr
+        return p.stdout.split("\n"), p.stderr
+
+    out, err = run(XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    assert out[:3] == [f"{n} 0", f"0 {n}", str(tmp_path / "xdg" / "fastload")]
+    assert len(list((tmp_path / "xdg" / "fastload" / "verified").rglob("*"))) > n
+    assert err.count("no home directory") == 1
+    out, err = run(TMPDIR=str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    out, err = run(TMPDIR=str(tmp_path / "tmp"))
+    private = tmp_path / "tmp" / f"fastload-{os.getuid()}"
+    assert out[:3] == [f"{n} 0", f"0 {n}", str(private)] and (private.stat().st_mode & 0o777) == 0o700
+    # a directory of that name someone else could write (a shared /tmp): not used, nothing remembered
+    private.chmod(0o777)
+    out, err = run(TMPDIR=str(tmp_path / "tmp"))
+    assert out[:3] == [f"{n} 0", f"{n} 0", "None"] and "is not kept" in err
+
+
+def test_a_shard_changed_just_before_it_was_hashed_is_not_remembered(tmp_path, monkeypatch):
+    """git's racy-clean rule: where timestamps are coarse (no multigrain timestamps before
+    Linux 6.13, 1-2 s on some file systems), a second write in the same tick keeps the file's
+    identity, so a record made within that tick could vouch for bytes it never hashed."""
+    monkeypatch.setattr(integrity, "RACY_WINDOW_S", 1.0)
+    d = _raw(tmp_path / "ds")
+    n = len(_manifest(d)["shards"])
+    for _ in range(2):  # hashed within the window of the shards' writes: not remembered
+        ds = fastload.Dataset(d)
+        ds.get_batch(np.arange(N))
+        assert (ds.verify_stats()["shards_hashed"], ds.verify_stats()["shards_remembered"]) == (n, 0)
+    time.sleep(1.1)
+    ds = fastload.Dataset(d)
+    ds.get_batch(np.arange(N))
+    assert ds.verify_stats()["shards_hashed"] == n  # now old enough: remembered ...
+    ds = fastload.Dataset(d)
+    ds.get_batch(np.arange(N))
+    assert (ds.verify_stats()["shards_hashed"], ds.verify_stats()["shards_remembered"]) == (0, n)  # ... and trusted
+    assert fastload.verify(d) == []  # `verify` follows the same rule (nothing new to remember here)
+
+
+def test_the_record_prunes_entries_of_gone_or_changed_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(integrity, "RACY_WINDOW_S", 0.0)
+    monkeypatch.setenv("FASTLOAD_CACHE", str(tmp_path / "cache"))
+    rec = VerifiedRecord()
+    keep, gone, changed = (_raw(tmp_path / name) for name in ("keep", "gone", "changed"))
+    for d in (keep, gone, changed):
+        fastload.Dataset(d).get_batch(np.arange(N))
+    entries = lambda: sorted(p for p in rec.dir.glob("??/*") if not p.name.endswith((".lock", ".tmp")))  # noqa: E731
+    n = len(_manifest(keep)["shards"])
+    assert len(entries()) == 3 * n and not list(rec.dir.glob("??/*.lock"))  # no lock file is left behind
+    shutil.rmtree(gone)
+    f = changed / _manifest(changed)["shards"][0]["file"]
+    f.write_bytes(f.read_bytes())  # the same bytes, a new identity: its old entry can never match again
+    hours_ago = time.time() - 2 * 3600
+    stale, held = rec.dir / "ab" / "ab12.lock", rec.dir / "ab" / "ab34.lock"  # left by killed processes
+    stale.parent.mkdir(exist_ok=True)
+    for p in (stale, held):
+        p.write_text("")
+        os.utime(p, (hours_ago, hours_ago))
+    assert rec.maybe_prune() == 0  # pruned when the record was first written: not again the same day
+    days_ago = time.time() - 2 * 86400
+    os.utime(rec.dir / ".pruned", (days_ago, days_ago))
+    assert rec.prune(max_seconds=-1) == 0  # a time budget: a huge record is pruned a part at a time
+    holder = _holder(held)
+    try:
+        assert rec.maybe_prune() == n + 1 + 1  # the gone dataset's, the changed shard's, the stale lock
+    finally:
+        holder.kill()
+        holder.wait()
+    assert held.exists() and not stale.exists()  # a lock some process holds stays
+    assert len(entries()) == 2 * n - 1
+    assert rec.maybe_prune() == 0
+    ds = fastload.Dataset(keep)
+    ds.get_batch(np.arange(N))
+    assert ds.verify_stats()["shards_remembered"] == n  # live entries were kept
+    ds = fastload.Dataset(changed)
+    ds.get_batch(np.arange(N))
+    assert ds.verify_stats()["shards_hashed"] == 1
 
 
 def test_swapped_or_relinked_shards_are_refused(tmp_path):
@@ -259,13 +519,62 @@ def test_a_malformed_manifest_is_refused_naming_the_key(tmp_path, path, value, m
     assert "Traceback" not in err and err.count("\n") == 2
 
 
+def _every_reader(d, ref=None, ref_batches=None):
+    """Open the dataset at ``d`` every way a user can: Dataset.get_batch, `fastload inspect`
+    (text and --json), `fastload verify` and a Loader's epoch. Each must give the very data of
+    ``ref`` / ``ref_batches`` (when given), exit 0/1 with one line, or raise a fastload error;
+    any other exception or a traceback fails the test. Returns {what: "same" | "error"}."""
+    from fastload.cli import main
+
+    out = {}
+    n = len(ref["x"]) if ref is not None else 0
+
+    def dataset():
+        got = fastload.Dataset(d).get_batch(np.arange(n))
+        assert ref is None or all(np.array_equal(got[k], ref[k]) for k in ref), "different data"
+
+    def loader():
+        got = _batches(d)
+        assert ref_batches is None or _same(got, ref_batches), "different batches"
+
+    def cli(*args):
+        def run():
+            import contextlib
+
+            err, stdout = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(stdout):
+                rc = main(list(args) + [str(d)])
+            text = err.getvalue()
+            assert rc in (0, 1) and "Traceback" not in text + stdout.getvalue(), (args, rc, text[-500:])
+            assert text.count("\n") <= 1 and (rc == 1 or text == ""), text[-500:]  # one line, or DAMAGED lines
+            if rc:
+                raise FormatError(text or stdout.getvalue())
+        return run
+
+    for what, fn in (("dataset", dataset), ("inspect", cli("inspect")), ("inspect-json", cli("inspect", "--json")),
+                     ("verify", cli("verify")), ("loader", loader)):
+        try:
+            fn()
+            out[what] = "same"
+        except FastloadError:
+            out[what] = "error"
+        except IndexError as e:  # fewer samples than before: a named out-of-range index
+            assert what == "dataset" and "out of range" in str(e), e
+            out[what] = "error"
+    return out
+
+
 def test_manifest_fuzzer_opens_identically_or_names_the_problem(tmp_path):
-    """Random edits of manifest.json (values of other types, deleted keys, flipped bytes of the
-    text): the dataset either reads exactly as before or raises a fastload error."""
+    """Random edits of manifest.json (values of other types, huge integers, deleted keys,
+    flipped bytes of the text) through every reader (_every_reader): the dataset either reads
+    exactly as before or a fastload error names the problem; never another exception."""
     d = _raw(tmp_path / "ds", n=120, shard_size=1000)
     text = (d / "manifest.json").read_text()
     ref = fastload.Dataset(d).get_batch(np.arange(120))
-    junk = [None, "", "x", -1, 0, 1, 1.5, True, [], {}, [1], {"a": 1}, 2**70, "../x", "shard-00009.arrow"]
+    ref_batches = _batches(d)
+    junk = [None, "", "x", -1, 0, 1, 7, 1.5, True, [], {}, [1], {"a": 1}, 2**31, 2**32, 2**63 - 1, 2**63, 2**64,
+            -2**63, 2**70, 1e308, float("inf"), "../x", "shard-00009.arrow", "xxh3_128:" + "0" * 32, [[1]],
+            {"kind": "tensor"}, "int64", "image", [4], [2, 2]]
 
     def paths(node, prefix=""):
         yield prefix
@@ -276,34 +585,78 @@ def test_manifest_fuzzer_opens_identically_or_names_the_problem(tmp_path):
     all_paths = [p for p in paths(json.loads(text)) if p]
     rng = np.random.default_rng(2019)
     kinds = {"same": 0, "error": 0}
-    for trial in range(150):
+    big = [2**31, 2**32, 2**48, 2**62, 2**63 - 1, 2**63, 2**64, 2**70]
+    for trial in range(240):
         m = json.loads(text)
-        if trial % 3 == 2:  # flip a byte of the text itself
+        if trial % 4 == 3:  # a consistent edit: totals follow the shard's new value, or an optional key goes
+            i, v = int(rng.integers(len(m["shards"]))), big[int(rng.integers(len(big)))]
+            what = ("num_samples", "bytes", "-total_bytes", "-label", "-metadata")[int(rng.integers(5))]
+            if what == "num_samples":
+                delta = v - m["shards"][i]["num_samples"]
+                m["shards"][i]["num_samples"] = v
+                m["num_samples"] += delta
+                m["label"]["counts"][0] += delta
+            elif what == "bytes":
+                m["total_bytes"] += v - m["shards"][i]["bytes"]
+                m["shards"][i]["bytes"] = v
+            else:
+                m.pop(what[1:], None)
+            body = json.dumps(m).encode()
+        elif trial % 4 == 2:  # flip a byte of the text itself
             raw = bytearray(text.encode())
             raw[int(rng.integers(len(raw)))] ^= 1 << int(rng.integers(8))
             body = bytes(raw)
         else:
-            p = all_paths[int(rng.integers(len(all_paths)))]
-            head, _, last = p.rpartition(".")
-            target = p if trial % 3 == 0 else (f"{head}.-{last}" if head else f"-{last}")
-            try:
-                _set(m, target, junk[int(rng.integers(len(junk)))])
-            except (KeyError, TypeError, IndexError, ValueError):
-                continue  # deleting a list element by name: not a manifest
+            for _ in range(1 + trial % 2):  # one edit, or two
+                p = all_paths[int(rng.integers(len(all_paths)))]
+                head, _, last = p.rpartition(".")
+                target = p if rng.integers(3) else (f"{head}.-{last}" if head else f"-{last}")
+                try:
+                    _set(m, target, junk[int(rng.integers(len(junk)))])
+                except (KeyError, TypeError, IndexError, ValueError):
+                    pass  # deleting a list element by name, or a path a first edit removed
             body = json.dumps(m).encode()
         (d / "manifest.json").write_bytes(body)
-        try:
-            got = fastload.Dataset(d).get_batch(np.arange(120))
-        except FastloadError:
-            kinds["error"] += 1
-            continue
-        except IndexError:  # fewer samples than before: a named out-of-range index
-            kinds["error"] += 1
-            continue
-        assert all(np.array_equal(got[k], ref[k]) for k in ref), (trial, body[:300])
-        kinds["same"] += 1
+        out = _every_reader(d, ref, ref_batches)
+        assert len(set(out.values())) == 1 or out["dataset"] == "error", (trial, out, body[:300])
+        kinds[out["loader"]] += 1
     (d / "manifest.json").write_text(text)
-    assert kinds["error"] > 50 and kinds["same"] > 5  # both outcomes are exercised
+    assert kinds["error"] > 80 and kinds["same"] >= 4  # both outcomes are exercised
+
+
+HUGE = [  # consistent edits (a shard's value and the totals it enters): int64 and beyond
+    ({"shards.0.num_samples": 2**63, "num_samples": 2**63 + 60}, r"json: num_samples must be an integer >= 0 and <= 9,"),
+    ({"shards.0.num_samples": 2**63, "num_samples": 60}, r"shards\[0\].num_samples must be an integer >= 0 and <= 9,"),
+    ({"shards.0.num_samples": 2**64, "num_samples": 2**64 + 60}, r"json: num_samples must be an integer >= 0 and <= 9,"),
+    ({"shards.0.num_samples": 2**62, "num_samples": 2**62 + 60}, r"shards\[0\].num_samples is 4,611,686,"),
+    ({"shards.0.bytes": 2**63, "total_bytes": None}, r"shards\[0\].bytes must be an integer >= 1 and <= "),
+    ({"shards.0.bytes": 2**49, "total_bytes": None}, r"shards\[0\].bytes must be an integer >= 1 and <= "),
+    ({"shards.0.bytes": 2**40, "shards.0.num_samples": 2**40, "num_samples": 2**40 + 60, "-label": None,
+      "total_bytes": None}, r"shard-00000\S*arrow holds 60 rows|size"),
+    ({"-total_bytes": None}, None),  # optional: inspect computes it
+    ({"format_version": 1.0}, "format_version 1.0"),
+    ({"label.class_names": ["a", "b", "a"]}, "label.class_names names 'a' twice"),
+    ({"label.counts": [2**63, 0, 0]}, "label.counts must be a list of integers >= 0 and <= num_samples"),
+]
+
+
+@pytest.mark.parametrize("edits,message", HUGE)
+def test_counts_and_sizes_beyond_int64_are_refused_by_every_reader(tmp_path, edits, message):
+    d = _raw(tmp_path / "ds", n=120, shard_size=1000)
+    m = _manifest(d)
+    for path, value in edits.items():
+        if path == "total_bytes":
+            value = sum(s["bytes"] for s in m["shards"])  # after the shard edits
+        _set(m, path, value)
+    (d / "manifest.json").write_text(json.dumps(m))
+    if message is None:
+        assert set(_every_reader(d).values()) == {"same"}
+        from fastload.store.inspect import inspect_text
+        assert f"({sum(s['bytes'] for s in m['shards']) / 1000:.1f} KB;" in inspect_text(d)
+        return
+    with pytest.raises(FastloadError, match=message):
+        fastload.Dataset(d).get_batch(np.arange(120)) if "holds" in message else fastload.Dataset(d)
+    assert set(_every_reader(d).values()) == {"error"}
 
 
 def test_the_manifest_agrees_with_each_shards_schema_including_shapes(tmp_path):
@@ -362,6 +715,16 @@ def test_a_non_regular_or_truncated_shard_is_named_not_hung_on(tmp_path, kind):
     assert problems and problems[0].startswith(f.name)
 
 
+def test_verify_does_not_hash_a_shard_whose_size_is_already_wrong(tmp_path):
+    d = _raw(tmp_path / "ds")
+    f = d / _manifest(d)["shards"][1]["file"]
+    with open(f, "r+b") as fh:
+        fh.truncate(1 << 34)  # 16 GiB, sparse: hashing it would read 16 GiB of zeros
+    problems = fastload.verify(d)
+    assert problems[0] == f"{f.name}: size {1 << 34} bytes, manifest says {_manifest(d)['shards'][1]['bytes']}"
+    assert not any("checksum" in p for p in problems)
+
+
 # -- readers keep the dataset they opened -------------------------------------------------
 def test_an_overwrite_never_serves_the_new_rows_under_the_old_manifest(tmp_path):
     d = tmp_path / "ds"
@@ -387,6 +750,20 @@ def test_an_overwrite_never_serves_the_new_rows_under_the_old_manifest(tmp_path)
         with fastload.ShardWriter(d, {"x": "int64"}, shard_size=200, overwrite=True) as w:  # and again
             w.write_batch({"x": np.arange(100) + 2000})
         assert not {s["file"] for s in _manifest(d)["shards"]} & new_names
+
+
+def test_ranks_that_opened_different_generations_of_a_dataset_refuse_to_start(tmp_path):
+    from _dist import run_ranks
+    from fastload.loader.loader import dataset_fingerprint
+
+    old = _raw(tmp_path / "old", n=120, seed=0)
+    new = _raw(tmp_path / "new", n=120, seed=1)  # the same shape: only the bytes differ
+    results = run_ranks(3, "dist_jobs:loader_on_own_dataset", {"paths": [str(old), str(new), str(old)]})
+    fo, fn = dataset_fingerprint(fastload.Dataset(old)), dataset_fingerprint(fastload.Dataset(new))
+    for rank, r in enumerate(results):
+        assert r["agreed"] == 10  # 120 samples / 3 ranks / 4 a batch
+        assert r["error"] is not None and f"ranks 0, 2: {fo}; rank 1: {fn}; this is rank {rank})" in r["error"]
+        assert "different versions of" in r["error"]
 
 
 # -- many shards: more than the open-file limit -------------------------------------------

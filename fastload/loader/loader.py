@@ -27,6 +27,7 @@ from .epoch import EpochIterator, Progress
 from ..store.integrity import DEFAULT_VERIFY
 from .options import Options, as_mixture, build_options, fit_to_epoch, make_sampler
 from .parts import Parts
+from .ranks import check_same_dataset
 from .stats import Stats
 
 __all__ = ["LOADER_STATE_VERSION", "Loader", "dataset_fingerprint"]
@@ -56,8 +57,9 @@ class Loader:
             where that cannot be wrong (one GPU per local rank, or CUDA not used yet by this
             process), else ``cuda:0``. Pass ``"cuda:N"`` when ranks and GPUs are laid out
             otherwise. Put the model on ``loader.device``.
-        rank, world_size: default from ``torch.distributed`` when initialised, else the
-            ``RANK``/``WORLD_SIZE`` environment variables, else a single process.
+        rank, world_size: default from ``torch.distributed`` when initialised (the ranks
+            then check that they opened the same dataset), else the ``RANK``/``WORLD_SIZE``
+            environment variables, else a single process.
         fields: fields to deliver (default: every tensor, scalar and image field; string and
             bytes fields are delivered as lists when named here).
         transforms: ``{image_field: fastload.vision.train(224) | eval(...) | custom(...)}``.
@@ -161,6 +163,7 @@ class Loader:
                log_every, ragged, pad_value, max_length, pad_to_multiple, pack_to, batch_transform,
                device_transform) -> None:
         self._world = World.detect(rank, world_size)
+        check_same_dataset(self._world, dataset_fingerprint(ds), ds.path)  # a collective under torch.distributed
         self._options = build_options(ds, batch_size=batch_size, seed=seed, device=device, fields=fields,
                                       transforms=transforms, threads=threads, prefetch=prefetch, on_error=on_error,
                                       log_every=log_every, ragged=ragged, pad_value=pad_value,

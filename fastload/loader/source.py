@@ -53,7 +53,7 @@ def submit_batches(ring, dataset, batches: Sequence[Request]) -> None:
     sampler only shortens the last one), else one by one; their indices fill ``INDEX`` and
     their windows (packing) the ragged fields'."""
     idx_all = np.concatenate([b.index for b in batches]) if len(batches) > 1 else batches[0].index
-    shard, row = dataset.locate(idx_all, check=False)
+    shard, row = dataset.locate(idx_all, check=False, verify=False)  # verified when taken (next_request)
     sizes = {len(b.index) for b in batches[:-1]}
     windows = batches[0].start is not None
     if not windows and len(sizes) <= 1 and (not sizes or len(batches[-1].index) <= next(iter(sizes))):
@@ -85,6 +85,9 @@ class RingFedSource:
     def put(self, batches: Sequence[Request]) -> None:
         if self._prepare is not None and batches:
             self._prepare([b.index for b in batches])
+        elif batches and not self._dataset.fully_verified:  # their shards hashed ahead, in order of use
+            idx = np.concatenate([b.index for b in batches]) if len(batches) > 1 else batches[0].index
+            self._dataset.verify_ahead(self._dataset.locate(idx, check=False, verify=False)[0])
         self._requests.extend(batches)  # before the ring can deliver them
         if self._feeder is not None:
             for req in batches:
@@ -93,8 +96,13 @@ class RingFedSource:
             submit_batches(self._ring, self._dataset, batches)
 
     def next_request(self) -> Request:
-        """The request of the batch ``get`` delivers now (requests come back in order)."""
-        return self._requests.popleft()
+        """The request of the batch ``get`` delivers now (requests come back in order), its
+        shards verified first (as the dataset's policy says): a batch waits for its own
+        shards only, the others are hashed ahead in the background (``put``)."""
+        req = self._requests.popleft()
+        if not self._dataset.fully_verified:
+            self._dataset.locate(req.index, check=False)
+        return req
 
     def close(self) -> None:
         if self._closed:
@@ -102,4 +110,5 @@ class RingFedSource:
         self._closed = True
         if self._feeder is not None:
             self._feeder.close()
+        self._dataset.stop_verify_ahead()
         self._ring.drain(timeout=DRAIN_TIMEOUT_S)  # never waits longer for a batch that does not come

@@ -210,11 +210,12 @@ class Custom(Transform):
         if not callable(build):
             raise ValueError(f"custom(build=...) needs a function that builds a DALI graph, got {build!r}")
         try:
-            self.out_shape = tuple(int(s) for s in shape)
-        except (TypeError, ValueError):
-            raise ValueError(f"shape={shape!r} must be a sequence of ints") from None
-        if not self.out_shape or min(self.out_shape) <= 0:
-            raise ValueError(f"shape={shape!r} must be non-empty with positive sizes")
+            dims = list(shape) if not isinstance(shape, (str, bytes)) else []
+        except TypeError:
+            dims = []
+        if not dims:
+            raise ValueError(f"shape={shape!r} must be a non-empty sequence of ints")
+        self.out_shape = tuple(check_int(f"shape[{i}]", s, min=1) for i, s in enumerate(dims))  # 2.9 is no size
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} must be one of {DTYPES}")
         self.out_dtype = dtype

@@ -2,18 +2,23 @@
 
 DALI's image decoders (nvImageCodec, libjpeg-turbo, libpng) print to the process's standard
 error from C++ — ``[ERROR] [jpeg_parser] Invalid marker`` in colour, ``libpng error: Not enough
-image data`` — once per failing run, and fastload runs a failing batch several times to find
-the bad sample (bisection). With ``on_error="skip"`` that was half a dozen coloured lines per
-bad image per epoch, on top of fastload's own report (``stats()["replaced_samples"]`` and one
-log line per sample). DALI has no switch for these (its log level stops at "error").
+image data``, libjpeg's unprefixed ``Bogus Huffman table definition`` — once per failing run,
+and fastload runs a failing batch several times to find the bad sample (bisection). With
+``on_error="skip"`` that was half a dozen lines per bad image per epoch, on top of fastload's
+own report (``stats()["replaced_samples"]`` and one log line per sample). DALI has no switch
+for these (its log level stops at "error").
 
 :func:`decoder_output_captured` redirects file descriptor 2 into an anonymous in-memory file
 for the duration of a pipeline run (reference-counted, so concurrent runs in several feeder
-threads share one redirection); at the end of every run it passes on everything that is not a
-decoder message, in order, and the last run restores the descriptor. Decoder messages are kept
-(``captured_messages()``, ``messages_since()``): the runner adds them to the reason it reports
-for a refused image. Anything another thread writes to standard error meanwhile is delayed by
-at most one run, never lost.
+threads share one redirection). Everything that reaches descriptor 2 meanwhile is taken for
+the decoders' output: no list of message patterns can be complete (libjpeg alone has over a
+hundred messages without a common prefix). Python's own writes do not go there: the standard
+error stream objects (``sys.stderr``, ``sys.__stderr__``, when they write to descriptor 2) have
+their ``write`` pointed at the real standard error for the duration, so a ``print``, a
+``logging`` handler or a progress bar that holds the stream object shows at once, as always.
+Decoder messages are kept (``captured_messages()``, ``messages_since()``): the runner adds
+them to the reason it reports for a refused image. Native code other than the decoders that
+writes to descriptor 2 during a run is kept with them, not shown.
 """
 from __future__ import annotations
 
@@ -27,11 +32,7 @@ from typing import Iterator
 
 __all__ = ["captured_messages", "decoder_output_captured", "messages_since"]
 
-# Lines the decoders print (ANSI colour codes allowed around the tag).
-_DECODER_LINE = re.compile(
-    rb"^(?:\x1b\[[0-9;]*m)?\[(?:ERROR|WARNING|WARN|INFO)\]|^libpng (?:error|warning)|^libjpeg|"
-    rb"^(?:Corrupt|Premature end of) JPEG|^\[(?:jpeg|png|tiff|webp|jpeg2k|nvjpeg|opencv)[a-z_]*\]|^OpenJPEG|^TIFF"
-)
+_ANSI = re.compile(rb"\x1b\[[0-9;]*m")  # colour codes around DALI's tags
 
 _lock = threading.Lock()
 _depth = 0
@@ -41,6 +42,7 @@ _messages: collections.deque = collections.deque(maxlen=200)
 _count = 0  # decoder messages captured so far
 _offset = 0  # bytes of the capture already sorted
 _partial = b""  # an unfinished line
+_patched: list = []  # the stream objects whose write goes to the real standard error meanwhile
 
 
 def captured_messages() -> list[str]:
@@ -48,18 +50,23 @@ def captured_messages() -> list[str]:
     return [m.decode("utf-8", "replace") for m in _messages]
 
 
-def _enter() -> None:
+def _enter(token: list) -> None:
+    """Start (or join) the capture; ``token`` gets an entry once this caller counts in it, so
+    that an interrupt (Ctrl-C runs Python code between any two steps) never leaves descriptor
+    2 captured: the caller exits the capture exactly when it holds a token."""
     global _depth, _saved_fd, _capture_fd
     with _lock:
         _depth += 1
+        token.append(True)
         if _depth > 1:
             return
-        try:
-            sys.stderr.flush()
-        except Exception:  # pragma: no cover - a closed or replaced stderr
-            pass
         fd = saved = None
+        redirected = False
         try:
+            try:
+                sys.stderr.flush()
+            except Exception:  # pragma: no cover - a closed or replaced stderr
+                pass
             try:
                 fd = os.memfd_create("fastload-decoder-stderr", getattr(os, "MFD_CLOEXEC", 0))
             except (AttributeError, OSError):
@@ -69,21 +76,67 @@ def _enter() -> None:
                     fd = os.dup(t.fileno())
             saved = os.dup(2)
             os.dup2(fd, 2)
+            redirected = True
+            _saved_fd, _capture_fd = saved, fd
+            _bypass_python(saved)
         except BaseException:
+            if redirected:
+                os.dup2(saved, 2)
+            _restore_python()
+            _saved_fd = _capture_fd = None
             _depth -= 1
+            token.clear()
             for f in (fd, saved):
                 if f is not None:
                     os.close(f)
             raise
-        _saved_fd, _capture_fd = saved, fd
+
+
+def _bypass_python(fd: int) -> None:
+    """Point the ``write`` of Python's standard error objects that write to descriptor 2 at
+    ``fd`` (the real standard error), so Python's output never enters the capture."""
+    seen = set()
+    for stream in (sys.stderr, sys.__stderr__):
+        if stream is None or id(stream) in seen:
+            continue
+        seen.add(id(stream))
+        try:
+            if stream.fileno() != 2:
+                continue
+            stream.flush()
+            stream.write = _writer(stream, fd)
+        except Exception:  # not a real file (a test's capture), or an object without attributes
+            continue
+        _patched.append(stream)
+
+
+def _writer(stream, fd: int):
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    errors = getattr(stream, "errors", None) or "backslashreplace"
+
+    def write(text: str) -> int:
+        data = text.encode(encoding, errors)
+        while data:
+            data = data[os.write(fd, data):]
+        return len(text)
+    return write
+
+
+def _restore_python() -> None:
+    while _patched:
+        stream = _patched.pop()
+        try:
+            del stream.write
+        except AttributeError:  # pragma: no cover - someone restored it already
+            pass
 
 
 def _drain(final: bool) -> None:
-    """Sort what was written to the capture since the last drain: decoder lines are kept,
-    everything else goes on to the real standard error now. Called with ``_lock`` held."""
+    """Keep what the decoders wrote to the capture since the last drain, line by line (an
+    unfinished line waits for the rest, unless ``final``). Called with ``_lock`` held."""
     global _offset, _partial, _count
-    fd, out_fd = _capture_fd, _saved_fd
-    if fd is None or out_fd is None:  # pragma: no cover
+    fd = _capture_fd
+    if fd is None:  # pragma: no cover
         return
     size = os.fstat(fd).st_size
     data = _partial + (os.pread(fd, size - _offset, _offset) if size > _offset else b"")
@@ -92,41 +145,32 @@ def _drain(final: bool) -> None:
     _partial = b""
     if lines and not lines[-1].endswith(b"\n") and not final:
         _partial = lines.pop()  # the rest of this line is still to come
-    keep = []
     for line in lines:
-        if _DECODER_LINE.match(line):
-            _messages.append(line.rstrip())
+        text = _ANSI.sub(b"", line).strip()
+        if text:
+            _messages.append(text)
             _count += 1
-        else:
-            keep.append(line)
-    out = b"".join(keep)
-    while out:
-        try:
-            n = os.write(out_fd, out)
-        except OSError:  # pragma: no cover - stderr gone
-            return
-        out = out[n:]
 
 
 def _exit() -> None:
     global _depth, _saved_fd, _capture_fd, _offset, _partial
     with _lock:
         _depth -= 1
-        try:
-            sys.stderr.flush()
-        except Exception:  # pragma: no cover
-            pass
-        _drain(final=_depth == 0)
         if _depth > 0:
+            _drain(final=False)
             return
         saved, fd = _saved_fd, _capture_fd
-        _saved_fd = _capture_fd = None
-        _offset, _partial = 0, b""
-        if saved is not None:
-            os.dup2(saved, 2)
-            os.close(saved)
-        if fd is not None:
-            os.close(fd)
+        try:
+            if saved is not None:
+                os.dup2(saved, 2)  # first: nothing more enters the capture
+            _drain(final=True)
+        finally:
+            _restore_python()
+            _saved_fd = _capture_fd = None
+            _offset, _partial = 0, b""
+            for f in (saved, fd):
+                if f is not None:
+                    os.close(f)
 
 
 def messages_since(count: int) -> tuple[int, list[str]]:
@@ -152,6 +196,7 @@ def _after_fork_in_child() -> None:
                 os.close(_capture_fd)
         except OSError:  # pragma: no cover
             pass
+    _restore_python()
     _depth, _saved_fd, _capture_fd, _offset, _partial = 0, None, None, 0, b""
 
 
@@ -163,12 +208,13 @@ if hasattr(os, "register_at_fork"):
 def decoder_output_captured() -> Iterator[None]:
     """Standard error captured while the block runs (see the module docstring). A no-op in
     a process whose fd 2 cannot be redirected."""
+    token: list = []
     try:
-        _enter()
-    except OSError:  # pragma: no cover - no fd 2 to redirect
-        yield
-        return
-    try:
+        try:
+            _enter(token)
+        except OSError:  # pragma: no cover - no fd 2 to redirect
+            pass
         yield
     finally:
-        _exit()
+        if token:
+            _exit()

@@ -101,6 +101,21 @@ class ConcatReader:
         for d in np.unique(owner):
             self.readers[int(d)].ensure_verified(shards[owner == d] - int(self._shard_base[d]))
 
+    @property
+    def fully_verified(self) -> bool:
+        return all(r.fully_verified for r in self.readers)
+
+    def verify_ahead(self, shards: Any) -> None:
+        """Each dataset hashes its own of these shards ahead of use (see DatasetReader)."""
+        shards = np.asarray(shards, dtype=np.int64).reshape(-1)
+        owner = self._shard_owner[shards]
+        for d in np.unique(owner):
+            self.readers[int(d)].verify_ahead(shards[owner == d] - int(self._shard_base[d]))
+
+    def stop_verify_ahead(self) -> None:
+        for r in self.readers:
+            r.stop_verify_ahead()
+
     def verify_stats(self) -> dict:
         """The datasets' verification counters added up (see DatasetReader.verify_stats)."""
         out: dict = {"policy": self.verify_policy}

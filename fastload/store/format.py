@@ -245,10 +245,13 @@ def parse_size(value: int | str, what: str = "shard_size") -> int:
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         n = int(value)
     else:
-        m = _SIZE_RE.match(str(value))
+        m = _SIZE_RE.match(value) if isinstance(value, str) else None  # 1.5 (a float) is no byte count
         if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
             raise ValueError(f"{what}={value!r} is not a size; use e.g. 256MB, 1GiB or a byte count")
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+        x = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+        if x != int(x):
+            raise ValueError(f"{what}={value!r} is not a whole number of bytes")
+        n = int(x)
     if not 0 < n <= MAX_SHARD_SIZE:
         raise ValueError(f"{what}={value!r} must be between 1 byte and 2 GiB")
     return n

@@ -41,13 +41,18 @@ def inspect_text(path: str | os.PathLike) -> str:
         return _text(ds)
 
 
+def _total_bytes(m: dict) -> int:
+    """The manifest's ``total_bytes`` (optional; the schema checked it against the shards)."""
+    return m["total_bytes"] if "total_bytes" in m else sum(s["bytes"] for s in m["shards"])
+
+
 def _text(ds: DatasetReader) -> str:
     m = ds.manifest
     sizes = [int(s) for s in ds.shard_sizes]
     lines = [f"dataset   {ds.path}",
              f"format    fastload v{m['format_version']}",
              f"samples   {len(ds):,}",
-             f"shards    {ds.num_shards} ({human_bytes(m['total_bytes'])}; "
+             f"shards    {ds.num_shards} ({human_bytes(_total_bytes(m))}; "
              f"{min(sizes, default=0):,}..{max(sizes, default=0):,} samples each)",
              "fields"]
     for name, f in ds.fields.items():

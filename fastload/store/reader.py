@@ -123,10 +123,14 @@ class DatasetReader(Gathering):
         self._verifier.after_fork()
 
     def close(self) -> None:
-        """Stop a remote dataset's download threads and release its cache (the shards
-        downloaded stay for the next run). Nothing to do for a local dataset."""
+        """Stop hashing shards ahead of use (:meth:`verify_ahead`); stop a remote dataset's
+        download threads and release its cache (the shards downloaded stay for the next run)."""
+        self._verifier.stop_ahead()
         if self.cache is not None:
             self.cache.close()
+
+    def _close_at_exit(self, deadline_s: float) -> None:
+        self._verifier.stop_ahead(deadline_s)
 
     def __enter__(self):
         return self
@@ -168,6 +172,25 @@ class DatasetReader(Gathering):
         verification policy says) before any of their rows is read; FormatError names a
         shard that does not match. Cheap once every shard is verified."""
         self._verifier.ensure(shards, self.shard)
+
+    @property
+    def fully_verified(self) -> bool:
+        """True once no shard is left to check (at once with ``verify="off"``)."""
+        return self._verifier.all_verified
+
+    def verify_ahead(self, shards: Any) -> None:
+        """Hash these shards (then the others) in background threads, in this order, ahead
+        of the reads that need them; returns at once (see
+        :meth:`~fastload.store.verifier.ShardVerifier.ahead`). A Loader calls it with the
+        shards of the batches it requests; reads still verify every shard they touch, so
+        this only moves the work earlier. Nothing for a remote dataset (its shards are
+        verified as they arrive) or once every shard is verified."""
+        if self.cache is None and not self._verifier.all_verified:
+            self._verifier.ahead(shards, self.shard)
+
+    def stop_verify_ahead(self) -> None:
+        """Stop the background hashing of :meth:`verify_ahead` and join its threads."""
+        self._verifier.stop_ahead()
 
     def verify_stats(self) -> dict:
         """The verification policy and what it cost so far: shards hashed, shards the node's

@@ -23,6 +23,8 @@ __all__ = ["CHECKSUM_RE", "validate_manifest"]
 
 CHECKSUM_RE = re.compile(rf"{re.escape(CHECKSUM_ALGO)}:[0-9a-f]{{32}}")
 _SHARD_FILE = re.compile(SHARD_FILE_RE)
+INT64_MAX = 2**63 - 1  # counts and sizes are int64 everywhere downstream (numpy, Arrow, C++)
+MAX_SHARD_BYTES = 2**48  # 256 TiB: no shard fastload writes comes near; larger is damage
 
 
 def _is_int(v: Any) -> bool:
@@ -37,9 +39,9 @@ class _Checker:
         raise FormatError(f"{self.where}: {key} {msg}; the manifest is damaged (convert the source "
                           "again, or restore manifest.json)")
 
-    def int_at_least(self, key: str, v: Any, lo: int) -> int:
-        if not _is_int(v) or v < lo:
-            self.fail(key, f"must be an integer >= {lo}, not {_show(v)}")
+    def int_at_least(self, key: str, v: Any, lo: int, hi: int = INT64_MAX) -> int:
+        if not _is_int(v) or v < lo or v > hi:
+            self.fail(key, f"must be an integer >= {lo} and <= {hi:,}, not {_show(v)}")
         return v
 
     def typed(self, key: str, v: Any, typ: type, what: str) -> Any:
@@ -59,7 +61,7 @@ def validate_manifest(m: Any, where: str | Path) -> dict[str, Field]:
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise FormatError(f"{where} is not a fastload manifest (no \"format\": \"{FORMAT_NAME}\")")
     v = m.get("format_version")
-    if v not in READABLE_VERSIONS or isinstance(v, bool):
+    if not _is_int(v) or v not in READABLE_VERSIONS:  # 1.0 and True are not versions
         raise FormatError(f"{where} has format_version {v!r}; this fastload reads versions "
                           f"{', '.join(map(str, READABLE_VERSIONS))}. Convert the source again with this version"
                           " (or upgrade fastload, if a newer one wrote it).")
@@ -100,8 +102,15 @@ def validate_manifest(m: Any, where: str | Path) -> dict[str, Field]:
         if f in seen:
             c.fail(f"{key}.file", f"names {f!r} a second time")
         seen.add(f)
-        total += c.int_at_least(f"{key}.num_samples", s["num_samples"], 0)
-        total_bytes += c.int_at_least(f"{key}.bytes", s["bytes"], 1)
+        rows = c.int_at_least(f"{key}.num_samples", s["num_samples"], 0)
+        size = c.int_at_least(f"{key}.bytes", s["bytes"], 1, MAX_SHARD_BYTES)
+        if rows > size:  # every row of every field kind takes at least one byte
+            c.fail(f"{key}.num_samples", f"is {rows:,}, more rows than the shard's {size:,} bytes can hold")
+        total += rows
+        total_bytes += size
+        if total > INT64_MAX or total_bytes > INT64_MAX:
+            c.fail(f"{key}", f"brings the shards' total past {INT64_MAX:,} "
+                             f"{'samples' if total > INT64_MAX else 'bytes'}")
         if not isinstance(s["checksum"], str) or not CHECKSUM_RE.fullmatch(s["checksum"]):
             c.fail(f"{key}.checksum", f"must be '{CHECKSUM_ALGO}:' and 32 hex digits, not {_show(s['checksum'])}")
     if total != num_samples:
@@ -143,9 +152,12 @@ def _label(c: _Checker, v: Any, *, num_samples: int, fields: Mapping[str, Field]
     names = v.get("class_names")
     if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
         c.fail("label.class_names", f"must be a list of strings or null, not {_show(names)}")
+    if names is not None and len(set(names)) != len(names):
+        dup = next(n for i, n in enumerate(names) if n in names[:i])
+        c.fail("label.class_names", f"names {dup!r} twice; each class has one name")
     counts = v.get("counts")
-    if not isinstance(counts, list) or not all(_is_int(n) and n >= 0 for n in counts):
-        c.fail("label.counts", f"must be a list of integers >= 0, not {_show(counts)}")
+    if not isinstance(counts, list) or not all(_is_int(n) and 0 <= n <= num_samples for n in counts):
+        c.fail("label.counts", f"must be a list of integers >= 0 and <= num_samples, not {_show(counts)}")
     if names is not None and len(counts) != len(names):
         c.fail("label.counts", f"has {len(counts)} entries for {len(names)} class names")
     if sum(counts) != num_samples:

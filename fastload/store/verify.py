@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,11 +58,14 @@ def check_shard(path: Path, entry: dict, fields: Mapping[str, Field] | pa.Schema
     except OSError as e:
         return [f"{name}: cannot be read ({e.strerror or e})"]
     problems = []
-    if mm.size != entry["bytes"]:
+    hashed_at = time.time()
+    if mm.size != entry["bytes"]:  # damaged already: no need to read a (perhaps huge) wrong file
         problems.append(f"{name}: size {mm.size} bytes, manifest says {entry['bytes']}")
-    got = checksum or mm.hash_xxh3_128()
-    if got != entry["checksum"]:
-        problems.append(f"{name}: checksum mismatch (file {got}, manifest {entry['checksum']})")
+        got = None
+    else:
+        got = checksum or mm.hash_xxh3_128()
+        if got != entry["checksum"]:
+            problems.append(f"{name}: checksum mismatch (file {got}, manifest {entry['checksum']})")
     try:
         reader = pa.ipc.open_file(pa.py_buffer(mm))
         why = schema_mismatch(reader.schema, fields)
@@ -79,7 +83,7 @@ def check_shard(path: Path, entry: dict, fields: Mapping[str, Field] | pa.Schema
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
         problems.append(f"{name}: not a valid Arrow IPC file ({str(e).splitlines()[0][:200]})")
     if not problems and record is not None:
-        record.add(record.key(mm, got), mm, got)
+        record.add(record.key(mm, got), mm, got, hashed_at=hashed_at if checksum is None else None)
     return problems
 
 

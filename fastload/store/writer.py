@@ -55,6 +55,11 @@ class ShardWriter:
     whose per-class counts (and ``class_names``) go into the manifest. The dataset exists
     only once :meth:`close` (or the end of the ``with`` block) has written the manifest; an
     exception inside the block deletes what was written.
+
+    ``shard_size``: bytes per shard (an int, or ``"256MB"``; at most 2 GiB; not a float).
+    Unlike ``fastload convert``, which refuses sizes below 1 MB unless forced, the writer
+    takes any size: it is the library's building block (a distributed convert's tasks and
+    tests write small shards on purpose).
     """
 
     def __init__(self, path: str | os.PathLike, fields: Mapping[str, Any], *,
