@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 import torch
@@ -108,17 +109,42 @@ def packed_epoch(path: str, stop_after: int | None = None, state: dict | None = 
     return {"read": np.concatenate(read).tolist() if read else [], "state": out_state}
 
 
-def loader_on_own_dataset(paths: list) -> dict:
-    """Rank r opens paths[r]: a Loader must refuse to start when they are not the same data,
-    on every rank, naming the ranks."""
+def loader_on_own_dataset(dirs: list) -> dict:
+    """Rank r works in dirs[r], where ``ds`` is the dataset: the same location, but rank 1's
+    holds other bytes (a dataset replaced while the job started). A Loader must refuse it,
+    naming the ranks, on the rank that builds its Loader last (at construction) and on every
+    rank that starts an epoch after all were built; nothing waits for another rank."""
     import fastload
     from fastload.errors import FormatError
 
     rank = dist.get_rank()
-    with fastload.Loader(paths[0], batch_size=4, device="cpu") as loader:  # every rank the same: fine
-        agreed = len(loader)
+    with fastload.Loader(os.path.join(dirs[0], "ds"), batch_size=4, device="cpu") as loader:  # the same: fine
+        agreed = len(next(iter(loader))["index"])
+    os.chdir(dirs[rank])
+    errors, loader = [], None
     try:
-        fastload.Loader(paths[rank], batch_size=4, device="cpu").close()
-        return {"agreed": agreed, "error": None}
+        loader = fastload.Loader("ds", batch_size=4, device="cpu")
     except FormatError as e:
-        return {"agreed": agreed, "error": str(e)}
+        errors.append(("construction", str(e)))
+    dist.barrier()  # every rank has built (or failed to build) its Loader
+    if loader is not None:
+        try:
+            next(iter(loader))
+        except FormatError as e:
+            errors.append(("first epoch", str(e)))
+        finally:
+            loader.close()
+    return {"agreed": agreed, "errors": errors}
+
+
+def loader_on_rank_0_only(path: str) -> dict:
+    """A Loader built and read on rank 0 only (rank 1 goes straight to the barrier): nothing
+    may wait for a rank that never builds one."""
+    import fastload
+
+    batches = 0
+    if dist.get_rank() == 0:
+        with fastload.Loader(path, batch_size=4, device="cpu") as loader:
+            batches = sum(1 for _ in loader)
+    dist.barrier()
+    return {"batches": batches}

@@ -756,14 +756,28 @@ def test_ranks_that_opened_different_generations_of_a_dataset_refuse_to_start(tm
     from _dist import run_ranks
     from fastload.loader.loader import dataset_fingerprint
 
-    old = _raw(tmp_path / "old", n=120, seed=0)
-    new = _raw(tmp_path / "new", n=120, seed=1)  # the same shape: only the bytes differ
-    results = run_ranks(3, "dist_jobs:loader_on_own_dataset", {"paths": [str(old), str(new), str(old)]})
-    fo, fn = dataset_fingerprint(fastload.Dataset(old)), dataset_fingerprint(fastload.Dataset(new))
+    dirs = [tmp_path / f"r{r}" for r in range(3)]
+    for r, d in enumerate(dirs):  # the same location ("ds") on every rank; rank 1's has other bytes
+        _raw(d / "ds", n=120, seed=1 if r == 1 else 0)
+    results = run_ranks(3, "dist_jobs:loader_on_own_dataset", {"dirs": [str(d) for d in dirs]})
+    fo, fn = (dataset_fingerprint(fastload.Dataset(d / "ds")) for d in dirs[:2])
+    assert fo != fn
     for rank, r in enumerate(results):
-        assert r["agreed"] == 10  # 120 samples / 3 ranks / 4 a batch
-        assert r["error"] is not None and f"ranks 0, 2: {fo}; rank 1: {fn}; this is rank {rank})" in r["error"]
-        assert "different versions of" in r["error"]
+        assert r["agreed"] == 4  # the same dataset on every rank: no error
+        assert r["errors"], f"rank {rank} trained on a dataset other ranks did not open"
+        for when, error in r["errors"]:  # every error names both versions, the ranks and this rank
+            assert "different versions of ds" in error and f"this is rank {rank})" in error
+            assert f"ranks 0, 2: {fo}; rank 1: {fn}" in error
+    # exactly one rank built its Loader last; it refused at construction, the others at their first epoch
+    assert sorted(when for r in results for when, _ in r["errors"]) == ["construction"] + ["first epoch"] * 2
+
+
+def test_a_loader_on_some_ranks_only_waits_for_no_other_rank(tmp_path):
+    from _dist import run_ranks
+
+    _raw(tmp_path / "ds", n=120, seed=0)
+    results = run_ranks(2, "dist_jobs:loader_on_rank_0_only", {"path": str(tmp_path / "ds")}, timeout=120)
+    assert results[0]["batches"] == 15 and results[1]["batches"] == 0  # 120 / 2 ranks / 4
 
 
 # -- many shards: more than the open-file limit -------------------------------------------

@@ -27,7 +27,7 @@ from .epoch import EpochIterator, Progress
 from ..store.integrity import DEFAULT_VERIFY
 from .options import Options, as_mixture, build_options, fit_to_epoch, make_sampler
 from .parts import Parts
-from .ranks import check_same_dataset
+from .ranks import DatasetCheck
 from .stats import Stats
 
 __all__ = ["LOADER_STATE_VERSION", "Loader", "dataset_fingerprint"]
@@ -163,7 +163,8 @@ class Loader:
                log_every, ragged, pad_value, max_length, pad_to_multiple, pack_to, batch_transform,
                device_transform) -> None:
         self._world = World.detect(rank, world_size)
-        check_same_dataset(self._world, dataset_fingerprint(ds), ds.path)  # a collective under torch.distributed
+        self._ranks = DatasetCheck(self._world, lambda: dataset_fingerprint(ds), ds.path)  # under torch.distributed
+        self._ranks.check()
         self._options = build_options(ds, batch_size=batch_size, seed=seed, device=device, fields=fields,
                                       transforms=transforms, threads=threads, prefetch=prefetch, on_error=on_error,
                                       log_every=log_every, ragged=ragged, pad_value=pad_value,
@@ -248,6 +249,7 @@ class Loader:
         if self._closed:
             raise RuntimeError("this Loader is closed")
         self._parts.check_process()
+        self._ranks.check()  # every rank built its Loader by now, usually: compare once
         self._parts.stop_iter()
         o = self._options
         if o.pack is None:
