@@ -231,6 +231,7 @@ def _commit_remote(plan: Plan, on_error: str) -> dict:
     parts, skipped = [], []
     for g in range(plan.num_groups):
         rec = recs.get(g)
+        rec = rec if isinstance(rec, dict) and rec.get("token") == plan.token else None  # another run's: redo
         m = rec.get("manifest") if rec else None
         _check_part(plan, g, rec, m, on_error, store.where(record_name(g)), store.where(record_name(g)), names.get)
         parts.append((g, rec, m))

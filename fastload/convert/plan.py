@@ -5,7 +5,10 @@ that order into equal runs of ``group_size`` samples, sized from an estimate of 
 stored sample so that one group makes about one shard. The plan is written to
 ``DST/.fastload-parts/plan.json`` (plus, for an image folder, the listing of its files as
 ``files.parquet``) before any task starts, so a restarted or resumed conversion uses the very
-same groups. It is small: a task reads the plan, then its own row range of the source.
+same groups. It is small: a task reads the plan, then its own row range of the source. For
+an object-store DST the plan is made in a local scratch directory and uploaded under
+``DST/.fastload-parts/`` (``plan.json`` last), with the shard-name token of the conversion
+(see objstore.py).
 
 What a task needs to open its group without redoing the driver's work (``spec``):
 

@@ -12,6 +12,10 @@ records ``part.json`` there and renames the attempt to ``g-NNNNNNNN/``. So:
 * two attempts running at once both finish, the first rename wins and the other deletes
   its copy (renaming onto a non-empty directory fails).
 
+For an object-store DST (objstore.py) the task converts into local scratch space instead,
+uploads the shards under their final names (named by the group: a retry PUTs the same
+bytes to the same keys) and then its record ``.fastload-parts/g-NNNNNNNN.json``.
+
 A task returns a small dict (counts, timings, its process id and peak memory), never
 sample data. A sample error under ``on_error="raise"`` comes back as ``{"error": ...}``
 naming the sample's key, not as an exception, so an engine does not retry it.
@@ -187,16 +191,16 @@ def finished_groups(plan: Plan, groups) -> dict[int, dict]:
     out = {}
     for g in groups:
         if g in have:
-            rec = _intact_record(store.get_json(record_name(g)), names.get)
+            rec = _intact_record(store.get_json(record_name(g)), names.get, plan.token)
             if rec is not None:
                 out[g] = rec
     return out
 
 
-def _intact_record(rec: dict | None, size_of) -> dict | None:
-    """An object-store group record whose shards are all at DST with the recorded sizes
-    (``size_of(name)``: a shard's size, None when it is missing)."""
-    if rec is None:
+def _intact_record(rec: dict | None, size_of, token: str | None) -> dict | None:
+    """An object-store group record of this plan (``token``) whose shards are all at DST with
+    the recorded sizes (``size_of(name)``: a shard's size, None when it is missing)."""
+    if not isinstance(rec, dict) or rec.get("token") != token:
         return None
     shards = (rec.get("manifest") or {}).get("shards", [])
     return rec if all(size_of(s["file"]) == s["bytes"] for s in shards) else None
@@ -276,15 +280,11 @@ def _run_remote_group(plan: Plan, g: int, on_error: str, t0: float) -> dict:
     the shards under their final names, then the group's record (last: the group is done)."""
     import tempfile
 
-    from ..remote.cache_files import default_cache_dir
-
     store = Store(plan.dst)
-    done = _intact_record(store.get_json(record_name(g)), store.size)
+    done = _intact_record(store.get_json(record_name(g)), store.size, plan.token)
     if done is not None:
         return _result(done, t0, reused=True)
-    root = default_cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"convert-part-{g}-", dir=root) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"convert-part-{g}-", dir=_scratch_root()) as tmp:
         out = Path(tmp) / "part"
         rec = _convert_group(plan, g, on_error, out, t0)
         if rec.get("error"):
@@ -303,6 +303,22 @@ def _run_remote_group(plan: Plan, g: int, on_error: str, t0: float) -> dict:
         if (out / SKIPPED_REPORT).exists():
             with open(out / SKIPPED_REPORT, encoding="utf-8") as f:
                 report = [json.loads(line) for line in f if line.strip()]
-        rec = {**rec, "manifest": m, "report": report}
+        rec = {**rec, "token": plan.token, "manifest": m, "report": report}
         store.put_json(record_name(g), rec)  # last: from here on the group counts as done
     return _result(rec, t0, reused=False)
+
+
+def _scratch_root() -> Path:
+    """Where an object-store task converts its group before uploading it: fastload's cache
+    directory ($FASTLOAD_CACHE, else ~/.cache/fastload; the temporary directory when there
+    is no home directory)."""
+    import tempfile
+
+    from ..remote.cache_files import default_cache_dir
+
+    try:
+        root = default_cache_dir()
+    except (RuntimeError, KeyError):  # no home directory (an arbitrary uid in a container)
+        return Path(tempfile.gettempdir())
+    root.mkdir(parents=True, exist_ok=True)
+    return root
