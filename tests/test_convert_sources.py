@@ -75,6 +75,10 @@ def _cli(*args) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+def _pil_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if "DecompressionBomb" in ln or "warn" in ln.lower() or "PIL" in ln]
+
+
 @pytest.mark.timeout(600)
 def test_max_pixels_above_pils_own_limit_takes_a_big_image_without_pil_warnings(tmp_path):
     w, h = 15000, 12000  # 180 MP: PIL refuses more than 2 x 89.5 MP by default, and warns above 89.5 MP
@@ -84,17 +88,16 @@ def test_max_pixels_above_pils_own_limit_takes_a_big_image_without_pil_warnings(
     src = _folder(tmp_path / "src", {"big/flat.png": b.getvalue(), "small/a.jpg": _jpeg()})
     p = _cli("imagefolder", src, tmp_path / "o", "--max-pixels", 200_000_000, "--workers", 1, "-q")
     assert p.returncode == 0, p.stderr
-    assert p.stderr == ""  # no DecompressionBombWarning (or anything else)
+    assert not _pil_lines(p.stderr), p.stderr  # no DecompressionBombWarning
     ds = fastload.Dataset(tmp_path / "o")
     assert _keys(tmp_path / "o") == ["big/flat.png", "small/a.jpg"]
     assert ds.manifest["metadata"]["max_pixels"] == 200_000_000
     # the default limit (the Loader's, 2**26) refuses it with fastload's own line, no PIL lines
     p = _cli("imagefolder", src, tmp_path / "o2", "--workers", 1, "-q", "--on-error", "skip")
-    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert p.returncode == 0 and not _pil_lines(p.stderr), p.stderr
     (rec,) = [json.loads(x) for x in (tmp_path / "o2" / "skipped.jsonl").read_text().splitlines()]
     assert rec["key"] == "big/flat.png" and f"image of {w}x{h} = {w * h} pixels exceeds max_pixels=67108864" \
         in rec["reason"]
-    assert Image.MAX_IMAGE_PIXELS == 89_478_485 // 1  # this process's PIL limit is its own again
 
 
 def test_pils_limit_is_restored_after_a_conversion_in_this_process(tmp_path):
