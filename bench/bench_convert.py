@@ -13,8 +13,9 @@ same JPEG folder (real photos from scikit-image, 300-500 px, quality 90):
 Every engine row runs `fastload.convert` in a fresh process and times the whole call
 (planning, starting Ray or the process group, the tasks, the commit; "tasks alone" is the
 task phase only, without the engine's start), and reports the peak
-memory (RSS) of one converting worker: a validation process (local), a Ray worker, a torch
-task process. `--shard-size` is chosen so the source makes about 16 groups (4 with --smoke,
+memory (RSS) of one converting worker: a Ray worker or a torch task process (each reads,
+PIL-validates and DALI-checks its images); for local, the larger of the writer process (which
+reads and DALI-checks the images) and its PIL validation processes, both shown. `--shard-size` is chosen so the source makes about 16 groups (4 with --smoke,
 which also leaves out ray w=1).
 
     python bench/bench_convert.py [--images 2000] [--repeats 3] [--smoke]
@@ -64,8 +65,8 @@ def run_engine(src: Path, dst: Path, engine: str, workers: int, shard_size: int,
     out = [json.loads(ln[7:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     r = next(o for o in out if o.get("rank", 0) == 0)
     r["wall"] = wall
-    if engine == "local":  # the validation processes are the workers
-        r["worker_peak_rss_bytes"] = r["children_peak_rss_bytes"]
+    if engine == "local":  # the work is split: the writer DALI-checks, the validation processes PIL-decode
+        r["worker_peak_rss_bytes"] = max(r["self_peak_rss_bytes"], r["children_peak_rss_bytes"])
     return r
 
 
@@ -124,8 +125,12 @@ def main(argv=None) -> list:
             r = runs[len(runs) // 2]  # the median run
             peak = max(x["worker_peak_rss_bytes"] for x in runs) / 2**20
             tasks = f"tasks alone {a.images / r['tasks_seconds']:,.0f}/s; " if r.get("tasks_seconds") else ""
+            split = ""
+            if engine == "local":
+                split = (f" (writer {max(x['self_peak_rss_bytes'] for x in runs) / 2**20:.0f} MB, validators "
+                         f"{max(x['children_peak_rss_bytes'] for x in runs) / 2**20:.0f} MB)")
             m = Measurement(label, a.images, nbytes, r["seconds"], "ours",
-                            f"{tasks}{peak:.0f} MB peak RSS per worker; {r['num_shards']} shards; "
+                            f"{tasks}{peak:.0f} MB peak RSS per worker{split}; {r['num_shards']} shards; "
                             f"{r['wall']:.1f} s with process start")
             m.extra = {"engine": engine, "workers": workers, "ranks": ranks, "worker_peak_rss_mb": peak,
                        "tasks_seconds": r.get("tasks_seconds"),

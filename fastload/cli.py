@@ -89,23 +89,12 @@ def cmd_convert(a, out: Output) -> int:
     from .files import printable
     from .store.inspect import human_bytes
 
-    from .remote.url import is_remote
-
     kw = dict(workers=a.workers, shard_size=a.shard_size, on_error=a.on_error, label=a.label,
               image_columns=a.image_column or (), max_pixels=a.max_pixels, progress=not a.quiet,
               engine=a.engine, ray_address=a.ray_address, resume=a.resume,
               allow_small_shards=a.force_small_shards, max_size=a.max_size, quality=a.quality)
-    try:
-        if is_remote(a.dst):  # converted in a local staging directory, then uploaded (manifest last)
-            from .remote.publish import convert_to_remote
-
-            if a.engine != "local":  # its tasks (other nodes, other ranks) would not see that directory
-                raise UsageError(f"--engine {a.engine} writes to a directory every worker sees, not yet to an "
-                                 "object store: convert into a shared directory, then upload it")
-
-            r = convert_to_remote(convert, a.kind, a.src, a.dst, overwrite=a.overwrite, **kw)
-        else:
-            r = convert(a.kind, a.src, a.dst, overwrite=a.overwrite, **kw)
+    try:  # (an object-store DST: see convert(); every engine writes there, the manifest last)
+        r = convert(a.kind, a.src, a.dst, overwrite=a.overwrite, **kw)
     except (FastloadError, OSError, ValueError) as e:  # ENOSPC, a FIFO, a bad option: one line
         raise UsageError(printable(str(e))) from None
     if r.get("rank", 0) != 0:  # torchrun: rank 0 reports for all
@@ -227,10 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("kind", choices=["imagefolder", "arrays", "table", "webdataset"], help="source kind")
     c.add_argument("src", help="source file or directory")
     c.add_argument("dst", help="dataset directory to create (must be new or empty), or an object-store URL "
-                               "(s3://, gs://, az://): converted locally, then uploaded, the manifest last")
+                               "(s3://, gs://, az://): shards uploaded (by the tasks with ray/torch), the manifest last")
     c.add_argument("--workers", type=int, default=None,
                    help="tasks converting at once: validation processes (local, default: CPU count), Ray tasks "
-                        "(ray, default: the cluster's CPUs), worker processes per rank (torch, default 1)")
+                        "(ray, default: the cluster's CPUs), worker processes of all ranks together (torch, split "
+                        "between the ranks, at least one each; default one per rank)")
     c.add_argument("--shard-size", default="256MB", help="bytes per shard, e.g. 256MB, 1GiB (default 256MB)")
     c.add_argument("--on-error", choices=["raise", "skip"], default="raise",
                    help="a bad sample stops the run (raise) or is left out and listed in DST/skipped.jsonl (skip)")

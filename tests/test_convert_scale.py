@@ -61,14 +61,14 @@ def assert_same(a: Path, b: Path) -> None:
     assert not (b / PARTS).exists()
 
 
-def env_for(tmp: Path, fault_group: int | None = None) -> dict:
+def env_for(tmp: Path, fault_group: int | None = None, fault_when: str = "start") -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "fault_site"), str(HERE.parent),
                                                         os.environ.get("PYTHONPATH", "")]),
            "FASTLOAD_TEST_HEAVY": str(tmp / "heavy"), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     (tmp / "heavy").mkdir(exist_ok=True)
     if fault_group is not None:
         (tmp / "faults").mkdir(exist_ok=True)
-        env["FASTLOAD_TEST_FAULT"] = f"{fault_group}:{tmp / 'faults'}"
+        env["FASTLOAD_TEST_FAULT"] = f"{fault_group}:{tmp / 'faults'}:{fault_when}"
     return env
 
 
@@ -79,9 +79,9 @@ _CLI_LINES = [(re.compile(r"^wrote (\d+) samples"), ("num_samples",)),
                ("num_groups", "tasks_run", "tasks_reused"))]
 
 
-def run_engine(engine: str, src: Path, dst: Path, tmp: Path, *, fault_group: int | None = None, ranks: int = 2,
-               watch: set | None = None, extra_env: dict | None = None, cli: bool = False,
-               **kw) -> tuple[int, dict | None, str]:
+def run_engine(engine: str, src: Path, dst: Path | str, tmp: Path, *, fault_group: int | None = None,
+               fault_when: str = "start", ranks: int = 2, watch: set | None = None, extra_env: dict | None = None,
+               cli: bool = False, **kw) -> tuple[int, dict | None, str]:
     """Run a conversion in fresh processes: the API in a subprocess, or (``cli``) the
     ``fastload convert`` command; with engine "torch", on every rank of ``torchrun
     --standalone --nproc-per-node ranks``. Returns (exit status, rank 0's summary or None,
@@ -100,25 +100,13 @@ def run_engine(engine: str, src: Path, dst: Path, tmp: Path, *, fault_group: int
     else:
         cmd = [sys.executable, *cmd]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**env_for(tmp, fault_group), **(extra_env or {})})
+                         env={**env_for(tmp, fault_group, fault_when), **(extra_env or {})})
     try:
         addresses = _watch_addresses(p) if watch is not None else set()
         stdout, stderr = p.communicate(timeout=600)
     finally:
         if p.poll() is None:  # a hang: end the driver and every process it started, by pid
-            import psutil
-
-            try:
-                tree = psutil.Process(p.pid).children(recursive=True)
-            except psutil.Error:
-                tree = []
-            p.kill()
-            p.wait()
-            for child in tree:
-                try:
-                    child.kill()
-                except psutil.Error:
-                    pass
+            kill_tree(p)
     if watch is not None:
         watch.update(addresses)
     if cli:
@@ -176,11 +164,20 @@ def heavy_modules(tmp: Path) -> dict:
     images are converted: each image is also decoded by the Loader's decoder, DALI on the
     CPU (issue 19), so a worker that ran an image task has it."""
     out = {}
-    for p in (tmp / "heavy").iterdir():
+    for p in (tmp / "heavy").glob("modules-*"):
         mods = [m for m in p.read_text().split() if m != "nvidia.dali"]
         if mods:
             out[p.name] = " ".join(mods)
     return out
+
+
+def dali_threads(tmp: Path) -> list[int]:
+    """The thread count of every DALI image check a task process built."""
+    return [int(x) for p in (tmp / "heavy").glob("dali-*") for x in p.read_text().split()]
+
+
+def started_groups(tmp: Path) -> set[int]:
+    return {int(p.name.split("-")[1]) for p in (tmp / "heavy").glob("started-*")}
 
 
 @pytest.fixture(scope="module")
@@ -372,7 +369,110 @@ def test_engine_arguments_are_checked(images, tmp_path):
         convert("imagefolder", images, tmp_path / "x", resume=True)
 
 
+def test_a_task_checks_images_with_one_dali_thread(images, tmp_path, monkeypatch):
+    """A task has one CPU (Ray's num_cpus=1, one torch worker process): its DALI decoder gets
+    one thread, not one per core of the node (16 here); the local engine's writer keeps them."""
+    import importlib
+
+    imagecheck = importlib.import_module("fastload.convert.imagecheck")
+    monkeypatch.setattr(imagecheck, "usable_cores", lambda: 16)
+    built = []
+    build = imagecheck.DaliImageCheck._build
+
+    def counted(self):
+        before = len(os.listdir("/proc/self/task"))
+        pipe = build(self)
+        built.append((self.threads, len(os.listdir("/proc/self/task")) - before))
+        return pipe
+
+    monkeypatch.setattr(imagecheck.DaliImageCheck, "_build", counted)
+    dst = tmp_path / "ds"
+    make_plan("imagefolder", images, dst, shard_size=200_000, overwrite=False, resume=False)
+    assert run_group(dst, 0)["error"] is None
+    assert built and all(threads == 1 and started < 16 for threads, started in built), built
+    built.clear()
+    convert("imagefolder", images, tmp_path / "local", workers=0, progress=False)
+    assert built and built[0][0] == 16
+
+
+def test_an_attempt_that_loses_the_rename_returns_the_winners_part(images, tmp_path, monkeypatch):
+    import importlib
+
+    dst = tmp_path / "ds"
+    plan = make_plan("imagefolder", images, dst, shard_size=200_000, overwrite=False, resume=False)
+    first = run_group(dst, 1)
+    part = plan.part_dir(1)
+    winner = {p.name: p.read_bytes() for p in part.iterdir()}
+    # a second attempt that started before the first finished: it does not find the part,
+    # converts the group, finds the part there when it renames, and keeps the winner's
+    task = importlib.import_module("fastload.convert.task")
+    monkeypatch.setattr(task, "finished_part", lambda part: None)
+    second = run_group(dst, 1)
+    assert second["reused"] and second["error"] is None and second["num_samples"] == first["num_samples"]
+    assert {p.name: p.read_bytes() for p in part.iterdir()} == winner
+    assert not list(plan.parts.glob("*.attempt-*"))
+
+
+def test_torch_workers_are_split_between_the_ranks():
+    from fastload.convert.engines.torch_engine import rank_slots
+
+    assert [rank_slots(3, r, 2) for r in range(2)] == [2, 1]
+    assert [rank_slots(8, r, 4) for r in range(4)] == [2, 2, 2, 2]
+    assert [rank_slots(1, r, 2) for r in range(2)] == [1, 1]  # at least one each
+    assert [rank_slots(None, r, 3) for r in range(3)] == [1, 1, 1]
+
+
+def test_engine_ray_without_ray_says_how_to_install_it_before_any_work(images, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    with pytest.raises(ConvertError, match=r"needs Ray, which is not installed: pip install 'fastload\[ray\]'"):
+        convert("imagefolder", images, tmp_path / "ds", engine="ray", progress=False)
+    assert not (tmp_path / "ds").exists()
+
+
+@have_ray
+def test_a_ray_that_cannot_start_leaves_no_plan(images, tmp_path, monkeypatch):
+    import importlib
+
+    ray_engine = importlib.import_module("fastload.convert.engines.ray_engine")
+
+    def broken():
+        raise ConvertError("ray is broken here")
+
+    monkeypatch.setattr(ray_engine, "_import_ray", broken)
+    dst = tmp_path / "ds"
+    with pytest.raises(ConvertError, match="ray is broken here"):
+        convert("imagefolder", images, dst, engine="ray", progress=False)
+    assert not (dst / PARTS).exists()  # a rerun needs neither --resume nor --overwrite
+
+
 # -- Ray ---------------------------------------------------------------------------------------
+@have_ray
+def test_an_unreachable_ray_address_is_refused_at_once_and_leaves_no_plan(images, tmp_path):
+    from fastload.remote.testing import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    t0 = time.monotonic()
+    code, _, err = run_engine("ray", images, tmp_path / "ds", tmp_path, ray_address=address, cli=True)
+    assert code == 1 and f"--ray-address {address}: cannot connect to a Ray cluster" in err, err
+    assert time.monotonic() - t0 < 120  # (ray.init would wait for a GCS there for minutes)
+    assert not (tmp_path / "ds" / PARTS).exists()
+
+
+@have_ray
+@pytest.mark.slow
+def test_ray_first_error_cancels_the_tasks_in_flight(images, tmp_path):
+    src, key = corrupt_copy(images, tmp_path, 0)  # group 0 fails at once ...
+    dst = tmp_path / "ds"
+    t0 = time.monotonic()
+    code, _, err = run_engine("ray", src, dst, tmp_path, workers=2, cli=True,
+                              extra_env={"FASTLOAD_TEST_SLOW": "1:300"})  # ... while group 1 runs (for 5 min)
+    took = time.monotonic() - t0
+    assert code == 1 and "group 0 (samples 0.." in err and key in err and "--resume" in err, err
+    assert took < 200, took  # group 1 was cancelled, not waited for
+    assert started_groups(tmp_path) == {0, 1}  # and no further group started
+    assert not (dst / PARTS / "g-00000001").exists() and not (dst / "manifest.json").exists()
+
+
 @have_ray
 @pytest.mark.slow
 def test_ray_equals_local_and_retries_a_killed_worker(images, reference, tmp_path):
@@ -384,9 +484,10 @@ def test_ray_equals_local_and_retries_a_killed_worker(images, reference, tmp_pat
     assert (tmp_path / "faults" / "died-3").exists()  # the first attempt of group 3 died ...
     assert r["tasks_run"] == r["num_groups"] >= 5 and r["worker_pids"] >= 2  # ... and was retried
     assert_same(reference, dst)
-    assert len(list((tmp_path / "heavy").iterdir())) >= 2  # every task checked its process ...
-    assert heavy_modules(tmp_path) == {}  # ... no worker imported torch or DALI
+    assert len(list((tmp_path / "heavy").glob("modules-*"))) >= 2  # every task checked its process ...
+    assert heavy_modules(tmp_path) == {}  # ... no worker imported torch
     assert r["worker_heavy_modules"] in ([], ["nvidia.dali"])  # never torch (DALI: see heavy_modules)
+    assert dali_threads(tmp_path) and set(dali_threads(tmp_path)) == {1}  # one DALI thread per task (num_cpus=1)
 
 
 @have_ray
@@ -445,11 +546,42 @@ def test_ray_address_joins_a_running_cluster_and_leaves_it_running(images, refer
         try:
             helper.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            helper.kill()
-            helper.wait()
+            kill_tree(helper)  # the helper and its cluster's processes (GCS, raylet, workers), by pid
+
+
+def kill_tree(p: subprocess.Popen) -> None:
+    """Kill ``p`` and every process it started, by pid (never by name)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(p.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    p.kill()
+    p.wait()
+    for child in tree:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 # -- torchrun ------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_torchrun_overwrite_split_workers_and_a_kill_mid_write(images, reference, tmp_path):
+    dst = tmp_path / "ds"
+    convert("arrays", _npz(tmp_path), dst, progress=False)  # a dataset to replace
+    old_shards = {n for n in os.listdir(dst) if n.startswith("shard-")}
+    code, r, err = run_engine("torch", images, dst, tmp_path, fault_group=1, fault_when="write", overwrite=True,
+                              workers=3)
+    assert code == 0, err
+    assert (tmp_path / "faults" / "died-1").exists()  # a task died with half a shard file written ...
+    assert_same(reference, dst)  # ... and was retried; the old dataset is replaced
+    assert not old_shards & set(os.listdir(dst)) and not list(dst.glob(".fastload-staging-*"))
+    assert r["workers"] == 3 and r["worker_pids"] == 2  # 3 at once in all: 2 on rank 0, 1 on rank 1
+    assert set(dali_threads(tmp_path)) == {1}
+
+
 @pytest.mark.slow
 def test_torchrun_equals_local_and_retries_a_killed_task(images, reference, tmp_path):
     dst = tmp_path / "ds"
@@ -461,6 +593,7 @@ def test_torchrun_equals_local_and_retries_a_killed_task(images, reference, tmp_
     assert r["world_size"] == 2 and r["num_groups"] >= 5
     assert_same(reference, dst)
     assert heavy_modules(tmp_path) == {}
+    assert dali_threads(tmp_path) and set(dali_threads(tmp_path)) == {1}
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from ..errors import ConvertError
 from .common import run_convert
+from .objstore import Store, is_remote
 
 from ..validate import check_bool
 from .common import check_shard_size
@@ -47,6 +48,11 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
     finishes an interrupted conversion of the same source into ``dst``, reusing its
     finished parts.
 
+    ``dst`` may be an object-store URL (``s3://``, ``gs://``, ``az://``): with "local" the
+    dataset is converted in a local staging directory and uploaded (shards, then the manifest);
+    with "ray" and "torch" every task uploads its own shards and the driver writes the
+    manifest last (see ``fastload.convert.objstore``). A failure leaves no new manifest.
+
     Images are decoded by PIL and by DALI's CPU decoder (the Loader's), and refused above
     ``max_pixels`` (default: the Loader's, 2**26), so a dataset that converts is one the Loader
     decodes. ``max_size`` (at least 16) stores images pre-resized, like FFCV's
@@ -77,10 +83,20 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
                          "save it (numpy.savez) and convert the file")
     if not in_memory and not os.path.exists(src):
         raise ConvertError(f"{src}: no such file or directory")
-    s_abs, d_abs = (None, None) if in_memory else (os.path.realpath(src), os.path.realpath(dst))
+    remote = is_remote(dst)
+    if remote:
+        Store(dst)  # an object store fastload writes to (not http), before any work
+    s_abs, d_abs = (None, None) if in_memory or remote else (os.path.realpath(src), os.path.realpath(dst))
     if s_abs is not None and os.path.isdir(s_abs) and (d_abs == s_abs or d_abs.startswith(s_abs.rstrip(os.sep) + os.sep)):
         raise ConvertError(f"{dst} is inside the source {src}; choose a destination outside it "
                            "(the dataset would become part of its own source)")
+    if remote and engine == "local":  # converted in a local staging directory, then uploaded, manifest last
+        from ..remote.publish import convert_to_remote
+
+        return convert_to_remote(convert, kind, src, dst, overwrite=overwrite, workers=workers,
+                                 shard_size=shard_size, on_error=on_error, label=label, image_columns=image_columns,
+                                 max_pixels=max_pixels, progress=progress, allow_small_shards=allow_small_shards,
+                                 max_size=max_size, quality=quality)
     if engine != "local":
         from ..store.format import parse_size
         from .common import ON_ERROR

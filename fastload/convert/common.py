@@ -10,7 +10,6 @@ deterministic whatever ``workers`` is.
 from __future__ import annotations
 
 import contextlib
-import io
 import multiprocessing as mp
 import os
 import signal
@@ -23,63 +22,21 @@ from typing import Any, Iterator, Mapping, Sequence
 from ..errors import NO_SPACE_ERRNOS, ConvertError, NoSpaceError, SampleError
 from ..files import printable
 from ..store.format import DEFAULT_SHARD_SIZE, MANIFEST, MIN_SHARD_SIZE, SKIPPED_REPORT, Field, parse_size
-from ..store.geometry import DEFAULT_MAX_PIXELS, displayed_size
+from ..store.geometry import DEFAULT_MAX_PIXELS
 from ..store.report import write_report
 from ..store.writer import ShardWriter
 from ..system import usable_cores
 from ..validate import check_bool, check_choice, check_int
 from .imagecheck import DaliImageCheck, MAX_BATCH as MAX_CHECK_BATCH
-from .resize import DEFAULT_QUALITY, shrink
+from .images import DECODABLE_FORMATS, IMAGE_EXTENSIONS, check_image, prepare_image  # noqa: F401 (re-exported)
+from .keys import escape_key
+from .resize import DEFAULT_QUALITY
 
-# What DALI's decoders read (fn.decoders.image): anything else must be re-encoded first. MPO is
-# the multi-picture JPEG phones write (PIL's name for it); DALI decodes its first picture, as PIL.
-DECODABLE_FORMATS = {"JPEG", "MPO", "PNG", "BMP", "TIFF", "WEBP", "PPM", "JPEG2000"}
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".pbm", ".pnm", ".bmp", ".tif",
-                    ".tiff", ".webp", ".jp2", ".j2k")
 ON_ERROR = ("raise", "skip")
 
 
 IMAGES_CHECKED = "images_checked"  # manifest metadata: the images were decoded by DALI at convert time
 RESIZED_IMAGES = "resized_images"  # manifest metadata: images re-encoded for --max-size (a count)
-
-
-def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
-    """Decode ``data`` fully and return (width, height); raise ValueError when it is not an
-    image DALI can decode."""
-    return prepare_image(data, max_pixels)[1]
-
-
-def prepare_image(data: bytes, max_pixels: int | None = None, max_size: int | None = None,
-                  quality: int = DEFAULT_QUALITY) -> tuple[bytes | None, tuple[int, int]]:
-    """Decode ``data`` fully; return (the re-encoded image or None, its (width, height)).
-    With ``max_size``, an image whose longer side exceeds it is re-encoded (resize.py) and the
-    new bytes are checked as any image; others are kept as they are (None). Raise ValueError
-    when it is not an image DALI can decode."""
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            fmt = im.format
-            w, h = im.size
-            if fmt not in DECODABLE_FORMATS:
-                raise ValueError(f"image format {fmt} cannot be decoded by DALI; re-encode it as JPEG or PNG")
-            if max_pixels is not None and w * h > max_pixels:
-                why = ("convert decodes it to resize it; raise --max-pixels if it is genuine" if max_size else
-                       "the Loader would refuse it too; raise --max-pixels and the transform's max_pixels "
-                       "together if it is genuine")
-                raise ValueError(f"image of {w}x{h} = {w * h} pixels exceeds max_pixels={max_pixels} ({why})")
-            im.load()
-            w, h = displayed_size(im)  # after load(): a PNG's eXIf chunk may follow its pixels
-            if max_size is not None and max(w, h) > max_size:
-                small = shrink(im, max_size, quality)
-                return small, prepare_image(small, max_pixels)[1]
-    except ValueError:
-        raise
-    except Exception as e:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError…)
-        if type(e).__name__ == "UnidentifiedImageError":
-            raise ValueError("not an image: the header matches no known image format") from None
-        raise ValueError(f"not a decodable image ({type(e).__name__}: {e})") from None
-    return None, (int(w), int(h))
 
 
 @dataclass
@@ -211,8 +168,11 @@ def check_shard_size(shard_size: int | str, allow_small_shards: bool) -> int:
 
 def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None = None,
                 shard_size: int | str = DEFAULT_SHARD_SIZE, on_error: str = "raise",
-                overwrite: bool = False, progress: bool = True, desc: str = "convert") -> dict:
-    """Write ``source`` into the dataset directory ``dst``; return a summary."""
+                overwrite: bool = False, progress: bool = True, desc: str = "convert",
+                check_threads: int | None = None) -> dict:
+    """Write ``source`` into the dataset directory ``dst``; return a summary. ``check_threads``:
+    the threads of the DALI decoder that checks the images (default: every usable core; a
+    task of a distributed conversion passes its own allotment, 1)."""
     global _SOURCE
     check_choice("on_error", on_error, ON_ERROR)
     workers = usable_cores() if workers is None else check_int("workers", workers, min=0)
@@ -232,14 +192,14 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
                          class_names=source.class_names, overwrite=overwrite, metadata=metadata)
     bar = tqdm(total=source.num_samples, unit="samples", desc=desc, disable=not progress,
                file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
-    checker = DaliImageCheck() if image_fields else None
+    checker = DaliImageCheck(threads=check_threads) if image_fields else None
     pending: list[tuple[int, dict, dict, int]] = []  # read, waiting for the DALI check, in source order
     resized = [0]  # images written re-encoded (--max-size)
     _SOURCE = source
     try:
         with writer:
             def key_of(i: int) -> str:
-                return printable(source.key(i))  # any file name: one line of valid UTF-8
+                return escape_key(source.key(i))  # any file name: one line of valid UTF-8, one key per name
 
             def bad(i: int, err: str) -> None:
                 err = printable(err)
@@ -311,7 +271,7 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
             chunks = source.fast_chunks()
             if chunks is not None:
                 for start, stop, batch in chunks:
-                    bulk(start, stop, batch, [source.key(i) for i in range(start, stop)])
+                    bulk(start, stop, batch, [escape_key(source.key(i)) for i in range(start, stop)])
                     bar.update(stop - start)
             else:
                 it = (_validated(source, workers) if source.needs_validation

@@ -7,7 +7,10 @@ Files whose extension is not an image extension are ignored (and counted), as Im
 
 Symbolic links to directories are followed, but every real directory is read at most once
 (a link back to an ancestor, or two links to one directory, add no duplicate samples; the
-directories skipped are counted in the manifest's metadata as ``repeated_dirs``). Only
+directories skipped are counted in the manifest's metadata as ``repeated_dirs``), and a link
+whose real target is SRC or holds SRC (``cat/up -> ..``, a link to ``/``) is never followed.
+A class folder that is a link to another class folder (``kitty -> cat``), into one, or to SRC
+or a folder holding it, is an error naming the link: a class is one folder. Only
 regular files are read (a FIFO, a device or a directory named like an image is an error
 naming it), each at most ``files.MAX_SAMPLE_BYTES``.
 """
@@ -22,6 +25,31 @@ from ..files import NotRegularFile, read_regular
 from ..store.format import Field
 from ..store.geometry import DEFAULT_MAX_PIXELS
 from .common import IMAGE_EXTENSIONS, ConvertError, Source
+
+
+def _within(path: str, folder: str) -> bool:
+    """``path`` is ``folder`` or inside it (real paths)."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _check_class_links(root: Path, root_real: str, classes: list[str]) -> None:
+    """A class folder that is a link must lead to a folder of its own: not SRC or a folder
+    holding it, not another class folder or a folder inside (or around) one."""
+    real = {c: os.path.realpath(root / c) for c in classes}
+    for c in classes:
+        if not os.path.islink(root / c):
+            continue
+        r = real[c]
+        if _within(root_real, r):
+            raise ConvertError(f"{root}: class folder {c!r} is a link to {r}, which holds {root} itself; "
+                               "a class is one folder of images: remove the link")
+        for d in classes:
+            if d != c and (_within(r, real[d]) or _within(real[d], r)):
+                what = f"to {d!r}, another class folder" if r == real[d] else \
+                    (f"into the class folder {d!r}" if _within(r, real[d]) else f"to a folder holding the class folder {d!r}")
+                raise ConvertError(f"{root}: class folder {c!r} is a link {what} (its images would be read for "
+                                   f"two classes); a class is one folder: remove the link {root / c}, or copy the "
+                                   "images that belong to both classes")
 
 
 def _ident(path) -> tuple[int, int] | None:
@@ -45,6 +73,8 @@ class ImageFolderSource(Source):
             raise ConvertError(f"{root}: cannot be read ({e})") from None
         if not classes:
             raise ConvertError(f"{root}: has no class sub-folders; imagefolder expects SRC/<class>/<image files>")
+        root_real = os.path.realpath(root)
+        _check_class_links(root, root_real, classes)
         paths: list[str] = []
         labels: list[int] = []
         ignored = 0
@@ -69,8 +99,9 @@ class ImageFolderSource(Source):
                     full = os.path.join(dirpath, dn)
                     if os.path.islink(full):
                         target = _ident(full)
-                        if target is None or target in seen or target in plain:
-                            repeated += 1  # a loop, or a second way into a directory read anyway
+                        if target is None or target in seen or target in plain or \
+                                _within(root_real, os.path.realpath(full)):
+                            repeated += 1  # a loop (to SRC, or above it), or a second way into a directory read anyway
                             continue
                     keep.append(dn)
                 dirnames[:] = keep

@@ -5,7 +5,10 @@ that order into equal runs of ``group_size`` samples, sized from an estimate of 
 stored sample so that one group makes about one shard. The plan is written to
 ``DST/.fastload-parts/plan.json`` (plus, for an image folder, the listing of its files as
 ``files.parquet``) before any task starts, so a restarted or resumed conversion uses the very
-same groups. It is small: a task reads the plan, then its own row range of the source.
+same groups. It is small: a task reads the plan, then its own row range of the source. For
+an object-store DST the plan is made in a local scratch directory and uploaded under
+``DST/.fastload-parts/`` (``plan.json`` last), with the shard-name token of the conversion
+(see objstore.py).
 
 What a task needs to open its group without redoing the driver's work (``spec``):
 
@@ -28,8 +31,10 @@ from typing import Sequence
 
 import numpy as np
 
+from ..remote.url import display_url
 from ._store import MAX_SHARD_SIZE, PARTS, check_destination, remove_tree, write_json
 from .common import ConvertError, Source
+from .objstore import Store, check_remote_destination, is_remote
 
 PLAN = "plan.json"
 LISTING = "files.parquet"
@@ -56,6 +61,17 @@ class Plan:
     fingerprint: list = field(default_factory=list)
     overwrite: bool = False
     created: float = 0.0
+    token: str | None = None  # object-store DST: the shard-name token of this conversion (objstore.py)
+
+    @property
+    def remote(self) -> bool:
+        """DST is an object store (objstore.py), not a directory."""
+        return is_remote(self.dst)
+
+    @property
+    def parts_where(self) -> str:
+        """Where the plan and the finished parts are, to name it in messages."""
+        return f"{display_url(self.dst)}/{PARTS}" if self.remote else str(self.parts)
 
     @property
     def num_groups(self) -> int:
@@ -86,18 +102,24 @@ class Plan:
 
 
 def load_plan(dst: str | os.PathLike) -> Plan:
-    path = Path(dst) / PARTS / PLAN
     import json
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except FileNotFoundError:
-        raise ConvertError(f"{path}: no conversion plan here; on a cluster, DST must be a path every node sees "
-                           "(a shared filesystem), and the parts directory must stay until the commit") from None
-    except ValueError as e:
-        raise ConvertError(f"{path}: not a readable plan ({e})") from None
-    if d.pop("format", None) != PLAN_FORMAT or d.pop("version", None) != PLAN_VERSION:
+    if is_remote(dst):
+        store = Store(dst)
+        path, d = store.where(f"{PARTS}/{PLAN}"), store.get_json(f"{PARTS}/{PLAN}")
+        if d is None:
+            raise ConvertError(f"{path}: no conversion plan here; the parts prefix must stay until the commit")
+    else:
+        path = Path(dst) / PARTS / PLAN
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise ConvertError(f"{path}: no conversion plan here; on a cluster, DST must be a path every node sees "
+                               "(a shared filesystem), and the parts directory must stay until the commit") from None
+        except ValueError as e:
+            raise ConvertError(f"{path}: not a readable plan ({e})") from None
+    if not isinstance(d, dict) or d.pop("format", None) != PLAN_FORMAT or d.pop("version", None) != PLAN_VERSION:
         raise ConvertError(f"{path}: not a plan of this fastload version; start over with --overwrite")
     return Plan(**d)
 
@@ -132,9 +154,11 @@ def _stored_image_bytes(data: bytes, max_size: int | None) -> int:
     if max_size is None:
         return len(data)
     from ..store.geometry import image_size
+    from .images import pil_limit
 
     try:
-        w, h = image_size(data)
+        with pil_limit(None):  # a header read: no PIL bomb warning (the task checks the limit)
+            w, h = image_size(data)
     except Exception:  # a bad image is the task's to report
         return len(data)
     longer = max(w, h)
@@ -256,9 +280,11 @@ def make_plan(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, shar
               resume: bool, label: str | None = None, image_columns: Sequence[str] = (),
               max_pixels: int | None = None, max_size: int | None = None, quality: int | None = None) -> Plan:
     """Check DST, then reuse the plan of an interrupted conversion (``resume``) or write a new one."""
-    src, dst = Path(src).resolve(), Path(dst).absolute()
     options = {"label": label, "image_columns": sorted(image_columns or ()), "max_pixels": max_pixels,
                "max_size": max_size, "quality": quality, "shard_size": int(shard_size)}
+    if is_remote(dst):
+        return _make_remote_plan(kind, Path(src).resolve(), str(dst), options, overwrite, resume)
+    src, dst = Path(src).resolve(), Path(dst).absolute()
     parts = dst / PARTS
     if (parts / PLAN).exists() and resume:
         plan = load_plan(dst)
@@ -273,27 +299,65 @@ def make_plan(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, shar
         remove_tree(parts)
     parts.mkdir(parents=True)
     try:
-        if kind == "imagefolder":
-            source, spec, fp, est = _plan_imagefolder(src, parts, options)
-        elif kind == "table":
-            source, spec, fp, est = _plan_table(src, parts, options)
-        else:
-            source, spec, fp, est = _plan_whole(kind, src, options)
-        try:
-            num = int(spec.get("num_samples", source.num_samples))
-            plan = Plan(dst=str(dst), kind=kind, src=str(src), options=options, num_samples=num,
-                        group_size=max(1, min(num, int(shard_size // max(est, 1.0)))), bytes_per_sample=est,
-                        spec=spec, fields={n: f.to_json() for n, f in source.fields.items()},
-                        label=source.label, class_names=source.class_names, metadata=dict(source.metadata),
-                        fingerprint=fp, overwrite=bool(overwrite), created=time.time())
-        finally:
-            close = getattr(source, "close", None)
-            if close is not None:
-                close()
+        plan = _new_plan(kind, src, str(dst), parts, options, overwrite)
         write_json(parts / PLAN, plan.to_json())  # last: a plan that exists is complete
     except BaseException:
         remove_tree(parts)
         raise
+    return plan
+
+
+def _new_plan(kind: str, src: Path, dst: str, parts: Path, options: dict, overwrite: bool,
+              token: str | None = None) -> Plan:
+    """Walk or open the source, write the listing a task needs into ``parts``, cut the groups."""
+    if kind == "imagefolder":
+        source, spec, fp, est = _plan_imagefolder(src, parts, options)
+    elif kind == "table":
+        source, spec, fp, est = _plan_table(src, parts, options)
+    else:
+        source, spec, fp, est = _plan_whole(kind, src, options)
+    try:
+        num = int(spec.get("num_samples", source.num_samples))
+        shard_size = options["shard_size"]
+        return Plan(dst=dst, kind=kind, src=str(src), options=options, num_samples=num,
+                    group_size=max(1, min(num, int(shard_size // max(est, 1.0)))), bytes_per_sample=est,
+                    spec=spec, fields={n: f.to_json() for n, f in source.fields.items()},
+                    label=source.label, class_names=source.class_names, metadata=dict(source.metadata),
+                    fingerprint=fp, overwrite=bool(overwrite), created=time.time(), token=token)
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+
+
+def _make_remote_plan(kind: str, src: Path, dst: str, options: dict, overwrite: bool, resume: bool) -> Plan:
+    """The plan of a conversion into an object store (objstore.py): made in a local scratch
+    directory, uploaded under DST's parts prefix, ``plan.json`` last."""
+    import tempfile
+
+    from ..store.transaction import new_generation
+
+    store = Store(dst)
+    if resume and store.size(f"{PARTS}/{PLAN}") is not None:
+        plan = load_plan(dst)
+        _check_same(plan, kind, src, options)
+        check_remote_destination(store, overwrite=overwrite or plan.overwrite, allow_leftovers=True)
+        return plan
+    if store.sizes(PARTS) and not (resume or overwrite):
+        raise FileExistsError(f"{store.display} holds an unfinished conversion ({store.display}/{PARTS}/); pass "
+                              "--resume to finish it (finished parts are reused), or --overwrite to start over")
+    names = check_remote_destination(store, overwrite=overwrite)
+    store.remove_parts()  # a stale, unfinished conversion of our own: start over
+    token = new_generation(names)  # no shard at DST has it: the new shards replace none
+    with tempfile.TemporaryDirectory(prefix="fastload-plan-") as tmp:
+        plan = _new_plan(kind, src, dst, Path(tmp), options, overwrite, token)
+        try:
+            for name in sorted(os.listdir(tmp)):
+                store.put_file(Path(tmp) / name, f"{PARTS}/{name}")
+            store.put_json(f"{PARTS}/{PLAN}", plan.to_json())  # last: a plan that exists is complete
+        except BaseException:
+            store.remove_parts()
+            raise
     return plan
 
 

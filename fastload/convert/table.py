@@ -59,9 +59,10 @@ def _parquet_rows(path: Path, start: int, stop: int, columns: Sequence[str] | No
     return t.slice(start - first, stop - start)
 
 
-def parquet_rows(path: str | os.PathLike, start: int, stop: int, columns: Sequence[str] | None = None) -> pa.Table:
-    """Rows ``start..stop-1`` of a Parquet file, reading only the row groups that hold them."""
-    return _parquet_rows(Path(path), start, stop, columns)
+def parquet_rows(path, start: int, stop: int, columns: Sequence[str] | None = None) -> pa.Table:
+    """Rows ``start..stop-1`` of a Parquet file (a path, or an open random-access file such as
+    an object store's), reading only the row groups that hold them."""
+    return _parquet_rows(path if hasattr(path, "read_at") else Path(path), start, stop, columns)
 
 
 def _read_whole(path: Path) -> pa.Table:

@@ -12,6 +12,10 @@ records ``part.json`` there and renames the attempt to ``g-NNNNNNNN/``. So:
 * two attempts running at once both finish, the first rename wins and the other deletes
   its copy (renaming onto a non-empty directory fails).
 
+For an object-store DST (objstore.py) the task converts into local scratch space instead,
+uploads the shards under their final names (named by the group: a retry PUTs the same
+bytes to the same keys) and then its record ``.fastload-parts/g-NNNNNNNN.json``.
+
 A task returns a small dict (counts, timings, its process id and peak memory), never
 sample data. A sample error under ``on_error="raise"`` comes back as ``{"error": ...}``
 naming the sample's key, not as an exception, so an engine does not retry it.
@@ -31,12 +35,17 @@ from typing import Any
 
 import numpy as np
 
-from ._store import MANIFEST, SKIPPED_REPORT, fsync_dir, write_json
+from ._store import MANIFEST, PARTS, SKIPPED_REPORT, fsync_dir, write_json
 from .common import ConvertError, Source, run_convert
+from .objstore import Store, record_name, remote_shard_name
 from .plan import Plan, load_plan
 
 PART = "part.json"
-# Modules a conversion worker must never pay for (~1.9 s and ~250 MB each).
+TASK_THREADS = 1  # the CPUs a task may use: Ray gives each task num_cpus=1
+# Heavy modules a task reports having loaded. torch must never be among them (~1.9 s and
+# ~250 MB per process); DALI is expected in a task that converts images: every image is also
+# decoded by the Loader's decoder, DALI on the CPU (see imagecheck.py), and non-image sources
+# never load it.
 HEAVY_MODULES = ("torch", "nvidia.dali")
 
 
@@ -87,7 +96,11 @@ def open_group(plan: Plan, g: int) -> Source:
         from .imagefolder import ImageFolderSource
         from .table import parquet_rows
 
-        rows = parquet_rows(plan.parts / spec["listing"], a, b)
+        if plan.remote:  # the listing is under DST's parts prefix: only the row groups needed are read
+            with Store(plan.dst).open_input(f"{PARTS}/{spec['listing']}") as f:
+                rows = parquet_rows(f, a, b)
+        else:
+            rows = parquet_rows(plan.parts / spec["listing"], a, b)
         paths = [os.fsdecode(p) for p in rows.column("path").to_pylist()]  # bytes: any file name
         return ImageFolderSource.from_listing(
             spec["root"], spec["classes"], np.array(paths, dtype=str),
@@ -167,20 +180,40 @@ def _count_lines(path: Path) -> int:
         return 0
 
 
-def run_group(dst: str | os.PathLike, g: int, on_error: str = "raise") -> dict:
-    """Convert group ``g`` of the plan in ``dst`` (idempotent); return a small result dict."""
-    t0 = time.perf_counter()
-    plan = load_plan(dst)
-    final = plan.part_dir(g)
-    done = finished_part(final)
-    if done is not None:
-        return _result(done, t0, reused=True)
+def finished_groups(plan: Plan, groups) -> dict[int, dict]:
+    """{group: record} of the groups among ``groups`` whose part is finished and intact (a
+    broken local part is set aside); one listing for an object store."""
+    if not plan.remote:
+        return {g: rec for g in groups if (rec := finished_part(plan.part_dir(g))) is not None}
+    store = Store(plan.dst)
+    have = store.records()
+    names = store.sizes() if have else {}
+    out = {}
+    for g in groups:
+        if g in have:
+            rec = _intact_record(store.get_json(record_name(g)), names.get, plan.token)
+            if rec is not None:
+                out[g] = rec
+    return out
+
+
+def _intact_record(rec: dict | None, size_of, token: str | None) -> dict | None:
+    """An object-store group record of this plan (``token``) whose shards are all at DST with
+    the recorded sizes (``size_of(name)``: a shard's size, None when it is missing)."""
+    if not isinstance(rec, dict) or rec.get("token") != token:
+        return None
+    shards = (rec.get("manifest") or {}).get("shards", [])
+    return rec if all(size_of(s["file"]) == s["bytes"] for s in shards) else None
+
+
+def _convert_group(plan: Plan, g: int, on_error: str, out: Path, t0: float) -> dict:
+    """Convert group ``g`` into the local directory ``out``: the record of the part, or a
+    result dict with the error (a data error: reported, never retried)."""
     a, b = plan.bounds(g)
-    attempt = plan.parts / f"{final.name}.attempt-{uuid.uuid4().hex[:12]}"
     where = f"group {g} (samples {a}..{b - 1})"
 
-    def failed(msg: str) -> dict:  # a data error: reported, never retried (it would fail again)
-        shutil.rmtree(attempt, ignore_errors=True)
+    def failed(msg: str) -> dict:
+        shutil.rmtree(out, ignore_errors=True)
         return {**_result({"group": g, "num_samples": 0, "skipped": 0, "start": a, "stop": b}, t0, False),
                 "error": f"{where}: {msg}"}
 
@@ -195,22 +228,40 @@ def run_group(dst: str | os.PathLike, g: int, on_error: str = "raise") -> dict:
                           f"{source.num_samples} samples, planned {plan.fields} and {b - a}); start over "
                           "with --overwrite")
         try:
-            r = run_convert(source, attempt, workers=1, shard_size=plan.part_shard_size, on_error=on_error,
-                            progress=False, desc=f"group {g}")
+            # one CPU per task (Ray's num_cpus=1, one torch worker process): one validation
+            # process (this one) and one DALI decoder thread, never a pool sized to the machine
+            r = run_convert(source, out, workers=1, shard_size=plan.part_shard_size, on_error=on_error,
+                            progress=False, desc=f"group {g}", check_threads=TASK_THREADS)
             n, skipped = r["num_samples"], r["skipped"]
         except ConvertError as e:
-            if not (on_error == "skip" and _count_lines(attempt / SKIPPED_REPORT) == b - a):
+            if not (on_error == "skip" and _count_lines(out / SKIPPED_REPORT) == b - a):
                 return failed(str(e))
             n, skipped = 0, b - a  # every sample of the group skipped: an empty part
     except BaseException:
-        shutil.rmtree(attempt, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
         raise
     finally:
         close = getattr(source, "close", None)
         if close is not None:
             close()
-    rec = {"group": g, "start": a, "stop": b, "num_samples": n, "skipped": skipped,
-           "seconds": round(time.perf_counter() - t0, 3), "host": socket.gethostname(), "pid": os.getpid()}
+    return {"group": g, "start": a, "stop": b, "num_samples": n, "skipped": skipped,
+            "seconds": round(time.perf_counter() - t0, 3), "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def run_group(dst: str, g: int, on_error: str = "raise") -> dict:
+    """Convert group ``g`` of the plan in ``dst`` (idempotent); return a small result dict."""
+    t0 = time.perf_counter()
+    plan = load_plan(dst)
+    if plan.remote:
+        return _run_remote_group(plan, g, on_error, t0)
+    final = plan.part_dir(g)
+    done = finished_part(final)
+    if done is not None:
+        return _result(done, t0, reused=True)
+    attempt = plan.parts / f"{final.name}.attempt-{uuid.uuid4().hex[:12]}"
+    rec = _convert_group(plan, g, on_error, attempt, t0)
+    if rec.get("error"):
+        return rec
     write_json(attempt / PART, rec)
     try:
         os.rename(attempt, final)  # fails when another attempt of this group got there first
@@ -223,3 +274,51 @@ def run_group(dst: str | os.PathLike, g: int, on_error: str = "raise") -> dict:
     fsync_dir(plan.parts)
     return _result(rec, t0, reused=False)
 
+
+def _run_remote_group(plan: Plan, g: int, on_error: str, t0: float) -> dict:
+    """The task for an object-store DST (objstore.py): convert into local scratch space, PUT
+    the shards under their final names, then the group's record (last: the group is done)."""
+    import tempfile
+
+    store = Store(plan.dst)
+    done = _intact_record(store.get_json(record_name(g)), store.size, plan.token)
+    if done is not None:
+        return _result(done, t0, reused=True)
+    with tempfile.TemporaryDirectory(prefix=f"convert-part-{g}-", dir=_scratch_root()) as tmp:
+        out = Path(tmp) / "part"
+        rec = _convert_group(plan, g, on_error, out, t0)
+        if rec.get("error"):
+            return rec
+        m = None
+        if rec["num_samples"]:
+            with open(out / MANIFEST, encoding="utf-8") as f:
+                m = json.load(f)
+            shards = []
+            for j, s in enumerate(m["shards"]):  # named by the group: a retry PUTs the same bytes to the same keys
+                name = remote_shard_name(g, j, plan.token)
+                store.put_file(out / s["file"], name)
+                shards.append({**s, "file": name})
+            m["shards"] = shards
+        report = []
+        if (out / SKIPPED_REPORT).exists():
+            with open(out / SKIPPED_REPORT, encoding="utf-8") as f:
+                report = [json.loads(line) for line in f if line.strip()]
+        rec = {**rec, "token": plan.token, "manifest": m, "report": report}
+        store.put_json(record_name(g), rec)  # last: from here on the group counts as done
+    return _result(rec, t0, reused=False)
+
+
+def _scratch_root() -> Path:
+    """Where an object-store task converts its group before uploading it: fastload's cache
+    directory ($FASTLOAD_CACHE, else ~/.cache/fastload; the temporary directory when there
+    is no home directory)."""
+    import tempfile
+
+    from ..remote.cache_files import default_cache_dir
+
+    try:
+        root = default_cache_dir()
+    except (RuntimeError, KeyError):  # no home directory (an arbitrary uid in a container)
+        return Path(tempfile.gettempdir())
+    root.mkdir(parents=True, exist_ok=True)
+    return root

@@ -2,8 +2,9 @@
 
 Reads group numbers from stdin, one per line, runs each task (``task.run_group``) and
 writes its result as one JSON line to stdout. The torch engine's ranks run their tasks in
-such processes: the processes that convert import neither torch nor DALI (a rank imports
-torch for its process group), they start once rather than once per task, and a task that
+such processes: the processes that convert never import torch (a rank imports torch for its
+process group; image sources load DALI's CPU decoder, the Loader's, to check every image),
+they start once rather than once per task, and a task that
 kills its process takes only that process down (the rank starts a new one and retries the
 task). An exception in a task is a result too (``{"error": ...}``): only a process that
 dies without answering is retried.

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from ..common import ConvertError
 from ..plan import Plan
-from ..task import finished_part
+from ..task import finished_groups
 
 class Executor(Protocol):
     slots: int
@@ -45,13 +45,15 @@ def drive(plan: Plan, executor: Executor, groups: Iterable[int], *, progress: bo
     results: dict[int, dict] = {}
     todo = []
     reused = 0
+    done = finished_groups(plan, groups)
     for g in groups:
-        rec = finished_part(plan.part_dir(g))
+        rec = done.get(g)
         if rec is None:
             todo.append(g)
         else:
             reused += rec["stop"] - rec["start"]
-            results[g] = {**rec, "reused": True, "error": None}
+            results[g] = {k: v for k, v in rec.items() if k not in ("manifest", "report")}
+            results[g].update(reused=True, error=None)
     total = sum(plan.bounds(g)[1] - plan.bounds(g)[0] for g in groups)
     bar = _bar(plan, total, reused, progress, desc)
     pending: dict[Any, int] = {}
@@ -84,7 +86,7 @@ def drive(plan: Plan, executor: Executor, groups: Iterable[int], *, progress: bo
     if failure is not None:
         if pending:
             executor.cancel(list(pending))
-        raise ConvertError(f"{failure}\n(the finished parts are kept in {plan.parts}: run the same command "
+        raise ConvertError(f"{failure}\n(the finished parts are kept in {plan.parts_where}: run the same command "
                            "with --resume to reuse them)")
     return results
 
@@ -108,3 +110,10 @@ def summary(res: dict, t0: float, results: dict[int, dict], engine: str, slots: 
                worker_peak_rss_bytes=max(peak) if peak else 0,
                worker_heavy_modules=sorted({m for r in ran for m in r.get("heavy_modules", [])}))
     return res
+
+
+def commit_plan(plan: Plan, on_error: str) -> dict:
+    """The commit (commit.py: a local directory or an object store)."""
+    from ..commit import commit
+
+    return commit(plan, on_error)

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from ...system import usable_cores
 from ..common import ConvertError
 from ..plan import make_plan
-from .driver import drive, summary
+from .driver import commit_plan, drive, summary
 
 MAX_RETRIES = 3
 # Environment for a private local Ray: loopback only (without the first, Ray advertises the
@@ -98,6 +98,22 @@ def _loopback(address: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def _probe(address: str, timeout: float = 10.0) -> None:
+    """Refuse a HOST:PORT where nothing listens, at once (``ray.init`` would wait for a GCS
+    there for minutes, retrying)."""
+    import socket
+
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ConvertError(f"--ray-address {address}: cannot connect to a Ray cluster there "
+                           f"({e.strerror or e}); start it (ray start --head) or give its address") from None
+
+
 @contextmanager
 def ray_session(address: str | None, workers: int | None):
     """Connect to Ray (or start a private local one); yield (ray, number of task slots)."""
@@ -112,6 +128,7 @@ def ray_session(address: str | None, workers: int | None):
         if not ray.is_initialized():
             kw = dict(include_dashboard=False, configure_logging=False, log_to_driver=True)
             if address:
+                _probe(address)
                 try:
                     ray.init(address=address, **kw)
                 except ConnectionError as e:
@@ -136,15 +153,15 @@ def run(kind, src, dst, *, workers, on_error, progress, address, shard_size, ove
     if workers is not None and workers < 1:
         raise ValueError(f"workers={workers} must be >= 1 with --engine ray")
     t0 = time.perf_counter()
-    plan = make_plan(kind, src, dst, shard_size=shard_size, overwrite=overwrite, resume=resume, label=label,
-                     image_columns=image_columns, max_pixels=max_pixels, max_size=max_size, quality=quality)
-    from ..commit import commit
-
+    # Ray first: a cluster that cannot be reached (or a Ray that cannot start) leaves DST as
+    # it was, with no plan that a rerun would have to --resume or --overwrite.
     with ray_session(address, workers) as (ray, slots):
+        plan = make_plan(kind, src, dst, shard_size=shard_size, overwrite=overwrite, resume=resume, label=label,
+                         image_columns=image_columns, max_pixels=max_pixels, max_size=max_size, quality=quality)
         ex = RayExecutor(ray, plan.dst, on_error, slots, memory=2 * int(shard_size))
         t_tasks = time.perf_counter()
         results = drive(plan, ex, range(plan.num_groups), progress=progress, desc=f"convert {kind} (ray)")
         t_tasks = time.perf_counter() - t_tasks
-    res = commit(plan, on_error)
+    res = commit_plan(plan, on_error)
     res["tasks_seconds"] = t_tasks
     return summary(res, t0, results, "ray", slots)

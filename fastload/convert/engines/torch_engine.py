@@ -11,9 +11,11 @@ directory, so that the others stop early instead of converting groups in vain. A
 group made here waits up to 7 days at a meeting point (ranks' shares may finish hours
 apart); one the script made keeps its own timeout (30 minutes by default in torch).
 
-Each rank runs its tasks in ``python -m fastload.convert.worker`` processes (``workers`` of
-them per rank, default 1, started once): the converting processes import neither torch
-nor DALI, and a task whose process dies is retried (up to 3 times) in a new one. Without
+Each rank runs its tasks in ``python -m fastload.convert.worker`` processes, started once:
+``workers`` is the number of tasks converting at once across all ranks, split between them
+(at least one per rank; default one per rank). The converting processes never import torch
+(image sources load DALI's CPU decoder there, to check every image with the Loader's
+decoder), and a task whose process dies is retried (up to 3 times) in a new one. Without
 ``torchrun`` (no WORLD_SIZE) this is a single rank and torch is not imported at all.
 """
 from __future__ import annotations
@@ -28,11 +30,12 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from .._store import MANIFEST, write_json
+from .._store import MANIFEST, PARTS, write_json
 from ..common import ConvertError
+from ..objstore import Store
 from ..plan import load_plan, make_plan
-from ..task import read_part
-from .driver import drive, summary
+from ..task import finished_groups
+from .driver import commit_plan, drive, summary
 
 MAX_RETRIES = 3
 STOP = "stop.json"
@@ -195,23 +198,67 @@ class _Ranks:
             self.dist.destroy_process_group()
 
 
-def _stop_message(path: Path, rank: int) -> str | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
-    return None if d.get("rank") == rank else f"stopped because rank {d.get('rank')} failed: {d.get('error')}"
+class _Stop:
+    """``stop.json`` in the parts directory (or under an object store's parts prefix): the
+    first rank that fails writes it, so that the others stop early instead of converting
+    groups in vain. An object store is asked at most every 2 s."""
+
+    def __init__(self, plan):
+        self.store = Store(plan.dst) if plan.remote else None
+        self.path = None if plan.remote else plan.parts / STOP
+        self._next = 0.0
+
+    def _read(self) -> dict | None:
+        if self.store is not None:
+            return self.store.get_json(f"{PARTS}/{STOP}")
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                return json.load(f)
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def clear(self) -> None:
+        if self.store is not None:
+            self.store.delete(f"{PARTS}/{STOP}")
+        else:
+            self.path.unlink(missing_ok=True)
+
+    def set(self, rank: int, error: str) -> None:
+        if self._read() is not None:  # the first failure is the one to report
+            return
+        d = {"rank": rank, "error": error}
+        if self.store is not None:
+            self.store.put_json(f"{PARTS}/{STOP}", d)
+        else:
+            write_json(self.path, d)
+
+    def message(self, rank: int, wait: bool = False) -> str | None:
+        if self.store is not None and not wait:
+            now = time.monotonic()
+            if now < self._next:
+                return None
+            self._next = now + 2.0
+        d = self._read()
+        return None if d is None or d.get("rank") == rank else \
+            f"stopped because rank {d.get('rank')} failed: {d.get('error')}"
+
+
+def rank_slots(workers: int | None, rank: int, world: int) -> int:
+    """This rank's share of ``workers``, the tasks converting at once across all ranks (as on
+    every engine): split as evenly as possible, at least one per rank; None: one per rank."""
+    if workers is None:
+        return 1
+    return max(1, workers // world + (1 if rank < workers % world else 0))
 
 
 def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, resume, label, image_columns,
         max_pixels, max_size=None, quality=None) -> dict:
     if workers is not None and workers < 1:
         raise ValueError(f"workers={workers} must be >= 1 with --engine torch")
-    slots = workers or 1
     t0 = time.perf_counter()
     ranks = _Ranks()
     try:
+        slots = rank_slots(workers, ranks.rank, ranks.world)
         # 1. rank 0 plans; the others wait for it, then read the plan from DST.
         plan, err, reused = None, None, 0
         if ranks.rank == 0:
@@ -219,8 +266,8 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
                 plan = make_plan(kind, src, dst, shard_size=shard_size, overwrite=overwrite, resume=resume,
                                  label=label, image_columns=image_columns, max_pixels=max_pixels,
                                  max_size=max_size, quality=quality)
-                (plan.parts / STOP).unlink(missing_ok=True)
-                reused = sum(read_part(plan.part_dir(g)) is not None for g in range(plan.num_groups))
+                _Stop(plan).clear()
+                reused = len(finished_groups(plan, range(plan.num_groups)))  # (as drive() counts them)
             except BaseException as e:
                 err = e
         if not ranks.from_rank0(err is None):
@@ -230,18 +277,17 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
         plan = plan or load_plan(dst)
         t_tasks = time.perf_counter()
         # 2. every rank converts its share of the groups.
-        stop_file = plan.parts / STOP
+        stop = _Stop(plan)
         mine = range(ranks.rank, plan.num_groups, ranks.world)
         desc = f"convert {kind} (torch rank 0 of {ranks.world})" if ranks.world > 1 else f"convert {kind} (torch)"
         failed, results = None, {}
         ex = SubprocessExecutor(plan.dst, on_error, slots)
         try:
             results = drive(plan, ex, mine, progress=progress and ranks.rank == 0, desc=desc,
-                            stop=lambda: _stop_message(stop_file, ranks.rank))
+                            stop=lambda: stop.message(ranks.rank))
         except ConvertError as e:
             failed = e
-            if not stop_file.exists():
-                write_json(stop_file, {"rank": ranks.rank, "error": str(e).splitlines()[0]})
+            stop.set(ranks.rank, str(e).splitlines()[0])
         finally:
             ex.close()
         failed_somewhere = ranks.any(failed is not None)  # every rank is done here
@@ -249,14 +295,12 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
         if failed_somewhere:
             if failed is not None:
                 raise failed
-            raise ConvertError(_stop_message(stop_file, ranks.rank) or "another rank failed (its error says why)")
+            raise ConvertError(stop.message(ranks.rank, wait=True) or "another rank failed (its error says why)")
         # 3. rank 0 commits.
         res, err = None, None
         if ranks.rank == 0:
             try:
-                from ..commit import commit
-
-                res = commit(plan, on_error)
+                res = commit_plan(plan, on_error)
             except BaseException as e:
                 err = e
         if not ranks.from_rank0(err is None):
@@ -264,12 +308,16 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
                 raise err
             raise ConvertError("rank 0 could not commit the conversion (its error says why)")
         if res is None:  # the other ranks report what rank 0 wrote
-            with open(Path(plan.dst) / MANIFEST, encoding="utf-8") as f:
-                m = json.load(f)
-            res = {"dst": plan.dst, "num_samples": m["num_samples"], "num_shards": len(m["shards"]),
+            if plan.remote:
+                m = Store(plan.dst).get_json(MANIFEST)
+            else:
+                with open(Path(plan.dst) / MANIFEST, encoding="utf-8") as f:
+                    m = json.load(f)
+            res = {"dst": Store(plan.dst).display if plan.remote else plan.dst, "num_samples": m["num_samples"], "num_shards": len(m["shards"]),
                    "bytes": m["total_bytes"], "skipped": None, "report": None, "num_groups": plan.num_groups}
         res.update(rank=ranks.rank, world_size=ranks.world, tasks_seconds=t_tasks)
         res = summary(res, t0, results, "torch", slots)  # worker figures: this rank's tasks
+        res["workers"] = sum(rank_slots(workers, r, ranks.world) for r in range(ranks.world))  # all ranks'
         if ranks.rank == 0:  # task counts: every rank's
             res.update(tasks_run=plan.num_groups - reused, tasks_reused=reused)
         return res
