@@ -14,7 +14,7 @@ from PIL import Image
 
 import fastload
 from fastload.convert import ConvertError, convert
-from fastload.convert.keys import escape_key, unescape_key
+from fastload.store.keys import escape_key, unescape_key
 
 
 def _jpeg(seed=0, w=48, h=40) -> bytes:

@@ -551,3 +551,22 @@ def test_importing_the_store_and_convert_through_the_package_imports_no_torch():
         assert not [m for m in sys.modules if m.split(".")[0] == "torch" or "dali" in m], "torch/DALI imported"
     """)
     assert p.returncode == 0, p.stderr
+
+
+def test_undecodable_keys_are_escaped_one_to_one(tmp_path):
+    """Keys Arrow cannot store as UTF-8 (a file name's undecodable bytes, carried as lone
+    surrogates) are escaped as convert escapes names: two different names never share a key,
+    and each key reads back to its name."""
+    from fastload.store.keys import unescape_key
+
+    names = [b"a\xff".decode("utf-8", "surrogateescape"), "a\\xff" + b"\xfe".decode("utf-8", "surrogateescape"),
+             b"a\\\xff".decode("utf-8", "surrogateescape")]
+    with fastload.ShardWriter(tmp_path / "ds", {"x": "int64"}) as w:
+        for i, n in enumerate(names):
+            w.write({"x": i}, key=n)
+        w.write({"x": 3}, key="plain\\name")  # valid UTF-8: stored as given
+    ds = fastload.Dataset(tmp_path / "ds")
+    keys = ds.keys(list(range(4)))
+    assert len(set(keys[:3])) == 3 and all(k.isprintable() for k in keys[:3])
+    assert [unescape_key(k) for k in keys[:3]] == names
+    assert keys[3] == "plain\\name"

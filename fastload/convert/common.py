@@ -29,7 +29,7 @@ from ..system import usable_cores
 from ..validate import check_bool, check_choice, check_int
 from .imagecheck import DaliImageCheck, MAX_BATCH as MAX_CHECK_BATCH
 from .images import DECODABLE_FORMATS, IMAGE_EXTENSIONS, check_image, prepare_image  # noqa: F401 (re-exported)
-from .keys import escape_key
+from ..store.keys import escape_key
 from .resize import DEFAULT_QUALITY
 
 ON_ERROR = ("raise", "skip")

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import NO_SPACE_ERRNOS, NoSpaceError, SampleError
-from ..files import printable
+from .keys import escape_key
 from .format import (
     CHECKSUM_ALGO, DEFAULT_SHARD_SIZE, FORMAT_NAME, KEY_COLUMN, Field, arrow_schema,
     check_field_names, format_version_for, parse_field, parse_size, shard_name,
@@ -32,12 +32,14 @@ __all__ = ["DEFAULT_SHARD_SIZE", "SampleError", "ShardWriter"]
 
 def _storable_key(key: str) -> str:
     """A key Arrow can store as UTF-8: one that is not (a file name's undecodable bytes carried
-    as surrogates) is escaped (``\\xNN``) rather than failing the whole shard at flush."""
+    as surrogates) is escaped as ``fastload convert`` escapes names (:func:`~fastload.store.keys.escape_key`:
+    ``\\xNN``, backslashes doubled, so two such names never share a key) rather than failing
+    the whole shard at flush. Keys that are valid UTF-8 are stored as given."""
     try:
         key.encode("utf-8")
         return key
     except UnicodeEncodeError:
-        return printable(key)
+        return escape_key(key)
 
 
 class ShardWriter:
