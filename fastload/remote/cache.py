@@ -51,6 +51,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import lifecycle
 from ..errors import CacheTooSmall, RemoteError, format_bytes
 from .cache_fetch import _Fetching
 from .cache_files import CACHE_ENV, _CacheFiles, _Flock, _write_atomic, default_cache_dir, parse_bytes
@@ -128,9 +129,10 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
 
         self._stop = threading.Event()
         self.counters = DownloadCounters()
-        self.downloader = Downloader(remote.transport, threads=threads, policy=self.policy, chunk_bytes=chunk_bytes,
-                                     stop=self._stop, counters=self.counters, fsync=fsync)
+        self._downloader_kw = dict(threads=threads, policy=self.policy, chunk_bytes=chunk_bytes, fsync=fsync)
+        self.downloader = Downloader(remote.transport, stop=self._stop, counters=self.counters, **self._downloader_kw)
         self._threads_n = max(1, int(threads))
+        self._pid = os.getpid()
         self._cond = threading.Condition()
         self._admit_lock = threading.Lock()
         self._admission = _Flock(self.dir / ".locks" / "admission.lock")
@@ -173,6 +175,7 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         self.downloads = 0
         self.wait_s = 0.0
         self.self_fetches = 0
+        lifecycle.track(self)
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -275,12 +278,42 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
                 "checksum_failures": c.checksum_failures, "downloads_in_flight_limit": self.downloader.concurrency.limit,
                 "self_fetches": self.self_fetches, "cache_limit": self.limit}
 
+    def _after_fork_in_child(self) -> None:
+        """In a process forked from this cache's (a DataLoader worker): none of the download
+        or range threads exist here, and their locks may be held. Start afresh as an
+        on-demand cache of the same directory (no plan: the parent's pass is the parent's):
+        new locks, new downloader, and the cross-process flocks opened again (a flock is
+        shared with the parent through an inherited descriptor, so it would not exclude it)."""
+        self._pid = os.getpid()
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._admit_lock = threading.Lock()
+        self._workers, self._inflight, self._fetched, self._errors = [], set(), set(), {}
+        self._passes = []
+        self._u_shard = self._u_first = self._u_last = self._u_admit = np.zeros(0, np.int64)
+        self._by_shard, self._next, self._by_last = {}, 0, np.zeros(0, np.int64)
+        self._events, self._next_event = np.zeros(0, np.int64), np.iinfo(np.int64).max
+        self.counters = DownloadCounters()
+        self.downloader = Downloader(self.remote.transport, stop=self._stop, counters=self.counters,
+                                     **{**self._downloader_kw, "chunk_bytes": self.downloader.chunk})
+        self._alive.close()  # the parent's: this copy neither holds nor releases it
+        for f in (self._admission, *self._peer_alive.values()):
+            f.close()
+        if not self._closed:
+            self._admission = _Flock(self.dir / ".locks" / "admission.lock")
+            self._peer_alive = {r: _Flock(f.path) for r, f in self._peer_alive.items()}
+
+    @property
+    def forked(self) -> bool:
+        return self._pid != os.getpid()
+
     def close(self) -> None:
         """Stop and join the download threads, leave the node (peers stop counting this
         rank), and release the locks. Complete shards stay for the next run."""
         if self._closed:
             return
         self._closed = True
+        lifecycle.untrack(self)
         self.stop()
         for f in (self._alive, self._admission, *self._peer_alive.values()):
             f.close()
