@@ -225,6 +225,15 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         if not self._closed:
             self._stop.clear()
 
+    def set_limit(self, limit: int) -> None:
+        """A new byte budget (before a pass is planned: a mixture shares one budget out)."""
+        biggest = int(self.sizes.max()) if self.num_shards else 0
+        if int(limit) < biggest:
+            raise CacheTooSmall(f"cache_limit={format_bytes(limit)} is smaller than the largest shard of {self.url} "
+                                f"({format_bytes(biggest)}); raise cache_limit", minimum=biggest)
+        self.limit = int(limit)
+        self.mirror = self.limit >= int(self.sizes.sum())
+
     def minimum_limit(self, uses: EpochUses) -> int:
         """The smallest ``limit`` that lets ``uses`` be read (see schedule.minimum_budget)."""
         return minimum_budget(uses.shards, uses.first, uses.last, self.sizes, self.ahead)[0]
@@ -269,6 +278,13 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         self._my_t = t
         if t >= self._next_event:
             self._on_event()
+
+    def reopen_state(self) -> dict[str, Any]:
+        """What another process needs to open this dataset's cache the same way (a pickled
+        Dataset): the transport's secret-free description, the fingerprint and the settings."""
+        return {"remote": self.remote.transport.describe(), "fingerprint": self.remote.fingerprint,
+                "cache_dir": str(self.root), "cache_limit": self.limit, "download_timeout": self.policy.timeout_s,
+                "download_threads": self._threads_n}
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
