@@ -106,3 +106,19 @@ def test_log_every_shows_downloads(remote_url, tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "downloaded" in r.getMessage()]
     assert lines and re.search(r"downloaded [\d.]+ MB at \d+ MB/s, waited [\d.]+ s for downloads, \d+ cache hits",
                                lines[0])
+
+
+def test_a_downloaded_shard_is_hashed_once(remote_url, tmp_path):
+    """The download checked each shard against the manifest: its first use does not hash it
+    again. A cached file changed afterwards is still caught (its identity changed)."""
+    with fastload.Dataset(remote_url, cache_dir=tmp_path / "c") as ds:
+        ds.get_batch(np.arange(len(ds)))
+        st = ds.verify_stats()
+        assert st["shards_hashed"] == 0 and st["shards_remembered"] == ds.num_shards == st["shards_verified"]
+        p = ds.cache.path(3)
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+    with fastload.Dataset(remote_url, cache_dir=tmp_path / "c") as ds:
+        with pytest.raises(fastload.errors.FormatError, match="does not match the manifest"):
+            ds.get_batch(np.arange(len(ds)))

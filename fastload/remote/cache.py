@@ -167,6 +167,7 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         self._errors: dict[int, BaseException] = {}
         self._released: set[int] = set()
         self._release_hooks: list[Callable[[int], None]] = []
+        self._fetch_hooks: list[Callable[[int, Path], None]] = []
         self._workers: list[threading.Thread] = []
         self._closed = False
         # counters
@@ -192,6 +193,11 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         """Call ``fn(shard)`` when this process no longer needs a shard (its last use is
         behind the reader) and before this process deletes one: drop mappings there."""
         self._release_hooks.append(fn)
+
+    def on_fetched(self, fn: Callable[[int, Path], None]) -> None:
+        """Call ``fn(shard, path)`` (in a download thread) after this process downloaded a
+        shard and found it equal to the manifest's checksum, before anything reads it."""
+        self._fetch_hooks.append(fn)
 
     def remove_release_hook(self, fn: Callable[[int], None]) -> None:
         try:

@@ -13,6 +13,7 @@ Part of :mod:`fastload.remote.cache`. :class:`_Fetching` is the part of
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ from .cache_files import _Flock
 from .download import Cancelled
 
 __all__: list[str] = []
+
+logger = logging.getLogger("fastload")
 
 
 class _Fetching:
@@ -141,6 +144,11 @@ class _Fetching:
             self._reserve(s, part, deadline)
             self.downloader.fetch(self.names[s], path, size=int(self.sizes[s]), checksum=self.remote.checksums[s],
                                   part=part, label=self.names[s], deadline=deadline, priority=priority)
+            for fn in self._fetch_hooks:  # e.g. the reader remembers the shard as verified
+                try:
+                    fn(s, path)
+                except Exception:  # a hook must not fail the download
+                    logger.exception("fastload: fetch hook failed for shard %s", self.names[s])
             with self._cond:
                 self.downloads += 1
                 self._fetched.add(s)

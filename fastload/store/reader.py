@@ -84,6 +84,8 @@ class DatasetReader(Gathering):
                 raise
             base = self.cache.dir
             self.cache.on_release(self._release_shard)
+            if self.verify_policy == "first-use":  # the download was hashed: no second hash at first use
+                self.cache.on_fetched(lambda i, p: remember_verified(p, self.manifest["shards"][i]["checksum"]))
         else:
             if (cache_dir, cache_limit, storage_options, download_timeout, download_threads) != (None,) * 5:
                 raise ValueError(f"cache_dir / cache_limit / storage_options / download_timeout / download_threads "
@@ -289,3 +291,18 @@ class DatasetReader(Gathering):
         if verify and not self._verifier.all_verified and idx.size:
             self.ensure_verified(shard)
         return shard, idx - self._starts[shard]
+
+
+def remember_verified(path: Path, checksum: str) -> None:
+    """Record a shard the remote cache just downloaded and found equal to ``checksum`` in the
+    node's verified-shard record (keyed by the file's identity), so that its first use does
+    not hash it a second time."""
+    from types import SimpleNamespace
+
+    from .integrity import VerifiedRecord
+
+    st = os.stat(path)
+    ident = SimpleNamespace(path=os.fspath(path), st_dev=st.st_dev, st_ino=st.st_ino, size=st.st_size,
+                            st_mtime_ns=st.st_mtime_ns, st_ctime_ns=st.st_ctime_ns)
+    record = VerifiedRecord()
+    record.add(record.key(ident, checksum), ident, checksum)
