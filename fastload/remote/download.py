@@ -89,7 +89,7 @@ class Downloader:
         mismatches = 0
         last: BaseException | None = None
         rebuilt_for: int | None = None
-        ranged = self.ranges is not None and size > self.chunk
+        ranged = self.ranges is not None  # object stores: byte ranges (the deadline holds while they run)
         done: set[int] = set()  # offsets of ranges already in the partial file (ranged path)
         while True:
             if self.stop.is_set():
@@ -209,8 +209,6 @@ class Downloader:
                 while not job.done.wait(0.05):
                     if time.monotonic() >= deadline:
                         raise socket.timeout("deadline reached while byte ranges were being fetched")
-                    if self.stop.is_set():
-                        raise Cancelled()
                 if job.error is not None and (error is None or isinstance(error, Cancelled)):
                     error = job.error
             if error is not None:

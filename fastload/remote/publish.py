@@ -140,8 +140,11 @@ def prefetch(url: str, dest: str | os.PathLike, *, threads: int = 8, filesystem:
             if progress is not None:
                 progress(done[0], len(remote.shard_files))
 
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastload-prefetch") as pool:
-        list(pool.map(one, range(len(remote.shard_files))))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastload-prefetch") as pool:
+            list(pool.map(one, range(len(remote.shard_files))))
+    finally:
+        dl.close()
     if problems:
         raise RemoteError(f"prefetch of {remote.url} into {dest}: " + "; ".join(problems[:5]))
     tmp = dest / f".{MANIFEST}.tmp"
@@ -194,8 +197,11 @@ def verify_remote(url: str, *, local: str | os.PathLike | None = None, threads: 
             with lock:
                 problems.extend(found)
 
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastload-verify") as pool:
-            list(pool.map(one, m["shards"]))
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastload-verify") as pool:
+                list(pool.map(one, m["shards"]))
+        finally:
+            dl.close()
     try:
         listed = {s["file"] for s in m["shards"]}
         for n in remote.transport.list_names():
