@@ -122,3 +122,24 @@ def test_a_downloaded_shard_is_hashed_once(remote_url, tmp_path):
     with fastload.Dataset(remote_url, cache_dir=tmp_path / "c") as ds:
         with pytest.raises(fastload.errors.FormatError, match="does not match the manifest"):
             ds.get_batch(np.arange(len(ds)))
+
+
+def test_downloads_start_when_the_loader_is_built(remote_url, local_ds, tmp_path):
+    """The first pass is planned at construction (downloads overlap the model's set-up), and
+    the first epoch's stats still count those downloads."""
+    import time
+
+    kw = dict(batch_size=50, seed=1, shuffle_mode="window", window=1, device="cpu", prefetch=2)
+    with fastload.Loader(local_ds, **kw) as lo:
+        want = _batches(lo)
+    with fastload.Loader(remote_url, cache_dir=tmp_path / "c", **kw) as lo:
+        cache = lo.dataset.cache
+        first = int(np.searchsorted(lo.dataset.shard_starts, lo.sampler.stream(0)[0], side="right") - 1)
+        deadline = time.monotonic() + 30
+        while not cache.path(first).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cache.path(first).exists(), "the first shard was downloaded before iterating"
+        got = _batches(lo)
+        st = lo.stats()
+    _equal(got, want)
+    assert st["bytes_downloaded"] == sum(s["bytes"] for s in lo.dataset.manifest["shards"])

@@ -185,7 +185,8 @@ class Loader:
 
             self._remote = RemoteShards(ds, self._sampler, batch_size=self._options.batch_size,
                                         world_size=self._world.world_size, prefetch=self._options.prefetch,
-                                        stats=self._stats, mixture=self._mixture)
+                                        stats=self._stats, mixture=self._mixture,
+                                        warm=self._options.pack is None)
         # Threads, the ring and DALI pipelines live in Parts, which holds no reference to
         # the Loader: the finalizer can then run when the Loader is garbage collected.
         self._parts = Parts(ds, self._options, self._stats, remote=self._remote,

@@ -5,9 +5,10 @@
   (:class:`~fastload.errors.CacheTooSmall` names ``shuffle_mode="window"`` and the minimum;
   a mixture, which has no window mode, shares its one budget out by those needs, or says
   which dataset needs more).
-* At each pass it hands every cache its datasets's part of the pass's first-use schedule and
-  of the next epoch's (positions are the pass's, common to every dataset of a mixture), so
-  each cache downloads in that exact order and fetches the next epoch's first shards early.
+* At construction (a warm start: downloads begin while the model is built) and at each pass
+  it hands every cache its dataset's part of the pass's first-use schedule and of the next
+  epoch's (positions are the pass's, common to every dataset of a mixture), so each cache
+  downloads in that exact order and fetches the next epoch's first shards early.
 * Before batches go to the ring it makes sure their shards are local and installed as ring
   sources (``prepare``); after a shard's last use its cache calls back and the ring drops it,
   so its mapping is released before the file is deleted.
@@ -46,7 +47,7 @@ def _part(uses: EpochUses, base: int, n: int) -> EpochUses:
 
 class RemoteShards:
     def __init__(self, dataset, sampler, *, batch_size: int, world_size: int, prefetch: int, stats,
-                 mixture=None) -> None:
+                 mixture=None, warm: bool = True) -> None:
         self._ds = dataset
         self._members = remote_members(dataset)
         self._caches = [c for c, _, _ in self._members]
@@ -71,7 +72,23 @@ class RemoteShards:
         self._installed: set[int] = set()
         self._hooks: list = []
         self._lock = threading.Lock()
+        self._planned: list[EpochUses] | None = None  # the pass the caches are on
+        self._frozen: dict | None = None
         stats.attach("remote", self._probe)
+        if warm:
+            self._warm_start(uses)
+
+    def _warm_start(self, uses: list[EpochUses]) -> None:
+        """Start downloading the current pass (as the sampler stands: epoch and resume
+        position) now, while the training script builds its model: the first batch then
+        waits for less. The first pass's stats count these downloads (their counters are
+        held at this moment until the pass begins); a pass that turns out different (a
+        ``set_epoch`` or ``load_state_dict`` before iterating) is planned again."""
+        self._frozen = self._probe()
+        nxt = self._parts(sampler_uses(self._sampler, self._ds.shard_starts, epoch=self._sampler.epoch + 1, start=0))
+        for c, u, n in zip(self._caches, uses, nxt):
+            c.plan(u, next_uses=n)
+        self._planned = uses
 
     def _parts(self, uses: EpochUses) -> list[EpochUses]:
         return [_part(uses, base, r.num_shards) for _, base, r in self._members]
@@ -118,8 +135,12 @@ class RemoteShards:
     def _start_pass(self) -> None:
         plan, self._pending_plan = self._pending_plan, None
         starts = self._ds.shard_starts
+        uses = self._parts(plan_uses(plan, starts))
+        planned, self._planned, self._frozen = self._planned, None, None
+        if planned is not None and all(u.same_as(p) for u, p in zip(uses, planned)):
+            return  # warm-started at construction: the caches are on this pass already
         nxt = self._parts(sampler_uses(self._sampler, starts, epoch=plan.epoch + 1, start=0))
-        for c, u, n in zip(self._caches, self._parts(plan_uses(plan, starts)), nxt):
+        for c, u, n in zip(self._caches, uses, nxt):
             c.plan(u, next_uses=n)
 
     def advance(self, position: int) -> None:
@@ -162,6 +183,8 @@ class RemoteShards:
                 self._ring.set_source(s, None)
 
     def _probe(self) -> dict:
+        if self._frozen is not None:
+            return dict(self._frozen)
         out: dict = {}
         for c in self._caches:
             for k, v in c.probe().items():
