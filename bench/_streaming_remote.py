@@ -13,6 +13,7 @@ The S3 endpoint and credentials come from the environment (S3_ENDPOINT_URL, AWS_
 """
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import time
@@ -21,7 +22,7 @@ import types
 
 def _import_streaming():
     try:
-        import streaming  # noqa: F401
+        return importlib.import_module("streaming")
     except (ImportError, RuntimeError) as e:
         # Streaming imports torchvision only for its vision datasets (not used here); a
         # torchvision whose build does not match the installed torch fails to import.
@@ -40,9 +41,7 @@ def _import_streaming():
         sys.modules.update({"torchvision": tv, "torchvision.datasets": tv.datasets,
                             "torchvision.transforms": tv.transforms,
                             "torchvision.transforms.functional": tv.transforms.functional})
-    import streaming
-
-    return streaming
+    return importlib.import_module("streaming")
 
 
 def write(out: str, rows: int, dim: int, shard_bytes: int) -> None:

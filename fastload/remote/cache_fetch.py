@@ -183,7 +183,7 @@ class _Fetching:
                 raise DownloadTimeout(
                     f"shard {self.names[s]} ({format_bytes(size)}) waited until its deadline for room in the cache: "
                     f"cache_limit={format_bytes(self.limit)} holds {format_bytes(used)} of shards still in use "
-                    f"in {self.dir}; raise cache_limit (or download_timeout), or check that every local rank "
+                    f"in {self.dir}; raise cache_limit (or download_timeout=), or check that every local rank "
                     "is making progress", shard=self.names[s], url=self.remote.shard_url(s))
             with self._cond:
                 self._cond.wait(self._poll * 5)
@@ -193,5 +193,6 @@ class _Fetching:
         who = "" if owner == self.local_rank else f" (waiting for local rank {owner}, which downloads it)"
         return DownloadTimeout(
             f"shard {self.names[s]} was not in the cache {self.dir} after {time.monotonic() - t0:.0f}s{who}; "
-            f"it comes from {self.remote.shard_url(s)}: check the network and the server, or raise download_timeout",
+            f"it comes from {self.remote.shard_url(s)}: check the network and the server, or raise "
+            "download_timeout= (fastload.Dataset / Loader)",
             shard=self.names[s], url=self.remote.shard_url(s))

@@ -98,7 +98,7 @@ class Downloader:
                 raise DownloadTimeout(
                     f"shard {label} was not downloaded within its deadline of {self.policy.timeout_s:g}s "
                     f"({attempt} attempt(s); last error: {_short(last)}) from {url}; check the network and "
-                    "the server, or raise download_timeout", shard=label, url=url)
+                    "the server, or raise download_timeout= (fastload.Dataset / Loader)", shard=label, url=url)
             generation = self.transport.generation
             if not ranged:  # the range threads take a slot per request instead
                 self.concurrency.acquire(self.stop)

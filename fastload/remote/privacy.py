@@ -20,7 +20,8 @@ from ..errors import RemoteError
 
 __all__ = ["SECRET_WORDS", "is_secret_name", "secret_names", "picklable_filesystem", "safe_options"]
 
-SECRET_WORDS = ("secret", "key", "token", "password", "signature", "sig", "credential", "sas", "authorization", "cookie")
+SECRET_WORDS = ("secret", "key", "token", "password", "signature", "sig", "credential", "sas", "authorization",
+                "cookie")
 _HOW = ("fastload never writes credentials into a pickle. Give them through the environment or credential files "
         "(worker processes read them there), pass filesystem= a module-level function that builds the "
         "filesystem, or start the workers with fork (multiprocessing_context=\"fork\")")

@@ -161,7 +161,8 @@ class ArrowTransport(Transport):
             return f.read()
 
     def write_file(self, local_path, name: str) -> None:
-        with open(local_path, "rb") as src, self.filesystem.open_output_stream(self._path(name), compression=None) as dst:
+        fs = self.filesystem
+        with open(local_path, "rb") as src, fs.open_output_stream(self._path(name), compression=None) as dst:
             while True:
                 b = src.read(16 << 20)
                 if not b:
