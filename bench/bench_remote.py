@@ -68,10 +68,13 @@ def _one_shard_s(endpoint: str, name: str, size: int, repeats: int = 3) -> float
     times = []
     with tempfile.TemporaryDirectory() as d:
         dl = Downloader(r.transport, threads=1)
-        for k in range(repeats):
-            t0 = time.perf_counter()
-            dl.fetch(name, Path(d) / f"{k}-{name}", size=size, checksum=None)
-            times.append(time.perf_counter() - t0)
+        try:
+            for k in range(repeats):
+                t0 = time.perf_counter()
+                dl.fetch(name, Path(d) / f"{k}-{name}", size=size, checksum=None)
+                times.append(time.perf_counter() - t0)
+        finally:
+            dl.close()
     return sorted(times)[len(times) // 2]
 
 
