@@ -13,7 +13,8 @@ from .cache import ShardCache, default_cache_dir, format_bytes, parse_bytes
 from .download import Concurrency, Downloader, RetryPolicy
 from .manifest import RemoteDataset, check_manifest, manifest_fingerprint
 from .schedule import EpochUses, admission_times, epoch_end, epoch_uses, minimum_budget, plan_uses, sampler_uses
-from .url import REMOTE_SCHEMES, display_url, is_remote, open_transport
+from .transports import open_transport
+from .url import REMOTE_SCHEMES, display_url, is_remote
 
 
 def open_cache(url: str, *, cache_dir=None, cache_limit=None, filesystem=None, storage_options=None,

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from ..errors import RemoteError
 from .download import Downloader, DownloadCounters, RetryPolicy
 from .manifest import MANIFEST, RemoteDataset
-from .url import open_transport
+from .transports import open_transport
 
 __all__ = ["convert_to_remote", "prefetch", "upload_dataset", "verify_remote"]
 

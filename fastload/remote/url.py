@@ -16,8 +16,9 @@ refused with a message that says where credentials go instead, and every URL tha
 prints, stores or pickles is the *display* URL (no user info, no query).
 
 The transports: :mod:`fastload.remote.transport_arrow` (object stores, ``pyarrow.fs``) and
-:mod:`fastload.remote.transport_http` (``http(s)://``); this module has what they share (URL
-checks, fault classification, the :class:`Transport` interface) and :func:`open_transport`.
+:mod:`fastload.remote.transport_http` (``http(s)://``), chosen by
+:func:`fastload.remote.transports.open_transport`; this module has what they share (URL
+checks, fault classification, the :class:`Transport` interface).
 """
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ import os
 import re
 import urllib.error
 import urllib.parse
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import RemoteError
 
-__all__ = ["REMOTE_SCHEMES", "Transport", "is_remote", "display_url", "open_transport", "FaultKind", "classify"]
+__all__ = ["REMOTE_SCHEMES", "Transport", "is_remote", "display_url", "FaultKind", "classify", "scheme_of"]
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "az", "abfs", "abfss", "http", "https")
 _SCHEME_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -177,37 +178,3 @@ class Transport:
         """Build the client again (reloading credentials) unless another thread already did
         since ``seen_generation``. False when this transport cannot be rebuilt."""
         return False
-
-
-def open_transport(url: str, *, filesystem: Any = None, storage_options: Mapping[str, Any] | None = None) -> Transport:
-    """The transport for a dataset URL (see the module docstring)."""
-    if not isinstance(url, str):
-        raise RemoteError(f"a remote dataset is a URL string, got {type(url).__name__}")
-    scheme = scheme_of(url)
-    opts = dict(storage_options or {})
-    if filesystem is not None:
-        if scheme in ("http", "https"):
-            raise RemoteError(f"{display_url(url)}: filesystem= applies to object stores, not http(s) URLs")
-        _refuse_secrets(url, _S3_QUERY_OK if scheme == "s3" else None)
-        from .transport_arrow import ArrowTransport
-
-        return ArrowTransport(url, filesystem=filesystem)
-    if scheme in ("http", "https"):
-        unknown = set(opts) - {"headers", "timeout"}
-        if unknown:
-            raise RemoteError(f"{display_url(url)}: storage_options {sorted(unknown)} do not apply to http(s); "
-                              "use 'headers' and 'timeout'")
-        from .transport_http import HttpTransport
-
-        return HttpTransport(url, headers=opts.get("headers"), timeout=opts.get("timeout", 30.0))
-    if scheme not in REMOTE_SCHEMES:
-        raise RemoteError(f"{url!r} is not a remote URL; use one of "
-                          + ", ".join(f"{s}://" for s in REMOTE_SCHEMES) + " (or a local directory)")
-    from .transport_arrow import ArrowTransport
-
-    try:
-        return ArrowTransport(url, storage_options=opts)
-    except RemoteError:
-        raise
-    except (TypeError, ValueError, OSError) as e:  # bad option names / values, ArrowInvalid
-        raise RemoteError(f"{display_url(url)}: cannot set up the {scheme}:// filesystem ({e})") from None
