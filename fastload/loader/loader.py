@@ -155,6 +155,8 @@ class Loader:
                         pad_to_multiple=pad_to_multiple, pack_to=pack_to, batch_transform=batch_transform,
                         device_transform=device_transform, owned=owned)
         except BaseException:
+            if self._remote is not None and self._parts is None:  # its downloads started at construction
+                self._remote.close()
             if owned is not None:
                 owned.close()
             raise
