@@ -8,7 +8,9 @@ at fault and what to do about it.
 from __future__ import annotations
 
 import errno
+import numbers
 import os
+import re
 import shutil
 from collections.abc import Sequence
 
@@ -102,6 +104,32 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n} B"  # pragma: no cover
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(value, what: str = "size", *, maximum: int | None = None, maximum_text: str | None = None) -> int:
+    """A byte count from ``'256MB'``, ``'1.5GiB'``, ``'4096'`` or an int (decimal kB/MB/GB/TB,
+    binary KiB/MiB/GiB/TiB), > 0 and at most ``maximum``; ValueError naming ``what``
+    otherwise. The one parser of sizes (``shard_size``, ``cache_limit``, ...)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        n = int(value)
+    else:
+        m = _SIZE_RE.match(value) if isinstance(value, str) else None  # 1.5 (a float) is no byte count
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{what}={value!r} is not a size; use e.g. 256MB, 1.5GiB or a byte count")
+        x = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if x != int(x):
+            raise ValueError(f"{what}={value!r} is not a whole number of bytes")
+        n = int(x)
+    if maximum is not None and not 0 < n <= maximum:
+        raise ValueError(f"{what}={value!r} must be between 1 byte and {maximum_text or format_bytes(maximum)}")
+    if n <= 0:
+        raise ValueError(f"{what}={value!r} must be a positive size")
+    return n
 
 
 

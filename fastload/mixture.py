@@ -159,14 +159,22 @@ class Mixture:
         per: ``"batch"`` (each batch holds floor/ceil of ``B * p`` of each dataset) or
             ``"epoch"`` (exact totals per epoch, random per batch).
         fields: fields to read (default: every dataset must have the same fields).
+        cache_dir, cache_limit, filesystem, storage_options, download_timeout,
+            download_threads: how the datasets given as URLs are opened (see
+            :class:`fastload.Dataset`); ``cache_limit`` is the budget of all of them together,
+            shared out by what each one's order needs (default: what fits in 80% of the free
+            disk, shared the same way).
 
     The Loader's ``shuffle`` decides whether each dataset's passes are in random or natural
-    order (the mixture's layout is always random).
+    order (the mixture's layout is always random). ``close()`` closes the datasets the
+    mixture opened from paths or URLs.
     """
 
     def __init__(self, datasets: Sequence[Any] | Mapping[str, Any], weights: Sequence[float] | Mapping[str, float],
                  *, epoch_size: int | None = None, stop_on: str | int | None = None, per: str = "batch",
-                 fields: Sequence[str] | None = None):
+                 fields: Sequence[str] | None = None, cache_dir: Any = None, cache_limit: Any = None,
+                 filesystem: Any = None, storage_options: Any = None, download_timeout: Any = None,
+                 download_threads: Any = None):
         from .store import DatasetReader
         from .store.concat import ConcatReader
 
@@ -181,16 +189,18 @@ class Mixture:
             raise ValueError("a Mixture needs at least one dataset")
         if len(set(names)) != len(names):
             names = [f"{n}#{i}" for i, n in enumerate(names)]
-        readers = []
-        for d in items:
-            if isinstance(d, DatasetReader):
-                readers.append(d)
-            elif isinstance(d, (str, os.PathLike)):
-                from .store import Dataset
-
-                readers.append(Dataset(d))
-            else:
-                raise ValueError(f"a mixture's dataset must be a fastload Dataset or a path, got {type(d).__name__}")
+        remote_kw = {k: v for k, v in (("cache_dir", cache_dir), ("cache_limit", cache_limit),
+                                       ("filesystem", filesystem), ("storage_options", storage_options),
+                                       ("download_timeout", download_timeout),
+                                       ("download_threads", download_threads)) if v is not None}
+        self.cache_limit = None  # the budget shared by the caches of the URLs this mixture opened
+        self.shared_caches: list = []  # those caches (a Loader shares the budget again by their needs)
+        self._opened: list = []  # readers opened here (closed by close())
+        try:
+            readers = self._open(items, remote_kw, DatasetReader)
+        except BaseException:
+            self.close()
+            raise
         self.names = names
         self.weights = _weights(weights, names)
         self.per = check_choice("per", per, PER)
@@ -204,10 +214,47 @@ class Mixture:
             if not (isinstance(stop_on, int) and not isinstance(stop_on, bool) and 0 <= stop_on < len(names)):
                 raise ValueError(f"stop_on={stop_on!r} must name one of the datasets {names} (or be its position)")
         self.stop_on = stop_on
-        self.reader = ConcatReader(readers, names, fields)
-        self.sizes = np.array([len(r) for r in readers], dtype=np.int64)
-        if (self.sizes == 0).any():
-            raise ValueError(f"the mixture's dataset {names[int(np.flatnonzero(self.sizes == 0)[0])]!r} is empty")
+        try:
+            self.reader = ConcatReader(readers, names, fields)
+            self.sizes = np.array([len(r) for r in readers], dtype=np.int64)
+            if (self.sizes == 0).any():
+                raise ValueError(f"the mixture's dataset {names[int(np.flatnonzero(self.sizes == 0)[0])]!r} is empty")
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, items: list, remote_kw: dict, reader_type) -> list:
+        from .remote.url import is_remote
+
+        urls = [d for d in items if is_remote(d)]
+        if remote_kw and not urls:
+            raise ValueError(f"{sorted(remote_kw)} go with datasets given as URLs (s3://, gs://, az://, https://); "
+                             "this mixture has none")
+        shared = {k: v for k, v in remote_kw.items() if k != "cache_limit"}
+        readers = []
+        for d in items:
+            if isinstance(d, reader_type):
+                readers.append(d)
+            elif isinstance(d, (str, os.PathLike)):
+                from .store import Dataset
+
+                readers.append(Dataset(d, **shared) if is_remote(d) else Dataset(d))
+                self._opened.append(readers[-1])
+            else:
+                raise ValueError(f"a mixture's dataset must be a fastload Dataset or a path, got {type(d).__name__}")
+        caches = [r.cache for r in self._opened if getattr(r, "cache", None) is not None]
+        if caches:
+            from .remote.budget import share_budget
+
+            self.cache_limit = share_budget(caches, remote_kw.get("cache_limit"))
+            self.shared_caches = caches
+        return readers
+
+    def close(self) -> None:
+        """Close the datasets this mixture opened (their download threads and caches)."""
+        opened, self._opened = self._opened, []
+        for r in opened:
+            r.close()
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}: {w:.3g}" for n, w in zip(self.names, self.weights))
@@ -223,6 +270,10 @@ class Mixture:
 
 def _default_name(d: Any, i: int) -> str:
     path = getattr(d, "path", d)
+    from .remote.url import display_url, is_remote
+
+    if is_remote(path):
+        path = display_url(path)  # no query (endpoint, options) in the name
     try:
         return os.path.basename(os.fspath(path).rstrip("/")) or str(i)
     except TypeError:

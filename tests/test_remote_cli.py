@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -103,3 +104,40 @@ def test_cli_with_a_url_does_not_load_torch(endpoint_env, local_ds, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**__import__("os").environ, "FASTLOAD_CACHE": str(tmp_path / "c")})
     assert r.returncode == 0, r.stderr
+
+
+def _read_all(url, tmp_path, name):
+    with fastload.Dataset(url, cache_dir=tmp_path / name) as ds:
+        return ds.get_batch(np.arange(len(ds)))
+
+
+@pytest.mark.parametrize("fail", [True, False])
+def test_overwrite_keeps_the_old_dataset_until_the_new_manifest(moto, s3_env, tmp_path, fail):
+    """An upload over a dataset writes new shard names, the manifest last, then deletes the
+    old shards: interrupted at any shard, the old dataset still opens, whole and equal."""
+    from fastload.remote.publish import upload_dataset
+    from fastload.remote.testing import FaultProxy
+
+    old, new = make_dataset(tmp_path / "old", rows=1000), make_dataset(tmp_path / "new", rows=1500)
+    with FaultProxy(moto.endpoint) as px:
+        prefix = f"ow{int(fail)}"  # moto keeps its objects for the whole process
+        url = f"s3://{BUCKET}/{prefix}?endpoint_override={px.endpoint}&scheme=http"
+        opts = {"max_attempts": 1}
+        upload_dataset(old, url, storage_options=opts)
+        want = _read_all(url, tmp_path, "c0")
+        if fail:  # the third new shard cannot be written
+            px.add("status", rf"/{prefix}/shard-00002-[0-9a-f]{{8}}\.arrow", method="PUT", status=400, times=-1)
+            with pytest.raises(OSError):
+                upload_dataset(new, url, overwrite=True, storage_options=opts, threads=1)
+            got = _read_all(url, tmp_path, "c1")
+            assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+            assert not px.requests("DELETE"), "nothing of the old dataset was deleted"
+            px.clear()
+        upload_dataset(new, url, overwrite=True, storage_options=opts)
+        got = _read_all(url, tmp_path, "c2")
+        assert len(got["y"]) == 1500 and np.array_equal(got["y"], np.arange(1500))
+        names = {i.base_name for i in moto.filesystem().get_file_info(
+            __import__("pyarrow.fs").fs.FileSelector(f"{BUCKET}/{prefix}"))}
+        m = json.loads(moto.filesystem().open_input_stream(f"{BUCKET}/{prefix}/manifest.json").read())
+        assert names == {s["file"] for s in m["shards"]} | {"manifest.json"}
+        assert all(re.fullmatch(r"shard-\d{5}-[0-9a-f]{8}\.arrow", s["file"]) for s in m["shards"])

@@ -156,6 +156,27 @@ def test_per_shard_deadline_names_the_shard(proxy, remote, tmp_path):
         assert e.value.shard == "shard-00002.arrow" and isinstance(e.value, TimeoutError)
 
 
+def test_the_deadline_holds_while_a_byte_range_stalls(proxy, local_ds, s3_env, tmp_path):
+    """A server that stops answering mid-shard (ranged downloads): the shard's deadline ends
+    the wait on time, not the client's request timeout (30 s here)."""
+    upload_dir(s3_filesystem(proxy.upstream, "testing", "testing"), local_ds, f"{BUCKET}/ds")
+    remote = open_remote(proxy.endpoint, request_timeout=30)
+    proxy.add("stall", re.escape(remote.shard_files[2]), method="GET", times=-1, seconds=60)
+    policy = RetryPolicy(attempts=3, backoff_s=0.05, backoff_max_s=0.1, timeout_s=1.5)
+    c = make_cache(remote, tmp_path / "c", retry=policy, chunk_bytes=8192)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DownloadTimeout, match=r"shard shard-00002\.arrow .*deadline of 1\.5s"):
+            c.ensure(2)
+        assert time.monotonic() - t0 < 10, "the wait outlived the deadline"
+        proxy.release_stalls()
+        c.ensure(2)  # the same cache downloads it once the server answers (resuming the partial file)
+        _all_ok(c, remote)
+    finally:
+        proxy.release_stalls()
+        c.close()
+
+
 def test_attempts_run_out_with_a_named_error(proxy, remote, tmp_path):
     proxy.add("reset", re.escape(remote.shard_files[4]), times=-1)
     with make_cache(remote, tmp_path / "c") as c:

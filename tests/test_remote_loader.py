@@ -106,3 +106,61 @@ def test_log_every_shows_downloads(remote_url, tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "downloaded" in r.getMessage()]
     assert lines and re.search(r"downloaded [\d.]+ MB at \d+ MB/s, waited [\d.]+ s for downloads, \d+ cache hits",
                                lines[0])
+
+
+def test_a_downloaded_shard_is_hashed_once(remote_url, tmp_path):
+    """The download checked each shard against the manifest: its first use does not hash it
+    again. A cached file changed afterwards is still caught (its identity changed)."""
+    with fastload.Dataset(remote_url, cache_dir=tmp_path / "c") as ds:
+        ds.get_batch(np.arange(len(ds)))
+        st = ds.verify_stats()
+        assert st["shards_hashed"] == 0 and st["shards_remembered"] == ds.num_shards == st["shards_verified"]
+        p = ds.cache.path(3)
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+    with fastload.Dataset(remote_url, cache_dir=tmp_path / "c") as ds:
+        with pytest.raises(fastload.errors.FormatError, match="does not match the manifest"):
+            ds.get_batch(np.arange(len(ds)))
+
+
+def test_downloads_start_when_the_loader_is_built(remote_url, local_ds, tmp_path):
+    """The first pass is planned at construction (downloads overlap the model's set-up), and
+    the first epoch's stats still count those downloads."""
+    import time
+
+    kw = dict(batch_size=50, seed=1, shuffle_mode="window", window=1, device="cpu", prefetch=2)
+    with fastload.Loader(local_ds, **kw) as lo:
+        want = _batches(lo)
+    with fastload.Loader(remote_url, cache_dir=tmp_path / "c", **kw) as lo:
+        cache = lo.dataset.cache
+        first = int(np.searchsorted(lo.dataset.shard_starts, lo.sampler.stream(0)[0], side="right") - 1)
+        deadline = time.monotonic() + 30
+        while not cache.path(first).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cache.path(first).exists(), "the first shard was downloaded before iterating"
+        got = _batches(lo)
+        st = lo.stats()
+    _equal(got, want)
+    assert st["bytes_downloaded"] == sum(s["bytes"] for s in lo.dataset.manifest["shards"])
+
+
+def test_ragged_fields_from_a_url_are_refused_with_a_way_out(moto, s3_env, tmp_path):
+    """Not supported yet (see README, Remote datasets): a clear refusal that says what to do;
+    the Dataset itself reads ragged fields from a URL."""
+    from fastload.store import ShardWriter
+
+    path = tmp_path / "tok"
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 40, 300)
+    with ShardWriter(path, {"tokens": "int32[]", "label": "int64"}, shard_size="8KB") as w:
+        w.write_batch({"tokens": [np.arange(n, dtype=np.int32) for n in lengths], "label": np.arange(300)})
+    upload_dir(moto.filesystem(), path, f"{BUCKET}/tok")
+    url = s3_url(moto.endpoint, "tok")
+    for kw in (dict(ragged="padded"), dict(pack_to=64)):
+        with pytest.raises(ValueError, match=r"not read from a remote dataset \(s3://fastload-test/tok\) yet: "
+                                             r"run `fastload prefetch URL DIR`"):
+            fastload.Loader(url, batch_size=8, cache_dir=tmp_path / "c", device="cpu", **kw)
+    with fastload.Dataset(url, cache_dir=tmp_path / "c") as ds:
+        assert np.array_equal(ds.lengths("tokens"), lengths)
+        assert np.array_equal(ds[17]["tokens"], np.arange(lengths[17], dtype=np.int32))

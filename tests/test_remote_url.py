@@ -6,7 +6,8 @@ import urllib.error
 import pytest
 
 from fastload.errors import FastloadError, RemoteError
-from fastload.remote.url import FaultKind, classify, display_url, is_remote, open_transport
+from fastload.remote.transports import open_transport
+from fastload.remote.url import FaultKind, classify, display_url, is_remote
 
 
 def test_is_remote():

@@ -97,6 +97,9 @@ class Loader:
             ``$FASTLOAD_CACHE`` or ``~/.cache/fastload``), its byte budget (int or ``"200GB"``;
             default: the whole dataset if it fits in 80% of the free disk), and a
             ``pyarrow.fs.FileSystem`` (or a callable making one) instead of the URL's default.
+            ``download_timeout`` (seconds a shard may take, default 600) and
+            ``download_threads`` (downloads in flight, default 4). For a mixture of URLs, the
+            settings of all of them (``cache_limit``: their one budget, shared out).
             Shards are downloaded in the sampler's first-use order and deleted after their
             last use; ``stats()`` then also reports ``bytes_downloaded``, ``download_wait_s``,
             ``download_MBps``, ``cache_hits``, ``evictions`` and ``retries``.
@@ -121,27 +124,36 @@ class Loader:
                  pack_to: Any = None, batch_transform: Any = None, device_transform: Any = None,
                  mix: Any = None, epoch_size: int | None = None, stop_on: Any = None,
                  cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
-                 filesystem: Any = None, verify: str | None = None):
+                 filesystem: Any = None, verify: str | None = None, download_timeout: float | None = None,
+                 download_threads: int | None = None):
         self._closed = True  # until fully built (__del__ / close() of a half-built Loader)
         self._parts = None
         self._remote = None
-        self._mixture = as_mixture(dataset, mix=mix, epoch_size=epoch_size, stop_on=stop_on, fields=fields)
-        remote_args = cache_dir is not None or cache_limit is not None or filesystem is not None
-        self._owns_dataset = self._mixture is None and not isinstance(dataset, DatasetReader)
-        if remote_args and not self._owns_dataset:
-            raise ValueError("cache_dir / cache_limit / filesystem go with a URL; a Dataset passed in has its "
-                             "own (fastload.Dataset(url, cache_dir=..., cache_limit=..., filesystem=...))")
+        remote_kw = {k: v for k, v in (("cache_dir", cache_dir), ("cache_limit", cache_limit),
+                                       ("filesystem", filesystem), ("download_timeout", download_timeout),
+                                       ("download_threads", download_threads)) if v is not None}
+        mixed = isinstance(dataset, (list, tuple, Mapping))  # a mixture opened here (with remote_kw for its URLs)
+        self._mixture = as_mixture(dataset, mix=mix, epoch_size=epoch_size, stop_on=stop_on, fields=fields,
+                                   open_kw=remote_kw if mixed else None)
+        self._owns_dataset = (self._mixture is None and not isinstance(dataset, DatasetReader)) or mixed
+        if remote_kw and not self._owns_dataset:
+            if isinstance(self._mixture, Mixture) and self._mixture is dataset:
+                raise ValueError(f"{' / '.join(remote_kw)} go with the URLs of a mixture: pass them to "
+                                 "fastload.Mixture(...) (or a list of URLs and mix= to the Loader)")
+            raise ValueError(f"{' / '.join(remote_kw)} go with a URL; a Dataset passed in has its own "
+                             "(fastload.Dataset(url, cache_dir=..., cache_limit=..., filesystem=...))")
         if self._mixture is not None or isinstance(dataset, DatasetReader):
             ds = self._mixture.reader if self._mixture is not None else dataset
             if verify is not None and verify != ds.verify_policy:
                 raise ValueError(f"verify={verify!r}: the dataset was opened with verify={ds.verify_policy!r}; open it "
                                  f"with fastload.Dataset(path, verify={verify!r}) or pass the path")
         else:
-            ds = Dataset(dataset, cache_dir=cache_dir, cache_limit=cache_limit, filesystem=filesystem,
+            ds = Dataset(dataset, **remote_kw,
                          verify=DEFAULT_VERIFY if verify is None else verify)
+        owned = (self._mixture if mixed else ds) if self._owns_dataset else None  # closed with the Loader
         if self._mixture is None and getattr(ds, "transform", None) is not None:
-            if self._owns_dataset:
-                ds.close()
+            if owned is not None:
+                owned.close()
             raise ValueError("Dataset(transform=...) is per-sample code for DataLoader use; the Loader gathers "
                              "whole batches: pass batch_transform= (or a DALI graph in transforms=) instead")
         self._dataset = ds
@@ -152,16 +164,18 @@ class Loader:
                         balance=balance, shuffle_mode=shuffle_mode, window=window, on_error=on_error,
                         log_every=log_every, ragged=ragged, pad_value=pad_value, max_length=max_length,
                         pad_to_multiple=pad_to_multiple, pack_to=pack_to, batch_transform=batch_transform,
-                        device_transform=device_transform)
+                        device_transform=device_transform, owned=owned)
         except BaseException:
-            if self._owns_dataset:
-                ds.close()
+            if self._remote is not None and self._parts is None:  # its downloads started at construction
+                self._remote.close()
+            if owned is not None:
+                owned.close()
             raise
 
     def _build(self, ds, *, batch_size, shuffle, seed, drop_last, device, rank, world_size, fields, transforms,
                threads, prefetch, weights, replacement, num_draws, balance, shuffle_mode, window, on_error,
                log_every, ragged, pad_value, max_length, pad_to_multiple, pack_to, batch_transform,
-               device_transform) -> None:
+               device_transform, owned) -> None:
         self._world = World.detect(rank, world_size)
         self._ranks = DatasetCheck(self._world, lambda: dataset_fingerprint(ds), ds.path)  # under torch.distributed
         self._ranks.check()
@@ -183,20 +197,21 @@ class Loader:
         sampler = self._sampler  # a closure over the sampler, not the Loader: Parts hold the stats
         self._stats.gauge("epoch", lambda: sampler.epoch)
         self._progress = Progress()
-        if getattr(ds, "cache", None) is not None:  # a remote dataset (see remote.py)
-            from .remote import RemoteShards
+        from .remote import RemoteShards, remote_members
 
+        if remote_members(ds):  # a remote dataset, or a mixture with remote datasets (see remote.py)
             if self._options.pack is not None or self._options.ragged:
-                raise ValueError(f"ragged fields and pack_to= are not read from a remote dataset ({ds.url}) yet: "
-                                 f"run `fastload prefetch {ds.url} DIR`, then read DIR")
+                raise ValueError(f"ragged fields and pack_to= are not read from a remote dataset ({ds.path}) yet: "
+                                 "run `fastload prefetch URL DIR`, then read DIR")
 
             self._remote = RemoteShards(ds, self._sampler, batch_size=self._options.batch_size,
                                         world_size=self._world.world_size, prefetch=self._options.prefetch,
-                                        stats=self._stats)
+                                        stats=self._stats, mixture=self._mixture,
+                                        warm=self._options.pack is None)
         # Threads, the ring and DALI pipelines live in Parts, which holds no reference to
         # the Loader: the finalizer can then run when the Loader is garbage collected.
         self._parts = Parts(ds, self._options, self._stats, remote=self._remote,
-                            owned=ds if self._owns_dataset else None)
+                            owned=owned)
         self._finalizer = weakref.finalize(self, self._parts.close)
         self._closed = False
 

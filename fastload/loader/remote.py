@@ -1,46 +1,114 @@
-"""RemoteShards: what a Loader adds for a remote dataset (``fastload.remote``).
+"""RemoteShards: what a Loader adds for a remote dataset, or a mixture with remote datasets
+(``fastload.remote``).
 
-* At construction it checks that the cache budget can hold what the order needs at once
-  (:class:`~fastload.errors.CacheTooSmall` names ``shuffle_mode="window"`` and the minimum).
-* At each pass it hands the cache the pass's first-use schedule and the next epoch's, so the
-  cache downloads in that exact order and fetches the next epoch's first shards early.
+* At construction it checks that each cache budget can hold what the order needs at once
+  (:class:`~fastload.errors.CacheTooSmall` names ``shuffle_mode="window"`` and the minimum;
+  a mixture, which has no window mode, shares its one budget out by those needs, or says
+  which dataset needs more).
+* At construction (a warm start: downloads begin while the model is built) and at each pass
+  it hands every cache its dataset's part of the pass's first-use schedule and of the next
+  epoch's (positions are the pass's, common to every dataset of a mixture), so each cache
+  downloads in that exact order and fetches the next epoch's first shards early.
 * Before batches go to the ring it makes sure their shards are local and installed as ring
-  sources (``prepare``); after a shard's last use the cache calls back and the ring drops it,
+  sources (``prepare``); after a shard's last use its cache calls back and the ring drops it,
   so its mapping is released before the file is deleted.
-* The position after every batch handed to the training loop goes to the cache (eviction).
-* The cache's counters go into the Loader's stats (per epoch).
+* The position after every batch handed to the training loop goes to every cache (eviction).
+* The caches' counters, added up, go into the Loader's stats (per epoch).
 """
 from __future__ import annotations
 
+import os
 import threading
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..errors import CacheTooSmall
-from ..remote.schedule import plan_uses, sampler_uses
+from ..remote.schedule import EpochUses, plan_uses, sampler_uses
 
-__all__ = ["RemoteShards", "download_stats"]
+__all__ = ["RemoteShards", "download_stats", "remote_members"]
+
+
+def remote_members(dataset) -> list[tuple[Any, int, Any]]:
+    """``(cache, first shard, reader)`` of each remote dataset read by ``dataset`` (a reader,
+    or a mixture's ConcatReader; shards numbered as ``dataset`` numbers them)."""
+    if getattr(dataset, "cache", None) is not None:
+        return [(dataset.cache, 0, dataset)]
+    readers = getattr(dataset, "readers", None) or []
+    bases = getattr(dataset, "shard_bases", None)
+    return [(r.cache, int(bases[d]), r) for d, r in enumerate(readers) if getattr(r, "cache", None) is not None]
+
+
+def _part(uses: EpochUses, base: int, n: int) -> EpochUses:
+    """The uses of shards ``base..base+n-1``, renumbered from 0 (positions unchanged)."""
+    keep = (uses.shards >= base) & (uses.shards < base + n)
+    return EpochUses(uses.epoch, uses.start, uses.end, uses.shards[keep] - base, uses.first[keep], uses.last[keep])
 
 
 class RemoteShards:
-    def __init__(self, dataset, sampler, *, batch_size: int, world_size: int, prefetch: int, stats) -> None:
+    def __init__(self, dataset, sampler, *, batch_size: int, world_size: int, prefetch: int, stats,
+                 mixture=None, warm: bool = True) -> None:
         self._ds = dataset
-        self._cache = dataset.cache
+        self._members = remote_members(dataset)
+        self._caches = [c for c, _, _ in self._members]
         self._sampler = sampler
+        self._mixture = mixture
+        self._pid = os.getpid()
         # the reader asks for shards up to this many positions before reporting them consumed:
         # the batches in flight on every rank, plus a step of skew between ranks
-        self._cache.ahead = (prefetch + 2) * batch_size * world_size
-        uses = sampler_uses(sampler, dataset.shard_starts)
-        need = self._cache.minimum_limit(uses)
-        if need > self._cache.limit:
-            raise CacheTooSmall(self._cache._too_small_message(uses, need, self._hint(prefetch)), minimum=need)
+        for c in self._caches:
+            c.ahead = (prefetch + 2) * batch_size * world_size
+        uses = self._parts(sampler_uses(sampler, dataset.shard_starts))
+        needs = [c.minimum_limit(u) for c, u in zip(self._caches, uses)]
+        if mixture is None:
+            (cache,), (need,), (u,) = self._caches, needs, uses
+            if need > cache.limit:
+                raise CacheTooSmall(cache._too_small_message(u, need, self._hint(prefetch)), minimum=need)
+        else:
+            self._check_mixture(needs, uses)
         self._ring = None
         self._pending_plan = None
         self._fields: tuple[str, ...] = ()
         self._installed: set[int] = set()
+        self._hooks: list = []
         self._lock = threading.Lock()
-        stats.attach("remote", self._cache.probe, derive=download_stats)  # its counters, per epoch
+        self._planned: list[EpochUses] | None = None  # the pass the caches are on
+        self._frozen: dict | None = None
+        stats.attach("remote", self._probe, derive=download_stats)  # its counters, per epoch
+        if warm:
+            self._warm_start(uses)
+
+    def _warm_start(self, uses: list[EpochUses]) -> None:
+        """Start downloading the current pass (as the sampler stands: epoch and resume
+        position) now, while the training script builds its model: the first batch then
+        waits for less. The first pass's stats count these downloads (their counters are
+        held at this moment until the pass begins); a pass that turns out different (a
+        ``set_epoch`` or ``load_state_dict`` before iterating) is planned again."""
+        self._frozen = self._probe()
+        nxt = self._parts(sampler_uses(self._sampler, self._ds.shard_starts, epoch=self._sampler.epoch + 1, start=0))
+        for c, u, n in zip(self._caches, uses, nxt):
+            c.plan(u, next_uses=n)
+        self._planned = uses
+
+    def _parts(self, uses: EpochUses) -> list[EpochUses]:
+        return [_part(uses, base, r.num_shards) for _, base, r in self._members]
+
+    def _check_mixture(self, needs: list[int], uses: list[EpochUses]) -> None:
+        """A mixture reads each dataset in its own random order: there is no window mode to
+        fall back on, so the budget must hold each dataset's need. The caches the mixture
+        opened share its one budget out by these needs; a Dataset opened by the user keeps
+        its own ``cache_limit``."""
+        hint = ("read local copies (`fastload prefetch URL DIR`): a mixture reads each dataset in its own random "
+                "order, so it has no shuffle_mode=\"window\" to need less")
+        shared = [i for i, c in enumerate(self._caches) if any(c is s for s in self._mixture.shared_caches)]
+        if shared:
+            from ..remote.budget import share_budget
+
+            share_budget([self._caches[i] for i in shared], self._mixture.cache_limit, [needs[i] for i in shared],
+                         hint=hint)
+        for i, (c, need) in enumerate(zip(self._caches, needs)):
+            if i not in shared and need > c.limit:
+                raise CacheTooSmall(c._too_small_message(uses[i], need, hint), minimum=need)
 
     def _hint(self, prefetch: int) -> str:
         """What else to change: the window's minimum for a full shuffle, else smaller windows."""
@@ -55,28 +123,37 @@ class RemoteShards:
 
         w1 = epoch_uses(window_permutation(self._ds.shard_sizes, 1, s.seed, s.epoch), self._ds.shard_starts)
         return (f"read in shard windows with shuffle_mode=\"window\" (window=1 needs "
-                f"{self._cache.minimum_limit(w1)} bytes here; each shard of window w is in use at once)")
+                f"{self._caches[0].minimum_limit(w1)} bytes here; each shard of window w is in use at once)")
 
     # -- the schedule --------------------------------------------------------------------
     def begin(self, plan) -> None:
         """A pass starts: this one's schedule, and the next epoch's (predicted: epoch + 1),
-        handed to the cache with the first batches (so its downloads count in this epoch's
+        handed to the caches with the first batches (so their downloads count in this epoch's
         stats, which begin with the pass)."""
         self._pending_plan = plan
 
     def _start_pass(self) -> None:
         plan, self._pending_plan = self._pending_plan, None
         starts = self._ds.shard_starts
-        nxt = sampler_uses(self._sampler, starts, epoch=plan.epoch + 1, start=0)
-        self._cache.plan(plan_uses(plan, starts), next_uses=nxt)
+        uses = self._parts(plan_uses(plan, starts))
+        planned, self._planned, self._frozen = self._planned, None, None
+        if planned is not None and all(u.same_as(p) for u, p in zip(uses, planned)):
+            return  # warm-started at construction: the caches are on this pass already
+        nxt = self._parts(sampler_uses(self._sampler, starts, epoch=plan.epoch + 1, start=0))
+        for c, u, n in zip(self._caches, uses, nxt):
+            c.plan(u, next_uses=n)
 
     def advance(self, position: int) -> None:
-        self._cache.advance(position)
+        for c in self._caches:
+            c.advance(position)
 
     # -- ring sources --------------------------------------------------------------------
     def attach_ring(self, ring, fields: Sequence[str]) -> None:
         self._ring, self._fields = ring, tuple(fields)
-        self._cache.on_release(self._drop)
+        for c, base, _ in self._members:
+            hook = (lambda s, base=base: self._drop(s + base))
+            c.on_release(hook)
+            self._hooks.append((c, hook))
 
     def prepare(self, batches: Sequence[np.ndarray]) -> None:
         """Make the shards of these batches local and (for raw fields) ring sources."""
@@ -96,6 +173,8 @@ class RemoteShards:
                 self._installed.add(s)
 
     def _drop(self, s: int) -> None:
+        if os.getpid() != self._pid:  # a forked child's copy: the ring is the parent's
+            return
         with self._lock:
             if s not in self._installed:
                 return
@@ -103,17 +182,29 @@ class RemoteShards:
             if self._ring is not None and self._fields and not self._ring.closed:
                 self._ring.set_source(s, None)
 
+    def _probe(self) -> dict:
+        if self._frozen is not None:
+            return dict(self._frozen)
+        out: dict = {}
+        for c in self._caches:
+            for k, v in c.probe().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
     def close(self) -> None:
         """The Loader closes: no more callbacks into its ring; the download threads stop."""
-        self._cache.remove_release_hook(self._drop)
+        for c, hook in self._hooks:
+            c.remove_release_hook(hook)
+        self._hooks = []
         with self._lock:
             self._ring = None
             self._installed.clear()
-        self._cache.stop()
+        for c in self._caches:
+            c.stop()
 
 
 def download_stats(out: dict) -> dict:
-    """Turn the cache's busy time into ``download_MBps`` in a stats snapshot."""
+    """Turn the caches' busy time into ``download_MBps`` in a stats snapshot."""
     if "bytes_downloaded" in out:
         busy = out.pop("download_busy_s", 0.0)
         out["download_MBps"] = out["bytes_downloaded"] / busy / 1e6 if busy > 0 else 0.0

@@ -13,12 +13,26 @@ from .cache import ShardCache, default_cache_dir, format_bytes, parse_bytes
 from .download import Concurrency, Downloader, RetryPolicy
 from .manifest import RemoteDataset, check_manifest, manifest_fingerprint
 from .schedule import EpochUses, admission_times, epoch_end, epoch_uses, minimum_budget, plan_uses, sampler_uses
-from .url import REMOTE_SCHEMES, display_url, is_remote, open_transport
+from .transports import open_transport
+from .url import REMOTE_SCHEMES, display_url, is_remote
 
 
 def open_cache(url: str, *, cache_dir=None, cache_limit=None, filesystem=None, storage_options=None,
-               **kw) -> ShardCache:
-    """The manifest at ``url`` and this node's cache of its shards (no thread started yet)."""
+               download_timeout: float | None = None, download_threads: int | None = None, **kw) -> ShardCache:
+    """The manifest at ``url`` and this node's cache of its shards (no thread started yet).
+    ``download_timeout``: seconds a shard may take (its deadline, default 600);
+    ``download_threads``: downloads in flight at most (default 4)."""
+    if download_timeout is not None:
+        if isinstance(download_timeout, bool) or not isinstance(download_timeout, (int, float)) \
+                or not 0 < download_timeout < float("inf"):
+            raise ValueError(f"download_timeout={download_timeout!r} must be a number of seconds > 0")
+        kw["retry"] = RetryPolicy(timeout_s=float(download_timeout))
+    if download_threads is not None:
+        from ..validate import check_int
+
+        kw["threads"] = check_int("download_threads", download_threads, min=1)
+    if cache_limit is not None:
+        parse_bytes(cache_limit, "cache_limit")  # before any request
     remote = RemoteDataset(url, filesystem=filesystem, storage_options=storage_options)
     return ShardCache(remote, cache_dir=cache_dir, limit=cache_limit, **kw)
 

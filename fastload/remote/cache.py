@@ -51,6 +51,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import lifecycle
 from ..errors import CacheTooSmall, RemoteError, format_bytes
 from .cache_fetch import _Fetching
 from .cache_files import CACHE_ENV, _CacheFiles, _Flock, _write_atomic, default_cache_dir, parse_bytes
@@ -128,9 +129,10 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
 
         self._stop = threading.Event()
         self.counters = DownloadCounters()
-        self.downloader = Downloader(remote.transport, threads=threads, policy=self.policy, chunk_bytes=chunk_bytes,
-                                     stop=self._stop, counters=self.counters, fsync=fsync)
+        self._downloader_kw = dict(threads=threads, policy=self.policy, chunk_bytes=chunk_bytes, fsync=fsync)
+        self.downloader = Downloader(remote.transport, stop=self._stop, counters=self.counters, **self._downloader_kw)
         self._threads_n = max(1, int(threads))
+        self._pid = os.getpid()
         self._cond = threading.Condition()
         self._admit_lock = threading.Lock()
         self._admission = _Flock(self.dir / ".locks" / "admission.lock")
@@ -165,6 +167,7 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         self._errors: dict[int, BaseException] = {}
         self._released: set[int] = set()
         self._release_hooks: list[Callable[[int], None]] = []
+        self._fetch_hooks: list[Callable[[int, Path], None]] = []
         self._workers: list[threading.Thread] = []
         self._closed = False
         # counters
@@ -173,6 +176,7 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         self.downloads = 0
         self.wait_s = 0.0
         self.self_fetches = 0
+        lifecycle.track(self)
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -189,6 +193,11 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         """Call ``fn(shard)`` when this process no longer needs a shard (its last use is
         behind the reader) and before this process deletes one: drop mappings there."""
         self._release_hooks.append(fn)
+
+    def on_fetched(self, fn: Callable[[int, Path], None]) -> None:
+        """Call ``fn(shard, path)`` (in a download thread) after this process downloaded a
+        shard and found it equal to the manifest's checksum, before anything reads it."""
+        self._fetch_hooks.append(fn)
 
     def remove_release_hook(self, fn: Callable[[int], None]) -> None:
         try:
@@ -221,6 +230,15 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
             _write_atomic(self._progress_path, "done\n")  # peers stop counting this rank
         if not self._closed:
             self._stop.clear()
+
+    def set_limit(self, limit: int) -> None:
+        """A new byte budget (before a pass is planned: a mixture shares one budget out)."""
+        biggest = int(self.sizes.max()) if self.num_shards else 0
+        if int(limit) < biggest:
+            raise CacheTooSmall(f"cache_limit={format_bytes(limit)} is smaller than the largest shard of {self.url} "
+                                f"({format_bytes(biggest)}); raise cache_limit", minimum=biggest)
+        self.limit = int(limit)
+        self.mirror = self.limit >= int(self.sizes.sum())
 
     def minimum_limit(self, uses: EpochUses) -> int:
         """The smallest ``limit`` that lets ``uses`` be read (see schedule.minimum_budget)."""
@@ -267,6 +285,13 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         if t >= self._next_event:
             self._on_event()
 
+    def reopen_state(self) -> dict[str, Any]:
+        """What another process needs to open this dataset's cache the same way (a pickled
+        Dataset): the transport's secret-free description, the fingerprint and the settings."""
+        return {"remote": self.remote.transport.describe(), "fingerprint": self.remote.fingerprint,
+                "cache_dir": str(self.root), "cache_limit": self.limit, "download_timeout": self.policy.timeout_s,
+                "download_threads": self._threads_n}
+
     def stats(self) -> dict[str, Any]:
         c = self.counters
         return {"bytes_downloaded": c.bytes, "download_wait_s": self.wait_s, "download_MBps": c.mbps(),
@@ -275,12 +300,42 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
                 "checksum_failures": c.checksum_failures, "downloads_in_flight_limit": self.downloader.concurrency.limit,
                 "self_fetches": self.self_fetches, "cache_limit": self.limit}
 
+    def _after_fork_in_child(self) -> None:
+        """In a process forked from this cache's (a DataLoader worker): none of the download
+        or range threads exist here, and their locks may be held. Start afresh as an
+        on-demand cache of the same directory (no plan: the parent's pass is the parent's):
+        new locks, new downloader, and the cross-process flocks opened again (a flock is
+        shared with the parent through an inherited descriptor, so it would not exclude it)."""
+        self._pid = os.getpid()
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._admit_lock = threading.Lock()
+        self._workers, self._inflight, self._fetched, self._errors = [], set(), set(), {}
+        self._passes = []
+        self._u_shard = self._u_first = self._u_last = self._u_admit = np.zeros(0, np.int64)
+        self._by_shard, self._next, self._by_last = {}, 0, np.zeros(0, np.int64)
+        self._events, self._next_event = np.zeros(0, np.int64), np.iinfo(np.int64).max
+        self.counters = DownloadCounters()
+        self.downloader = Downloader(self.remote.transport, stop=self._stop, counters=self.counters,
+                                     **{**self._downloader_kw, "chunk_bytes": self.downloader.chunk})
+        self._alive.close()  # the parent's: this copy neither holds nor releases it
+        for f in (self._admission, *self._peer_alive.values()):
+            f.close()
+        if not self._closed:
+            self._admission = _Flock(self.dir / ".locks" / "admission.lock")
+            self._peer_alive = {r: _Flock(f.path) for r, f in self._peer_alive.items()}
+
+    @property
+    def forked(self) -> bool:
+        return self._pid != os.getpid()
+
     def close(self) -> None:
         """Stop and join the download threads, leave the node (peers stop counting this
         rank), and release the locks. Complete shards stay for the next run."""
         if self._closed:
             return
         self._closed = True
+        lifecycle.untrack(self)
         self.stop()
         for f in (self._alive, self._admission, *self._peer_alive.values()):
             f.close()

@@ -13,6 +13,7 @@ Part of :mod:`fastload.remote.cache`. :class:`_Fetching` is the part of
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ from .cache_files import _Flock
 from .download import Cancelled
 
 __all__: list[str] = []
+
+logger = logging.getLogger("fastload")
 
 
 class _Fetching:
@@ -141,6 +144,11 @@ class _Fetching:
             self._reserve(s, part, deadline)
             self.downloader.fetch(self.names[s], path, size=int(self.sizes[s]), checksum=self.remote.checksums[s],
                                   part=part, label=self.names[s], deadline=deadline, priority=priority)
+            for fn in self._fetch_hooks:  # e.g. the reader remembers the shard as verified
+                try:
+                    fn(s, path)
+                except Exception:  # a hook must not fail the download
+                    logger.exception("fastload: fetch hook failed for shard %s", self.names[s])
             with self._cond:
                 self.downloads += 1
                 self._fetched.add(s)
@@ -175,7 +183,7 @@ class _Fetching:
                 raise DownloadTimeout(
                     f"shard {self.names[s]} ({format_bytes(size)}) waited until its deadline for room in the cache: "
                     f"cache_limit={format_bytes(self.limit)} holds {format_bytes(used)} of shards still in use "
-                    f"in {self.dir}; raise cache_limit (or download_timeout), or check that every local rank "
+                    f"in {self.dir}; raise cache_limit (or download_timeout=), or check that every local rank "
                     "is making progress", shard=self.names[s], url=self.remote.shard_url(s))
             with self._cond:
                 self._cond.wait(self._poll * 5)
@@ -185,5 +193,6 @@ class _Fetching:
         who = "" if owner == self.local_rank else f" (waiting for local rank {owner}, which downloads it)"
         return DownloadTimeout(
             f"shard {self.names[s]} was not in the cache {self.dir} after {time.monotonic() - t0:.0f}s{who}; "
-            f"it comes from {self.remote.shard_url(s)}: check the network and the server, or raise download_timeout",
+            f"it comes from {self.remote.shard_url(s)}: check the network and the server, or raise "
+            "download_timeout= (fastload.Dataset / Loader)",
             shard=self.names[s], url=self.remote.shard_url(s))

@@ -3,7 +3,7 @@
 Part of :mod:`fastload.remote.cache` (which re-exports the public names):
 
 * :func:`default_cache_dir` (``$FASTLOAD_CACHE``, else ``~/.cache/fastload``) and
-  :func:`parse_bytes` ('200GB' -> bytes);
+  :func:`~fastload.errors.parse_bytes` ('200GB' -> bytes, re-exported);
 * :class:`_Flock`, the kernel advisory lock every cross-process lock of the cache is made of
   (per shard download, admission, a rank being alive), and :func:`_write_atomic`;
 * :class:`_CacheFiles`, the part of :class:`~fastload.remote.cache.ShardCache` that reads
@@ -20,7 +20,7 @@ import shutil
 import threading
 from pathlib import Path
 
-import numpy as np
+from ..errors import parse_bytes
 
 __all__ = ["CACHE_ENV", "REMOTE_JSON", "default_cache_dir", "parse_bytes"]
 
@@ -28,30 +28,12 @@ logger = logging.getLogger("fastload")
 
 CACHE_ENV = "FASTLOAD_CACHE"
 REMOTE_JSON = "remote.json"
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
 def default_cache_dir() -> Path:
     """``$FASTLOAD_CACHE``, else ``~/.cache/fastload``."""
     v = os.environ.get(CACHE_ENV, "").strip()
     return Path(v).expanduser() if v else Path.home() / ".cache" / "fastload"
-
-
-def parse_bytes(value: int | str, what: str = "cache_limit") -> int:
-    """'200GB', '1.5GiB', '4096' or an int -> bytes (> 0)."""
-    import re
-
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        n = int(value)
-    else:
-        m = re.match(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)\s*$", str(value), re.I)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"{what}={value!r} is not a size; use e.g. 200GB, 1.5GiB or a byte count")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise ValueError(f"{what}={value!r} must be a positive size")
-    return n
 
 
 class _Flock:
@@ -118,7 +100,7 @@ class _CacheFiles:
     def _resolve_limit(self, limit) -> int:
         total = int(self.sizes.sum())
         if limit is not None:
-            return parse_bytes(limit)
+            return parse_bytes(limit, "cache_limit")
         free = shutil.disk_usage(self.dir).free + self.disk_usage()
         return max(1, min(total, int(0.8 * free)))
 

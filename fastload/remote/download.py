@@ -89,7 +89,7 @@ class Downloader:
         mismatches = 0
         last: BaseException | None = None
         rebuilt_for: int | None = None
-        ranged = self.ranges is not None and size > self.chunk
+        ranged = self.ranges is not None  # object stores: byte ranges (the deadline holds while they run)
         done: set[int] = set()  # offsets of ranges already in the partial file (ranged path)
         while True:
             if self.stop.is_set():
@@ -98,14 +98,14 @@ class Downloader:
                 raise DownloadTimeout(
                     f"shard {label} was not downloaded within its deadline of {self.policy.timeout_s:g}s "
                     f"({attempt} attempt(s); last error: {_short(last)}) from {url}; check the network and "
-                    "the server, or raise download_timeout", shard=label, url=url)
+                    "the server, or raise download_timeout= (fastload.Dataset / Loader)", shard=label, url=url)
             generation = self.transport.generation
             if not ranged:  # the range threads take a slot per request instead
                 self.concurrency.acquire(self.stop)
             self.counters.start()
             try:
                 if ranged:
-                    self._attempt_ranges(name, dest, part, size, checksum, priority, done, on_progress)
+                    self._attempt_ranges(name, dest, part, size, checksum, priority, done, on_progress, deadline)
                 else:
                     self._attempt(name, dest, part, size, checksum, deadline, on_progress)
             except _Mismatch as m:
@@ -167,11 +167,14 @@ class Downloader:
                 raise Cancelled()
 
     def _attempt_ranges(self, name: str, dest: Path, part: Path, size: int, checksum: str | None, priority: float,
-                        done: set[int], on_progress: Callable[[int], None] | None) -> None:
+                        done: set[int], on_progress: Callable[[int], None] | None, deadline: float) -> None:
         """One attempt in byte ranges (object stores): open once (the size is checked against
         the manifest), fetch the ranges not yet in ``part`` in parallel into a preallocated
-        file, then hash it whole (page-cached: memory speed) and rename it into place."""
+        file, then hash it whole (page-cached: memory speed) and rename it into place. The
+        deadline holds while ranges run: past it the attempt ends at once (ranges still in a
+        request write nothing more; the file and the remote stream close after the last)."""
         f, _ = self.transport.open_read(name, 0)
+        shared = _Shared(f)
         try:
             remote_size = f.size()
             if remote_size != size:
@@ -180,37 +183,42 @@ class Downloader:
                 done.clear()
                 with open(part, "wb") as out:
                     out.truncate(size)
-            fd = os.open(part, os.O_WRONLY)
-            try:
-                def get(o: int, n: int) -> None:
-                    b = f.read_at(n, o)
-                    if len(b) != n:
-                        raise _Truncated(f"range at {o}: {len(b)} of {n} bytes")
-                    os.pwrite(fd, memoryview(b), o)
-                    done.add(o)
-                    self.counters.add_bytes(n)
-                    if on_progress is not None:
-                        on_progress(n)
+            shared.fd = os.open(part, os.O_WRONLY)
 
-                jobs = [self.ranges.submit((priority, o), lambda o=o: get(o, min(self.chunk, size - o)))
-                        for o in range(0, size, self.chunk) if o not in done]
-                error = None
-                for job in jobs:
-                    while not job.done.wait(0.05):
-                        pass
-                    if job.error is not None and (error is None or isinstance(error, Cancelled)):
-                        error = job.error
-                if error is not None:
-                    raise error
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            def get(o: int, n: int) -> None:
+                if shared.cancelled:
+                    raise Cancelled()
+                b = f.read_at(n, o)
+                if len(b) != n:
+                    raise _Truncated(f"range at {o}: {len(b)} of {n} bytes")
+                with shared.lock:
+                    if shared.cancelled:
+                        raise Cancelled()
+                    os.pwrite(shared.fd, memoryview(b), o)
+                done.add(o)
+                self.counters.add_bytes(n)
+                if on_progress is not None:
+                    on_progress(n)
+
+            offsets = [o for o in range(0, size, self.chunk) if o not in done]
+            shared.users += len(offsets)
+            jobs = [self.ranges.submit((priority, o), lambda o=o: get(o, min(self.chunk, size - o)), shared.release)
+                    for o in offsets]
+            error = None
+            for job in jobs:
+                while not job.done.wait(0.05):
+                    if time.monotonic() >= deadline:
+                        raise socket.timeout("deadline reached while byte ranges were being fetched")
+                if job.error is not None and (error is None or isinstance(error, Cancelled)):
+                    error = job.error
+            if error is not None:
+                raise error
+            if self.fsync:
+                os.fsync(shared.fd)
         finally:
-            try:
-                f.close()
-            except Exception:
-                pass
+            with shared.lock:
+                shared.cancelled = True
+            shared.release()
         actual = file_checksum_of(part)
         if checksum is not None and actual != checksum:
             raise _Mismatch(actual)
@@ -276,6 +284,31 @@ class Downloader:
         if checksum is not None and actual != checksum:
             raise _Mismatch(actual)
         os.replace(part, dest)
+
+
+class _Shared:
+    """What one ranged attempt's jobs share: the remote file and the partial file's
+    descriptor, closed by the last of the attempt and its jobs to finish (a job stalled in a
+    request may outlive an attempt that gave up)."""
+
+    def __init__(self, remote_file):
+        self.remote = remote_file
+        self.fd: int | None = None
+        self.users = 1  # the attempt itself, plus one per submitted job
+        self.cancelled = False
+        self.lock = threading.Lock()
+
+    def release(self) -> None:
+        with self.lock:
+            self.users -= 1
+            last = self.users == 0
+        if last:
+            if self.fd is not None:
+                os.close(self.fd)
+            try:
+                self.remote.close()
+            except Exception:
+                pass
 
 
 def file_checksum_of(path: Path, chunk: int = 8 << 20) -> str:

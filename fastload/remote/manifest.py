@@ -13,7 +13,8 @@ import time
 from typing import Any, Mapping
 
 from ..errors import FormatError, RemoteError
-from .url import SAFE_NAME, FaultKind, Transport, classify, open_transport
+from .transports import open_transport
+from .url import SAFE_NAME, FaultKind, Transport, classify
 
 __all__ = ["RemoteDataset", "manifest_fingerprint", "check_manifest"]
 

@@ -86,12 +86,18 @@ class Concurrency:
 
 
 class _Job:
-    __slots__ = ("fn", "done", "error")
+    __slots__ = ("fn", "done", "error", "after")
 
-    def __init__(self, fn: Callable[[], None]):
+    def __init__(self, fn: Callable[[], None], after: Callable[[], None] | None = None):
         self.fn = fn
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.after = after  # called once the job is over (run, failed or dropped)
+
+    def finish(self) -> None:
+        self.done.set()
+        if self.after is not None:
+            self.after()
 
 
 class RangePool:
@@ -109,8 +115,8 @@ class RangePool:
         self._threads: list[threading.Thread] = []
         self._closing = False
 
-    def submit(self, priority, fn: Callable[[], None]) -> _Job:
-        job = _Job(fn)
+    def submit(self, priority, fn: Callable[[], None], after: Callable[[], None] | None = None) -> _Job:
+        job = _Job(fn, after)
         with self._cond:
             if not self._threads:
                 self._closing = False
@@ -140,7 +146,7 @@ class RangePool:
                     self._concurrency.release()
             except BaseException as e:  # handed to the waiting download
                 job.error = e
-            job.done.set()
+            job.finish()
 
     def close(self) -> None:
         with self._cond:
@@ -150,10 +156,11 @@ class RangePool:
             t.join()
         with self._cond:
             self._threads = []
-            for _, _, job in self._heap:  # never run: their downloads are being cancelled
-                job.error = Cancelled()
-                job.done.set()
+            dropped = [job for _, _, job in self._heap]
             self._heap.clear()
+        for job in dropped:  # never run: their downloads are being cancelled
+            job.error = Cancelled()
+            job.finish()
 
 
 class DownloadCounters:

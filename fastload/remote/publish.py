@@ -7,6 +7,7 @@ shard while it arrives, write ``manifest.json`` last, and run the full Arrow val
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -18,7 +19,7 @@ from typing import Any, Callable, Mapping
 from ..errors import RemoteError
 from .download import Downloader, DownloadCounters, RetryPolicy
 from .manifest import MANIFEST, RemoteDataset
-from .url import open_transport
+from .transports import open_transport
 
 __all__ = ["convert_to_remote", "prefetch", "upload_dataset", "verify_remote"]
 
@@ -29,9 +30,14 @@ def upload_dataset(local: str | os.PathLike, url: str, *, overwrite: bool = Fals
                    storage_options: Mapping[str, Any] | None = None, threads: int = 4) -> int:
     """Upload the complete local dataset ``local`` to ``url``: shards (in parallel), then
     ``skipped.jsonl``, then ``manifest.json`` last. Refuses a destination that already holds
-    a dataset unless ``overwrite`` (its manifest is deleted first, so readers never see a
-    mix; its shards not in the new dataset are deleted after). Returns the bytes uploaded."""
+    a dataset unless ``overwrite``. Replacing one never breaks it: the new shards go under
+    names the old dataset does not use (``shard-NNNNN-GGGGGGGG.arrow``, a new generation),
+    the manifest is replaced in one PUT (the new dataset opens from then on; until then, the
+    old one still does, also when the upload fails half way), and only then are the old
+    shards deleted. Returns the bytes uploaded."""
+    from ..store.format import GENERATION_PATTERN, SKIPPED_REPORT
     from ..store.reader import read_manifest
+    from ..store.transaction import new_generation
 
     local = Path(local)
     m = read_manifest(local)  # a complete dataset, or a clear error
@@ -39,20 +45,24 @@ def upload_dataset(local: str | os.PathLike, url: str, *, overwrite: bool = Fals
     if not hasattr(t, "filesystem"):
         raise RemoteError(f"{t.url}: fastload writes datasets to object stores (s3://, gs://, az://), "
                           "not over http(s)")
-    old = [n for n in t.list_names() if n.startswith(_OWN)]
+    listed = t.list_names()
+    old = [n for n in listed if n.startswith(_OWN)]
     if MANIFEST in old and not overwrite:
         raise RemoteError(f"{t.url} already holds a fastload dataset ({MANIFEST}); pass --overwrite to replace it")
     if old and MANIFEST not in old and not overwrite:
         raise RemoteError(f"{t.url} holds shard files without a manifest (an interrupted upload?); pass "
                           "--overwrite to replace them")
-    if MANIFEST in old:
-        t.delete(MANIFEST)  # from here on the old dataset does not open: never half old, half new
+    sources = [local / s["file"] for s in m["shards"]]
+    if old:  # names no file there has: readers of the old dataset never see a new shard under an old name
+        generation = new_generation(listed)
+        m = dict(m, shards=[dict(s, file=GENERATION_PATTERN.format(i, generation)) for i, s in enumerate(m["shards"])])
     files = [s["file"] for s in m["shards"]]
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastload-upload") as pool:
-        list(pool.map(lambda n: t.write_file(local / n, n), files))
-    if (local / "skipped.jsonl").exists():
-        t.write_file(local / "skipped.jsonl", "skipped.jsonl")
-    t.write_file(local / MANIFEST, MANIFEST)  # last: the dataset exists from now on
+        list(pool.map(lambda a: t.write_file(*a), zip(sources, files)))
+    if (local / SKIPPED_REPORT).exists():
+        t.write_file(local / SKIPPED_REPORT, SKIPPED_REPORT)
+    # last, in one PUT (atomic per object): the new dataset opens from here on
+    t.write_bytes((json.dumps(m, indent=1) + "\n").encode("utf-8"), MANIFEST)
     for n in old:
         if n.startswith("shard-") and n not in files:
             t.delete(n)
@@ -130,8 +140,11 @@ def prefetch(url: str, dest: str | os.PathLike, *, threads: int = 8, filesystem:
             if progress is not None:
                 progress(done[0], len(remote.shard_files))
 
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastload-prefetch") as pool:
-        list(pool.map(one, range(len(remote.shard_files))))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastload-prefetch") as pool:
+            list(pool.map(one, range(len(remote.shard_files))))
+    finally:
+        dl.close()
     if problems:
         raise RemoteError(f"prefetch of {remote.url} into {dest}: " + "; ".join(problems[:5]))
     tmp = dest / f".{MANIFEST}.tmp"
@@ -184,8 +197,11 @@ def verify_remote(url: str, *, local: str | os.PathLike | None = None, threads: 
             with lock:
                 problems.extend(found)
 
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastload-verify") as pool:
-            list(pool.map(one, m["shards"]))
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastload-verify") as pool:
+                list(pool.map(one, m["shards"]))
+        finally:
+            dl.close()
     try:
         listed = {s["file"] for s in m["shards"]}
         for n in remote.transport.list_names():

@@ -6,6 +6,8 @@ Used by fastload's tests and ``bench/bench_remote.py``; nothing here is in the d
   ``weed mini``), which checks SigV4 signatures; a subprocess on free ports, telemetry off.
 * :class:`MotoS3`: moto's ``ThreadedMotoServer`` in this process (fast to start; accepts any
   credentials).
+* :class:`GcsEmulator`: the ``gcp-storage-emulator`` package's server (Google Cloud
+  Storage's JSON API, in memory), a subprocess.
 * :class:`HttpFileServer`: ``python -m RangeHTTPServer`` (answers ``Range`` with 206) or
   ``python -m http.server`` (ignores ``Range``: answers 200), a subprocess serving a directory.
 * :class:`FaultProxy`: an HTTP proxy of our own in front of any of these, injecting faults per
@@ -25,7 +27,8 @@ proxies in :mod:`fastload.remote.testing_proxies`, the delay line's script in
 from __future__ import annotations
 
 from .testing_proxies import DelayProxy, Fault, FaultProxy, RequestLog
-from .testing_servers import HOST, HttpFileServer, MotoS3, SeaweedFS, free_port, s3_filesystem, upload_dir, weed_binary
+from .testing_servers import (HOST, GcsEmulator, HttpFileServer, MotoS3, SeaweedFS, free_port, s3_filesystem,
+                              upload_dir, weed_binary)
 
-__all__ = ["SeaweedFS", "MotoS3", "HttpFileServer", "FaultProxy", "Fault", "DelayProxy", "free_port",
+__all__ = ["SeaweedFS", "MotoS3", "HttpFileServer", "GcsEmulator", "FaultProxy", "Fault", "DelayProxy", "free_port",
            "s3_filesystem", "upload_dir", "weed_binary", "HOST", "RequestLog"]

@@ -39,7 +39,9 @@ class Fault:
     kinds: ``"slowdown"`` (503 SlowDown, S3 XML), ``"cut"`` (the body stops half way and the
     connection closes), ``"corrupt"`` (one byte of the body changed), ``"expired"`` (403
     ExpiredToken, only for requests signed with access key ``key_id``), ``"reset"`` (the
-    connection closes without an answer), ``"status"`` (an answer with ``status``)."""
+    connection closes without an answer), ``"status"`` (an answer with ``status``),
+    ``"stall"`` (no answer for ``seconds``, or until :meth:`FaultProxy.release_stalls`; then
+    the connection closes)."""
 
     kind: str
     match: str = ""
@@ -48,6 +50,7 @@ class Fault:
     skip: int = 0
     key_id: str | None = None
     status: int = 500
+    seconds: float = 30.0
     seen: int = 0
     applied: int = 0
 
@@ -99,6 +102,7 @@ class FaultProxy:
         self._thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
         self._revive: threading.Timer | None = None
+        self._unstall = threading.Event()
 
     @property
     def endpoint(self) -> str:
@@ -118,6 +122,12 @@ class FaultProxy:
         with self._lock:
             self.faults.clear()
 
+    def release_stalls(self) -> None:
+        """End every stalled request now (their connections close) and inject no more stalls."""
+        with self._lock:
+            self.faults = [f for f in self.faults if f.kind != "stall"]
+        self._unstall.set()
+
     def requests(self, method: str = "GET", match: str = "") -> list[RequestLog]:
         with self._lock:
             return [r for r in self.log if r.method == method and re.search(match, r.path)]
@@ -130,6 +140,7 @@ class FaultProxy:
         return None
 
     def start(self) -> "FaultProxy":
+        self._unstall.clear()
         if not self.port:
             self.port = free_port()
         proxy = self
@@ -173,6 +184,12 @@ class FaultProxy:
                 rec = RequestLog(method, self.path, self.headers.get("Range"), 0, fault.kind if fault else None)
                 with proxy._lock:
                     proxy.log.append(rec)
+                if fault is not None and fault.kind == "stall":
+                    proxy._unstall.wait(fault.seconds)
+                    self.close_connection = True
+                    with contextlib.suppress(OSError):
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 if fault is not None and fault.kind == "reset":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -245,6 +262,7 @@ class FaultProxy:
         self._revive.start()
 
     def _shutdown(self) -> None:
+        self._unstall.set()
         if self._server is not None:
             self._server.shutdown()
             with self._lock:  # connections kept alive by clients: their threads end now

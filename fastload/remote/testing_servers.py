@@ -8,7 +8,8 @@ front of these servers are in :mod:`fastload.remote.testing_proxies`.
   :func:`upload_dir` (copy a local dataset to a bucket, the manifest last);
 * :class:`SeaweedFS` (``weed mini``, a subprocess checking SigV4), :class:`MotoS3` (moto's
   threaded server in this process), :class:`HttpFileServer` (a subprocess serving a
-  directory, with or without ``Range`` support).
+  directory, with or without ``Range`` support), :class:`GcsEmulator` (the
+  ``gcp-storage-emulator`` package's server, a subprocess: Google Cloud Storage's JSON API).
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["HOST", "SeaweedFS", "MotoS3", "HttpFileServer", "free_port", "s3_filesystem", "upload_dir",
-           "weed_binary"]
+__all__ = ["HOST", "SeaweedFS", "MotoS3", "HttpFileServer", "GcsEmulator", "free_port", "s3_filesystem",
+           "upload_dir", "weed_binary"]
 
 HOST = "127.0.0.1"
 
@@ -241,6 +242,65 @@ class HttpFileServer:
                                      stdin=subprocess.DEVNULL)
         try:
             _wait_port(self.port, 20, self.proc, mod)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        _stop_process(self.proc)
+        self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+# -- Google Cloud Storage ----------------------------------------------------------------------
+class GcsEmulator:
+    """``gcp-storage-emulator`` (a pip package) in a subprocess on 127.0.0.1, in memory, with
+    ``buckets`` created; read it with ``storage_options`` (anonymous, no secret)."""
+
+    def __init__(self, buckets: tuple[str, ...] = ("fastload-test",)):
+        self.buckets = buckets
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    @staticmethod
+    def binary() -> str | None:
+        cand = Path(sys.executable).parent / "gcp-storage-emulator"
+        return str(cand) if cand.exists() else shutil.which("gcp-storage-emulator")
+
+    @property
+    def endpoint(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def storage_options(self) -> dict:
+        return {"anonymous": True, "endpoint_override": self.endpoint, "scheme": "http"}
+
+    def filesystem(self):
+        import datetime
+
+        import pyarrow.fs as pafs
+
+        return pafs.GcsFileSystem(retry_time_limit=datetime.timedelta(seconds=5), **self.storage_options)
+
+    def start(self) -> "GcsEmulator":
+        exe = self.binary()
+        if exe is None:
+            raise RuntimeError("gcp-storage-emulator is not installed (pip install gcp-storage-emulator)")
+        self.port = free_port()
+        args = [exe, "start", "--port", str(self.port), "-H", HOST, "--in-memory", "-q"]
+        self.proc = subprocess.Popen(args + (["--default-bucket", self.buckets[0]] if self.buckets else []),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        try:
+            _wait_port(self.port, 30, self.proc, "gcp-storage-emulator")
+            fs = self.filesystem()
+            for b in self.buckets[1:]:
+                fs.create_dir(b)
         except BaseException:
             self.stop()
             raise

@@ -14,21 +14,23 @@
 Secrets never travel in a URL: a URL with a password, a token or a secret query parameter is
 refused with a message that says where credentials go instead, and every URL that fastload
 prints, stores or pickles is the *display* URL (no user info, no query).
+
+The transports: :mod:`fastload.remote.transport_arrow` (object stores, ``pyarrow.fs``) and
+:mod:`fastload.remote.transport_http` (``http(s)://``), chosen by
+:func:`fastload.remote.transports.open_transport`; this module has what they share (URL
+checks, fault classification, the :class:`Transport` interface).
 """
 from __future__ import annotations
 
 import os
 import re
-import threading
 import urllib.error
 import urllib.parse
-import urllib.request
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ..errors import RemoteError
 
-__all__ = ["REMOTE_SCHEMES", "Transport", "ArrowTransport", "HttpTransport", "is_remote", "display_url",
-           "open_transport", "FaultKind", "classify"]
+__all__ = ["REMOTE_SCHEMES", "Transport", "is_remote", "display_url", "FaultKind", "classify", "scheme_of"]
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "az", "abfs", "abfss", "http", "https")
 _SCHEME_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -162,6 +164,11 @@ class Transport:
         """File names directly in the directory (for `verify` and overwrite checks)."""
         raise NotImplementedError
 
+    def describe(self) -> dict:
+        """``open_transport(**describe())`` opens the same place in another process: no
+        secret inside (RemoteError when that is impossible; see :mod:`fastload.remote.privacy`)."""
+        raise RemoteError(f"{self.url}: {type(self).__name__} cannot be described for another process")
+
     @property
     def generation(self) -> int:
         """Bumped by every successful :meth:`rebuild`."""
@@ -171,264 +178,3 @@ class Transport:
         """Build the client again (reloading credentials) unless another thread already did
         since ``seen_generation``. False when this transport cannot be rebuilt."""
         return False
-
-
-# -- pyarrow.fs ------------------------------------------------------------------------------
-def _endpoint_from_env() -> tuple[str, str] | None:
-    for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
-        v = os.environ.get(var, "").strip()
-        if v:
-            p = urllib.parse.urlsplit(v if "://" in v else f"https://{v}")
-            return p.netloc, p.scheme or "https"
-    return None
-
-
-def _truthy(v: Any) -> bool:
-    return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes", "on")
-
-
-def _build_arrow_fs(url: str, options: Mapping[str, Any]):
-    """(filesystem, base path inside it) for an object-store URL."""
-    import pyarrow.fs as pafs
-
-    scheme = scheme_of(url)
-    p = urllib.parse.urlsplit(url)
-    opts = dict(options)
-    if scheme == "s3":
-        _refuse_secrets(url, _S3_QUERY_OK)
-        for k, v in urllib.parse.parse_qsl(p.query):
-            opts.setdefault(k, _truthy(v) if k.startswith("allow_") else v)
-        if "endpoint_override" not in opts:
-            env = _endpoint_from_env()
-            if env is not None:
-                opts["endpoint_override"], scheme_env = env
-                opts.setdefault("scheme", scheme_env)
-        if "region" not in opts:
-            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-            if region:
-                opts["region"] = region
-            elif "endpoint_override" in opts:
-                opts["region"] = "us-east-1"  # S3-compatible servers; avoids a region lookup
-        retries = int(opts.pop("max_attempts", 5))
-        opts.setdefault("retry_strategy", pafs.AwsStandardS3RetryStrategy(max_attempts=retries))
-        opts.setdefault("connect_timeout", 10)
-        fs = pafs.S3FileSystem(**opts)
-        return fs, (p.netloc + p.path).rstrip("/")
-    if scheme in ("gs", "gcs"):
-        _refuse_secrets(url)
-        if opts:
-            fs = pafs.GcsFileSystem(**opts)
-        else:
-            fs, _ = pafs.FileSystem.from_uri(f"gs://{p.netloc}{p.path}")
-        return fs, (p.netloc + p.path).rstrip("/")
-    if scheme == "az":
-        _refuse_secrets(url)
-        account = opts.pop("account_name", None) or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME") \
-            or os.environ.get("AZURE_STORAGE_ACCOUNT")
-        if not account:
-            raise RemoteError(f"{display_url(url)}: az:// needs the storage account: pass "
-                              "storage_options={'account_name': ...} or set AZURE_STORAGE_ACCOUNT_NAME "
-                              "(or use abfs://container@account.dfs.core.windows.net/path)")
-        fs = pafs.AzureFileSystem(account_name=account, **opts)
-        return fs, (p.netloc + p.path).rstrip("/")
-    if scheme in ("abfs", "abfss"):
-        _refuse_secrets(url)
-        if opts:
-            account = opts.pop("account_name", None) or (p.hostname or "").split(".")[0]
-            fs = pafs.AzureFileSystem(account_name=account, **opts)
-            container = p.username if p.username else p.path.lstrip("/").split("/")[0]
-            rest = p.path if p.username else "/" + "/".join(p.path.lstrip("/").split("/")[1:])
-            return fs, (container + rest).rstrip("/")
-        fs, path = pafs.FileSystem.from_uri(url)
-        return fs, path.rstrip("/")
-    raise RemoteError(f"{display_url(url)}: unsupported scheme {scheme!r}; use one of "
-                      + ", ".join(f"{s}://" for s in REMOTE_SCHEMES))
-
-
-class ArrowTransport(Transport):
-    """Files under ``base`` in a ``pyarrow.fs.FileSystem``."""
-
-    ranged = True  # open_read returns a random-access file: read_at(nbytes, offset) from many threads
-
-    def __init__(self, url: str, *, filesystem: Any = None, storage_options: Mapping[str, Any] | None = None):
-        self.url = display_url(url)
-        self._options = dict(storage_options or {})
-        self._lock = threading.Lock()
-        self._generation = 0
-        # How to build the filesystem again (reloading credentials); None: a user's instance.
-        self._rebuild_fn: Callable[[], tuple[Any, str]] | None = None
-        if filesystem is None:
-            self._rebuild_fn = lambda: _build_arrow_fs(url, self._options)
-            self._fs, self._base = self._rebuild_fn()
-            return
-        import pyarrow.fs as pafs
-
-        p = urllib.parse.urlsplit(url)
-        base = (p.netloc + p.path).rstrip("/") if p.scheme else str(url).rstrip("/")
-        if callable(filesystem) and not isinstance(filesystem, pafs.FileSystem):
-            factory = filesystem
-            self._rebuild_fn = lambda: (_check_fs(factory()), base)
-            self._fs, self._base = self._rebuild_fn()
-        else:
-            self._fs, self._base = _check_fs(filesystem), base
-
-    def __repr__(self) -> str:
-        return f"ArrowTransport({self.url!r})"
-
-    def _path(self, name: str) -> str:
-        return f"{self._base}/{name}" if self._base else name
-
-    @property
-    def filesystem(self):
-        return self._fs
-
-    def open_read(self, name: str, offset: int = 0):
-        f = self._fs.open_input_file(self._path(name))
-        if offset:
-            f.seek(offset)
-        return f, offset
-
-    def read_bytes(self, name: str) -> bytes:
-        with self._fs.open_input_stream(self._path(name), compression=None) as f:
-            return f.read()
-
-    def write_file(self, local_path, name: str) -> None:
-        with open(local_path, "rb") as src, self._fs.open_output_stream(self._path(name), compression=None) as dst:
-            while True:
-                b = src.read(16 << 20)
-                if not b:
-                    break
-                dst.write(b)
-
-    def write_bytes(self, data: bytes, name: str) -> None:
-        with self._fs.open_output_stream(self._path(name), compression=None) as dst:
-            dst.write(data)
-
-    def exists(self, name: str) -> bool:
-        import pyarrow.fs as pafs
-
-        return self._fs.get_file_info(self._path(name)).type != pafs.FileType.NotFound
-
-    def delete(self, name: str) -> None:
-        self._fs.delete_file(self._path(name))
-
-    def list_names(self) -> list[str]:
-        import pyarrow.fs as pafs
-
-        sel = pafs.FileSelector(self._base, allow_not_found=True, recursive=False)
-        return sorted(i.base_name for i in self._fs.get_file_info(sel) if i.type == pafs.FileType.File)
-
-    @property
-    def generation(self) -> int:
-        return self._generation
-
-    def rebuild(self, seen_generation: int) -> bool:
-        with self._lock:
-            if self._generation != seen_generation:
-                return True  # another thread rebuilt it meanwhile
-            if self._rebuild_fn is None:
-                return False
-            self._fs, self._base = self._rebuild_fn()
-            self._generation += 1
-            return True
-
-
-def _check_fs(fs):
-    import pyarrow.fs as pafs
-
-    if not isinstance(fs, pafs.FileSystem):
-        raise RemoteError(f"filesystem= must be a pyarrow.fs.FileSystem (or a callable returning one), "
-                          f"got {type(fs).__name__}; fsspec users wrap theirs in "
-                          "pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))")
-    return fs
-
-
-# -- http(s) ---------------------------------------------------------------------------------
-class _HttpStream:
-    def __init__(self, resp):
-        self._resp = resp
-
-    def read(self, n: int = -1) -> bytes:
-        return self._resp.read(n)
-
-    def close(self) -> None:
-        self._resp.close()
-
-
-class HttpTransport(Transport):
-    """Files under an ``http(s)://`` URL, read with the standard library. ``headers`` (e.g.
-    ``Authorization``) are sent with every request and never shown or stored."""
-
-    def __init__(self, url: str, *, headers: Mapping[str, str] | None = None, timeout: float = 30.0):
-        _refuse_secrets(url)
-        self.url = display_url(url)
-        self._headers = {"User-Agent": "fastload", **dict(headers or {})}
-        self._timeout = float(timeout)
-        # Proxies from the environment would route loopback test servers (and anything
-        # the user did not ask for) through them; an explicit opener without proxies.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-    def __repr__(self) -> str:
-        return f"HttpTransport({self.url!r})"
-
-    def _request(self, name: str, headers: Mapping[str, str] | None = None, method: str = "GET"):
-        req = urllib.request.Request(self.file_url(urllib.parse.quote(name)), method=method,
-                                     headers={**self._headers, **(headers or {})})
-        return self._opener.open(req, timeout=self._timeout)
-
-    def open_read(self, name: str, offset: int = 0):
-        resp = self._request(name, {"Range": f"bytes={offset}-"} if offset else None)
-        start = 0
-        if resp.status == 206:
-            cr = resp.headers.get("Content-Range", "")
-            m = re.match(r"bytes (\d+)-", cr)
-            start = int(m.group(1)) if m else -1
-            if start != offset:
-                resp.close()
-                raise OSError(f"{self.file_url(name)}: asked for bytes from {offset}, server sent "
-                              f"Content-Range {cr!r}")
-        elif resp.status != 200:
-            resp.close()
-            raise OSError(f"{self.file_url(name)}: HTTP {resp.status}")
-        return _HttpStream(resp), start
-
-    def exists(self, name: str) -> bool:
-        try:
-            self._request(name, method="HEAD").close()
-            return True
-        except urllib.error.HTTPError as e:
-            if e.code in (404, 410):
-                return False
-            raise
-
-    def list_names(self) -> list[str]:
-        raise RemoteError(f"{self.url}: an http(s) server cannot list a directory; "
-                          "fastload reads the file names from the manifest")
-
-
-def open_transport(url: str, *, filesystem: Any = None, storage_options: Mapping[str, Any] | None = None) -> Transport:
-    """The transport for a dataset URL (see the module docstring)."""
-    if not isinstance(url, str):
-        raise RemoteError(f"a remote dataset is a URL string, got {type(url).__name__}")
-    scheme = scheme_of(url)
-    opts = dict(storage_options or {})
-    if filesystem is not None:
-        if scheme in ("http", "https"):
-            raise RemoteError(f"{display_url(url)}: filesystem= applies to object stores, not http(s) URLs")
-        _refuse_secrets(url, _S3_QUERY_OK if scheme == "s3" else None)
-        return ArrowTransport(url, filesystem=filesystem)
-    if scheme in ("http", "https"):
-        unknown = set(opts) - {"headers", "timeout"}
-        if unknown:
-            raise RemoteError(f"{display_url(url)}: storage_options {sorted(unknown)} do not apply to http(s); "
-                              "use 'headers' and 'timeout'")
-        return HttpTransport(url, headers=opts.get("headers"), timeout=opts.get("timeout", 30.0))
-    if scheme not in REMOTE_SCHEMES:
-        raise RemoteError(f"{url!r} is not a remote URL; use one of "
-                          + ", ".join(f"{s}://" for s in REMOTE_SCHEMES) + " (or a local directory)")
-    try:
-        return ArrowTransport(url, storage_options=opts)
-    except RemoteError:
-        raise
-    except (TypeError, ValueError, OSError) as e:  # bad option names / values, ArrowInvalid
-        raise RemoteError(f"{display_url(url)}: cannot set up the {scheme}:// filesystem ({e})") from None

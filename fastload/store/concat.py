@@ -125,6 +125,16 @@ class ConcatReader:
                     out[k] = out.get(k, 0) + v
         return out
 
+    @property
+    def shard_bases(self) -> np.ndarray:
+        """Shard ``s`` of dataset ``d`` is shard ``shard_bases[d] + s`` of the whole."""
+        return self._shard_base
+
+    def shard(self, i: int):
+        """Shard ``i`` of the whole, mapped by its dataset (a remote one fetches it first)."""
+        r, s = self._local(i)
+        return r.shard(s)
+
     def _local(self, shard: int) -> tuple[Any, int]:
         d = int(self._shard_owner[shard])
         return self.readers[d], shard - int(self._shard_base[d])

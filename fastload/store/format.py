@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import FormatError  # noqa: F401  (still importable from here)
+from ..errors import parse_bytes
 
 FORMAT_NAME = "fastload"
 # The newest version this fastload reads and writes. A dataset records the lowest version
@@ -52,9 +53,6 @@ MAX_SHARD_SIZE = 2**31 - 1  # binary columns use 32-bit offsets
 # convert refuses smaller shards unless forced: `--shard-size 10` (10 bytes) would write one
 # shard per sample, tens of thousands of files.
 MIN_SHARD_SIZE = 1_000_000
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.I)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
-          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
 
 _MAX_LIST_SIZE = 2**31 - 1  # Arrow's fixed_size_list length is an int32
 
@@ -242,19 +240,7 @@ def format_version_for(fields: Mapping[str, Field]) -> int:
 
 def parse_size(value: int | str, what: str = "shard_size") -> int:
     """'256MB', '1.5GiB', '4096' or an int -> bytes, at most a shard's limit of 2 GiB."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        n = int(value)
-    else:
-        m = _SIZE_RE.match(value) if isinstance(value, str) else None  # 1.5 (a float) is no byte count
-        if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
-            raise ValueError(f"{what}={value!r} is not a size; use e.g. 256MB, 1GiB or a byte count")
-        x = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
-        if x != int(x):
-            raise ValueError(f"{what}={value!r} is not a whole number of bytes")
-        n = int(x)
-    if not 0 < n <= MAX_SHARD_SIZE:
-        raise ValueError(f"{what}={value!r} must be between 1 byte and 2 GiB")
-    return n
+    return parse_bytes(value, what, maximum=MAX_SHARD_SIZE, maximum_text="2 GiB")
 
 
 def image_size_columns(name: str) -> tuple[str, str]:

@@ -58,7 +58,8 @@ class DatasetReader(Gathering):
 
     def __init__(self, path: str | os.PathLike, *, transform: Callable[[dict], Any] | None = None,
                  cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
-                 filesystem: Any = None, storage_options: dict | None = None, verify: str = DEFAULT_VERIFY):
+                 filesystem: Any = None, storage_options: dict | None = None, verify: str = DEFAULT_VERIFY,
+                 download_timeout: float | None = None, download_threads: int | None = None):
         self.verify_policy: str = check_choice("verify", verify, VERIFY_POLICIES)
         if transform is not None and not callable(transform):
             raise ValueError(f"transform={transform!r} must be a function sample -> sample")
@@ -73,7 +74,8 @@ class DatasetReader(Gathering):
             from ..remote import open_cache
 
             self.cache = open_cache(path, cache_dir=cache_dir, cache_limit=cache_limit, filesystem=filesystem,
-                                    storage_options=storage_options)
+                                    storage_options=storage_options, download_timeout=download_timeout,
+                                    download_threads=download_threads)
             self.url = self.path = self.cache.url
             try:
                 self.manifest = check_manifest(self.cache.remote.manifest, f"{self.url}/{MANIFEST}")
@@ -82,10 +84,13 @@ class DatasetReader(Gathering):
                 raise
             base = self.cache.dir
             self.cache.on_release(self._release_shard)
+            if self.verify_policy == "first-use":  # the download was hashed: no second hash at first use
+                self.cache.on_fetched(lambda i, p: remember_verified(p, self.manifest["shards"][i]["checksum"]))
         else:
-            if cache_dir is not None or cache_limit is not None or storage_options is not None:
-                raise ValueError(f"cache_dir / cache_limit / storage_options apply to remote datasets "
-                                 f"(s3://, gs://, az://, https://); {str(path)!r} is a local path")
+            if (cache_dir, cache_limit, storage_options, download_timeout, download_threads) != (None,) * 5:
+                raise ValueError(f"cache_dir / cache_limit / storage_options / download_timeout / download_threads "
+                                 f"apply to remote datasets (s3://, gs://, az://, https://); {str(path)!r} is a "
+                                 "local path")
             self.path = Path(path)
             self.manifest = read_manifest(self.path)
             base = self.path
@@ -106,16 +111,26 @@ class DatasetReader(Gathering):
         self.class_counts = np.asarray(lab["counts"], dtype=np.int64) if lab else None
 
     # -- pickling for spawn-started DataLoader workers: the path only, never the data ----
-    # (a remote dataset: its URL and cache settings; never a filesystem or a secret)
+    # (a remote dataset: what reopens the same place and its cache settings, never a secret:
+    # see fastload.remote.privacy; pickling fails with a clear message rather than carry one)
     def __getstate__(self):
         if self.cache is not None:
-            return {"path": self.url, "transform": self.transform, "cache_dir": str(self.cache.root),
-                    "cache_limit": self.cache.limit, "verify": self.verify_policy}
+            return {"path": self.url, "transform": self.transform, "verify": self.verify_policy,
+                    **self.cache.reopen_state()}
         return {"path": str(self.path), "transform": self.transform, "verify": self.verify_policy}
 
     def __setstate__(self, state):
-        self.__init__(state["path"], transform=state.get("transform"), cache_dir=state.get("cache_dir"),
-                      cache_limit=state.get("cache_limit"), verify=state.get("verify", DEFAULT_VERIFY))
+        remote = state.get("remote") or {}
+        self.__init__(remote.get("url", state["path"]), transform=state.get("transform"),
+                      cache_dir=state.get("cache_dir"), cache_limit=state.get("cache_limit"),
+                      filesystem=remote.get("filesystem"), storage_options=remote.get("storage_options"),
+                      download_timeout=state.get("download_timeout"), download_threads=state.get("download_threads"),
+                      verify=state.get("verify", DEFAULT_VERIFY))
+        if self.cache is not None and state.get("fingerprint") not in (None, self.cache.remote.fingerprint):
+            self.close()
+            raise FormatError(f"{self.url} changed since this Dataset was pickled (its manifest's fingerprint is "
+                              f"{self.cache.remote.fingerprint}, the pickled one {state['fingerprint']}): a worker "
+                              "would read other data than its parent; reopen the dataset")
 
     def _after_fork_in_child(self) -> None:
         # A thread of the parent may have held these at fork time; the mappings stay valid.
@@ -299,3 +314,18 @@ class DatasetReader(Gathering):
         if verify and not self._verifier.all_verified and idx.size:
             self.ensure_verified(shard)
         return shard, idx - self._starts[shard]
+
+
+def remember_verified(path: Path, checksum: str) -> None:
+    """Record a shard the remote cache just downloaded and found equal to ``checksum`` in the
+    node's verified-shard record (keyed by the file's identity), so that its first use does
+    not hash it a second time."""
+    from types import SimpleNamespace
+
+    from .integrity import VerifiedRecord
+
+    st = os.stat(path)
+    ident = SimpleNamespace(path=os.fspath(path), st_dev=st.st_dev, st_ino=st.st_ino, size=st.st_size,
+                            st_mtime_ns=st.st_mtime_ns, st_ctime_ns=st.st_ctime_ns)
+    record = VerifiedRecord()
+    record.add(record.key(ident, checksum), ident, checksum)

@@ -1,0 +1,212 @@
+"""Object stores through ``pyarrow.fs``: ``s3://``, ``gs://``/``gcs://``, ``az://``,
+``abfs[s]://`` (see :mod:`fastload.remote.url`), or any ``filesystem=`` the user gives.
+
+The filesystem is built from the URL, ``storage_options`` and the usual credential chains
+(``AWS_ENDPOINT_URL`` honoured), with pyarrow's request retries on. It is built again to
+reload expired credentials (:meth:`ArrowTransport.rebuild`) and, lazily, in a process forked
+from the one that built it (the AWS SDK's client state belongs to the parent).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import urllib.parse
+from typing import Any, Callable, Mapping
+
+from ..errors import RemoteError
+from .privacy import picklable_filesystem, safe_options
+from .url import _S3_QUERY_OK, REMOTE_SCHEMES, Transport, _refuse_secrets, display_url, scheme_of
+
+__all__ = ["ArrowTransport"]
+
+
+def _endpoint_from_env() -> tuple[str, str] | None:
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        v = os.environ.get(var, "").strip()
+        if v:
+            p = urllib.parse.urlsplit(v if "://" in v else f"https://{v}")
+            return p.netloc, p.scheme or "https"
+    return None
+
+
+def _truthy(v: Any) -> bool:
+    return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _build_arrow_fs(url: str, options: Mapping[str, Any]):
+    """(filesystem, base path inside it) for an object-store URL."""
+    import pyarrow.fs as pafs
+
+    scheme = scheme_of(url)
+    p = urllib.parse.urlsplit(url)
+    opts = dict(options)
+    if scheme == "s3":
+        _refuse_secrets(url, _S3_QUERY_OK)
+        for k, v in urllib.parse.parse_qsl(p.query):
+            opts.setdefault(k, _truthy(v) if k.startswith("allow_") else v)
+        if "endpoint_override" not in opts:
+            env = _endpoint_from_env()
+            if env is not None:
+                opts["endpoint_override"], scheme_env = env
+                opts.setdefault("scheme", scheme_env)
+        if "region" not in opts:
+            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            if region:
+                opts["region"] = region
+            elif "endpoint_override" in opts:
+                opts["region"] = "us-east-1"  # S3-compatible servers; avoids a region lookup
+        retries = int(opts.pop("max_attempts", 5))
+        opts.setdefault("retry_strategy", pafs.AwsStandardS3RetryStrategy(max_attempts=retries))
+        opts.setdefault("connect_timeout", 10)
+        fs = pafs.S3FileSystem(**opts)
+        return fs, (p.netloc + p.path).rstrip("/")
+    if scheme in ("gs", "gcs"):
+        _refuse_secrets(url)
+        if opts:
+            fs = pafs.GcsFileSystem(**opts)
+        else:
+            fs, _ = pafs.FileSystem.from_uri(f"gs://{p.netloc}{p.path}")
+        return fs, (p.netloc + p.path).rstrip("/")
+    if scheme == "az":
+        _refuse_secrets(url)
+        account = opts.pop("account_name", None) or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME") \
+            or os.environ.get("AZURE_STORAGE_ACCOUNT")
+        if not account:
+            raise RemoteError(f"{display_url(url)}: az:// needs the storage account: pass "
+                              "storage_options={'account_name': ...} or set AZURE_STORAGE_ACCOUNT_NAME "
+                              "(or use abfs://container@account.dfs.core.windows.net/path)")
+        fs = pafs.AzureFileSystem(account_name=account, **opts)
+        return fs, (p.netloc + p.path).rstrip("/")
+    if scheme in ("abfs", "abfss"):
+        _refuse_secrets(url)
+        if opts:
+            account = opts.pop("account_name", None) or (p.hostname or "").split(".")[0]
+            fs = pafs.AzureFileSystem(account_name=account, **opts)
+            container = p.username if p.username else p.path.lstrip("/").split("/")[0]
+            rest = p.path if p.username else "/" + "/".join(p.path.lstrip("/").split("/")[1:])
+            return fs, (container + rest).rstrip("/")
+        fs, path = pafs.FileSystem.from_uri(url)
+        return fs, path.rstrip("/")
+    raise RemoteError(f"{display_url(url)}: unsupported scheme {scheme!r}; use one of "
+                      + ", ".join(f"{s}://" for s in REMOTE_SCHEMES))
+
+
+class ArrowTransport(Transport):
+    """Files under ``base`` in a ``pyarrow.fs.FileSystem``."""
+
+    ranged = True  # open_read returns a random-access file: read_at(nbytes, offset) from many threads
+
+    def __init__(self, url: str, *, filesystem: Any = None, storage_options: Mapping[str, Any] | None = None):
+        self.url = display_url(url)
+        self._given_url = url  # checked: no user info, only non-secret query parameters
+        self._given_fs = filesystem
+        self._options = dict(storage_options or {})
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._pid = os.getpid()
+        # How to build the filesystem again (reloading credentials); None: a user's instance.
+        self._rebuild_fn: Callable[[], tuple[Any, str]] | None = None
+        if filesystem is None:
+            self._rebuild_fn = lambda: _build_arrow_fs(url, self._options)
+            self._fs, self._base = self._rebuild_fn()
+            return
+        import pyarrow.fs as pafs
+
+        p = urllib.parse.urlsplit(url)
+        base = (p.netloc + p.path).rstrip("/") if p.scheme else str(url).rstrip("/")
+        if callable(filesystem) and not isinstance(filesystem, pafs.FileSystem):
+            factory = filesystem
+            self._rebuild_fn = lambda: (_check_fs(factory()), base)
+            self._fs, self._base = self._rebuild_fn()
+        else:
+            self._fs, self._base = _check_fs(filesystem), base
+
+    def __repr__(self) -> str:
+        return f"ArrowTransport({self.url!r})"
+
+    def _path(self, name: str) -> str:
+        return f"{self._base}/{name}" if self._base else name
+
+    def describe(self) -> dict:
+        where = self.url
+        desc: dict[str, Any] = {"url": self._given_url}
+        if self._options:
+            desc["storage_options"] = safe_options(self._options, where)
+        if self._given_fs is not None:
+            desc["filesystem"] = picklable_filesystem(self._given_fs, where)
+        return desc
+
+    @property
+    def filesystem(self):
+        """The filesystem (built again on first use in a process forked from the one that
+        built it, when fastload built it or has a factory: a client is not shared across fork)."""
+        if self._pid != os.getpid():
+            self._after_fork()
+        return self._fs
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        if self._rebuild_fn is not None:
+            self._fs, self._base = self._rebuild_fn()
+
+    def open_read(self, name: str, offset: int = 0):
+        f = self.filesystem.open_input_file(self._path(name))
+        if offset:
+            f.seek(offset)
+        return f, offset
+
+    def read_bytes(self, name: str) -> bytes:
+        with self.filesystem.open_input_stream(self._path(name), compression=None) as f:
+            return f.read()
+
+    def write_file(self, local_path, name: str) -> None:
+        fs = self.filesystem
+        with open(local_path, "rb") as src, fs.open_output_stream(self._path(name), compression=None) as dst:
+            while True:
+                b = src.read(16 << 20)
+                if not b:
+                    break
+                dst.write(b)
+
+    def write_bytes(self, data: bytes, name: str) -> None:
+        with self.filesystem.open_output_stream(self._path(name), compression=None) as dst:
+            dst.write(data)
+
+    def exists(self, name: str) -> bool:
+        import pyarrow.fs as pafs
+
+        return self.filesystem.get_file_info(self._path(name)).type != pafs.FileType.NotFound
+
+    def delete(self, name: str) -> None:
+        self.filesystem.delete_file(self._path(name))
+
+    def list_names(self) -> list[str]:
+        import pyarrow.fs as pafs
+
+        sel = pafs.FileSelector(self._base, allow_not_found=True, recursive=False)
+        return sorted(i.base_name for i in self.filesystem.get_file_info(sel) if i.type == pafs.FileType.File)
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def rebuild(self, seen_generation: int) -> bool:
+        with self._lock:
+            if self._generation != seen_generation:
+                return True  # another thread rebuilt it meanwhile
+            if self._rebuild_fn is None:
+                return False
+            self._fs, self._base = self._rebuild_fn()
+            self._generation += 1
+            return True
+
+
+def _check_fs(fs):
+    import pyarrow.fs as pafs
+
+    if not isinstance(fs, pafs.FileSystem):
+        raise RemoteError(f"filesystem= must be a pyarrow.fs.FileSystem (or a callable returning one), "
+                          f"got {type(fs).__name__}; fsspec users wrap theirs in "
+                          "pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))")
+    return fs
