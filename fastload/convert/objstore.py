@@ -61,14 +61,14 @@ class Store:
     package's URL -> filesystem function: the same URLs, options and credentials as reading)."""
 
     def __init__(self, url: str):
-        from ..remote.url import _build_arrow_fs  # (the remote package's URL -> filesystem)
+        from ..remote.transport_arrow import arrow_filesystem  # the remote package's URL -> filesystem
 
         if not is_remote(url) or scheme_of(url) in ("http", "https"):
             raise ConvertError(f"{display_url(url) if is_remote(url) else url}: fastload writes datasets to "
                                "object stores (s3://, gs://, az://) or local directories, not over http(s)")
         self.url = url  # the full URL (no secret: a URL holding one is refused)
         self.display = display_url(url)
-        self.fs, self.base = _build_arrow_fs(url, {})
+        self.fs, self.base = arrow_filesystem(url, {})
 
     def path(self, name: str) -> str:
         return f"{self.base}/{name}" if self.base else name

@@ -17,7 +17,7 @@ from ..errors import RemoteError
 from .privacy import picklable_filesystem, safe_options
 from .url import _S3_QUERY_OK, REMOTE_SCHEMES, Transport, _refuse_secrets, display_url, scheme_of
 
-__all__ = ["ArrowTransport"]
+__all__ = ["ArrowTransport", "arrow_filesystem"]
 
 
 def _endpoint_from_env() -> tuple[str, str] | None:
@@ -33,7 +33,7 @@ def _truthy(v: Any) -> bool:
     return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes", "on")
 
 
-def _build_arrow_fs(url: str, options: Mapping[str, Any]):
+def arrow_filesystem(url: str, options: Mapping[str, Any]):
     """(filesystem, base path inside it) for an object-store URL."""
     import pyarrow.fs as pafs
 
@@ -107,7 +107,7 @@ class ArrowTransport(Transport):
         # How to build the filesystem again (reloading credentials); None: a user's instance.
         self._rebuild_fn: Callable[[], tuple[Any, str]] | None = None
         if filesystem is None:
-            self._rebuild_fn = lambda: _build_arrow_fs(url, self._options)
+            self._rebuild_fn = lambda: arrow_filesystem(url, self._options)
             self._fs, self._base = self._rebuild_fn()
             return
         import pyarrow.fs as pafs

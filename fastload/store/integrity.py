@@ -161,15 +161,18 @@ class VerifiedRecord:
     def contains(self, key: str) -> bool:
         return self.dir is not None and self._path(key).is_file()
 
-    def add(self, key: str, mapped: Any, checksum: str, *, hashed_at: float | None = None) -> bool:
+    def add(self, key: str, mapped: Any, checksum: str, *, hashed_at: float | None = None,
+            written_here: bool = False) -> bool:
         """Remember a verified shard (best effort: an unwritable cache only costs a rehash).
         ``hashed_at``: when its hashing began (``time.time()``); a file modified less than
-        :data:`RACY_WINDOW_S` before that is not remembered (see the module docstring).
-        True if remembered."""
+        :data:`RACY_WINDOW_S` before that is not remembered (see the module docstring), unless
+        ``written_here``: fastload itself wrote the bytes it hashed and renamed the file into
+        place (the remote shard cache), so no write of the same tick can hide behind its
+        identity. True if remembered."""
         if self.dir is None:
             return False
         newest = max(mapped.st_mtime_ns, mapped.st_ctime_ns) / 1e9
-        if (time.time() if hashed_at is None else hashed_at) - newest < RACY_WINDOW_S:
+        if not written_here and (time.time() if hashed_at is None else hashed_at) - newest < RACY_WINDOW_S:
             return False  # racy: a write in the same timestamp tick would keep this identity
         p = self._path(key)
         try:

@@ -17,6 +17,7 @@ is this class made a ``torch.utils.data.Dataset`` as well.
 from __future__ import annotations
 
 import os
+import weakref
 import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -83,9 +84,13 @@ class DatasetReader(Gathering):
                 self.cache.close()
                 raise
             base = self.cache.dir
-            self.cache.on_release(self._release_shard)
+            # The cache's hooks hold this reader weakly: a dropped Dataset is freed at once (no
+            # cycle through its cache), so the cache's finalizer joins the download threads.
+            me = weakref.ref(self)
+            self.cache.on_release(lambda i: (ds := me()) is not None and ds._release_shard(i))
             if self.verify_policy == "first-use":  # the download was hashed: no second hash at first use
-                self.cache.on_fetched(lambda i, p: remember_verified(p, self.manifest["shards"][i]["checksum"]))
+                checksums = [s["checksum"] for s in self.manifest["shards"]]
+                self.cache.on_fetched(lambda i, p: remember_verified(p, checksums[i]))
         else:
             if (cache_dir, cache_limit, storage_options, download_timeout, download_threads) != (None,) * 5:
                 raise ValueError(f"cache_dir / cache_limit / storage_options / download_timeout / download_threads "
@@ -328,4 +333,4 @@ def remember_verified(path: Path, checksum: str) -> None:
     ident = SimpleNamespace(path=os.fspath(path), st_dev=st.st_dev, st_ino=st.st_ino, size=st.st_size,
                             st_mtime_ns=st.st_mtime_ns, st_ctime_ns=st.st_ctime_ns)
     record = VerifiedRecord()
-    record.add(record.key(ident, checksum), ident, checksum)
+    record.add(record.key(ident, checksum), ident, checksum, written_here=True)
