@@ -150,6 +150,8 @@ def cmd_verify(a, out: Output) -> int:
             problems = verify(a.path)
     except (FormatError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
+    if a.json is not None:
+        out.json({"path": str(a.path), "ok": not problems, "problems": [str(p) for p in problems]})
     if problems:
         for p in problems:
             out.print(f"DAMAGED {p}")
@@ -260,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--local", metavar="DIR", default=None,
                    help="with a URL: check the shards in DIR (a prefetched copy, a cache directory) against "
                         "the URL's manifest instead of downloading")
-    v.set_defaults(func=cmd_verify)
+    add_json_option(v, "the result ({path, ok, problems})")
+    v.set_defaults(func=cmd_verify, json_check=lambda a: check_json_dest(a, v))
 
     f = sub.add_parser("prefetch", help="mirror a remote dataset into a plain, verified local dataset")
     f.add_argument("url", help="s3://, gs://, az://, abfs:// or https:// URL of a dataset")

@@ -51,6 +51,7 @@ LOADER_BAD = [
     (dict(verify="sometimes"), "verify='sometimes' must be one of"),
     (dict(verify=True), "verify=True must be one of"),
     (dict(num_draws=10**12, weights=np.ones(N)), r"num_draws=1,000,000,000,000 .* needs .* of memory"),
+    (dict(fields=["x", "x", "label"]), r"fields: \['x'\] named more than once"),
 ]
 
 

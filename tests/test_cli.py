@@ -311,6 +311,25 @@ def test_inspect_json_goes_to_stdout_or_to_a_file(raw_ds, tmp_path):
     assert "samples   400" in text and "label" in text and "classes   5" in text
 
 
+def test_verify_json_says_ok_or_names_the_damaged_shards(raw_ds, tmp_path):
+    import shutil
+
+    p = fl("verify", raw_ds, "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == {"path": str(raw_ds), "ok": True, "problems": []}
+    assert "OK" in p.stderr  # the human line goes to stderr when stdout holds the JSON
+    bad = tmp_path / "bad"
+    shutil.copytree(raw_ds, bad)
+    shard = sorted(bad.glob("shard-*.arrow"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    p = fl("verify", bad, "--json", tmp_path / "v.json")
+    assert p.returncode == 1
+    doc = json.loads((tmp_path / "v.json").read_text())
+    assert doc["ok"] is False and len(doc["problems"]) == 1 and shard.name in doc["problems"][0]
+
+
 def test_bench_json_dash_is_stdout(raw_ds, tmp_path):
     p = fl("bench", raw_ds, "--batch-size", "100", "--max-batches", "2", "--warmup", "1", "--no-progress",
            "--json", "-", cwd=tmp_path)

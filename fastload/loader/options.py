@@ -104,6 +104,9 @@ def _resolve_fields(ds, fields: Sequence[str] | None, transforms: Any) -> tuple[
     elif isinstance(fields, (str, bytes)):
         raise ValueError(f"fields={fields!r} must be a list of field names, e.g. fields=[{fields!r}]")
     fields = list(fields)
+    dup = sorted({n for n in fields if fields.count(n) > 1})
+    if dup:
+        raise ValueError(f"fields: {dup} named more than once; name each field once")
     for n in fields:
         if n not in ds.fields:
             raise ValueError(f"fields: {n!r} is not a field of {ds.path}; fields are {list(ds.fields)}")
