@@ -137,6 +137,7 @@ def test_ctrl_c_to_converts_process_group_prints_one_line(tmp_path):
         if p.returncode == 130:
             assert err.rstrip().splitlines()[-1] == "fastload convert: interrupted", err[-500:]
             assert not (dst / "manifest.json").exists()  # nothing that opens
+            assert not dst.exists() or os.listdir(dst) == [], os.listdir(dst)  # (the directory it made goes)
         else:  # finished before the signal
             assert p.returncode == 0, err[-2000:]
     assert 130 in codes, codes  # the signal did land during a conversion
@@ -166,7 +167,11 @@ def test_a_full_disk_during_convert_is_one_line_and_leaves_nothing_that_opens(tm
     assert "\n" not in msg and str(tmp_path / "o") in msg, msg
     assert re.search(r"needs about 5\.\d MB; its filesystem has .* free", msg), msg  # 20,000 x 256 bytes
     assert isinstance(e.value, OSError) and e.value.errno == errno.ENOSPC
-    assert os.listdir(tmp_path / "o") == []  # nothing that opens, nothing half-written
+    assert not (tmp_path / "o").exists()  # nothing that opens, nothing half-written: not even the directory it made
+    (tmp_path / "o").mkdir()  # a directory the user made stays (empty)
+    with pytest.raises(NoSpaceError):
+        fastload.convert("arrays", tmp_path / "a.npz", tmp_path / "o", progress=False, shard_size="1MB")
+    assert os.listdir(tmp_path / "o") == []
     # replacing a dataset: the old one stays whole
     monkeypatch.undo()
     fastload.convert("arrays", tmp_path / "a.npz", tmp_path / "o", progress=False, shard_size="1MB")
@@ -197,7 +202,7 @@ def test_cli_full_disk_is_one_line(tmp_path):
     p = _python(script)
     assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
     assert p.stderr.startswith("fastload convert: error: no space left on the device of") and "needs about" in p.stderr
-    assert os.listdir(tmp_path / "o") == []
+    assert not (tmp_path / "o").exists()
 
 
 def _broken_images():

@@ -141,7 +141,8 @@ def test_bad_samples_are_refused_with_the_field_named(tmp_path):
         with pytest.raises(ValueError, match="reserved"):
             fastload.ShardWriter(tmp_path / "other2", {"img": "image", "img_width": "int64"})
         w.abort()
-    with pytest.raises(FormatError, match="manifest.json is missing"):
+    assert not (tmp_path / "ds").exists()  # abort() took back the directory it made
+    with pytest.raises(fastload.errors.FastloadError, match="does not exist"):
         fastload.Dataset(tmp_path / "ds")
 
 
@@ -256,6 +257,12 @@ def test_exception_inside_writer_leaves_nothing_that_opens(tmp_path):
         with fastload.ShardWriter(d, {"x": "uint8[100]"}, shard_size=500) as w:
             for i in range(20):
                 w.write({"x": np.full(100, i, np.uint8)})
+            raise RuntimeError("boom")
+    assert not d.exists()  # the directory it made is taken back too
+    d.mkdir()  # one the user made stays, empty
+    with pytest.raises(RuntimeError, match="boom"):
+        with fastload.ShardWriter(d, {"x": "uint8[100]"}, shard_size=500) as w:
+            w.write({"x": np.zeros(100, np.uint8)})
             raise RuntimeError("boom")
     assert os.listdir(d) == []
     with pytest.raises(FormatError):

@@ -307,6 +307,7 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
         # to replace a dataset leaves the old dataset (and its directory) untouched.
         if skipped and not (dst / MANIFEST).exists():
             try:
+                dst.mkdir(parents=True, exist_ok=True)  # (an aborted writer took back the directory it made)
                 write_report(dst / SKIPPED_REPORT, skipped)
             except OSError:
                 pass

@@ -204,6 +204,7 @@ class Transaction:
         self.keep = list(keep)  # own entries of ``path`` the swap-in leaves alone
         self._cleanup: weakref.finalize | None = None
         self._swapping = False
+        self._created = not os.path.lexists(path)  # abort() removes a directory it made, once empty
         if prepare_output_dir(path, overwrite):
             if (path / MANIFEST).exists():  # a dataset a reader may have open: never reuse its names
                 self.generation = new_generation(os.listdir(path))
@@ -251,3 +252,8 @@ class Transaction:
             return
         if self.path.is_dir():  # another writer's staging directory is not ours to remove
             remove_own(self.path, keep=[SKIPPED_REPORT], staging=False)
+            if self._created:
+                try:  # nothing left of a directory this transaction created (else it stays)
+                    os.rmdir(self.path)
+                except OSError:
+                    pass
