@@ -308,15 +308,19 @@ class Loader:
                 raise ValueError(f"Loader state mismatch in {key}: saved {state.get(key)!r}, "
                                  f"this loader has {mine[key]!r}")
         self._parts.stop_iter()
-        pack_end = None
-        if self._options.pack is not None:  # the position counts tokens: at most the epoch's, padded
-            name, d = self._options.pack
-
-            def pack_end(epoch: int, world: int, drop_last: bool) -> int:
-                plan = self._pack_plan(epoch, 0, self._sampler.stream(epoch))
-                return int(plan.cum[-1]) + world * self.batch_size * d.pack_to
-        self._sampler.load_state_dict(state["sampler"], epoch_end=pack_end)  # validates seed, size, version, position
+        self._sampler.load_state_dict(state["sampler"], epoch_end=self._token_epoch_end())  # validates seed, size, version, position
         self._progress.position = None
+
+    def _token_epoch_end(self):
+        """With packing, a resume position counts tokens: at most the epoch's, padded (else None)."""
+        if self._options.pack is None:
+            return None
+        d = self._options.pack[1]
+
+        def epoch_end(epoch: int, world: int, drop_last: bool) -> int:
+            plan = self._pack_plan(epoch, 0, self._sampler.stream(epoch))
+            return int(plan.cum[-1]) + world * self.batch_size * d.pack_to
+        return epoch_end
 
     # -- stats and lifetime --------------------------------------------------------------------
     def stats(self) -> dict:
