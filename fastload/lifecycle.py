@@ -23,7 +23,7 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["close_at_exit", "forked", "track", "untrack"]
+__all__ = ["close_at_exit", "forked", "generation", "track", "untrack"]
 
 logger = logging.getLogger("fastload")
 
@@ -31,6 +31,7 @@ _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _lock = threading.Lock()
 _exit_hook_after: set[str] = set()  # modules our exit hook was registered after
 EXIT_DEADLINE_S = 10.0
+generation = 0  # forks this process descends from: a cheap "am I a forked child?" test per batch
 
 
 def track(obj: Any) -> None:
@@ -51,8 +52,9 @@ def forked(owner_pid: int) -> bool:
 
 
 def _after_fork_in_child() -> None:
-    global _lock
+    global _lock, generation
     _lock = threading.Lock()  # may have been held by another thread at fork time
+    generation += 1
     for obj in list(_live):
         try:
             obj._after_fork_in_child()

@@ -324,10 +324,8 @@ class MixtureSampler(Sampler):
             self._layout = ids
         return ids
 
-    def stream(self, epoch: int | None = None) -> np.ndarray:
-        e = self.epoch if epoch is None else int(epoch)
-        if self._cache is not None and self._cache[0] == e:
-            return self._cache[1]
+    def _compute(self, e: int) -> np.ndarray:
+        """The mixture's stream of epoch ``e`` (cached and prepared ahead by Sampler.stream/prepare)."""
         m = self.mixture
         ids = self._layout_for(e)
         counts = np.bincount(ids, minlength=len(m.sizes))
@@ -337,8 +335,6 @@ class MixtureSampler(Sampler):
             local = dataset_draws(size, self.seed, i, e * int(counts[i]), len(where), self.shuffle)
             out[where] = local + m.reader.starts[i]
         out.flags.writeable = False
-        if epoch is None or e == self.epoch:
-            self._cache = (e, out)
         return out
 
     def _compute_identity(self) -> dict:

@@ -45,6 +45,17 @@ from .validate import is_int as _is_int
 
 __all__ = ["FillSlot", "RaggedField", "Ring", "RingBatch", "default_slots", "default_threads"]
 
+_from_numpy = None  # torch.from_numpy, once torch is loaded (fastload.ring imports no torch)
+
+
+def _torch_from_numpy():
+    global _from_numpy
+    import torch
+
+    _from_numpy = torch.from_numpy
+    return _from_numpy
+
+
 logger = logging.getLogger(__name__)
 
 _INT64 = np.dtype(np.int64)
@@ -272,10 +283,8 @@ class Ring:
 
     def get_batch(self) -> RingBatch:
         """As :meth:`get`, with the slot the batch views (for a device delivery)."""
-        import torch
-
+        from_numpy = _from_numpy or _torch_from_numpy()
         arrays, slot, copied = self._next()
-        from_numpy = torch.from_numpy
         return RingBatch({k: from_numpy(a) for k, a in batch_dict(self._names, arrays).items()}, slot, copied)
 
     def _next(self) -> tuple:

@@ -260,3 +260,19 @@ def test_pack_to_mixes_documents_and_weights_over_mean_lengths_give_token_shares
     want = 0.5 * means / (0.5 * means).sum()
     assert np.abs(got - want).max() < 0.02 and got[1] > 0.75  # documents half and half, tokens not
     assert np.abs(token_shares(np.array([0.5, 0.5]) / means) - 0.5).max() < 0.02
+
+
+def test_the_next_epochs_mixture_stream_is_prepared_ahead_and_equal(datasets):
+    """A Loader prepares the next epoch's order while an epoch runs: for a mixture too (its own
+    stream, not a plain permutation), equal to the stream computed when asked for."""
+    kw = dict(mix=[0.6, 0.3, 0.1], epoch_size=600, batch_size=20, seed=3)
+    with fastload.Loader(list(datasets.values()), **kw) as loader:
+        first = _read(loader, epochs=2)
+        ahead = loader.sampler._ahead
+        assert ahead is not None and ahead.epoch == 2  # the epoch after the last one read
+    with fastload.Loader(list(datasets.values()), **kw) as fresh:
+        fresh.sampler.prepare = lambda epoch: None  # nothing prepared: every stream computed when asked
+        again = _read(fresh, epochs=2)
+        assert np.array_equal(ahead.wait(), fresh.sampler.stream(2))  # the mixture's order, not a permutation
+    assert all(np.array_equal(a, b) for a, b in zip(first[1], again[1]))
+    assert all(np.array_equal(a, b) for a, b in zip(first[0], again[0]))

@@ -435,3 +435,44 @@ def test_start_position_is_where_the_next_pass_begins():
     t.load_state_dict(state)
     t.set_epoch(1)
     assert t.start_position() == 0
+
+
+def test_the_next_epochs_order_is_prepared_in_the_background_and_equal():
+    import threading
+
+    fresh = Sampler(10_000, batch_size=32, seed=5)
+    s = Sampler(10_000, batch_size=32, seed=5, weights=None)
+    calls = []
+    real = s._compute
+    s._compute = lambda e: calls.append((e, threading.current_thread().name)) or real(e)
+    s.prepare(1)
+    s.set_epoch(1)
+    assert np.array_equal(s.stream(), fresh.stream(1))
+    assert calls == [(1, "fastload-order")]  # computed once, by the background thread
+    s.prepare(2)
+    s.join_ahead()  # a prepared epoch that is not asked for is dropped, never used stale
+    s.set_epoch(2)
+    assert np.array_equal(s.stream(), fresh.stream(2)) and calls[-1] == (2, "MainThread")
+    calls.clear()
+    Sampler(100, batch_size=4, shuffle=False).prepare(1)  # the natural order: nothing to prepare
+    weighted = Sampler(1000, batch_size=8, weights=np.arange(1000) + 1.0, seed=2)
+    weighted.prepare(3)
+    weighted.set_epoch(3)
+    assert np.array_equal(weighted.stream(), Sampler(1000, batch_size=8, weights=np.arange(1000) + 1.0,
+                                                     seed=2).stream(3))
+
+
+def test_a_prepared_order_that_failed_is_computed_again_where_it_is_asked_for():
+    s = Sampler(1000, batch_size=8, seed=1)
+    real = s._compute
+    boom = {"n": 0}
+
+    def compute(e):
+        boom["n"] += 1
+        if boom["n"] == 1:
+            raise MemoryError("no memory in the background")
+        return real(e)
+    s._compute = compute
+    s.prepare(1)
+    s.set_epoch(1)
+    assert np.array_equal(s.stream(), Sampler(1000, batch_size=8, seed=1).stream(1)) and boom["n"] == 2

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .. import lifecycle
 from ..packing import PackPlan
 from ..sampling import EpochPlan
 from .source import BatchSource
@@ -63,6 +64,7 @@ class EpochIterator:
         self._done_sampling = False
         self.closed = False
         self._pid = os.getpid()
+        self._generation = lifecycle.generation  # changes in a forked child (no syscall per batch)
         progress.position = plan.start
         stats.begin_epoch()
         try:
@@ -91,7 +93,7 @@ class EpochIterator:
         return self
 
     def __next__(self) -> dict[str, Any]:
-        if os.getpid() != self._pid:
+        if lifecycle.generation != self._generation:
             raise RuntimeError("this Loader iterator was created before os.fork(); its threads do not exist in "
                                "this process. Create a new fastload.Loader in the child process.")
         if self.closed or not self._pending:
@@ -121,7 +123,8 @@ class EpochIterator:
             if self._fixed_size:
                 self._nbytes[n] = nbytes
         batches = self._stats.delivered(n, nbytes, t1 - t0, t1)
-        self._fill()
+        if not self._done_sampling and (len(self._pending) <= self._prefetch // 2 or not self._source.amortize):
+            self._fill()
         if self._log_every and batches % self._log_every == 0:
             s = self._stats.snapshot()
             logger.info("fastload: %d batches, %.0f samples/s, waiting %.1f%% of the time%s",
