@@ -576,3 +576,29 @@ def test_loader_threads_run_below_the_training_loop(raw_ds, image_ds, monkeypatc
     with pytest.raises(UsageError, match="FASTLOAD_NICE='high'"):
         with Loader(ds, batch_size=64) as lo:
             next(iter(lo))
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_dali_pipelines_are_built_ahead_at_the_loaders_priority(image_ds, monkeypatch):
+    """The image fields' DALI pipelines are built in a thread as the Loader is made (while a
+    script builds its model), not when the first batch is asked for; DALI's threads inherit
+    the loader's priority from it. Batches are those of a Loader that built nothing ahead."""
+    from fastload.system import LOADER_NICE
+
+    tf = {"image": vision.train(32)}
+    with Loader(image_ds, batch_size=8, transforms=tf, seed=4) as lo:
+        warm = lo._parts._warm
+        assert warm is not None and warm.name == "fastload-warmup"
+        warm.join(timeout=60)
+        runners = lo._parts.decoders()._runners
+        assert runners and all(r._pipe is not None for r in runners.values())  # built before any iteration
+        dali = _thread_nices("[DALI")
+        assert dali and set(dali) == {LOADER_NICE}
+        got = [b["image"].clone() for b in lo]
+    from fastload.loader.parts import Parts
+
+    monkeypatch.setattr(Parts, "warm", lambda self: None)  # built by the feeders on first use
+    with Loader(image_ds, batch_size=8, transforms=tf, seed=4) as lo:
+        assert lo._parts._warm is None
+        want = [b["image"] for b in lo]
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))

@@ -214,6 +214,7 @@ class Loader:
                             owned=owned)
         self._finalizer = weakref.finalize(self, self._parts.close)
         self._closed = False
+        self._parts.warm()  # DALI pipelines built while the script sets up its model
 
     # -- the configuration (read-only) ------------------------------------------------------
     dataset = property(lambda self: self._dataset)

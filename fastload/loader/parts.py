@@ -8,7 +8,9 @@ the ring's threads.
 """
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import weakref
 from typing import Any
 
@@ -17,7 +19,7 @@ import numpy as np
 from .. import lifecycle
 from ..packing import max_pieces
 from ..ring import Ring
-from ..system import loader_nice
+from ..system import IMAGE_FEEDERS, loader_nice, lower_priority
 from .decode import Decoders
 from .finish import Finish
 from .host import HostSource
@@ -28,6 +30,8 @@ from .source import INDEX, BatchSource
 from .stats import Stats
 
 __all__ = ["Parts"]
+
+logger = logging.getLogger("fastload")
 
 
 class Parts:
@@ -41,6 +45,7 @@ class Parts:
         self._decoders: Decoders | None = None
         self._delivery = None  # CudaDelivery on a CUDA device
         self._iter_ref: weakref.ref | None = None
+        self._warm: threading.Thread | None = None  # builds the DALI pipelines ahead (warm())
         self._pid = os.getpid()
         self.forked = False  # True in a child forked from the process that built these parts
         lifecycle.track(self)
@@ -133,6 +138,33 @@ class Parts:
                                       checked=images_checked(self._dataset))
         return self._decoders
 
+    def warm(self) -> None:
+        """Build the image fields' DALI pipelines now, in a thread at the loader's priority
+        (and, on CUDA, on the loader's device), while the training script builds its model:
+        the first batch then does not wait for them (tens of ms on the CPU, more for nvJPEG).
+        A pipeline that fails to build here is built again by its feeder, which reports why."""
+        o = self._opts
+        if not o.image_fields or self._warm is not None:
+            return
+        decoders = self.decoders()
+        runners = [decoders.get(f, w) for w in range(IMAGE_FEEDERS) for f in o.image_fields]
+        device = o.device if self.cuda else None
+
+        def build() -> None:
+            try:
+                lower_priority()  # DALI's threads inherit it
+                if device is not None:
+                    from ..device import select
+
+                    select(device)  # first: no CUDA call of this thread lands on cuda:0
+                for r in runners:
+                    r.prepare()
+            except BaseException as e:  # the feeder builds it again and raises the error there
+                logger.debug("fastload: building the DALI pipelines ahead failed: %s", e)
+
+        self._warm = threading.Thread(target=build, name="fastload-warmup", daemon=True)
+        self._warm.start()
+
     def undecodable(self) -> int:
         """Distinct samples the decoders refused so far (``on_error="skip"`` replaced them)."""
         return 0 if self._decoders is None else self._decoders.undecodable()
@@ -181,6 +213,9 @@ class Parts:
             return
         lifecycle.untrack(self)
         self.stop_iter()
+        warm, self._warm = self._warm, None
+        if warm is not None:
+            warm.join()  # a pipeline being built: closed below once it exists
         decoders, self._decoders = self._decoders, None
         if decoders is not None:
             decoders.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import numpy as np
@@ -84,6 +85,7 @@ class Runner(BadSampleSearch):
         self.out_dtype = np.dtype(transform.out_dtype)
         self.max_pixels = transform.max_pixels
         self._pipe = None
+        self._build_lock = threading.Lock()  # prepare() in a warm-up thread vs the first run()
         self._copy_stream = None  # CUDA: where DALI's output is copied out (made on first use)
         self.ready_event = None  # CUDA: recorded after the last copy out of DALI's output buffer
         self._cpu = None  # CUDA: a CPU runner of the same graph, to locate bad samples
@@ -130,9 +132,18 @@ class Runner(BadSampleSearch):
         return pipe
 
     def _pipeline(self):
-        if self._pipe is None:
-            self._pipe = self._build()
-        return self._pipe
+        pipe = self._pipe
+        if pipe is None:
+            with self._build_lock:  # a warm-up thread may be building it right now
+                if self._pipe is None:
+                    self._pipe = self._build()
+                pipe = self._pipe
+        return pipe
+
+    def prepare(self) -> None:
+        """Build the pipeline now (DALI starts its threads, which inherit the calling thread's
+        priority and CUDA device), so the first batch does not wait for it."""
+        self._pipeline()
 
     def _after_fork_in_child(self) -> None:
         """In a forked child the pipeline's threads do not exist: shutting it down (DALI's own
@@ -140,6 +151,7 @@ class Runner(BadSampleSearch):
         backend pipeline alive for good and out of DALI's registry; the child builds its own."""
         pipe, self._pipe = self._pipe, None
         self.ready_event = None
+        self._build_lock = threading.Lock()  # a warm-up thread may have held it at fork time
         if pipe is not None:
             _leak(pipe)
 
