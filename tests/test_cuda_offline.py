@@ -101,3 +101,14 @@ def test_dali_rejects_a_broken_cuda_graph_offline(build, error):
 def test_parse_rejects_garbage():
     with pytest.raises(ValueError):
         offline.parse_pipeline_def(b"\x08")  # a varint key with no value
+
+
+def test_a_cuda_runner_without_a_device_says_so_before_dali_does():
+    """Offline validation defines CUDA graphs without a device; running one needs a device id,
+    and says so (DALI's own refusal, at run time, read as a pipeline failing on every image)."""
+    from fastload import vision
+
+    runner = vision.train(32).runner(device="cuda", batch_size=2, device_id=None)
+    with pytest.raises(ValueError, match="needs device_id="):
+        runner.prepare()
+    runner.close()

@@ -123,6 +123,9 @@ class Runner(BadSampleSearch):
         return self.batch_size if whole else min(self.batch_size, CPU_RUN)
 
     def _build(self):
+        if self.device == "cuda" and self.device_id is None:  # only offline validation defines such a graph
+            raise ValueError("a CUDA runner needs device_id= (the GPU to run on) to build its pipeline; "
+                             "fastload.pipeline.offline validates a CUDA graph without one")
         pipe = self._define()
         # DALI shuts its pipelines down in an atexit hook; ours (registered after DALI's
         # import, so it runs first) closes live Loaders before that, while DALI still runs.
