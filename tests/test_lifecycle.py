@@ -272,3 +272,24 @@ def test_python_writes_to_stderr_pass_through_a_decoder_capture(capfd):
     print("after", file=sys.stderr)
     os.write(2, b"native after\n")
     assert capfd.readouterr().err == "after\nnative after\n"
+
+
+def test_native_stderr_is_never_held_back_for_a_dataset_dali_checked_at_convert(tmp_path, capfd):
+    """A converted dataset's images were all decoded by DALI at convert time: its batches run
+    without redirecting descriptor 2, so what native code writes there during an epoch (a
+    crash dump, a library warning) reaches the terminal at once."""
+    src = tmp_path / "src"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(24):
+            (src / c / f"{i}.jpg").write_bytes(_jpeg(i))
+    fastload.convert("imagefolder", src, tmp_path / "ds", progress=False, workers=0)
+    capfd.readouterr()
+    with fastload.Loader(tmp_path / "ds", batch_size=4, device="cpu",
+                         transforms={"image": fastload.vision.train(32)}) as loader:
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            for k, _ in enumerate(loader):  # the feeders decode ahead meanwhile, in their threads
+                os.write(2, f"native line {epoch}.{k}\n".encode())
+    err = capfd.readouterr().err
+    assert all(f"native line {e}.{k}\n" in err for e in range(2) for k in range(12)), err[-2000:]

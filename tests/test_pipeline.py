@@ -189,7 +189,7 @@ def test_a_broken_pipeline_is_not_blamed_on_valid_images(images, monkeypatch):
         assert e.value.positions == [0, 1, 2]
         # the pipeline itself fails (a DALI API misuse, an executor error): a RuntimeError
         # saying so, not BadSamples naming every valid image
-        def broken(encoded, params):
+        def broken(encoded, params, capture=True):
             raise RuntimeError("Assert on \"exec_dynamic\" failed: this call needs the dynamic executor")
 
         monkeypatch.setattr(r, "_run_once", broken)

@@ -22,6 +22,7 @@ rather than at every bisection step.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -180,7 +181,7 @@ class Runner(BadSampleSearch):
                 shutdown()
 
     # -- one batch ---------------------------------------------------------------------------
-    def _run_once(self, encoded: list, params: dict[str, np.ndarray]):
+    def _run_once(self, encoded: list, params: dict[str, np.ndarray], capture: bool = True):
         pipe = self._pipeline()
         pipe.feed_input("encoded", encoded)
         for n, a in params.items():
@@ -189,14 +190,18 @@ class Runner(BadSampleSearch):
         # buffers are reference-counted, so _deliver hands them over without a copy. On CUDA
         # (the legacy executor) the output stays on the device and _deliver copies it out on
         # the copy stream; DALI's stream waits for that copy before a run overwrites the buffer.
-        with decoder_output_captured():  # the decoders' own [ERROR] lines: reported by fastload instead
+        # The decoders' own [ERROR] lines are reported by fastload instead (quiet.py). Not for
+        # the batches of a dataset every image of which DALI decoded at convert time (there a
+        # failure means a changed shard, which verification catches first): descriptor 2 then
+        # stays the terminal's for the whole epoch, so no other native message is held back.
+        with decoder_output_captured() if capture else contextlib.nullcontext():
             out, = pipe.run()
         return out
 
-    def _try(self, encoded, params):
+    def _try(self, encoded, params, capture: bool = True):
         seen, _ = messages_since(0)
         try:
-            return self._run_once(encoded, params), None
+            return self._run_once(encoded, params, capture), None
         except Exception as e:  # DALI raises RuntimeError/IndexError; the pipeline is dead
             reason = _reason(e)  # keep the text, not the traceback (it holds the pipeline)
             _, said = messages_since(seen)  # what the decoder printed (kept off the terminal)
@@ -224,7 +229,7 @@ class Runner(BadSampleSearch):
         params = self.transform.params(self.seed, epoch, indices, widths, heights)
         if n > self._pipeline_batch():
             return self._run_chunked(encoded, params, n, out)
-        res, err = self._try(encoded, params)
+        res, err = self._try(encoded, params, capture=not self.whole_batches)
         if err is not None:
             self._raise_bad(self._locate_bad(encoded, params, err), n, err)
         return self._deliver(res, n, out)
