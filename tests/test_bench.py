@@ -198,6 +198,56 @@ def test_report_timing_rows_and_tables():
     assert report.system_info(m).startswith(f"{m['cpu']}, {m['cores']} cores")
 
 
+def test_spreads_paired_ratios_and_tables_show_median_min_max(monkeypatch, tmp_path):
+    import statistics
+
+    from fastload.bench import report
+
+    sp = report.Spread.of([3.0, 1.0, 2.0])
+    assert (sp.median, sp.lo, sp.hi, sp.n) == (2.0, 1.0, 3.0, 3)
+    assert sp.rate(6) == report.Spread(3.0, 2.0, 6.0, 3)  # the slowest repeat is the lowest rate
+    assert sp.fmt(".1f", " s") == "2.0 s (1.0–3.0 s)" and report.Spread.of([2.0]).fmt(".1f") == "2.0"
+    with pytest.raises(ValueError, match="lo <= median <= hi"):
+        report.Spread(1.0, 2.0, 3.0)
+    # a ratio between interleaved systems: the spread of the per-round ratios, around the medians' ratio
+    a, b = [1.0, 4.0, 2.0, 8.0, 3.0], [2.0, 3.0, 3.0, 5.0, 1.0]
+    pr = report.paired_ratios(a, b)
+    assert pr.lo == 0.5 and pr.hi == 3.0 and pr.lo <= statistics.median(a) / statistics.median(b) <= pr.hi
+    with pytest.raises(ValueError, match="equally long"):
+        report.paired_ratios([1.0], [1.0, 2.0])
+    calls = []
+    times = report.interleaved_times({"x": lambda: calls.append("x"), "y": lambda: calls.append("y")},
+                                     repeats=3, warmup=2)
+    assert calls == ["x", "y"] * 5 and [len(v) for v in times.values()] == [3, 3]
+    # rows keep each round's rate: the table shows median (min-max) and paired ratios
+    ours = report.Measurement.from_times("ours", 100, 10**6, [1.0, 2.0, 0.5], "ours", group="run")
+    lim = report.Measurement.from_times("memcpy", 100, 10**6, [0.5, 1.0, 0.5], "limit", group="run")
+    dl = report.Measurement.from_times("dl", 100, 10**6, [4.0, 4.0, 5.0], "dataloader")  # another run
+    assert ours.seconds == 1.0 and ours.round_rates == [100.0, 50.0, 200.0]
+    assert ours.rate_spread == report.Spread(100.0, 50.0, 200.0, 3)
+    assert ours.paired(lim) == report.Spread(0.5, 0.5, 1.0, 3) and ours.paired(dl) is None
+    lines = report.format_table([ours, lim, dl], rate="MB/s").splitlines()
+    assert lines[2].split() == ["ours", "100", "(50–200)", "1.0", "4.00x", "50%", "(50–100%)"]
+    assert lines[3].split() == ["memcpy", "200", "(100–200)", "2.0", "8.00x", "100%"]
+    assert lines[4].split() == ["dl", "25", "(20–25)", "0.2", "1.00x", "12%"]
+    assert report.Measurement.from_dict(ours.as_dict()) == ours
+    old = {k: v for k, v in ours.as_dict().items() if k not in ("round_rates", "group", "first_batch_range")}
+    assert report.Measurement.from_dict(old).rate_spread.n == 1  # JSON written before spreads: still read
+    # headlines carry the spreads, the paired ratios and the cold first batches into the README table
+    monkeypatch.setenv(report.RESULTS_ENV, str(tmp_path / "h.jsonl"))
+    rec = report.headline("w", script="bench_x.py", unit="img/s", ours=("L", ours.rate_spread),
+                          baseline=("DL", 25.0), limit=("DALI", lim.rate_spread), vs_limit=ours.paired(lim),
+                          first_batch={"L": report.Spread(0.4, 0.3, 0.5, 3), "DL": 0.6}, note="n")
+    assert rec["ours"] == ["L", 100.0] and rec["ours_range"] == [50.0, 200.0] and "baseline_range" not in rec
+    assert rec["vs_limit_range"] == [0.5, 1.0] and rec["first_batch_s"] == {"L": [0.4, 0.3, 0.5], "DL": [0.6]}
+    assert json.loads((tmp_path / "h.jsonl").read_text()) == rec
+    assert report.markdown_table([rec]).splitlines()[2] == (
+        "| w (`python bench/bench_x.py`) | L: 100 (50–200) img/s (n; first batch (cold): L 0.40 (0.30–0.50) s, "
+        "DL 0.60 s) | DL: 25.00 img/s | DALI: 200 (100–200) img/s | 4.00x | 50% (50–100%) |")
+    with pytest.raises(ValueError, match="first_batch"):
+        report.headline("w", script="x", unit="u", ours=("L", 1.0), first_batch={"L": 0.0})
+
+
 def test_bench_scripts_smoke(tmp_path):
     """Every bench/ script at a tiny size, through the one entry point, so none can rot; each
     records a headline (fastload beside its baseline/limit) and the results table is made
@@ -237,7 +287,7 @@ def test_readme_table_is_replaced_between_markers(tmp_path):
     run_all.update_readme([rec], table, ["open"], readme=readme)
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\nbefore\n") and text.endswith("after\n")
-    assert "| w (`python bench/bench_open.py`) | a: 2.00 ms | b: 10.00 ms | – | 5.0x | – |" in text
+    assert "| w (`python bench/bench_open.py`) | a: 2.00 ms | b: 10.00 ms | – | 5.00x | – |" in text
     assert "--readme --only open" in text and "on: m." in text
     readme.write_text("no markers")
     with pytest.raises(SystemExit, match="expected one"):
