@@ -10,6 +10,8 @@ spread, from repeats run round-robin.
   ratio between two interleaved systems is worth on a machine whose speed drifts (the ratio
   of the medians always lies inside it);
 * ``interleaved_medians`` / ``median_seconds``: the medians alone (older callers);
+* ``interleaved_cold_starts({name: start})``: the time each system takes from nothing to
+  its first batch (``start()`` builds it and returns its first batch's closer), round-robin;
 * ``wait_until_idle()``: block until this process's threads stop using the CPU (a pipeline
   that runs ahead, like DALI's asynchronous executor, finishes its work inside the timing of
   the system that started it rather than in the next system's).
@@ -24,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Spread", "interleaved_medians", "interleaved_spreads", "interleaved_times", "median_seconds",
+__all__ = ["Spread", "interleaved_cold_starts", "interleaved_medians", "interleaved_spreads", "interleaved_times", "median_seconds",
            "paired_ratios", "seconds_spread", "wait_until_idle"]
 
 
@@ -104,6 +106,26 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int = 
     """The median seconds of :func:`interleaved_times` (use :func:`interleaved_spreads` or the
     times themselves to report the spread too)."""
     return {k: s.median for k, s in interleaved_spreads(fns, repeats=repeats, warmup=warmup).items()}
+
+
+def interleaved_cold_starts(starts: dict[str, Callable[[], Callable[[], object]]], *, repeats: int = 3,
+                            warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds from nothing to the first batch of each system, round-robin like
+    :func:`interleaved_times`: ``start()`` builds the system (pipeline build, worker start-up)
+    and takes its first batch, then returns a function that shuts it down, which runs
+    untimed. The warm-up rounds pay for what a process does once (imports, JIT), not for
+    each loader."""
+    _check_repeats(repeats, warmup)
+    times: dict[str, list[float]] = {k: [] for k in starts}
+    for r in range(warmup + repeats):
+        for k, start in starts.items():
+            t0 = time.perf_counter()
+            close = start()
+            dt = time.perf_counter() - t0
+            close()
+            if r >= warmup:
+                times[k].append(dt)
+    return times
 
 
 def seconds_spread(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 1) -> Spread:
