@@ -69,6 +69,48 @@ def test_bench_raw_fields_without_compare(tmp_path):
     assert r["results"][0]["nbytes"] == 3000 * (784 * 4 + 8 + 8)
 
 
+def test_bench_step_trains_a_real_model_beside_each_loader(tmp_path):
+    """--step mlp: every system's batches go through a real forward + backward + SGD step (the
+    warm-up batches' too), counted in the JSON; the text report says so."""
+    with fastload.ShardWriter(tmp_path / "ds", {"x": "float32[784]", "label": "int64"}, label="label") as w:
+        w.write_batch({"x": np.random.default_rng(0).random((1200, 784), np.float32), "label": np.arange(1200) % 10})
+    p = run("-m", "fastload", "bench", tmp_path / "ds", "--batch-size", "100", "--step", "mlp", "--compare", "torch",
+            "--workers", "0", "--warmup", "2", "--json", tmp_path / "r.json", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert "training step: mlp (14 forward + backward + SGD steps, real)" in p.stdout
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["settings"]["step"] == "mlp" and r["settings"]["step_ms"] == 0
+    assert [(x["system"], x["extra"]["steps"]) for x in r["results"]] == [("fastload Loader", 14),
+                                                                         ("DataLoader num_workers=0", 14)]
+    p = run("-m", "fastload", "bench", tmp_path / "ds", "--step", "cnn")
+    assert p.returncode == 1 and "--step cnn trains a CNN on images" in p.stderr and "no image field" in p.stderr
+    p = run("-m", "fastload", "bench", tmp_path / "ds", "--step", "mlp", "--step-ms", "3")
+    assert p.returncode == 1 and "--step mlp and --step-ms 3: choose one" in p.stderr
+
+
+def test_model_step_is_a_real_sgd_step_on_the_batch():
+    import torch
+
+    from fastload.bench.models import ModelStep
+
+    step = ModelStep("mlp", classes=10)
+    batch = {"x": torch.rand(8, 784), "label": torch.arange(8) + 20, "index": torch.arange(8)}
+    step(batch)
+    w0 = step.model[0].weight.detach().clone()
+    assert step.model[0].in_features == 784 and step.model[2].out_features == 10
+    step(batch)
+    assert step.calls == 2 and not torch.equal(w0, step.model[0].weight)  # the weights moved
+    cnn = ModelStep("cnn", classes=3, image_key="img")
+    cnn({"img": torch.rand(2, 3, 32, 32), "label": torch.tensor([0, 2])})
+    assert cnn.calls == 1 and cnn.model[-1].out_features == 3
+    with pytest.raises(ValueError, match="float32 CHW images"):
+        cnn({"img": torch.zeros(2, 32, 32, 3, dtype=torch.uint8)})
+    with pytest.raises(ValueError, match="floating-point field"):
+        ModelStep("mlp")({"label": torch.arange(4)})
+    with pytest.raises(ValueError, match="step='rnn' must be one of mlp, cnn"):
+        ModelStep("rnn")
+
+
 def test_bench_bad_arguments(image_ds, tmp_path):
     p = run("-m", "fastload", "bench", image_ds, "--batch-size", "0")
     assert p.returncode == 1 and "--batch-size=0" in p.stderr
@@ -100,7 +142,9 @@ def test_bench_options_name_the_bad_value_and_the_allowed_ones():
                     ({"compare": "dali"}, "--compare='dali' must be one of torch"),
                     ({"workers": ()}, "--workers names no num_workers value"),
                     ({"workers": (0, -2)}, "--workers=-2 must be an int >= 0"),
-                    ({"step_ms": float("nan")}, "--step-ms=nan must be a number >= 0")]:
+                    ({"step_ms": float("nan")}, "--step-ms=nan must be a number >= 0"),
+                    ({"step": "rnn"}, "--step='rnn' must be one of mlp, cnn"),
+                    ({"step": "mlp", "step_ms": 2.0}, "--step mlp and --step-ms 2: choose one")]:
         with pytest.raises(UsageError) as e:
             BenchOptions(**kw)
         assert str(e.value) == msg or str(e.value).startswith(msg), (kw, str(e.value))

@@ -127,8 +127,8 @@ def _ratio(x: float) -> str:
     return f"{x:,.0f}x" if x >= 100 else f"{x:.2f}x"
 
 
-def _with_range(main: str, sp: Spread | None, fmt: Callable[[float], str]) -> str:
-    return main if sp is None or sp.n < 2 else f"{main} ({fmt(sp.lo)}–{fmt(sp.hi)})"
+def _with_range(main: str, sp: Spread | None, fmt: Callable[[float], str], unit: str = "") -> str:
+    return main if sp is None or sp.n < 2 else f"{main} ({fmt(sp.lo)}–{fmt(sp.hi)}{unit})"
 
 
 def _rate_cell(r: Measurement) -> str:
@@ -161,7 +161,7 @@ def format_table(rows: Sequence[Measurement], *, rate: str = "MB/s") -> str:
         if best_dl is None or not best_dl.samples_per_s:
             return "-"
         return _with_range(_ratio(r.samples_per_s / best_dl.samples_per_s),
-                           None if r is best_dl else r.paired(best_dl), _ratio)
+                           None if r is best_dl else r.paired(best_dl), lambda x: _ratio(x)[:-1], "x")
 
     def vs_lim(r: Measurement) -> str:
         if best_lim is None or not best_lim.samples_per_s:
