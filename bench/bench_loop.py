@@ -300,7 +300,7 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def summarize(results: dict, images: int, smoke: bool) -> None:
+def summarize(results: dict, rows_n: int, images: int, smoke: bool) -> None:
     print("\n## Summary (epoch time as a multiple of the limit, median (min–max) of the per-round ratios; "
           "lower is better)")
     default = max(th for _, th in results)
@@ -337,7 +337,7 @@ def summarize(results: dict, images: int, smoke: bool) -> None:
                      f"{b['c_decode']:.2f} s over {b['cores']} cores: waits >= {100 * b['min_wait']:.0f}% at the bound)")
         print(line)
         note += f"; {best_dl.system} waits {100 * best_dl.wait_fraction:.0f}%"
-        what = ("MLP 784-256-10 on 60,000 MNIST-like rows, batch 300" if case == "mlp"
+        what = (f"MLP 784-256-10 on {rows_n:,} MNIST-like rows, batch 300" if case == "mlp"
                 else f"small CNN on {images:,} photos, RandomResizedCrop 224, batch 32")
         first = {k: r.first_batch_s for k, r in (("Loader", ours), (best_dl.system, best_dl))
                  if r.first_batch_s and r.first_batch_s > 0}
@@ -374,7 +374,7 @@ def main(argv=None) -> int:
     finally:
         torch.set_num_threads(default_threads)
         shutil.rmtree(tmp, ignore_errors=True)
-    summarize(results, images, a.smoke)
+    summarize(results, rows_n, images, a.smoke)
     return 0
 
 

@@ -83,7 +83,7 @@ def _scale(x: float) -> tuple[float, str, str]:
         return 1.0, ",.0f", ""
     if x >= 1:
         return 1.0, ".2f", ""
-    return 1.0, ".3g", ""
+    return 1.0, f".{2 - math.floor(math.log10(x))}f", ""  # 3 significant digits, the range as many decimals
 
 
 def _fmt_value(x: float, unit: str, rng: list[float] | None = None) -> str:

@@ -32,11 +32,11 @@ from dataclasses import asdict, dataclass, field
 
 from .headlines import RESULTS_ENV, headline, markdown_table, ratio_vs
 from .machine import machine_info, system_info
-from .timing import (Spread, interleaved_cold_starts, interleaved_medians, interleaved_spreads, interleaved_times, median_seconds,
-                     paired_ratios, seconds_spread, wait_until_idle)
+from .timing import (Spread, interleaved_cold_starts, interleaved_medians, interleaved_spreads, interleaved_times,
+                     median_seconds, paired_ratios, seconds_spread, wait_until_idle)
 
-__all__ = ["KINDS", "RESULTS_ENV", "Measurement", "Spread", "format_table", "headline", "interleaved_cold_starts", "interleaved_medians",
-           "interleaved_spreads", "interleaved_times", "machine_info", "markdown_table", "median_seconds",
+__all__ = ["KINDS", "RESULTS_ENV", "Measurement", "Spread", "format_table", "headline", "interleaved_cold_starts",
+           "interleaved_medians", "interleaved_spreads", "interleaved_times", "machine_info", "markdown_table", "median_seconds",
            "paired_ratios", "plot", "print_table", "ratio_vs", "seconds_spread", "system_info",
            "wait_until_idle"]
 

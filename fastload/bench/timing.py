@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Spread", "interleaved_cold_starts", "interleaved_medians", "interleaved_spreads", "interleaved_times", "median_seconds",
-           "paired_ratios", "seconds_spread", "wait_until_idle"]
+__all__ = ["Spread", "interleaved_cold_starts", "interleaved_medians", "interleaved_spreads", "interleaved_times",
+           "median_seconds", "paired_ratios", "seconds_spread", "wait_until_idle"]
 
 
 def _check_repeats(repeats: int, warmup: int) -> None:
