@@ -66,6 +66,10 @@ def test_bench_raw_fields_without_compare(tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert [x["system"] for x in r["results"]] == ["fastload Loader", "memcpy of the same bytes"]
     assert r["results"][0]["samples"] == 2 * 1500  # rank 0 of 2, two epochs
+    rates = r["results"][0]["round_rates"]  # each epoch's samples/s: the figure's spread
+    assert len(rates) == 2 and min(rates) <= r["results"][0]["samples_per_s"] <= max(rates)
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("fastload Loader"))
+    assert f"({min(rates):,.0f}–{max(rates):,.0f})" in line
     assert r["results"][0]["nbytes"] == 3000 * (784 * 4 + 8 + 8)
 
 
@@ -311,6 +315,16 @@ def test_bench_scripts_smoke(tmp_path):
         for pair in (r["baseline"], r["limit"]):
             assert pair is None or pair[1] > 0, r
         assert r["ours"][1] > 0 or r["lower_is_better"], r
+    # the cold first batch of fastload beside the DataLoader's (and DALI alone's), the CNN's CPU bound
+    jpeg = next(r for r in records if r["script"] == "bench_jpeg.py")
+    assert {"Loader", "DALI alone"} <= set(jpeg["first_batch_s"]) and any(
+        k.startswith("DataLoader") for k in jpeg["first_batch_s"]), jpeg
+    assert "FFCV" in jpeg["note"] and jpeg["limit"][0] == "DALI alone from files"
+    loops = [r for r in records if r["script"] == "bench_loop.py"]
+    assert len(loops) in (2, 4) and all("Loader" in r["first_batch_s"] for r in loops)  # 1 or 2 torch settings
+    assert sum("the CPU bound" in r["note"] for r in loops) == len(loops) // 2  # the CNN's
+    tensor = [r for r in records if r["script"] == "bench_tensor.py"]
+    assert all("Ring alone with the Loader's settings" in r["note"] for r in tensor)
     table = md.read_text().strip().splitlines()
     assert table[0].startswith("| workload") and len(table) == 2 + len(records)
     for r, line in zip(records, table[2:]):

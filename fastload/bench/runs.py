@@ -179,6 +179,8 @@ def run_fastload(path, o) -> Measurement:
             for e in range(o.epochs):
                 loader.set_epoch(e)
                 n, nb, sec, w = _timed_loop(loader, step, o.max_batches, bar)
+                if sec > 0:
+                    res.round_rates.append(n / sec)  # each epoch's rate: the row's spread
                 s = loader.stats()
                 for k in stages:
                     stages[k] += s["stages"][k]
@@ -240,6 +242,8 @@ def run_torch(path, o, workers: int, device=None) -> Measurement:
                 n, nb, sec, w = _timed_loop(it, step, o.max_batches, bar, to_device if cuda else None)
             finally:
                 del it
+            if sec > 0:
+                res.round_rates.append(n / sec)
             res.samples += n
             res.nbytes += nb
             res.seconds += sec
