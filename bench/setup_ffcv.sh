@@ -19,4 +19,4 @@ base="$("$py" -c 'import sys; print(sys.base_prefix)')/bin/python3"
 "$base" -m venv "$venv"
 "$venv/bin/pip" install -q numpy pillow "torch${torch_version:+==$torch_version}"
 "$venv/bin/pip" install -q "ffcv==1.0.2"
-"$venv/bin/python" -c 'import ffcv; print("FFCV", ffcv.__version__, "in", __import__("sys").prefix)'
+"$venv/bin/python" -c "import sys, ffcv; from importlib.metadata import version; print(\"FFCV\", version(\"ffcv\"), \"in\", sys.prefix)"
