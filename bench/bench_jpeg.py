@@ -292,6 +292,7 @@ def main(argv=None) -> list:
                 got = ffcv.ask("epoch")["samples"]
                 if got != n:
                     raise RuntimeError(f"FFCV delivered {got} samples, expected {n}")
+                wait_until_idle()  # as every other row's epoch ends (this process is idle already)
             fns[FFCV_ROW] = ffcv_epoch
         times = interleaved_times(fns, repeats=a.repeats, warmup=1)  # the resized row too: same conditions
         small_t = times.pop(RESIZED)
