@@ -267,6 +267,17 @@ def test_spreads_paired_ratios_and_tables_show_median_min_max(monkeypatch, tmp_p
     times = report.interleaved_times({"x": lambda: calls.append("x"), "y": lambda: calls.append("y")},
                                      repeats=3, warmup=2)
     assert calls == ["x", "y"] * 5 and [len(v) for v in times.values()] == [3, 3]
+    # cold starts: each system built and its first batch taken round-robin; its closer runs untimed
+    log = []
+
+    def start(name):
+        def s():
+            log.append(f"start {name}")
+            return lambda: log.append(f"close {name}")
+        return s
+
+    cold = report.interleaved_cold_starts({"a": start("a"), "b": start("b")}, repeats=2, warmup=1)
+    assert log == ["start a", "close a", "start b", "close b"] * 3 and [len(v) for v in cold.values()] == [2, 2]
     # rows keep each round's rate: the table shows median (min-max) and paired ratios
     ours = report.Measurement.from_times("ours", 100, 10**6, [1.0, 2.0, 0.5], "ours", group="run")
     lim = report.Measurement.from_times("memcpy", 100, 10**6, [0.5, 1.0, 0.5], "limit", group="run")
