@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
                  script="bench_cow.py", unit="MB", lower_is_better=True, smoke=a.smoke,
                  ours=("fastload.Dataset in DataLoader", round(ours["uss_growth_mb"], 1)),
                  baseline=("Python list of paths", base["uss_growth_mb"]) if base["uss_growth_mb"] > 0 else None,
-                 note=f"fastload Loader (no workers): {loader['uss_growth_mb']:+.1f} MB")
+                 note=f"one run (memory, not time); fastload Loader (no workers): {loader['uss_growth_mb']:+.1f} MB")
         return results
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastload.bench.report import headline, median_seconds, system_info
+from fastload.bench.report import Spread, headline, interleaved_times, paired_ratios, system_info
 
 
 def main(argv=None) -> dict:
@@ -33,22 +33,25 @@ def main(argv=None) -> dict:
         with fastload.ShardWriter(tmp / "ds", {"x": "float32[16]", "label": "int64"}, label="label",
                                   shard_size="16MB") as w:
             w.write_batch({"x": np.zeros((n, 16), np.float32), "label": np.arange(n) % 10})
-        rows = {
-            "fastload.Dataset(path)": median_seconds(lambda: fastload.Dataset(tmp / "ds"), repeats=a.repeats),
-            "open + one sample": median_seconds(lambda: fastload.Dataset(tmp / "ds")[n // 2], repeats=a.repeats),
-            "Python list of (path, label)": median_seconds(
-                lambda: [(f"{i:08d}.bin", i % 10) for i in range(n)], repeats=a.repeats),
-        }
+        times = interleaved_times({
+            "fastload.Dataset(path)": lambda: fastload.Dataset(tmp / "ds"),
+            "open + one sample": lambda: fastload.Dataset(tmp / "ds")[n // 2],
+            "Python list of (path, label)": lambda: [(f"{i:08d}.bin", i % 10) for i in range(n)],
+        }, repeats=a.repeats)
+        rows = {k: Spread.of(v).median for k, v in times.items()}
+        ms = {k: Spread.of(v).scale(1e3) for k, v in times.items()}
         base = rows["Python list of (path, label)"]
         shards = fastload.Dataset(tmp / "ds").num_shards
         print(f"open a {n:,}-sample dataset ({shards} shards); {system_info()}")
-        print(f"{'system':32s} {'ms':>9s}  vs per-sample list")
+        print(f"{'system':32s} {'ms: median (min–max)':>24s}  vs per-sample list")
         for k, t in rows.items():
-            print(f"{k:32s} {t * 1e3:9.2f}  {base / t:.1f}x")
+            print(f"{k:32s} {ms[k].fmt('.2f'):>24s}  {base / t:.1f}x")
+        ours_t, base_t = times["fastload.Dataset(path)"], times["Python list of (path, label)"]
         headline(f"open a {n:,}-sample dataset", script="bench_open.py", unit="ms", lower_is_better=True,
-                 smoke=a.smoke, ours=("Dataset(path)", 1e3 * rows["fastload.Dataset(path)"]),
-                 baseline=("Python list of (path, label)", 1e3 * base),
-                 note=f"open + read one sample {1e3 * rows['open + one sample']:.2f} ms")
+                 smoke=a.smoke, ours=("Dataset(path)", ms["fastload.Dataset(path)"]),
+                 baseline=("Python list of (path, label)", ms["Python list of (path, label)"]),
+                 vs_baseline=paired_ratios(base_t, ours_t) if len(ours_t) > 1 else None,
+                 note=f"open + read one sample {ms['open + one sample'].fmt('.2f')} ms")
         return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -217,7 +217,7 @@ def main(argv=None) -> dict:
                      smoke=a.smoke, ours=("Loader(s3://...)", r["steady"]),
                      baseline=("same data on local disk", local["steady"]),
                      limit=("training step alone", limit_rate),
-                     note=f"first batch {r['first_s']:.2f} s (one shard + 2 RTT: "
+                     note=f"one run, no spread; first batch {r['first_s']:.2f} s (one shard + 2 RTT: "
                           f"{r['one_shard_s'] + 2 * r['rtt_s']:.2f} s)")
         return results
     finally:

@@ -13,7 +13,8 @@ import argparse
 
 import numpy as np
 
-from fastload.bench.report import Measurement, headline, interleaved_medians, print_table, system_info
+from fastload.bench.report import (Measurement, Spread, headline, interleaved_times, paired_ratios, print_table,
+                                   system_info)
 
 
 class _Sized:
@@ -78,20 +79,27 @@ def main(argv=None) -> list:
             for _ in BatchSampler(WeightedRandomSampler(wt, n // w), b, drop_last=False):
                 pass
         fns["WeightedRandomSampler (n/W draws)"] = torch_weighted
-    t = interleaved_medians(fns, repeats=a.repeats)
+    times = interleaved_times(fns, repeats=a.repeats)
+    t = {k: Spread.of(v).median for k, v in times.items()}
     per_rank = -(-n // w)
     kinds = {"shuffle alone (C++ permutation of N)": "limit", "DistributedSampler + BatchSampler": "dataloader"}
-    rows = [Measurement(k, per_rank, per_rank * 8, v, kinds.get(k, "ours" if k.startswith("fastload") else "other"))
-            for k, v in t.items()]
+    rows = [Measurement.from_times(k, per_rank, per_rank * 8, v,
+                                   kinds.get(k, "ours" if k.startswith("fastload") else "other"), group="epoch")
+            for k, v in times.items()]
     for r in rows:
-        r.note = f"{r.seconds * 1e3:.0f} ms per epoch"
+        r.note = f"{Spread.of(times[r.system]).scale(1e3).fmt('.0f')} ms per epoch"
+    ms = {k: Spread.of(v).scale(1e3) for k, v in times.items()}
+    ours_t, base_t, lim_t = (times[k] for k in ("fastload Sampler", "DistributedSampler + BatchSampler",
+                                                "shuffle alone (C++ permutation of N)"))
     print(f"one rank's epoch of {n:,} samples, world size {w}, batch {b}; {system_info()}")
     print_table("sampler: one rank's epoch", rows)
     headline(f"sampler, one rank's epoch of {n:,} samples, world {w}, batch {b}", script="bench_sampler.py",
              unit="ms", lower_is_better=True, smoke=a.smoke,
-             ours=("Sampler", 1e3 * t["fastload Sampler"]),
-             baseline=("DistributedSampler + BatchSampler", 1e3 * t["DistributedSampler + BatchSampler"]),
-             limit=("shuffle alone (C++ permutation of N)", 1e3 * t["shuffle alone (C++ permutation of N)"]),
+             ours=("Sampler", ms["fastload Sampler"]),
+             baseline=("DistributedSampler + BatchSampler", ms["DistributedSampler + BatchSampler"]),
+             limit=("shuffle alone (C++ permutation of N)", ms["shuffle alone (C++ permutation of N)"]),
+             vs_baseline=paired_ratios(base_t, ours_t) if len(ours_t) > 1 else None,
+             vs_limit=paired_ratios(lim_t, ours_t) if len(ours_t) > 1 else None,
              note=f"weighted: {1e3 * t['fastload Sampler, weighted']:,.0f} ms; numpy permutation of N: "
                   f"{1e3 * t['numpy Generator.permutation of N']:,.0f} ms")
     return rows

@@ -1,35 +1,48 @@
-"""Raw-tensor gather benchmark: the fastload ring vs torch DataLoader vs the memory limit.
+"""Raw-tensor gather benchmark: the fastload Loader and ring vs torch DataLoader vs the memory limit.
 
-    .venv/bin/python bench/bench_tensor.py            # full run (about a minute on 2 cores)
+    .venv/bin/python bench/bench_tensor.py            # full run (about two minutes on 2 cores)
     .venv/bin/python bench/bench_tensor.py --smoke    # tiny sizes, one repeat (seconds)
     .venv/bin/python bench/bench_tensor.py --sweep    # threads x slots grid (sets defaults)
 
-Cases (all shuffled; each number is a median over several repeats after a warm-up):
-  * MNIST: 60,000 x 784 float32 + int64 labels, batch 300. The fastload Ring is fed the
-    batches of a fresh random permutation each epoch (the whole epoch with submit_many(), or
-    batch by batch with submit() keeping 8 in flight), sources in one shard and in 8 shards;
-    torch DataLoader over a TensorDataset (batch_size=300, shuffle=True) with num_workers 0
-    and 2; limits: a numpy take of the same rows into a preallocated batch, and memcpy of the
-    same bytes as whole contiguous batches (the "limit" column).
-  * Large samples: 2,000 x 3x224x224 uint8 + int64 labels, batch 64 (DataLoader cut short).
+Cases (all shuffled; each figure is the median (min–max) of several repeats after a warm-up):
+  * MNIST: 60,000 x 784 float32 + int64 labels, batch 300. Rows:
+    - the whole ``fastload.Loader`` (sampler, epoch plan, ring, batch dicts, the index);
+    - "Ring, the Loader's settings": the ring alone with the Loader's thread count, nice value,
+      slots and index field, its epoch plan (permutation + locate) drawn inside the timing as
+      the Loader's is: the like-for-like comparison, whose gap to the Loader is the Loader's
+      own per-batch bookkeeping;
+    - the ring with its own defaults (threads = the rank's cores, nice 0) fed pre-drawn plans
+      (index preparation not timed): the whole epoch with submit_many(), or batch by batch
+      with submit() keeping 8 in flight, sources in one shard and in 8 shards;
+    - torch DataLoader over a TensorDataset (batch_size=300, shuffled) with num_workers 0 and 2;
+    - numpy take of the same rows into a preallocated batch (a random gather, 1 thread);
+    - the limit: memcpy of the same bytes as whole contiguous batches into a ring's worth of
+      rotating batch-sized destinations (fresh slot memory, as the ring writes), with 1 thread
+      and with as many threads as the widest ring row; and, labelled, the old limit: memcpy
+      into one cache-hot batch, which flatters itself.
+  * Large samples: 2,000 x 3x224x224 uint8 + int64 labels, batch 64 (DataLoader epochs of 8
+    random batches).
   * Hand-off overhead: 1-row batches of one int64; microseconds per batch through the ring.
 
-The ring rows and the limit rows are measured round-robin (ring, ring, take, memcpy, ring,
-...) so their ratios hold on a machine whose memory bandwidth drifts (cloud VMs). DataLoader
-rows are measured on their own, with their worker processes shut down before anything else
-runs. Every ring epoch consumes its batches as torch tensors, exactly like a training loop.
+Every row of a case, DataLoader rows included, is measured round-robin (Loader, ring, ...,
+DataLoader, take, memcpy, Loader, ...) so ratios hold on a machine whose memory bandwidth
+drifts (cloud VMs); ratios carry the spread of the per-round ratios. The DataLoader's
+persistent workers are idle between their epochs (each epoch runs to its end). Every ring
+epoch consumes its batches as torch tensors, exactly like a training loop.
 """
 from __future__ import annotations
 
 import argparse
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-from fastload.bench.report import Measurement, headline, interleaved_medians, median_seconds, print_table, system_info
+from fastload.bench.report import Measurement, headline, interleaved_medians, interleaved_times, print_table, system_info
 from fastload.ring import Ring, default_slots, default_threads
+from fastload.system import loader_nice
 
 
 # ---------------------------------------------------------------------------- building blocks
@@ -95,45 +108,69 @@ def ring_epoch_window(ring: Ring, shard: np.ndarray, row: np.ndarray, window: in
     return rows
 
 
-def dataloader_row(x: np.ndarray, y: np.ndarray, batch: int, workers: int, repeats: int,
-                   max_batches: int | None) -> Measurement:
+def dataloader_epoch(x: np.ndarray, y: np.ndarray, batch: int, workers: int, max_batches: int | None):
+    """(one epoch of DataLoader(TensorDataset), rows per epoch, its DataLoader). With
+    ``max_batches`` the epoch is that many random batches, drawn by the sampler, so every epoch
+    runs to its end: no worker is left working on prefetched batches while the next system of
+    the round is timed; persistent workers are idle between epochs."""
     ds = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
-    dl = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers,
-                    persistent_workers=workers > 0)
-    count = {"rows": 0}
+    rows = len(x) if max_batches is None else min(len(x), max_batches * batch)
+    sampler = RandomSampler(ds, num_samples=rows)
+    dl = DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=workers, persistent_workers=workers > 0)
 
     def epoch() -> None:
-        rows = 0
-        for i, (bx, _by) in enumerate(dl):
-            rows += bx.shape[0]
-            if max_batches is not None and i + 1 >= max_batches:
-                break
-        count["rows"] = rows
+        seen = sum(bx.shape[0] for bx, _ in dl)
+        if seen != rows:
+            raise RuntimeError(f"DataLoader num_workers={workers}: {seen} rows, expected {rows}")
+    return epoch, rows, dl
 
-    try:
-        secs = median_seconds(epoch, repeats=repeats, warmup=1)
-    finally:
-        dl._iterator = None  # shut persistent workers down before anything else runs  # noqa: SLF001
-        del dl
-    rows = count["rows"]
-    note = "persistent workers" if workers else ""
-    if max_batches is not None and rows < len(x):
-        note = (note + ", " if note else "") + f"first {rows} samples per epoch"
-    per = x[0].nbytes + y[0].nbytes
-    return Measurement(f"DataLoader num_workers={workers}", rows, rows * per, secs,
-                       kind="dataloader", note=note)
+
+class Memcpy:
+    """The hardware limit of moving an epoch's bytes into fresh slot memory: whole contiguous
+    batches (the same bytes as the ring gathers, read sequentially) copied into ``slots``
+    rotating batch-sized destinations (a ring's worth, as the ring writes into its slots),
+    by ``threads`` threads (batch i by thread i % threads; numpy releases the GIL while it
+    copies). ``slots=1`` is the old, flattering limit: one destination reused every batch,
+    hot in the cache."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch: int, slots: int, threads: int = 1):
+        self.x, self.y, self.batch, self.threads = x, y, batch, threads
+        self.dst = [(np.empty((batch, *x.shape[1:]), x.dtype), np.empty(batch, y.dtype)) for _ in range(slots)]
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="memcpy") if threads > 1 else None
+
+    def _part(self, w: int) -> None:
+        x, y, b, dst = self.x, self.y, self.batch, self.dst
+        for i, s in enumerate(range(0, len(x), b)):
+            if i % self.threads != w:
+                continue
+            k = min(b, len(x) - s)
+            bx, by = dst[i % len(dst)]
+            np.copyto(bx[:k], x[s:s + k])
+            np.copyto(by[:k], y[s:s + k])
+
+    def __call__(self) -> None:
+        if self.pool is None:
+            self._part(0)
+        else:
+            for f in [self.pool.submit(self._part, w) for w in range(self.threads)]:
+                f.result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
 
 
 # ---------------------------------------------------------------------------- cases
 def case_tensor(title: str, n: int, shape, dtype, batch: int, repeats: int, dl_batches: int | None,
                 shards: int, threads=None, slots=None) -> list[Measurement]:
+    import shutil
+    import tempfile
+
+    import fastload
+
     x, y = make_arrays(n, shape, dtype)
     per = x[0].nbytes + y[0].nbytes
     fields = {"x": (x.dtype, x.shape[1:]), "y": (y.dtype, ())}
-    rows: list[Measurement] = []
-    for w in (0, 2):
-        rows.append(dataloader_row(x, y, batch, w, max(1, min(repeats, 3)), dl_batches))
-
     xs, ys = split_shards(x, shards), split_shards(y, shards)
     sizes_1 = np.array([n])
     sizes_k = np.array([len(a) for a in xs])
@@ -144,7 +181,7 @@ def case_tensor(title: str, n: int, shape, dtype, batch: int, repeats: int, dl_b
     perms = [np.random.default_rng(4 + i).permutation(n) for i in range(count)]
     bx = np.empty((batch, *x.shape[1:]), x.dtype)
     by = np.empty(batch, y.dtype)
-    state = {"take": 0}
+    state = {"take": 0, "plan": 0}
 
     def take_epoch() -> None:
         perm = perms[state["take"] % count]
@@ -155,22 +192,15 @@ def case_tensor(title: str, n: int, shape, dtype, batch: int, repeats: int, dl_b
             np.take(x, idx, axis=0, out=bx[:k])
             np.take(y, idx, axis=0, out=by[:k])
 
-    def memcpy_epoch() -> None:
-        for i in range(0, n, batch):
-            k = min(batch, n - i)
-            np.copyto(bx[:k], x[i : i + k])
-            np.copyto(by[:k], y[i : i + k])
-
     # The whole Loader (sampler, ring, batch dicts) over the same rows written as a dataset.
-    import shutil
-    import tempfile
-
-    import fastload
-
     tmp = tempfile.mkdtemp(prefix="fastload-bench-tensor-")
     with fastload.ShardWriter(f"{tmp}/ds", {"x": f"{x.dtype.name}{list(x.shape[1:])}", "y": "int64"}) as wr:
         wr.write_batch({"x": x, "y": y})
     loader = fastload.Loader(f"{tmp}/ds", batch_size=batch, seed=0, threads=threads)
+    for _ in loader:  # one epoch: the ring's size and threads as the Loader chose them
+        pass
+    ring_info = loader.stats()["ring"]
+    l_threads, l_slots, l_nice = ring_info["threads"], ring_info["slots"], loader_nice()
     epoch_no = {"e": 0}
 
     def loader_epoch() -> None:
@@ -179,38 +209,87 @@ def case_tensor(title: str, n: int, shape, dtype, batch: int, repeats: int, dl_b
         for _ in loader:
             pass
 
+    def like_loader_epoch(ring: Ring) -> None:
+        """The ring with the Loader's threads, nice, slots and index field, its epoch plan
+        (permutation + locate) drawn inside the timing, as the Loader's is."""
+        state["plan"] += 1
+        perm = np.random.default_rng(1000 + state["plan"]).permutation(n)
+        shard, row = locate(sizes_1, perm)
+        ring.submit_many(shard, row, index=perm)
+        rows = sum(b["y"].shape[0] for b in ring)
+        if rows != n:
+            raise RuntimeError(f"ring epoch delivered {rows} rows, expected {n}")
+
+    fns: dict = {}
+    dls = []
+    for w in (0, 2):
+        fn, dl_rows, dl = dataloader_epoch(x, y, batch, w, dl_batches)
+        fns[f"dl{w}"] = fn
+        dls.append(dl)
     kw = {"threads": threads, "slots": slots}
-    with Ring(fields, batch, {"x": [x], "y": [y]}, **kw) as r1, \
-            Ring(fields, batch, {"x": xs, "y": ys}, **kw) as rk, \
-            Ring(fields, batch, {"x": [x], "y": [y]}, **kw) as rw:
-        fns = {
-            "ring1": lambda: ring_epoch_many(r1, *plans_1.next()),
-            "ringk": lambda: ring_epoch_many(rk, *plans_k.next()),
-            "ringw": lambda: ring_epoch_window(rw, *plans_w.next()),
-            "take": take_epoch,
-            "memcpy": memcpy_epoch,
-            "loader": loader_epoch,
-        }
-        try:
-            secs = interleaved_medians(fns, repeats=repeats, warmup=1)
-        finally:
-            loader.close()
-            shutil.rmtree(tmp, ignore_errors=True)
-        cfg = f"threads={r1.threads} slots={r1.num_slots}"
-        grown = r1.stats()["grown"] + rk.stats()["grown"] + rw.stats()["grown"]
+    memcpys = {}
+    try:
+        with Ring(fields, batch, {"x": [x], "y": [y]}, **kw) as r1, \
+                Ring(fields, batch, {"x": xs, "y": ys}, **kw) as rk, \
+                Ring(fields, batch, {"x": [x], "y": [y]}, **kw) as rw, \
+                Ring({**fields, "index": (np.int64, ())}, batch, {"x": [x], "y": [y]}, index_field="index",
+                     threads=l_threads, slots=l_slots, nice=l_nice) as rl:
+            mc_threads = max(r1.threads, l_threads)
+            memcpys = {"memcpy1": Memcpy(x, y, batch, max(l_slots, r1.num_slots))}
+            if mc_threads > 1:
+                memcpys["memcpyN"] = Memcpy(x, y, batch, max(l_slots, r1.num_slots), mc_threads)
+            memcpys["memcpy_hot"] = Memcpy(x, y, batch, 1)
+            fns.update({
+                "loader": loader_epoch,
+                "ring_like": lambda: like_loader_epoch(rl),
+                "ring1": lambda: ring_epoch_many(r1, *plans_1.next()),
+                "ringk": lambda: ring_epoch_many(rk, *plans_k.next()),
+                "ringw": lambda: ring_epoch_window(rw, *plans_w.next()),
+                "take": take_epoch,
+                **memcpys,
+            })
+            times = interleaved_times(fns, repeats=repeats, warmup=1)
+            cfg = f"threads={r1.threads} nice 0 slots={r1.num_slots}"
+            grown = r1.stats()["grown"] + rk.stats()["grown"] + rw.stats()["grown"] + rl.stats()["grown"]
+    finally:
+        loader.close()
+        for m in memcpys.values():
+            m.close()
+        for dl in dls:
+            dl._iterator = None  # shut persistent workers down  # noqa: SLF001
+        shutil.rmtree(tmp, ignore_errors=True)
     if grown:
         cfg += f" (grew {grown})"
     nb = n * per
-    rows[:0] = [
-        Measurement("fastload Loader", n, nb, secs["loader"], "ours", "sampler + ring + batch dicts (+ index)"),
-        Measurement("fastload Ring, 1 shard", n, nb, secs["ring1"], "ours", f"{cfg}, epoch via submit_many"),
-        Measurement(f"fastload Ring, {shards} shards", n, nb, secs["ringk"], "ours", f"{cfg}, epoch via submit_many"),
-        Measurement("fastload Ring, 1 shard", n, nb, secs["ringw"], "ours", f"{cfg}, submit() per batch, 8 in flight"),
+    like = f"threads={l_threads} nice {l_nice} slots={l_slots}"
+
+    def row(key, system, kind, note, samples=n):
+        return Measurement.from_times(system, samples, samples * per, times[key], kind, note, group="epoch")
+
+    rows = [
+        row("loader", "fastload Loader", "ours", f"{like}; sampler + plan + ring + batch dicts (+ index)"),
+        row("ring_like", "fastload Ring, the Loader's settings", "ours",
+            f"{like}, + index; plan drawn and located inside the timing, as the Loader's"),
+        row("ring1", "fastload Ring, 1 shard", "ours", f"{cfg}, epoch via submit_many; plans drawn beforehand"),
+        row("ringk", f"fastload Ring, {shards} shards", "ours", f"{cfg}, epoch via submit_many; plans drawn beforehand"),
+        row("ringw", "fastload Ring, 1 shard", "ours", f"{cfg}, submit() per batch, 8 in flight"),
     ]
+    for w in (0, 2):
+        note = ("persistent workers, " if w else "") + "round-robin with the rest"
+        if dl_rows < n:
+            note += f"; {dl_rows} random samples per epoch"
+        rows.append(row(f"dl{w}", f"DataLoader num_workers={w}", "dataloader", note, samples=dl_rows))
+    slots_n = len(memcpys["memcpy1"].dst)
     rows += [
-        Measurement("numpy take (1 thread)", n, nb, secs["take"], "other", "same rows into a preallocated batch"),
-        Measurement("memcpy (1 thread)", n, nb, secs["memcpy"], "limit", "same bytes as whole contiguous batches"),
+        row("take", "numpy take (1 thread)", "other", "same rows into a preallocated batch"),
+        row("memcpy1", "memcpy (1 thread)", "limit", f"same bytes as whole batches into {slots_n} rotating slots"),
     ]
+    if "memcpyN" in times:
+        rows.append(row("memcpyN", f"memcpy ({mc_threads} threads)", "limit",
+                        f"same bytes as whole batches into {slots_n} rotating slots"))
+    rows.append(row("memcpy_hot", "memcpy into one cache-hot batch", "other",
+                    "the old limit: one destination reused every batch (flatters itself)"))
+    assert nb == rows[0].nbytes
     print_table(title, rows)
     return rows
 
@@ -257,16 +336,9 @@ def sweep(repeats: int, smoke: bool) -> None:
     for title, n, shape, dtype, batch in cases:
         x, y = make_arrays(n, shape, dtype)
         fields = {"x": (x.dtype, x.shape[1:]), "y": (y.dtype, ())}
-        bx = np.empty((batch, *x.shape[1:]), x.dtype)
-        by = np.empty(batch, y.dtype)
+        memcpy_epoch = Memcpy(x, y, batch, 10)  # into a ring's worth of rotating slots
 
-        def memcpy_epoch() -> None:
-            for i in range(0, n, batch):
-                k = min(batch, n - i)
-                np.copyto(bx[:k], x[i : i + k])
-                np.copyto(by[:k], y[i : i + k])
-
-        print(f"\n## sweep {title}: % of memcpy (round-robin with memcpy)")
+        print(f"\n## sweep {title}: % of memcpy into 10 rotating slots, 1 thread (round-robin with it)")
         print("threads " + " ".join(f"slots={s:<2d}" for s in (2, 3, 4, 5, 6, 8)))
         for threads in (1, 2, 3, 4):
             cells = []
@@ -304,30 +376,49 @@ def main(argv: list[str] | None = None) -> int:
                       big_n, (3, 224, 224), np.uint8, 64, repeats, 3 if args.smoke else 8, shards=8, **kw)
     us_stream, us_queued = case_handoff(2_000 if args.smoke else 20_000, max(3, repeats // 2), **kw)
 
-    def verdict(rows: list[Measurement], name: str, dl_target: str) -> str:
-        loader = next(r.samples_per_s for r in rows if r.system == "fastload Loader")
-        ours = max(r.samples_per_s for r in rows if r.kind == "ours")
-        dl = max(r.samples_per_s for r in rows if r.kind == "dataloader")
-        lim = max(r.samples_per_s for r in rows if r.kind == "limit")
-        return (f"{name}: Loader {loader / dl:.1f}x / best Ring row {ours / dl:.1f}x the best DataLoader "
-                f"({dl_target}); Loader {100 * loader / lim:.0f}% / Ring {100 * ours / lim:.0f}% of memcpy "
-                "(target >= 70%)")
+    def pick(rows: list[Measurement]) -> dict[str, Measurement]:
+        by = {r.system: r for r in rows}
+        return {"loader": by["fastload Loader"], "ring": by["fastload Ring, the Loader's settings"],
+                "dl": max((r for r in rows if r.kind == "dataloader"), key=lambda r: r.samples_per_s),
+                "lim": max((r for r in rows if r.kind == "limit"), key=lambda r: r.samples_per_s),
+                "hot": by["memcpy into one cache-hot batch"],
+                "best_ring": max((r for r in rows if r.system.startswith("fastload Ring")),
+                                 key=lambda r: r.samples_per_s)}
+
+    def pct(a: Measurement, b: Measurement) -> str:
+        sp = a.paired(b)
+        return f"{100 * a.samples_per_s / b.samples_per_s:.0f}%" + (
+            f" ({100 * sp.lo:.0f}–{100 * sp.hi:.0f}%)" if sp else "")
+
+    def verdict(rows: list[Measurement], name: str, targets: bool) -> str:
+        p = pick(rows)
+        lo, ri, lim = p["loader"], p["ring"], p["lim"]
+        text = (f"{name}: Loader {lo.samples_per_s / p['dl'].samples_per_s:.1f}x the best DataLoader; "
+                f"Loader {pct(lo, lim)} of memcpy ({lim.system})")
+        if targets:
+            text += f" (target >= 85%: {'met' if lo.samples_per_s >= 0.85 * lim.samples_per_s else 'NOT met'})"
+        text += f"; Ring with the Loader's settings {pct(ri, lim)}"
+        if targets:
+            text += f" (target >= 95%: {'met' if ri.samples_per_s >= 0.95 * lim.samples_per_s else 'NOT met'})"
+        return text + (f"; best Ring row {pct(p['best_ring'], lim)}; the Loader is {pct(lo, ri)} of its ring "
+                       f"alone; vs the cache-hot memcpy: Loader {pct(lo, p['hot'])}")
 
     def record(rows: list[Measurement], workload: str) -> None:
-        by = {r.system: r for r in rows}
-        dl = max((r for r in rows if r.kind == "dataloader"), key=lambda r: r.samples_per_s)
-        lim = max((r for r in rows if r.kind == "limit"), key=lambda r: r.samples_per_s)
-        ring = max((r for r in rows if r.system.startswith("fastload Ring")), key=lambda r: r.samples_per_s)
+        p = pick(rows)
+        lo, ri, lim, dl = p["loader"], p["ring"], p["lim"], p["dl"]
+        others = ", ".join(f"{r.system} {r.samples_per_s / 1e6:.2f} M/s" for r in rows
+                           if r.kind == "limit" and r is not lim)
         headline(workload, script="bench_tensor.py", unit="samples/s", smoke=args.smoke,
-                 ours=("Loader", by["fastload Loader"].samples_per_s), baseline=(dl.system, dl.samples_per_s),
-                 limit=("memcpy", lim.samples_per_s),
-                 note=f"Ring alone {100 * ring.samples_per_s / lim.samples_per_s:.0f}% of memcpy")
+                 ours=("Loader", lo.rate_spread), baseline=(dl.system, dl.rate_spread),
+                 limit=(lim.system, lim.rate_spread), vs_baseline=lo.paired(dl), vs_limit=lo.paired(lim),
+                 note=f"Ring alone with the Loader's settings {pct(ri, lim)} of memcpy"
+                      + (f"; {others}" if others else ""))
 
     record(mnist, f"MNIST {mnist_n:,}x784 float32, batch 300, shuffled")
     record(big, f"{big_n:,} x 3x224x224 uint8 rows, batch 64, shuffled")
     print("\n## Summary")
-    print(verdict(mnist, "MNIST", "target >= 5x"))
-    print(verdict(big, "Large samples", "no target: one big copy per row is cheap for the DataLoader too"))
+    print(verdict(mnist, "MNIST (issue 17's targets)", True))
+    print(verdict(big, "Large samples (no target: one big copy per row is cheap for the DataLoader too)", False))
     print(f"Hand-off: {us_stream:.1f} us per batch with 8 in flight, {us_queued:.1f} us with all queued (target < 20 us)")
     print(f"(total {time.perf_counter() - t0:.0f} s)")
     return 0

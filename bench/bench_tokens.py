@@ -13,16 +13,17 @@ stored as one ragged field (``int32[]``). Rows measured (tokens/s counts real to
   * fastload Loader, padded (``batch_size`` documents per batch, ``(B, L_max)`` + lengths);
   * torch DataLoader over the same documents held as a list of tensors (the usual
     map-style dataset), shuffled, ``collate_fn`` padding each batch with ``pad_sequence``
-    (num_workers 0 and 2; cut short), as many documents per batch as fill 16,384 tokens on
-    average;
+    (num_workers 0 and 2; epochs of 400 random batches, run to their end), as many documents
+    per batch as fill 16,384 tokens on average;
   * memcpy (the limit): per packed batch, the bytes a ``pack_to`` batch delivers — tokens
     (int32), positions (int64), cu_seqlens (int32) and the per-piece index (int64), on
     average over the epoch — copied from the corpus in memory into one of as many rotating
     destination buffers as the Loader has ring slots (not one cache-hot buffer), as many
     batches as the packed epoch has.
 
-fastload rows and memcpy are measured round-robin so their ratio holds on a machine whose
-memory bandwidth drifts. Batches are consumed as torch tensors, like a training loop. The
+Every row, the DataLoader's included, is measured round-robin so ratios hold on a machine
+whose memory bandwidth drifts; figures are medians (min–max), ratios carry the spread of the
+per-round ratios. Batches are consumed as torch tensors, like a training loop. The
 GB/s column counts every byte delivered (positions, offsets and index included; padding too
 for the padded Loader); tokens/s counts real tokens.
 """
@@ -36,9 +37,9 @@ import time
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
-from fastload.bench.report import Measurement, headline, interleaved_medians, median_seconds, print_table, system_info
+from fastload.bench.report import Measurement, headline, interleaved_times, print_table, system_info
 
 ROWS, SEQ = 8, 2048
 BATCH_TOKENS = ROWS * SEQ
@@ -85,29 +86,22 @@ def pad_collate(batch: list[torch.Tensor]) -> dict:
     return {"tokens": torch.nn.utils.rnn.pad_sequence(batch, batch_first=True, padding_value=0), "lengths": lengths}
 
 
-def dataloader_row(docs: Docs, docs_per_batch: int, workers: int, repeats: int, max_batches: int) -> Measurement:
-    dl = DataLoader(docs, batch_size=docs_per_batch, shuffle=True, num_workers=workers, collate_fn=pad_collate,
-                    persistent_workers=workers > 0)
+def dataloader_epoch(docs: Docs, docs_per_batch: int, workers: int, max_batches: int):
+    """(one epoch of the DataLoader baseline: ``max_batches`` random batches drawn by its
+    sampler, so each epoch runs to its end and persistent workers are idle between epochs;
+    its counts {"tokens", "padded"}; the DataLoader)."""
+    rows = min(len(docs), max_batches * docs_per_batch)
+    dl = DataLoader(docs, batch_size=docs_per_batch, sampler=RandomSampler(docs, num_samples=rows),
+                    num_workers=workers, collate_fn=pad_collate, persistent_workers=workers > 0)
     count = {"tokens": 0, "padded": 0}
 
     def epoch() -> None:
         real = padded = 0
-        for i, b in enumerate(dl):
+        for b in dl:
             real += int(b["lengths"].sum())
             padded += b["tokens"].numel()
-            if i + 1 >= max_batches:
-                break
         count.update(tokens=real, padded=padded)
-
-    try:
-        secs = median_seconds(epoch, repeats=repeats, warmup=1)
-    finally:
-        dl._iterator = None  # shut persistent workers down before anything else runs  # noqa: SLF001
-        del dl
-    waste = 1 - count["tokens"] / max(count["padded"], 1)
-    note = f"{docs_per_batch} docs/batch, {100 * waste:.0f}% of each batch is padding, first {max_batches} batches"
-    return Measurement(f"DataLoader + pad collate, workers={workers}", count["tokens"], count["tokens"] * 4, secs,
-                       kind="dataloader", note=note)
+    return epoch, count, dl
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,12 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# corpus: {tokens:,} tokens in {len(lens):,} documents (median {int(np.median(lens))}, "
               f"mean {lens.mean():.0f}, max {lens.max()} tokens), written in {time.perf_counter() - t0:.1f} s")
         docs_per_batch = max(1, round(BATCH_TOKENS / lens.mean()))
-        rows: list[Measurement] = []
         docs = Docs(values, lens)
         dl_batches = 30 if a.smoke else 400
-        for w in (0, 2):
-            rows.append(dataloader_row(docs, docs_per_batch, w, max(1, min(repeats, 3)), dl_batches))
-        del docs
+        dls = {w: dataloader_epoch(docs, docs_per_batch, w, dl_batches) for w in (0, 2)}
 
         packed = fastload.Loader(f"{tmp}/ds", batch_size=ROWS, pack_to=SEQ, seed=0)
         padded = fastload.Loader(f"{tmp}/ds", batch_size=docs_per_batch, seed=0)
@@ -165,28 +156,42 @@ def main(argv: list[str] | None = None) -> int:
                 at += per_batch
 
         try:
-            secs = interleaved_medians({"packed": lambda: run("packed", packed, "tokens"),
-                                        "padded": lambda: run("padded", padded, "tokens_lengths"),
-                                        "memcpy": memcpy_epoch}, repeats=repeats, warmup=1)
+            times = interleaved_times({"packed": lambda: run("packed", packed, "tokens"),
+                                       "padded": lambda: run("padded", padded, "tokens_lengths"),
+                                       **{f"dl{w}": fn for w, (fn, _, _) in dls.items()},
+                                       "memcpy": memcpy_epoch}, repeats=repeats, warmup=1)
         finally:
             packed.close()
             padded.close()
-        rows[:0] = [
-            Measurement("fastload Loader pack_to=2048 x 8 rows", counts["packed"], nbytes["packed"],
-                        secs["packed"], "ours", "shuffled documents packed into full rows, cu_seqlens + positions"),
-            Measurement("fastload Loader padded", counts["padded"], nbytes["padded"], secs["padded"], "ours",
-                        f"{docs_per_batch} docs/batch as (B, L_max) + lengths (tokens/s counts real tokens)"),
+            for _, _, dl in dls.values():
+                dl._iterator = None  # shut persistent workers down  # noqa: SLF001
+            del docs
+
+        def row(key, *args, **kw):
+            return Measurement.from_times(*args[:3], times[key], *args[3:], group="epoch", **kw)
+
+        rows = [
+            row("packed", "fastload Loader pack_to=2048 x 8 rows", counts["packed"], nbytes["packed"], "ours",
+                "shuffled documents packed into full rows, cu_seqlens + positions"),
+            row("padded", "fastload Loader padded", counts["padded"], nbytes["padded"], "ours",
+                f"{docs_per_batch} docs/batch as (B, L_max) + lengths (tokens/s counts real tokens)"),
         ]
-        rows.append(Measurement("memcpy (1 thread)", batches * BATCH_TOKENS, batches * per_batch, secs["memcpy"],
-                                "limit", f"the bytes of each packed batch ({per_batch:,}: tokens, positions, "
-                                f"offsets, index) into {len(dst)} rotating buffers"))
+        for w, (_, c, _) in dls.items():
+            waste = 1 - c["tokens"] / max(c["padded"], 1)
+            rows.append(row(f"dl{w}", f"DataLoader + pad collate, workers={w}", c["tokens"], c["tokens"] * 4,
+                            "dataloader", f"{docs_per_batch} docs/batch, {100 * waste:.0f}% of each batch is padding, "
+                            f"{dl_batches} random batches per epoch, round-robin with the rest"))
+        rows.append(row("memcpy", "memcpy (1 thread)", batches * BATCH_TOKENS, batches * per_batch, "limit",
+                        f"the bytes of each packed batch ({per_batch:,}: tokens, positions, offsets, index) into "
+                        f"{len(dst)} rotating buffers"))
         print_table(f"{tokens:,} tokens, int32, batches of {BATCH_TOKENS:,} tokens (samples = tokens)", rows)
         ours = rows[0]
         dl = max((r for r in rows if r.kind == "dataloader"), key=lambda r: r.samples_per_s)
         lim = rows[-1]
         headline(f"LM tokens: pack_to={SEQ} x {ROWS} rows, {tokens / 1e6:.0f}M-token corpus", script="bench_tokens.py",
-                 unit="tokens/s", ours=("Loader pack_to", ours.samples_per_s), baseline=(dl.system, dl.samples_per_s),
-                 limit=("memcpy", lim.samples_per_s), smoke=a.smoke,
+                 unit="tokens/s", ours=("Loader pack_to", ours.rate_spread), baseline=(dl.system, dl.rate_spread),
+                 limit=("memcpy", lim.rate_spread), vs_baseline=ours.paired(dl), vs_limit=ours.paired(lim),
+                 smoke=a.smoke,
                  note=f"padded Loader {rows[1].samples_per_s / 1e6:.1f} M tokens/s")
         print("\n## Summary")
         print(f"pack_to: {ours.samples_per_s / 1e6:.1f} M tokens/s = {ours.samples_per_s / dl.samples_per_s:.1f}x "

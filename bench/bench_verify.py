@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastload.bench.report import headline, system_info
+from fastload.bench.report import Spread, headline, paired_ratios, system_info
 
 
 def _epoch_seconds(loader) -> float:
@@ -67,6 +67,8 @@ def measure(path: Path, n: int, repeats: int, batch_size: int, transforms=None) 
         out = {}
         for policy, rs in runs.items():
             out[policy] = {k: n / statistics.median(x[k] for x in rs) for k in ("first", "later", "restart")}
+            out[policy]["spread"] = {k: Spread.of([x[k] for x in rs]).rate(n) for k in ("first", "later", "restart")}
+            out[policy]["seconds"] = {k: [x[k] for x in rs] for k in ("first", "later", "restart")}
             out[policy]["hashed"] = rs[-1]["hashed"]
             out[policy]["remembered"] = rs[-1]["remembered"]
         return out
@@ -123,10 +125,11 @@ def main(argv=None) -> dict:
             print_rows(f"{a.images:,} JPEGs -> vision.train(224)", ires, "img/s")
             out["images"] = ires
         off, fu = res["off"], res["first-use"]
+        paired = paired_ratios(off["seconds"]["first"], fu["seconds"]["first"]) if a.repeats > 1 else None
         headline(f"shard verification (default verify='first-use'), {n:,} x 784 float32 rows, batch {a.batch_size}",
                  script="bench_verify.py", unit="samples/s", smoke=a.smoke,
-                 ours=("first-use, first epoch on a cold node", fu["first"]),
-                 baseline=("verify='off', first epoch", off["first"]),
+                 ours=("first-use, first epoch on a cold node", fu["spread"]["first"]),
+                 baseline=("verify='off', first epoch", off["spread"]["first"]), vs_baseline=paired,
                  note=f"later epochs {fu['later']:,.0f} vs {off['later']:,.0f} samples/s; first epoch after a "
                       f"restart {fu['restart']:,.0f} vs {off['restart']:,.0f}")
         return out

@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 
 README = HERE.parent / "README.md"
 BEGIN, END = "<!-- bench-results:begin -->", "<!-- bench-results:end -->"
-_FIRST = ["tensor", "tokens", "jpeg", "loop", "cow", "sampler", "open", "convert"]  # the README table's order
+_FIRST = ["tensor", "tokens", "jpeg", "loop", "cow", "sampler", "open", "convert", "remote", "verify"]  # README order
 SCRIPTS = sorted((p.stem[len("bench_"):] for p in HERE.glob("bench_*.py")),
                  key=lambda n: (_FIRST.index(n) if n in _FIRST else len(_FIRST), n))
 

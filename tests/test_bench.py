@@ -66,7 +66,53 @@ def test_bench_raw_fields_without_compare(tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert [x["system"] for x in r["results"]] == ["fastload Loader", "memcpy of the same bytes"]
     assert r["results"][0]["samples"] == 2 * 1500  # rank 0 of 2, two epochs
+    rates = r["results"][0]["round_rates"]  # each epoch's samples/s: the figure's spread
+    assert len(rates) == 2 and min(rates) <= r["results"][0]["samples_per_s"] <= max(rates)
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("fastload Loader"))
+    assert f"({min(rates):,.0f}–{max(rates):,.0f})" in line
     assert r["results"][0]["nbytes"] == 3000 * (784 * 4 + 8 + 8)
+
+
+def test_bench_step_trains_a_real_model_beside_each_loader(tmp_path):
+    """--step mlp: every system's batches go through a real forward + backward + SGD step (the
+    warm-up batches' too), counted in the JSON; the text report says so."""
+    with fastload.ShardWriter(tmp_path / "ds", {"x": "float32[784]", "label": "int64"}, label="label") as w:
+        w.write_batch({"x": np.random.default_rng(0).random((1200, 784), np.float32), "label": np.arange(1200) % 10})
+    p = run("-m", "fastload", "bench", tmp_path / "ds", "--batch-size", "100", "--step", "mlp", "--compare", "torch",
+            "--workers", "0", "--warmup", "2", "--json", tmp_path / "r.json", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert "training step: mlp (14 forward + backward + SGD steps, real)" in p.stdout
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["settings"]["step"] == "mlp" and r["settings"]["step_ms"] == 0
+    assert [(x["system"], x["extra"]["steps"]) for x in r["results"]] == [("fastload Loader", 14),
+                                                                         ("DataLoader num_workers=0", 14)]
+    p = run("-m", "fastload", "bench", tmp_path / "ds", "--step", "cnn")
+    assert p.returncode == 1 and "--step cnn trains a CNN on images" in p.stderr and "no image field" in p.stderr
+    p = run("-m", "fastload", "bench", tmp_path / "ds", "--step", "mlp", "--step-ms", "3")
+    assert p.returncode == 1 and "--step mlp and --step-ms 3: choose one" in p.stderr
+
+
+def test_model_step_is_a_real_sgd_step_on_the_batch():
+    import torch
+
+    from fastload.bench.models import ModelStep
+
+    step = ModelStep("mlp", classes=10)
+    batch = {"x": torch.rand(8, 784), "label": torch.arange(8) + 20, "index": torch.arange(8)}
+    step(batch)
+    w0 = step.model[0].weight.detach().clone()
+    assert step.model[0].in_features == 784 and step.model[2].out_features == 10
+    step(batch)
+    assert step.calls == 2 and not torch.equal(w0, step.model[0].weight)  # the weights moved
+    cnn = ModelStep("cnn", classes=3, image_key="img")
+    cnn({"img": torch.rand(2, 3, 32, 32), "label": torch.tensor([0, 2])})
+    assert cnn.calls == 1 and cnn.model[-1].out_features == 3
+    with pytest.raises(ValueError, match="float32 CHW images"):
+        cnn({"img": torch.zeros(2, 32, 32, 3, dtype=torch.uint8)})
+    with pytest.raises(ValueError, match="floating-point field"):
+        ModelStep("mlp")({"label": torch.arange(4)})
+    with pytest.raises(ValueError, match="step='rnn' must be one of mlp, cnn"):
+        ModelStep("rnn")
 
 
 def test_bench_bad_arguments(image_ds, tmp_path):
@@ -100,7 +146,9 @@ def test_bench_options_name_the_bad_value_and_the_allowed_ones():
                     ({"compare": "dali"}, "--compare='dali' must be one of torch"),
                     ({"workers": ()}, "--workers names no num_workers value"),
                     ({"workers": (0, -2)}, "--workers=-2 must be an int >= 0"),
-                    ({"step_ms": float("nan")}, "--step-ms=nan must be a number >= 0")]:
+                    ({"step_ms": float("nan")}, "--step-ms=nan must be a number >= 0"),
+                    ({"step": "rnn"}, "--step='rnn' must be one of mlp, cnn"),
+                    ({"step": "mlp", "step_ms": 2.0}, "--step mlp and --step-ms 2: choose one")]:
         with pytest.raises(UsageError) as e:
             BenchOptions(**kw)
         assert str(e.value) == msg or str(e.value).startswith(msg), (kw, str(e.value))
@@ -198,6 +246,67 @@ def test_report_timing_rows_and_tables():
     assert report.system_info(m).startswith(f"{m['cpu']}, {m['cores']} cores")
 
 
+def test_spreads_paired_ratios_and_tables_show_median_min_max(monkeypatch, tmp_path):
+    import statistics
+
+    from fastload.bench import report
+
+    sp = report.Spread.of([3.0, 1.0, 2.0])
+    assert (sp.median, sp.lo, sp.hi, sp.n) == (2.0, 1.0, 3.0, 3)
+    assert sp.rate(6) == report.Spread(3.0, 2.0, 6.0, 3)  # the slowest repeat is the lowest rate
+    assert sp.fmt(".1f", " s") == "2.0 s (1.0–3.0 s)" and report.Spread.of([2.0]).fmt(".1f") == "2.0"
+    with pytest.raises(ValueError, match="lo <= median <= hi"):
+        report.Spread(1.0, 2.0, 3.0)
+    # a ratio between interleaved systems: the spread of the per-round ratios, around the medians' ratio
+    a, b = [1.0, 4.0, 2.0, 8.0, 3.0], [2.0, 3.0, 3.0, 5.0, 1.0]
+    pr = report.paired_ratios(a, b)
+    assert pr.lo == 0.5 and pr.hi == 3.0 and pr.lo <= statistics.median(a) / statistics.median(b) <= pr.hi
+    with pytest.raises(ValueError, match="equally long"):
+        report.paired_ratios([1.0], [1.0, 2.0])
+    calls = []
+    times = report.interleaved_times({"x": lambda: calls.append("x"), "y": lambda: calls.append("y")},
+                                     repeats=3, warmup=2)
+    assert calls == ["x", "y"] * 5 and [len(v) for v in times.values()] == [3, 3]
+    # cold starts: each system built and its first batch taken round-robin; its closer runs untimed
+    log = []
+
+    def start(name):
+        def s():
+            log.append(f"start {name}")
+            return lambda: log.append(f"close {name}")
+        return s
+
+    cold = report.interleaved_cold_starts({"a": start("a"), "b": start("b")}, repeats=2, warmup=1)
+    assert log == ["start a", "close a", "start b", "close b"] * 3 and [len(v) for v in cold.values()] == [2, 2]
+    # rows keep each round's rate: the table shows median (min-max) and paired ratios
+    ours = report.Measurement.from_times("ours", 100, 10**6, [1.0, 2.0, 0.5], "ours", group="run")
+    lim = report.Measurement.from_times("memcpy", 100, 10**6, [0.5, 1.0, 0.5], "limit", group="run")
+    dl = report.Measurement.from_times("dl", 100, 10**6, [4.0, 4.0, 5.0], "dataloader")  # another run
+    assert ours.seconds == 1.0 and ours.round_rates == [100.0, 50.0, 200.0]
+    assert ours.rate_spread == report.Spread(100.0, 50.0, 200.0, 3)
+    assert ours.paired(lim) == report.Spread(0.5, 0.5, 1.0, 3) and ours.paired(dl) is None
+    lines = report.format_table([ours, lim, dl], rate="MB/s").splitlines()
+    assert lines[2].split() == ["ours", "100", "(50–200)", "1.0", "4.00x", "50%", "(50–100%)"]
+    assert lines[3].split() == ["memcpy", "200", "(100–200)", "2.0", "8.00x", "100%"]
+    assert lines[4].split() == ["dl", "25", "(20–25)", "0.2", "1.00x", "12%"]
+    assert report.Measurement.from_dict(ours.as_dict()) == ours
+    old = {k: v for k, v in ours.as_dict().items() if k not in ("round_rates", "group", "first_batch_range")}
+    assert report.Measurement.from_dict(old).rate_spread.n == 1  # JSON written before spreads: still read
+    # headlines carry the spreads, the paired ratios and the cold first batches into the README table
+    monkeypatch.setenv(report.RESULTS_ENV, str(tmp_path / "h.jsonl"))
+    rec = report.headline("w", script="bench_x.py", unit="img/s", ours=("L", ours.rate_spread),
+                          baseline=("DL", 25.0), limit=("DALI", lim.rate_spread), vs_limit=ours.paired(lim),
+                          first_batch={"L": report.Spread(0.4, 0.3, 0.5, 3), "DL": 0.6}, note="n")
+    assert rec["ours"] == ["L", 100.0] and rec["ours_range"] == [50.0, 200.0] and "baseline_range" not in rec
+    assert rec["vs_limit_range"] == [0.5, 1.0] and rec["first_batch_s"] == {"L": [0.4, 0.3, 0.5], "DL": [0.6]}
+    assert json.loads((tmp_path / "h.jsonl").read_text()) == rec
+    assert report.markdown_table([rec]).splitlines()[2] == (
+        "| w (`python bench/bench_x.py`) | L: 100 (50–200) img/s (n; first batch (cold): L 0.40 (0.30–0.50) s, "
+        "DL 0.60 s) | DL: 25.00 img/s | DALI: 200 (100–200) img/s | 4.00x | 50% (50–100%) |")
+    with pytest.raises(ValueError, match="first_batch"):
+        report.headline("w", script="x", unit="u", ours=("L", 1.0), first_batch={"L": 0.0})
+
+
 def test_bench_scripts_smoke(tmp_path):
     """Every bench/ script at a tiny size, through the one entry point, so none can rot; each
     records a headline (fastload beside its baseline/limit) and the results table is made
@@ -217,6 +326,16 @@ def test_bench_scripts_smoke(tmp_path):
         for pair in (r["baseline"], r["limit"]):
             assert pair is None or pair[1] > 0, r
         assert r["ours"][1] > 0 or r["lower_is_better"], r
+    # the cold first batch of fastload beside the DataLoader's (and DALI alone's), the CNN's CPU bound
+    jpeg = next(r for r in records if r["script"] == "bench_jpeg.py")
+    assert {"Loader", "DALI alone"} <= set(jpeg["first_batch_s"]) and any(
+        k.startswith("DataLoader") for k in jpeg["first_batch_s"]), jpeg
+    assert "FFCV" in jpeg["note"] and jpeg["limit"][0] == "DALI alone from files"
+    loops = [r for r in records if r["script"] == "bench_loop.py"]
+    assert len(loops) in (2, 4) and all("Loader" in r["first_batch_s"] for r in loops)  # 1 or 2 torch settings
+    assert sum("the CPU bound" in r["note"] for r in loops) == len(loops) // 2  # the CNN's
+    tensor = [r for r in records if r["script"] == "bench_tensor.py"]
+    assert all("Ring alone with the Loader's settings" in r["note"] for r in tensor)
     table = md.read_text().strip().splitlines()
     assert table[0].startswith("| workload") and len(table) == 2 + len(records)
     for r, line in zip(records, table[2:]):
@@ -237,7 +356,7 @@ def test_readme_table_is_replaced_between_markers(tmp_path):
     run_all.update_readme([rec], table, ["open"], readme=readme)
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\nbefore\n") and text.endswith("after\n")
-    assert "| w (`python bench/bench_open.py`) | a: 2.00 ms | b: 10.00 ms | – | 5.0x | – |" in text
+    assert "| w (`python bench/bench_open.py`) | a: 2.00 ms | b: 10.00 ms | – | 5.00x | – |" in text
     assert "--readme --only open" in text and "on: m." in text
     readme.write_text("no markers")
     with pytest.raises(SystemExit, match="expected one"):

@@ -72,6 +72,16 @@ def test_a_healthy_gpu_node_is_all_ok():
     (dict(cores=8), "threads", WARN, "one core per rank"),
     (dict(local_world_size=1, local_world_size_set=False, torch_gpus=8), "threads", WARN, "export LOCAL_WORLD_SIZE"),
     (dict(torch_threads=16), "torch threads", WARN, "OMP_NUM_THREADS=8"),
+    # a CPU job on 2 cores with torch's default 2 threads: fastload's 1 gather + 2x2 DALI threads
+    # yield to the loop at nice 19 (the policy; users tune nothing), so no warning
+    (dict(device="cpu", cores=2, local_world_size=1, local_rank=None, torch_threads=2, gather_threads=1,
+          dali_threads=4), "torch threads", OK, "run at nice 19, below the loop"),
+    (dict(device="cpu", cores=2, local_world_size=1, local_rank=None, torch_threads=2, gather_threads=1,
+          dali_threads=4, loader_nice=0), "torch threads", WARN, "(FASTLOAD_NICE=0), so the training step and"),
+    (dict(device="cpu", cores=2, local_world_size=1, local_rank=None, torch_threads=1, gather_threads=1,
+          dali_threads=2, loader_nice=0), "torch threads", OK, "(2 core(s) per rank)"),
+    (dict(loader_nice_error="FASTLOAD_NICE='x': expected a nice value 0..19"), "torch threads", WARN,
+     "FASTLOAD_NICE='x'"),
     (dict(dataset="/d", dataset_error="no manifest.json"), "dataset", FAIL, "/d: no manifest.json"),
 ])
 def test_each_verdict(change, name, status, words):

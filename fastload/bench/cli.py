@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 __all__ = ["DEVICES", "TRANSFORMS", "BenchOptions", "add_bench_arguments", "run_command"]
 
 TRANSFORMS = ("train224", "eval224", "none")
+STEPS = ("mlp", "cnn")  # fastload.bench.models.STEPS (not imported: building the parser imports no torch)
 DEVICES = ("auto", "cpu", "cuda")
 COMPARES = ("torch",)
 
@@ -56,6 +57,7 @@ class BenchOptions:
     max_batches: int | None = None
     warmup: int = 3
     step_ms: float = 0.0
+    step: str | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -77,6 +79,11 @@ class BenchOptions:
         if isinstance(self.step_ms, bool) or not isinstance(self.step_ms, (int, float)) \
                 or not math.isfinite(self.step_ms) or self.step_ms < 0:
             raise UsageError(f"--step-ms={self.step_ms!r} must be a number >= 0")
+        if self.step is not None:
+            _choice("step", self.step, STEPS)
+            if self.step_ms:
+                raise UsageError(f"--step {self.step} and --step-ms {self.step_ms:g}: choose one training step "
+                                 "(a real model, or a simulated one)")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> BenchOptions:
@@ -112,6 +119,10 @@ def add_bench_arguments(sub) -> argparse.ArgumentParser:
     b.add_argument("--max-batches", type=int, default=d.max_batches, help="stop each epoch after this many batches")
     b.add_argument("--warmup", type=int, default=d.warmup, help="untimed batches per system before measuring")
     b.add_argument("--step-ms", type=float, default=d.step_ms, help="simulated training step per batch (ms)")
+    b.add_argument("--step", choices=STEPS, default=d.step,
+                   help="a real training step per batch: forward + backward + SGD of an MLP (784-256-10 on a float "
+                        "tensor field) or a small CNN (on the decoded images), on the batch's device; on the CPU "
+                        "it shares the cores with the loader as a user's model does")
     b.add_argument("--plot", default=None, metavar="PNG", help="draw throughput and stall fraction to this PNG")
     b.add_argument("--no-progress", dest="progress", action="store_false")
     return b
@@ -127,10 +138,16 @@ def print_report(report: dict, out) -> None:
     out.print(format_table(rows, rate="MB/s"))
     ours = rows[0]
     st = ours.stages
+    s = report["settings"]
+    if s.get("step"):
+        how = f"; training step: {s['step']} ({ours.extra.get('steps', 0)} forward + backward + SGD steps, real)"
+    elif s["step_ms"]:
+        how = f"; training step: simulated, {s['step_ms']:g} ms"
+    else:
+        how = (" (no training step: use --step mlp|cnn for a real one on the CPU, or --step-ms to simulate one, "
+               "to see whether loading keeps up)")
     out.print(f"fastload stages: gather {st['gather_s']:.3f} s, decode {st['decode_s']:.3f} s, "
-              f"copy {st['copy_s']:.3f} s; the loop waited {100 * (ours.wait_fraction or 0):.0f}% of the time"
-              + ("" if report["settings"]["step_ms"] else
-                 " (no training step simulated: use --step-ms to see whether loading keeps up)"))
+              f"copy {st['copy_s']:.3f} s; the loop waited {100 * (ours.wait_fraction or 0):.0f}% of the time" + how)
     for s in report["not_measured"]:
         out.print(f"not measured: {s}")
 

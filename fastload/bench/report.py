@@ -1,70 +1,46 @@
 """Measuring and reporting, for ``fastload bench`` and every script in ``bench/``.
 
-    from fastload.bench.report import (Measurement, headline, interleaved_medians, median_seconds,
+    from fastload.bench.report import (Measurement, Spread, headline, interleaved_times, paired_ratios,
                                        print_table, system_info)
 
-* timing: ``median_seconds(fn)`` (median wall time after a warm-up) and
-  ``interleaved_medians({name: fn})`` (several systems run round-robin, so that ratios hold
-  on a machine whose speed drifts);
+* timing (:mod:`fastload.bench.timing`, re-exported here): ``interleaved_times({name: fn})``
+  (several systems run round-robin, so that ratios hold on a machine whose speed drifts; the
+  rounds pair up), ``Spread`` (median with min–max), ``paired_ratios``, and the medians alone
+  (``interleaved_medians``, ``median_seconds``);
 * ``Measurement``: one row (samples, bytes, seconds -> samples/s, MB/s, GB/s), of kind
-  "ours", "dataloader", "limit" or "other";
-* the machine: ``machine_info()`` (a dict: CPU, usable cores, memory, GPU, versions) and
-  ``system_info()`` (the same as one line);
+  "ours", "dataloader", "limit" or "other"; ``Measurement.from_times`` keeps each round's
+  rate, so the row carries its spread and its paired ratios to the rows of the same run;
+* the machine (:mod:`fastload.bench.machine`): ``machine_info()`` (a dict: CPU, usable
+  cores, memory, GPU, versions) and ``system_info()`` (the same as one line);
 * tables: ``format_table(rows)`` with each row's ratio to the best DataLoader row and to the
-  limit row, so every result is printed beside the hardware's limit;
-* headlines: ``headline(...)`` records a script's main figure for README's results table,
-  which ``markdown_table(records)`` renders (``bench/run_all.py --readme``).
+  limit row, so every result is printed beside the hardware's limit; figures with a spread
+  read ``median (min–max)``;
+* headlines (:mod:`fastload.bench.headlines`): ``headline(...)`` records a script's main
+  figure for README's results table, which ``markdown_table(records)`` renders
+  (``bench/run_all.py --readme``).
 
 Only the standard library at import time; torch is imported by ``machine_info`` (for the
 GPU's name) when it is called.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
-import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
-__all__ = ["KINDS", "RESULTS_ENV", "Measurement", "format_table", "headline", "interleaved_medians",
-           "machine_info", "markdown_table", "median_seconds", "plot", "print_table", "ratio_vs", "system_info"]
+from .headlines import RESULTS_ENV, headline, markdown_table, ratio_vs
+from .machine import machine_info, system_info
+from .timing import (Spread, interleaved_cold_starts, interleaved_medians, interleaved_spreads, interleaved_times,
+                     median_seconds, paired_ratios, seconds_spread, wait_until_idle)
+
+__all__ = ["KINDS", "RESULTS_ENV", "Measurement", "Spread", "format_table", "headline", "interleaved_cold_starts",
+           "interleaved_medians", "interleaved_spreads", "interleaved_times", "machine_info", "markdown_table", "median_seconds",
+           "paired_ratios", "plot", "print_table", "ratio_vs", "seconds_spread", "system_info",
+           "wait_until_idle"]
 
 KINDS = ("ours", "dataloader", "limit", "other")
-
-
-# ---------------------------------------------------------------------------- timing
-def _check_repeats(repeats: int, warmup: int) -> None:
-    for name, v, low in (("repeats", repeats, 1), ("warmup", warmup, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"{name}={v!r} must be an int >= {low}")
-
-
-def median_seconds(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs."""
-    return interleaved_medians({"fn": fn}, repeats=repeats, warmup=warmup)["fn"]
-
-
-def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int = 5,
-                        warmup: int = 1) -> dict[str, float]:
-    """Median wall time of each ``fn`` when the functions are run round-robin (a, b, c, a,
-    b, c, ...). On a shared machine whose speed drifts, this keeps ratios between the
-    systems honest: every system sees the same conditions."""
-    _check_repeats(repeats, warmup)
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 # ---------------------------------------------------------------------------- one row
@@ -72,9 +48,12 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int = 
 class Measurement:
     """One benchmark row: ``samples`` samples of ``nbytes`` bytes in ``seconds``.
 
-    ``first_batch_s`` (cold start) and ``wait_fraction`` (share of the time the training
-    loop waited for data) are filled by loader runs; ``stages`` holds a loader's per-stage
-    seconds; ``extra`` anything else a script wants in its JSON."""
+    ``first_batch_s`` (cold start; ``first_batch_range``: its fastest and slowest repeat)
+    and ``wait_fraction`` (share of the time the training loop waited for data) are filled
+    by loader runs; ``stages`` holds a loader's per-stage seconds; ``extra`` anything else a
+    script wants in its JSON. ``round_rates``: samples/s of each timed repeat in round order
+    (:meth:`from_times`); rows of one table with the same non-empty ``group`` were run
+    round-robin in the same rounds, so their per-round ratios pair up (:meth:`paired`)."""
 
     system: str
     samples: int
@@ -86,10 +65,24 @@ class Measurement:
     wait_fraction: float | None = None
     stages: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+    round_rates: list = field(default_factory=list)
+    group: str = ""
+    first_batch_range: list | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind={self.kind!r} must be one of {KINDS}")
+        self.round_rates = [float(r) for r in self.round_rates]
+
+    @classmethod
+    def from_times(cls, system: str, samples: int, nbytes: int, times: Sequence[float], kind: str = "other",
+                   note: str = "", *, group: str = "", **kw) -> Measurement:
+        """A row from the wall seconds of its repeats (each moving ``samples`` samples of
+        ``nbytes`` bytes): ``seconds`` is their median, ``round_rates`` every repeat's rate."""
+        if not times or min(times) <= 0:
+            raise ValueError(f"{system}: times {list(times)!r} must be a non-empty list of seconds > 0")
+        return cls(system, samples, nbytes, statistics.median(times), kind, note,
+                   round_rates=[samples / t for t in times], group=group, **kw)
 
     @property
     def samples_per_s(self) -> float:
@@ -103,79 +96,30 @@ class Measurement:
     def gb_per_s(self) -> float:
         return self.mb_per_s / 1e3
 
+    @property
+    def rate_spread(self) -> Spread:
+        """samples/s as a median (the rate of the median time) with the slowest and fastest
+        repeat; one value when the repeats were not kept."""
+        r = self.samples_per_s
+        if len(self.round_rates) < 2:
+            return Spread(r, r, r, 1)
+        return Spread(r, min(min(self.round_rates), r), max(max(self.round_rates), r), len(self.round_rates))
+
+    def paired(self, other: Measurement) -> Spread | None:
+        """The spread of this row's rate over ``other``'s, round by round, when both were run
+        round-robin in the same rounds (same ``group``, as many rounds); else None."""
+        if not self.group or self.group != other.group or len(self.round_rates) != len(other.round_rates) \
+                or len(self.round_rates) < 2:
+            return None
+        return paired_ratios(self.round_rates, other.round_rates)
+
     def as_dict(self) -> dict:
         return {**asdict(self), "samples_per_s": self.samples_per_s, "mb_per_s": self.mb_per_s}
 
     @classmethod
     def from_dict(cls, d: dict) -> Measurement:
+        """A row from :meth:`as_dict` (also one written before spreads were recorded)."""
         return cls(**{k: v for k, v in d.items() if k not in ("samples_per_s", "mb_per_s")})
-
-
-# ---------------------------------------------------------------------------- the machine
-def _cpu_name() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:  # pragma: no cover - not Linux
-        return cpu
-
-
-def _memory_gib() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            return round(int(f.readline().split()[1]) / 2**20, 1)
-    except (OSError, ValueError, IndexError):  # pragma: no cover - not Linux
-        return None
-
-
-def _dist_version(*names: str) -> str | None:
-    """The installed version of the first of ``names`` found, without importing it (DALI
-    and torch take seconds to import)."""
-    from importlib import metadata
-
-    for n in names:
-        try:
-            return metadata.version(n)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _gpu_name() -> str | None:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return None
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU, usable cores (:func:`fastload.system.usable_cores`), memory, GPU (if any, as torch
-    sees it) and library versions."""
-    from fastload import __version__
-    from fastload.system import usable_cores
-
-    versions = {"numpy": _dist_version("numpy"), "torch": _dist_version("torch"),
-                "pyarrow": _dist_version("pyarrow"),
-                "dali": _dist_version("nvidia-dali-cuda120", "nvidia-dali-cuda130", "nvidia-dali-cuda110",
-                                      "nvidia-dali"),
-                "fastload": __version__}
-    return {"python": platform.python_version(), "platform": platform.platform(), "cpu": _cpu_name(),
-            "cores": usable_cores(), "memory_gib": _memory_gib(), "gpu": _gpu_name(),
-            "versions": versions}
-
-
-def system_info(info: dict | None = None) -> str:
-    """One line describing the machine and library versions (for benchmark output and the
-    README's results table)."""
-    m = info or machine_info()
-    mem = f", {m['memory_gib']:.0f} GiB RAM" if m["memory_gib"] is not None else ""
-    parts = [f"{m['cpu']}, {m['cores']} cores{mem}", f"Python {m['python']}"]
-    if m.get("gpu"):
-        parts.insert(1, f"GPU {m['gpu']}")
-    parts += [f"{k} {m['versions'][k]}" for k in ("numpy", "torch") if m["versions"].get(k)]
-    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------- tables
@@ -183,26 +127,60 @@ def _ratio(x: float) -> str:
     return f"{x:,.0f}x" if x >= 100 else f"{x:.2f}x"
 
 
+def _with_range(main: str, sp: Spread | None, fmt: Callable[[float], str], unit: str = "") -> str:
+    return main if sp is None or sp.n < 2 else f"{main} ({fmt(sp.lo)}–{fmt(sp.hi)}{unit})"
+
+
+def _rate_cell(r: Measurement) -> str:
+    sp = r.rate_spread
+    return _with_range(f"{r.samples_per_s:,.0f}", sp, lambda x: f"{x:,.0f}")
+
+
+def _first_batch_cell(r: Measurement) -> str:
+    if r.first_batch_s is None:
+        return "-"
+    s = f"{r.first_batch_s:.3f}"
+    if r.first_batch_range:
+        s += f" ({r.first_batch_range[0]:.3f}–{r.first_batch_range[1]:.3f})"
+    return s + " s"
+
+
 def format_table(rows: Sequence[Measurement], *, rate: str = "MB/s") -> str:
-    """Rows with samples/s, ``rate`` ("MB/s" or "GB/s"), cold first batch and stall where a
-    row has them, the ratio to the best DataLoader row and to the best limit row (rows of
-    kind "dataloader" / "limit"), and the note."""
+    """Rows with samples/s (``median (min–max)`` when the row kept its repeats), ``rate``
+    ("MB/s" or "GB/s"), cold first batch and stall where a row has them, the ratio to the best
+    DataLoader row and to the best limit row (rows of kind "dataloader" / "limit"; with the
+    spread of the per-round ratios when both were run in the same rounds), and the note."""
     if rate not in ("MB/s", "GB/s"):
         raise ValueError(f"rate={rate!r} must be 'MB/s' or 'GB/s'")
-    dl = [r.samples_per_s for r in rows if r.kind == "dataloader"]
-    lim = [r.samples_per_s for r in rows if r.kind == "limit"]
-    best_dl, best_lim = (max(dl) if dl else None), (max(lim) if lim else None)
+    dl = [r for r in rows if r.kind == "dataloader"]
+    lim = [r for r in rows if r.kind == "limit"]
+    best_dl = max(dl, key=lambda r: r.samples_per_s) if dl else None
+    best_lim = max(lim, key=lambda r: r.samples_per_s) if lim else None
+
+    def vs_dl(r: Measurement) -> str:
+        if best_dl is None or not best_dl.samples_per_s:
+            return "-"
+        return _with_range(_ratio(r.samples_per_s / best_dl.samples_per_s),
+                           None if r is best_dl else r.paired(best_dl), lambda x: _ratio(x)[:-1], "x")
+
+    def vs_lim(r: Measurement) -> str:
+        if best_lim is None or not best_lim.samples_per_s:
+            return "-"
+        pct = f"{100 * r.samples_per_s / best_lim.samples_per_s:.0f}%"
+        sp = None if r is best_lim else r.paired(best_lim)
+        return pct if sp is None else f"{pct} ({100 * sp.lo:.0f}–{100 * sp.hi:.0f}%)"
+
     cols: list[tuple[str, Callable[[Measurement], str]]] = [
         ("system", lambda r: r.system),
-        ("samples/s", lambda r: f"{r.samples_per_s:,.0f}"),
+        ("samples/s", _rate_cell),
         (rate, lambda r: f"{r.mb_per_s:,.1f}" if rate == "MB/s" else f"{r.gb_per_s:.2f}"),
     ]
     if any(r.first_batch_s is not None for r in rows):
-        cols.append(("first batch (cold)", lambda r: "-" if r.first_batch_s is None else f"{r.first_batch_s:.3f} s"))
+        cols.append(("first batch (cold)", _first_batch_cell))
     if any(r.wait_fraction is not None for r in rows):
         cols.append(("stall", lambda r: "-" if r.wait_fraction is None else f"{100 * r.wait_fraction:.0f}%"))
-    cols.append(("vs DataLoader", lambda r: _ratio(r.samples_per_s / best_dl) if best_dl else "-"))
-    cols.append(("vs limit", lambda r: f"{100 * r.samples_per_s / best_lim:.0f}%" if best_lim else "-"))
+    cols.append(("vs DataLoader", vs_dl))
+    cols.append(("vs limit", vs_lim))
     if any(r.note for r in rows):
         cols.append(("note", lambda r: r.note))
     table = [[h for h, _ in cols]] + [[f(r) for _, f in cols] for r in rows]
@@ -220,7 +198,8 @@ def print_table(title: str, rows: Sequence[Measurement], *, rate: str = "GB/s", 
 
 
 def plot(rows: Sequence[Measurement], path: str | os.PathLike, title: str) -> None:
-    """Draw samples/s and the stall fraction of each row to a PNG (matplotlib)."""
+    """Draw samples/s (with the min–max of the repeats as error bars) and the stall fraction
+    of each row to a PNG (matplotlib)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -231,12 +210,15 @@ def plot(rows: Sequence[Measurement], path: str | os.PathLike, title: str) -> No
                                    gridspec_kw={"width_ratios": [3, 1.2]})
     y = list(range(len(rows)))[::-1]
     rates = [r.samples_per_s for r in rows]
-    ax1.barh(y, rates, color=[colors.get(r.kind, "#999") for r in rows])
+    spreads = [r.rate_spread for r in rows]
+    err = [[v - sp.lo for v, sp in zip(rates, spreads)], [sp.hi - v for v, sp in zip(rates, spreads)]]
+    ax1.barh(y, rates, color=[colors.get(r.kind, "#999") for r in rows], xerr=err, capsize=3)
     ax1.set_yticks(y, names)
     ax1.set_xlabel("samples / s (higher is better)")
     for yi, v in zip(y, rates):
         ax1.text(v, yi, f" {v:,.0f}", va="center", fontsize=9)
-    ax1.set_xlim(0, max(rates) * 1.25 if rates and max(rates) > 0 else 1)
+    top = max(sp.hi for sp in spreads) if spreads else 0
+    ax1.set_xlim(0, top * 1.25 if top > 0 else 1)
     ax2.barh(y, [100 * (r.wait_fraction or 0.0) for r in rows], color="#d62728")
     ax2.set_yticks(y, [""] * len(y))
     ax2.set_xlim(0, 100)
@@ -245,80 +227,3 @@ def plot(rows: Sequence[Measurement], path: str | os.PathLike, title: str) -> No
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-# ---------------------------------------------------------------------------- headlines
-RESULTS_ENV = "FASTLOAD_BENCH_RESULTS"
-
-
-def headline(workload: str, *, script: str, ours: tuple[str, float], unit: str,
-             baseline: tuple[str, float] | None = None, limit: tuple[str, float] | None = None,
-             lower_is_better: bool = False, note: str = "", smoke: bool = False) -> dict:
-    """Record one workload's main figure: (label, value) for fastload, the baseline people use
-    today and the limit, all in ``unit`` and measured in the same run. Appended as a JSON line
-    to the file named by $FASTLOAD_BENCH_RESULTS (set by run_all.py), and returned."""
-    for what, pair in (("ours", ours), ("baseline", baseline), ("limit", limit)):
-        if pair is None:
-            continue
-        ok = isinstance(pair[1], (int, float)) and math.isfinite(pair[1])
-        # a cost of ours (time, memory growth) may be zero or below; everything else is a rate or a cost > 0
-        if not ok or (pair[1] <= 0 and not (what == "ours" and lower_is_better)):
-            raise ValueError(f"{workload}: {what} value {pair[1]!r} must be a positive number")
-    rec = {"workload": workload, "script": script, "unit": unit, "lower_is_better": lower_is_better,
-           "ours": list(ours), "baseline": list(baseline) if baseline else None,
-           "limit": list(limit) if limit else None, "note": note, "smoke": smoke,
-           "machine": system_info()}
-    path = os.environ.get(RESULTS_ENV)
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-    return rec
-
-
-def _fmt_value(x: float, unit: str) -> str:
-    if x <= 0:
-        v = f"{x:+.1f}"
-    elif x >= 1e6:
-        v = f"{x / 1e6:.2f} M"
-    elif x >= 1e4:
-        v = f"{x / 1e3:.0f} k"
-    elif x >= 100:
-        v = f"{x:,.0f}"
-    elif x >= 1:
-        v = f"{x:.2f}"
-    else:
-        v = f"{x:.3g}"
-    return f"{v} {unit}"
-
-
-def ratio_vs(rec: dict, which: str) -> float | None:
-    """How many times better fastload is than ``which`` ("baseline" or "limit")."""
-    other = rec.get(which)
-    if not other:
-        return None
-    ours, theirs = rec["ours"][1], other[1]
-    if ours <= 0:  # a cost of zero (no memory growth): no finite ratio
-        return None
-    return theirs / ours if rec["lower_is_better"] else ours / theirs
-
-
-def markdown_table(records: list[dict]) -> str:
-    """The README's results table: one row per recorded headline."""
-    lines = ["| workload (command) | fastload | baseline | limit | vs baseline | vs limit |",
-             "|---|---|---|---|---|---|"]
-    for r in records:
-        unit = r["unit"]
-
-        def cell(pair):
-            return f"{pair[0]}: {_fmt_value(pair[1], unit)}" if pair else "–"
-
-        rb, rl = ratio_vs(r, "baseline"), ratio_vs(r, "limit")
-        if rb is None:
-            vs_b = "none of its cost" if r["ours"][1] <= 0 and r["baseline"] else "–"
-        else:
-            vs_b = f"{rb:,.0f}x" if rb >= 100 else f"{rb:.1f}x"
-        vs_l = "–" if rl is None else f"{100 * rl:.0f}%"
-        work = f"{r['workload']} (`python bench/{r['script']}`)"
-        ours = cell(r["ours"]) + (f" ({r['note']})" if r["note"] else "")
-        lines.append(f"| {work} | {ours} | {cell(r['baseline'])} | {cell(r['limit'])} | {vs_b} | {vs_l} |")
-    return "\n".join(lines)

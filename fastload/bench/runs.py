@@ -50,36 +50,48 @@ def _progress(total: int, desc: str, enabled: bool):
     return Bar(total=total, desc=desc, unit="batch", disable=not enabled, leave=False, dynamic_ncols=True)
 
 
-def _warm_up(loader, batches: int) -> float:
+def _warm_up(loader, batches: int, step: Step | None = None,
+             to_device: Callable[[dict], dict] | None = None) -> float:
     """Cold time to the first batch (pipeline build, worker start-up), then ``batches``
-    batches untimed so that the measured epochs see the steady state."""
+    batches untimed so that the measured epochs see the steady state; a real training step
+    (``step.model``) runs on them too, so that its model is made and torch's one-time set-up
+    is paid before the clock starts."""
     t0 = time.perf_counter()
     it = iter(loader)
     first = None
     for _ in range(max(1, batches)):
         try:
-            next(it)
+            b = next(it)
         except StopIteration:
             break
         if first is None:
             first = time.perf_counter() - t0
+        if step is not None and step.model is not None:
+            step.model(to_device(b) if to_device is not None else b)
     del it
     return first if first is not None else 0.0
 
 
 class Step:
-    """The simulated training step after each batch. On the CPU: ``step_s`` of sleep. On a
-    CUDA device: ``step_s`` of GPU work (``torch.cuda._sleep``, calibrated once) enqueued on
-    the current stream, as a real step is, so that a loader that waits for the training
-    stream (a blocking copy, a host sync) shows it; and ``finish()`` waits for the device, so
-    the clock of an epoch includes the GPU work its batches caused."""
+    """The training step after each batch: ``model`` (a :class:`fastload.bench.models.ModelStep`:
+    a real forward + backward + SGD step on the batch, ``--step mlp|cnn``), or a simulated one.
+    Simulated, on the CPU: ``step_s`` of sleep (the cores stay idle, so it shows whether
+    loading keeps up, not how the loader and torch's threads share the cores). On a CUDA
+    device: ``step_s`` of GPU work (``torch.cuda._sleep``, calibrated once) enqueued on the
+    current stream, as a real step is, so that a loader that waits for the training stream (a
+    blocking copy, a host sync) shows it; and ``finish()`` waits for the device, so the clock
+    of an epoch includes the GPU work its batches caused."""
 
-    def __init__(self, step_s: float, device=None):
+    def __init__(self, step_s: float, device=None, model=None):
         self.step_s = step_s
+        self.model = model
         self.device = device if device is not None and getattr(device, "type", None) == "cuda" else None
         self.cycles = _gpu_sleep_cycles(step_s, self.device) if self.device is not None and step_s else 0
 
-    def __call__(self) -> None:
+    def __call__(self, batch: dict | None = None) -> None:
+        if self.model is not None:
+            self.model(batch)
+            return
         if not self.step_s:
             return
         if self.device is None:
@@ -133,7 +145,7 @@ def _timed_loop(it, step: Step, max_batches: int | None, bar,
         samples += len(next(iter(b.values())))
         nbytes += _batch_bytes(b)
         bar.update(1)
-        step()  # the simulated training step
+        step(b)  # the training step (real or simulated)
     step.finish()  # the epoch ends when the device has done its work
     return samples, nbytes, time.perf_counter() - t0, wait
 
@@ -158,15 +170,17 @@ def run_fastload(path, o) -> Measurement:
                           note=f"device={loader.device.type}, threads={loader.threads}")
         res.extra["device"] = loader.device.type
         res.extra["torch_device"] = str(loader.device)
-        res.first_batch_s = _warm_up(loader, o.warmup)
+        step = Step(o.step_ms / 1e3, loader.device, model_step(o, ds, images[0] if images else None))
+        res.first_batch_s = _warm_up(loader, o.warmup, step)
         total = sum(min(len(loader), o.max_batches or len(loader)) for _ in range(o.epochs))
         stages = {"gather_s": 0.0, "decode_s": 0.0, "copy_s": 0.0}
         wait = 0.0
-        step = Step(o.step_ms / 1e3, loader.device)
         with _progress(total, "fastload", o.progress) as bar:
             for e in range(o.epochs):
                 loader.set_epoch(e)
                 n, nb, sec, w = _timed_loop(loader, step, o.max_batches, bar)
+                if sec > 0:
+                    res.round_rates.append(n / sec)  # each epoch's rate: the row's spread
                 s = loader.stats()
                 for k in stages:
                     stages[k] += s["stages"][k]
@@ -176,6 +190,8 @@ def run_fastload(path, o) -> Measurement:
                 wait += w
         res.wait_fraction = wait / res.seconds if res.seconds else 0.0
         res.stages = stages
+        if step.model is not None:
+            res.extra["steps"] = step.model.calls  # the warm-up batches' included
         return res
     finally:
         loader.close()
@@ -213,9 +229,9 @@ def run_torch(path, o, workers: int, device=None) -> Measurement:
     def to_device(b: dict) -> dict:
         return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
 
-    step = Step(o.step_ms / 1e3, device)
+    step = Step(o.step_ms / 1e3, device, model_step(o, ds, "image" if images else None))
     res = Measurement(f"DataLoader num_workers={workers}", 0, 0, 0.0, "dataloader", note=note)
-    res.first_batch_s = _warm_up(dl, o.warmup)  # starts the (persistent) workers
+    res.first_batch_s = _warm_up(dl, o.warmup, step, to_device if cuda else None)  # starts the (persistent) workers
     wait = 0.0
     total = sum(min(len(dl), o.max_batches or len(dl)) for _ in range(o.epochs))
     with _progress(total, f"torch w={workers}", o.progress) as bar:
@@ -226,13 +242,41 @@ def run_torch(path, o, workers: int, device=None) -> Measurement:
                 n, nb, sec, w = _timed_loop(it, step, o.max_batches, bar, to_device if cuda else None)
             finally:
                 del it
+            if sec > 0:
+                res.round_rates.append(n / sec)
             res.samples += n
             res.nbytes += nb
             res.seconds += sec
             wait += w
     del dl  # persistent workers exit here
     res.wait_fraction = wait / res.seconds if res.seconds else 0.0
+    if step.model is not None:
+        res.extra["steps"] = step.model.calls
     return res
+
+
+def model_step(o, ds, image_key: str | None):
+    """The real training step ``--step`` asks for (a fresh model for each system), or None."""
+    if o.step is None:
+        return None
+    from .models import ModelStep
+
+    classes = len(ds.class_names) if getattr(ds, "class_names", None) else 10
+    return ModelStep(o.step, classes=classes, label_key=ds.label_field or "label", image_key=image_key)
+
+
+def check_step(o, ds) -> None:
+    """ValueError when ``--step`` cannot train on what this dataset delivers."""
+    images = _image_fields(ds)
+    if o.step == "cnn" and (not images or o.transform == "none"):
+        raise ValueError(f"--step cnn trains a CNN on images: {ds.path} has no image field"
+                         if not images else "--step cnn needs the images decoded: --transform train224 or eval224")
+    if o.step == "mlp":
+        floats = [n for n in _raw_fields(ds) if ds.fields[n].kind == "tensor"
+                  and np.dtype(ds.fields[n].np_dtype).kind == "f"]
+        if not floats and not (images and o.transform != "none"):
+            raise ValueError(f"--step mlp trains on a floating-point tensor field (e.g. float32[784]) or decoded "
+                             f"images; {ds.path} has neither (fields: {', '.join(ds.fields)})")
 
 
 def _dali_args(ds, name: str, idx: np.ndarray) -> tuple:
@@ -253,8 +297,11 @@ def run_limit(path, o, device: str, nbytes_per_sample: float, samples: int,
         name = images[0]
         if device == "cuda" and device_id is None:
             raise ValueError("run_limit: device='cuda' needs the device_id of the GPU to run DALI on")
+        from ..loader.parts import images_checked
+
         runner = transform_for(o.transform).runner(device=device, batch_size=o.batch_size, seed=0,
                                                    device_id=device_id if device == "cuda" else None)
+        runner.whole_batches = images_checked(ds)  # whole batches where the Loader's runners decode them
         order = np.random.default_rng(0).permutation(len(ds))[:samples]
         try:
             runner.run(*_dali_args(ds, name, order[:o.batch_size]))  # warm-up: build the graph
@@ -294,6 +341,7 @@ def run(path, o) -> dict:
     ds = Dataset(path)
     if o.transform != "none" and not _image_fields(ds):
         o = dataclasses.replace(o, transform="none")
+    check_step(o, ds)
     not_measured = []
     if not torch.cuda.is_available():
         not_measured.append("the GPU path (device='cuda': nvJPEG/mixed decoding, pinned-memory copies): "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..system import IMAGE_FEEDERS
+from ..system import IMAGE_FEEDERS, LOADER_NICE
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 NO_GPU_NOTE = "no GPU: nothing ran on a device"
@@ -53,6 +53,8 @@ class Facts:
     torch_threads: int = 1
     gather_threads: int = 1  # fastload's plan for this rank
     dali_threads: int = 1
+    loader_nice: int = LOADER_NICE  # the nice value of fastload's threads (FASTLOAD_NICE)
+    loader_nice_error: str | None = None  # FASTLOAD_NICE is malformed
     dataset: str | None = None
     dataset_error: str | None = None
     shards: int | None = None

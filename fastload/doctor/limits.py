@@ -92,15 +92,27 @@ def check_threads(f: Facts) -> Check:
 
 
 def check_torch_threads(f: Facts) -> Check:
+    """torch's intra-op threads beside fastload's, as the policy has them (README "Threads,
+    cores and the training step"): fastload never changes torch's threads, and its own run at
+    nice ``loader_nice`` below the loop, so on a CPU job they only take the cores the step
+    leaves idle. A WARN only where that cannot help: torch alone asks for more threads than
+    the rank has cores, or fastload's threads were put at the loop's priority
+    (FASTLOAD_NICE=0) with everything together far above the cores."""
     per_rank = max(1, f.cores // f.local_world_size)
+    loader = f.gather_threads + f.dali_threads
     msg = f"torch uses {f.torch_threads} intra-op thread(s) per rank"
+    if f.loader_nice_error is not None:
+        return Check(WARN, "torch threads", f"{msg}; {f.loader_nice_error}")
     if f.torch_threads > per_rank:
         return Check(WARN, "torch threads", f"{msg}, more than the {per_rank} core(s) a rank has: set "
                      f"OMP_NUM_THREADS={per_rank} (or torch.set_num_threads({per_rank}))")
-    if f.device == "cpu" and f.torch_threads + f.gather_threads + f.dali_threads > 2 * per_rank:
-        return Check(WARN, "torch threads", f"{msg}; with fastload's {f.gather_threads + f.dali_threads} the "
-                     f"training step and the loader fight for {per_rank} core(s): lower one of them")
-    return Check(OK, "torch threads", f"{msg} ({per_rank} core(s) per rank)")
+    if f.device == "cpu" and f.loader_nice <= 0 and f.torch_threads + loader > 2 * per_rank:
+        return Check(WARN, "torch threads", f"{msg}; fastload's {loader} thread(s) run at the loop's priority "
+                     f"(FASTLOAD_NICE=0), so the training step and the loader fight for {per_rank} core(s): unset "
+                     "FASTLOAD_NICE (fastload's threads then yield to the loop)")
+    yields = (f"; fastload's {loader} thread(s) run at nice {f.loader_nice}, below the loop: they take the cores "
+              "the step leaves idle" if f.loader_nice > 0 else "")
+    return Check(OK, "torch threads", f"{msg} ({per_rank} core(s) per rank){yields}")
 
 
 def check_dataset(f: Facts) -> Check | None:

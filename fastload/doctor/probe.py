@@ -70,11 +70,17 @@ def _shm() -> tuple[int, int] | None:
 
 def _thread_plan(f: Facts) -> None:
     """fastload's per-rank threads, from the functions the Loader sizes them with."""
+    from ..errors import UsageError
     from ..loader.options import default_gather_threads
     from ..pipeline import default_threads as dali_default
+    from ..system import loader_nice
 
     f.gather_threads = default_gather_threads()
     f.dali_threads = DECODE_WORKERS * dali_default(f.device)
+    try:
+        f.loader_nice = loader_nice()
+    except UsageError as e:
+        f.loader_nice_error = str(e)
 
 
 def _dataset(f: Facts, batch_size: int) -> None:
