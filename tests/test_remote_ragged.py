@@ -263,3 +263,57 @@ def test_lengths_over_http(tmp_path, ranges):
             assert cached == [s["file"] for s in m["shards"]]  # read through the cache
         with pytest.raises(TypeError, match="not a ragged one"):
             ds.lengths("label")
+
+
+def test_one_rank_of_the_node_reads_the_lengths(tok, proxy, tmp_path):
+    """Two readers of one cache directory (two local ranks) ask at once: one reads the lengths
+    with byte ranges (under the cache's flock), the other takes them from its file."""
+    import threading
+
+    local, url, lengths = tok
+    got = {}
+    with fastload.Dataset(url, cache_dir=tmp_path / "c") as a, fastload.Dataset(url, cache_dir=tmp_path / "c") as b:
+        threads = [threading.Thread(target=lambda d=d, k=k: got.__setitem__(k, d.lengths("tokens")),
+                                    name=f"fastload-test-rank{k}") for k, d in enumerate((a, b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert np.array_equal(got[0], lengths) and np.array_equal(got[1], lengths)
+    for s in _manifest(local)["shards"]:
+        assert len(_shard_gets(proxy.log, s["file"])) == 2  # read once, not once per reader
+
+
+def test_the_layout_parser_refuses_damage_with_its_own_error(tmp_path):
+    """Damaged footers and record batch headers raise LayoutError (read again, then a
+    FormatError naming the shard), never a stray IndexError or struct.error."""
+    from fastload.remote.ipc_layout import LayoutError, list_column, parse_footer
+
+    make_tokens(tmp_path / "t", first=False, docs=300)
+    m = _manifest(tmp_path / "t")
+    data = (tmp_path / "t" / m["shards"][0]["file"]).read_bytes()
+    footer = parse_footer(data, len(data))
+    b = footer.batches[0]
+    meta = data[b.offset:b.offset + b.meta_length]
+    col = list_column(footer, meta, "tokens")
+    off = np.frombuffer(data[col.offsets_at:col.offsets_at + col.offsets_bytes], "<i8")
+    assert col.rows == m["shards"][0]["num_samples"] and off[-1] == col.items
+    with pytest.raises(LayoutError, match="no column 'nope'"):
+        list_column(footer, meta, "nope")
+    with pytest.raises(LayoutError, match="not a large_list"):
+        list_column(footer, meta, "label")
+    rng = np.random.default_rng(0)
+    tail_at = len(data) - 10 - int.from_bytes(data[-10:-6], "little")
+    outcomes = {"ok": 0, "refused": 0}
+    for trial in range(3000):
+        tail, head = bytearray(data[tail_at:]), bytearray(meta)
+        buf = tail if trial % 2 else head
+        for _ in range(rng.integers(1, 4)):
+            buf[rng.integers(0, len(buf))] = rng.integers(0, 256)
+        try:
+            fb = parse_footer(bytes(tail), len(data))
+            list_column(fb, bytes(head), "tokens")
+            outcomes["ok"] += 1
+        except LayoutError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 100 and outcomes["ok"] > 100, outcomes

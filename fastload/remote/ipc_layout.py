@@ -139,8 +139,10 @@ def parse_footer(tail: bytes, size: int) -> Footer:
     return Footer(schema.tables(1), batches, root.vector(2, 24)[1])
 
 
-def _subtree(field: _Table) -> tuple[int, int]:
+def _subtree(field: _Table, depth: int = 0) -> tuple[int, int]:
     """(nodes, buffers) a field takes in a record batch, children included."""
+    if depth > 64:
+        raise LayoutError("the schema nests types more than 64 deep")
     if field.table(4) is not None:  # dictionary-encoded: indices here, values in a dictionary batch
         return 1, 2
     kind = field.scalar(2, "<B")
@@ -148,7 +150,7 @@ def _subtree(field: _Table) -> tuple[int, int]:
         raise LayoutError(f"field {field.string(0)!r} has an Arrow type (id {kind}) whose layout is not read here")
     nodes, bufs = 1, _BUFFERS[kind]
     for child in field.tables(5):
-        n, b = _subtree(child)
+        n, b = _subtree(child, depth + 1)
         nodes, bufs = nodes + n, bufs + b
     return nodes, bufs
 
