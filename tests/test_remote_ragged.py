@@ -139,10 +139,11 @@ def test_ragged_batches_from_a_url_equal_local_across_epochs(tok, tmp_path, how)
     assert st["evictions"] > 0
 
 
-def test_pack_to_resumes_with_an_empty_cache(tok, tmp_path):
+@pytest.mark.parametrize("how", ["padded", "packed", "pack_to"])
+def test_ragged_resumes_with_an_empty_cache(tok, tmp_path, how):
     local, url, _ = tok
-    kw = dict(batch_size=4, pack_to=48, fields=["tokens"], seed=5, shuffle_mode="window", window=1, device="cpu",
-              prefetch=2)
+    kw = dict(batch_size=4, seed=5, shuffle_mode="window", window=1, device="cpu", prefetch=2)
+    kw.update(dict(pack_to=48, fields=["tokens"]) if how == "pack_to" else dict(ragged=how, batch_size=12))
     with fastload.Loader(local, **kw) as lo:
         want = _batches(lo)
     limit = 4 * max(s["bytes"] for s in _manifest(local)["shards"])
