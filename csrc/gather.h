@@ -32,11 +32,15 @@ struct Source {
 };
 
 // One shard of one ragged field: sample r is items offsets[r]..offsets[r+1]-1 of `values`.
+// `offsets` is null while the shard is not loaded (Ring::set_source installs and drops it);
+// `gen` changes with every install or drop, so a batch planned from one source is never
+// copied from another (see Note [Ragged gather]).
 struct RaggedSource {
   const std::uint8_t* values = nullptr;   // `items` items of item_bytes each
   const std::int64_t* offsets = nullptr;  // rows + 1 entries
   std::int64_t rows = 0;
   std::int64_t items = 0;
+  std::uint64_t gen = 0;
 };
 
 // How a ragged field is gathered and laid out in a batch (see Note [Ragged gather]).
@@ -57,6 +61,7 @@ struct RaggedPlan {
   std::vector<std::int64_t> src;  // per row: first item in its shard's values
   std::vector<std::int64_t> dst;  // rows + 1: rebased offsets (prefix sums of the item counts)
   std::vector<std::int64_t> first;  // positions only: per row, its first item's place in its sample
+  std::vector<std::uint64_t> gen;   // per row: the generation of the source it was planned from
   std::int64_t width = 0;         // padded: items per row of the output
   std::size_t bytes = 0;          // output bytes (packed: total items; padded: rows * width)
   std::uint8_t* own = nullptr;    // memory of its own when `bytes` exceeds the slot region
@@ -64,8 +69,8 @@ struct RaggedPlan {
   RaggedPlan(const RaggedPlan&) = delete;
   RaggedPlan& operator=(const RaggedPlan&) = delete;
   RaggedPlan(RaggedPlan&& o) noexcept
-      : src(std::move(o.src)), dst(std::move(o.dst)), first(std::move(o.first)), width(o.width), bytes(o.bytes),
-        own(o.own) {
+      : src(std::move(o.src)), dst(std::move(o.dst)), first(std::move(o.first)), gen(std::move(o.gen)),
+        width(o.width), bytes(o.bytes), own(o.own) {
     o.own = nullptr;
   }
   RaggedPlan& operator=(RaggedPlan&& o) noexcept {
@@ -74,6 +79,7 @@ struct RaggedPlan {
       src = std::move(o.src);
       dst = std::move(o.dst);
       first = std::move(o.first);
+      gen = std::move(o.gen);
       width = o.width;
       bytes = o.bytes;
       own = o.own;
@@ -205,7 +211,10 @@ inline ErrKind gather_rows(const Layout& L, const std::int64_t* shard, const std
 // batch's offsets, rebased to 0); padded, row i starts at i * width items and the rest of the
 // row is filled with the pad element. gather_ragged() then copies a range of rows (so one
 // batch can be split across threads), runs of consecutive items coalesced into one copy, and
-// writes the rebased offsets. Each item is copied exactly once. A packed field with
+// writes the rebased offsets. Each item is copied exactly once. A shard's sources can be
+// installed and dropped while a ring runs (Ring::set_source): the plan records, per row, the
+// generation of the source it read, and the ring refuses to copy a row whose source changed
+// since (a batch is never planned from one source and copied from another). A packed field with
 // `positions` also gets each item's position within its sample (int64: the row's window
 // start plus its place in the row), the position ids of sequence packing, written by the
 // same producer right after the items.
@@ -219,6 +228,7 @@ inline ErrKind plan_ragged(const RaggedSpec& spec, const std::int64_t* shard, co
   const std::int64_t nshards = static_cast<std::int64_t>(spec.sources.size());
   plan.src.assign(static_cast<std::size_t>(n), 0);
   plan.dst.assign(static_cast<std::size_t>(n) + 1, 0);
+  plan.gen.assign(static_cast<std::size_t>(n), 0);
   if (spec.positions) plan.first.assign(static_cast<std::size_t>(n), 0);
   std::int64_t total = 0, widest = 0;
   for (std::int64_t i = 0; i < n; ++i) {
@@ -233,6 +243,11 @@ inline ErrKind plan_ragged(const RaggedSpec& spec, const std::int64_t* shard, co
       msg = "sample " + std::to_string(i) + ": row " + std::to_string(r) +
             " is out of range for shard " + std::to_string(s) + " (" + std::to_string(src.rows) + " rows)";
       return ErrKind::Index;
+    }
+    if (src.offsets == nullptr) {
+      msg = "sample " + std::to_string(i) + ": shard " + std::to_string(s) +
+            " is not loaded (its source was never installed or was dropped)";
+      return ErrKind::Value;
     }
     const std::int64_t o0 = src.offsets[r], o1 = src.offsets[r + 1];
     if (o0 < 0 || o1 < o0 || o1 > src.items) {
@@ -251,6 +266,7 @@ inline ErrKind plan_ragged(const RaggedSpec& spec, const std::int64_t* shard, co
     if (count != nullptr && count[i] >= 0) k = std::min(k, count[i]);
     if (spec.max_items >= 0) k = std::min(k, spec.max_items);
     plan.src[i] = o0 + first;
+    plan.gen[i] = src.gen;
     if (spec.positions) plan.first[i] = first;
     total += k;
     plan.dst[i + 1] = total;
@@ -263,6 +279,23 @@ inline ErrKind plan_ragged(const RaggedSpec& spec, const std::int64_t* shard, co
   } else {
     plan.width = 0;
     plan.bytes = static_cast<std::size_t>(total) * spec.item_bytes;
+  }
+  return ErrKind::None;
+}
+
+// Rows begin..end-1 of a planned batch still read the sources they were planned from (no
+// set_source() installed or dropped their shard since): ErrKind::None, else Value with `msg`.
+inline ErrKind check_planned(const RaggedSpec& spec, const RaggedPlan& plan, const std::int64_t* shard,
+                             std::int64_t begin, std::int64_t end, std::string& msg) {
+  for (std::int64_t i = begin; i < end; ++i) {
+    const RaggedSource& src = spec.sources[static_cast<std::size_t>(shard[i])];
+    if (src.gen != plan.gen[static_cast<std::size_t>(i)]) {
+      msg = "sample " + std::to_string(i) + ": shard " + std::to_string(shard[i]) +
+            (src.offsets == nullptr ? " was dropped" : " was replaced") +
+            " (set_source) after the batch was planned; a shard's sources must stay installed until the "
+            "batches that read it are gathered";
+      return ErrKind::Value;
+    }
   }
   return ErrKind::None;
 }

@@ -164,9 +164,18 @@ const std::int64_t* optional_index(const py::object& a, std::int64_t n, IndexArr
   return keep.data();
 }
 
-// One shard of a ragged field: (values, offsets) through the buffer protocol, checked.
+// One shard of a ragged field: (values, offsets) through the buffer protocol, checked; an int
+// instead is a shard that is not loaded yet (its row count). Pushes two entries to `keep`.
 RaggedSource load_ragged_source(const FieldDesc& fd, py::handle pair,
                                 std::vector<std::unique_ptr<py::buffer_info>>& keep) {
+  if (py::isinstance<py::int_>(pair)) {
+    RaggedSource unloaded;
+    unloaded.rows = pair.cast<std::int64_t>();
+    keep.push_back(nullptr);
+    keep.push_back(nullptr);
+    return unloaded;
+  }
+  if (!py::isinstance<py::tuple>(pair)) throw py::value_error("field '" + fd.name + "': a ragged source is (values, offsets)");
   py::tuple t = py::reinterpret_borrow<py::tuple>(pair);
   if (t.size() != 2) throw py::value_error("field '" + fd.name + "': a ragged source is (values, offsets)");
   FieldDesc items = fd;
@@ -314,8 +323,12 @@ class BoundRing {
       py::object rdesc = ragged[f];
       if (!rdesc.is_none()) {  // items of row_bytes each; sources are (values, offsets) pairs
         RaggedSpec rs = ragged_spec(fd, rdesc);
+        ragged_bufs_.emplace_back();
         if (!fs.is_none())
-          for (py::handle h : fs) rs.sources.push_back(load_ragged_source(fd, h, ragged_bufs_));
+          for (py::handle h : fs) {
+            ragged_bufs_.back().emplace_back();
+            rs.sources.push_back(load_ragged_source(fd, h, ragged_bufs_.back().back()));
+          }
         fd.ragged = static_cast<int>(layout.ragged.size());
         layout.ragged.push_back(std::move(rs));
         layout.row_bytes.push_back(0);
@@ -332,30 +345,55 @@ class BoundRing {
                                    static_cast<std::size_t>(min_part_bytes), nice);
   }
 
-  // Install (arrays, one per field; None for fields without sources) or drop (every entry
-  // None) one shard's sources. The ring waits until no gather runs (GIL released meanwhile);
-  // the buffers it no longer reads are released afterwards, with the GIL held.
+  // Install (arrays, one per field: a (values, offsets) pair for a ragged field; None for
+  // fields without sources) or drop (every entry None) one shard's sources. The ring waits
+  // until no gather or ragged planning runs (GIL released meanwhile); the buffers it no longer
+  // reads are released afterwards, with the GIL held. Concurrent calls for one shard keep the
+  // buffers of the swap the ring applied last.
   void set_source(std::int64_t shard, const py::list& per_field) {
     const std::size_t nf = fields_.size();
     if (py::len(per_field) != nf) throw py::value_error("set_source: one entry per field");  // guards per_field[f]
-    const Layout& L = ring_->layout();  // the shard's range: asserted by Ring::set_source before bufs_ is indexed
+    const Layout& L = ring_->layout();
+    if (shard < 0 || shard >= L.num_shards())  // before bufs_ is indexed
+      throw py::index_error("set_source: shard " + std::to_string(shard) + " is out of range (" +
+                            std::to_string(L.num_shards()) + " shards)");
+    const std::size_t sh = static_cast<std::size_t>(shard);
     std::vector<Source> srcs(nf);
     std::vector<std::unique_ptr<py::buffer_info>> fresh(nf);
+    std::vector<RaggedSource> rsrcs(L.ragged.size());
+    std::vector<std::vector<std::unique_ptr<py::buffer_info>>> rfresh(L.ragged.size());
     for (std::size_t f = 0; f < nf; ++f) {
       py::handle h = per_field[f];
+      const int g = fields_[f].ragged;
+      if (g >= 0) {
+        if (h.is_none()) {
+          rfresh[g].resize(2);
+          continue;
+        }
+        if (py::isinstance<py::int_>(h)) throw py::value_error("set_source: field '" + fields_[f].name +
+                                                               "' needs (values, offsets) or None");
+        rsrcs[g] = load_ragged_source(fields_[f], h, rfresh[g]);
+        continue;
+      }
       if (h.is_none() || !L.sourced(f)) continue;
       std::vector<std::unique_ptr<py::buffer_info>> one;
       srcs[f] = load_source(fields_[f], h, one);
       fresh[f] = std::move(one.back());
     }
+    std::uint64_t seq;
     {
       py::gil_scoped_release nogil;
-      ring_->set_source(shard, srcs);
+      seq = ring_->set_source(shard, srcs, rsrcs);
     }
+    if (swap_seq_.size() != static_cast<std::size_t>(L.num_shards())) swap_seq_.assign(L.num_shards(), 0);
+    if (seq < swap_seq_[sh]) return;  // a later swap of this shard is in place: ours are released here
+    swap_seq_[sh] = seq;
     for (std::size_t f = 0; f < nf; ++f) {
       if (!L.sourced(f)) continue;
-      bufs_[f][static_cast<std::size_t>(shard)] = std::move(fresh[f]);  // the old one is released
+      bufs_[f][sh] = std::move(fresh[f]);  // the old one is released
     }
+    for (std::size_t g = 0; g < rfresh.size(); ++g)
+      if (sh < ragged_bufs_[g].size()) ragged_bufs_[g][sh] = std::move(rfresh[g]);
   }
 
   // Joins the producers with the GIL held: they never take the GIL, so this cannot deadlock;
@@ -581,7 +619,9 @@ class BoundRing {
   std::vector<FieldDesc> fields_;
   // keep the sources exported: [field][shard] (null: not loaded)
   std::vector<std::vector<std::unique_ptr<py::buffer_info>>> bufs_;
-  std::vector<std::unique_ptr<py::buffer_info>> ragged_bufs_;  // ragged fields' (values, offsets)
+  // ragged fields' (values, offsets): [ragged field][shard] -> two buffers (null: not loaded)
+  std::vector<std::vector<std::vector<std::unique_ptr<py::buffer_info>>>> ragged_bufs_;
+  std::vector<std::uint64_t> swap_seq_;  // per shard: the sequence number of the swap bufs_ hold
   std::shared_ptr<Ring> ring_;
 };
 
@@ -754,8 +794,9 @@ PYBIND11_MODULE(_C, m) {
       .def("acquire", &BoundRing::acquire,
            "Reserve the next batch for an external fill; returns (FillHandle, arrays).")
       .def("set_source", &BoundRing::set_source, py::arg("shard"), py::arg("sources"),
-           "Install (one array per field, None for unsourced fields) or drop (all None) one "
-           "shard's sources while the ring runs; waits until no gather is running.")
+           "Install (one array per field, a (values, offsets) pair per ragged field, None for "
+           "unsourced fields) or drop (all None) one shard's sources while the ring runs; waits "
+           "until no gather or ragged planning is running.")
       .def("close", &BoundRing::close, "Stop and join the producer threads. Idempotent.")
       .def("slot_memory", &BoundRing::slot_memory, py::arg("slot"))
       .def("stats", &BoundRing::stats)

@@ -262,6 +262,18 @@ std::int64_t Ring::submit_sized(const std::int64_t* shard, const std::int64_t* r
       throw std::invalid_argument("submit: a field of this ring has no sources");
   if ((layout_.index_field >= 0) != (index != nullptr))
     throw std::invalid_argument("submit: global indices are needed exactly when the ring has an index field");
+  // Ragged planning reads the shards' offsets outside the lock: no set_source() meanwhile.
+  const bool planning = !layout_.ragged.empty();
+  if (planning) begin_planning();
+  struct Planning {  // leaves the planning count on every path (an allocation may throw)
+    Ring* ring;
+    bool on;
+    ~Planning() {
+      if (!on) return;
+      std::lock_guard<std::mutex> g(ring->mu_);
+      ring->end_planning_locked();
+    }
+  } guard{this, planning};
   std::vector<std::shared_ptr<Request>> reqs;
   reqs.reserve(static_cast<std::size_t>(batches));
   std::int64_t e = 0;
@@ -287,6 +299,10 @@ std::int64_t Ring::submit_sized(const std::int64_t* shard, const std::int64_t* r
     reqs.push_back(std::move(r));
   }
   std::lock_guard<std::mutex> lk(mu_);
+  if (planning) {
+    guard.on = false;
+    end_planning_locked();
+  }
   if (stop_) throw std::logic_error("submit() on a closed ring");
   for (auto& r : reqs) {
     r->seq = next_seq_++;
@@ -295,6 +311,17 @@ std::int64_t Ring::submit_sized(const std::int64_t* shard, const std::int64_t* r
   }
   assign_locked();
   return static_cast<std::int64_t>(reqs.size());
+}
+
+void Ring::begin_planning() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_idle_.wait(lk, [&] { return stop_ || !paused_; });
+  if (stop_) throw std::logic_error("submit() on a closed ring");
+  ++planning_;
+}
+
+void Ring::end_planning_locked() {
+  if (--planning_ == 0 && paused_) cv_idle_.notify_all();
 }
 
 // Give FREE slots to requests in sequence order. Called with mu_ held.
@@ -441,7 +468,10 @@ ErrKind Ring::gather(const Request& r, const std::int64_t* shard, const std::int
   std::vector<std::uint8_t*> heap_dst(nf > kInline ? nf : 0);
   std::uint8_t** dst = nf > kInline ? heap_dst.data() : inline_dst;
   for (std::size_t f = 0; f < nf; ++f) dst[f] = base + layout_.offsets[f];
-  ErrKind e = gather_rows(layout_, shard, row, index, begin, end, dst, msg);
+  ErrKind e = ErrKind::None;
+  for (std::size_t g = 0; g < layout_.ragged.size() && e == ErrKind::None; ++g)  // not swapped since planned
+    e = check_planned(layout_.ragged[g], r.ragged[g], shard, begin, end, msg);
+  if (e == ErrKind::None) e = gather_rows(layout_, shard, row, index, begin, end, dst, msg);
   if (e == ErrKind::None) {
     for (std::size_t f = 0; f < nf; ++f) {
       if (!layout_.is_ragged(f)) continue;
@@ -655,29 +685,47 @@ ErrKind Ring::gather_external(const std::shared_ptr<Request>& r, const std::int6
   return e;
 }
 
-void Ring::set_source(std::int64_t shard, const std::vector<Source>& per_field) {
+std::uint64_t Ring::set_source(std::int64_t shard, const std::vector<Source>& per_field,
+                               const std::vector<RaggedSource>& per_ragged) {
   check_owner();
   if (shard < 0 || shard >= layout_.num_shards())
     throw std::out_of_range("set_source: shard " + std::to_string(shard) + " is out of range (" +
                             std::to_string(layout_.num_shards()) + " shards)");
   if (per_field.size() != layout_.sources.size())
     throw std::invalid_argument("set_source: one source per field");
+  if (!per_ragged.empty() && per_ragged.size() != layout_.ragged.size())
+    throw std::invalid_argument("set_source: one ragged source per ragged field");
+  const std::int64_t rows = layout_.shard_rows[static_cast<std::size_t>(shard)];
   for (std::size_t f = 0; f < per_field.size(); ++f)
-    if (layout_.sourced(f) && per_field[f].ptr != nullptr &&
-        per_field[f].rows != layout_.shard_rows[shard])
+    if (layout_.sourced(f) && per_field[f].ptr != nullptr && per_field[f].rows != rows)
       throw std::invalid_argument("set_source: a source has the wrong number of rows");
+  for (const RaggedSource& rs : per_ragged)
+    if (rs.offsets != nullptr && (rs.rows != rows || rs.items < 0 || (rs.values == nullptr && rs.items > 0)))
+      throw std::invalid_argument("set_source: a ragged source has the wrong number of rows");
   std::unique_lock<std::mutex> lk(mu_);
   cv_idle_.wait(lk, [&] { return !paused_; });  // one set_source at a time
   paused_ = true;
-  cv_idle_.wait(lk, [&] { return running_ == 0 && sync_gathers_ == 0; });
+  cv_idle_.wait(lk, [&] { return running_ == 0 && sync_gathers_ == 0 && planning_ == 0; });
   for (std::size_t f = 0; f < per_field.size(); ++f) {
     if (!layout_.sourced(f)) continue;
-    layout_.sources[f][shard].ptr = per_field[f].ptr;
+    layout_.sources[f][static_cast<std::size_t>(shard)].ptr = per_field[f].ptr;
   }
+  for (std::size_t g = 0; g < per_ragged.size(); ++g) {
+    if (layout_.ragged[g].sources.size() <= static_cast<std::size_t>(shard)) continue;  // a field without sources
+    RaggedSource& dst = layout_.ragged[g].sources[static_cast<std::size_t>(shard)];
+    const RaggedSource& src = per_ragged[g];
+    const bool load = src.offsets != nullptr;
+    dst.values = load ? src.values : nullptr;
+    dst.offsets = load ? src.offsets : nullptr;
+    dst.items = load ? src.items : 0;
+    ++dst.gen;  // batches planned from the old source are not copied from this one
+  }
+  const std::uint64_t seq = ++swaps_;
   paused_ = false;
   cv_idle_.notify_all();
   cv_work_.notify_all();
   if (waiters_ > 0) cv_cons_.notify_all();
+  return seq;
 }
 
 void Ring::publish_external(const std::shared_ptr<Request>& r, std::int64_t rows, ErrKind err,

@@ -62,12 +62,18 @@
 //
 // Note [Shard sources]
 // ~~~~~~~~~~~~~~~~~~~~
-// Every sourced field has one Source per shard. A shard may start unloaded (ptr null) and be
-// installed, dropped and installed again while the ring runs (a remote dataset's cache maps a
-// shard when it arrives and unmaps it after its last use). Gathers read the sources without
-// the lock, so set_source() pauses the start of new gathers (paused_), waits for the running
-// ones (running_ jobs, sync_gathers_) to finish, swaps the pointers under mu_, and resumes:
-// pointer writes happen-before every later gather through mu_. A pause lasts one gather part.
+// Every sourced field has one Source per shard (a ragged field one RaggedSource). A shard may
+// start unloaded (null pointers) and be installed, dropped and installed again while the ring
+// runs (a remote dataset's cache maps a shard when it arrives and unmaps it after its last
+// use). Gathers read the sources without the lock, and so does the planning of ragged fields
+// in submit (their offsets), so set_source() pauses the start of new gathers and plans
+// (paused_), waits for the running ones (running_ jobs, sync_gathers_, planning_ submits) to
+// finish, swaps the pointers under mu_, and resumes: pointer writes happen-before every later
+// gather and plan through mu_. A pause lasts one gather part or one submit's planning.
+// A ragged batch is planned in submit and copied later: each planned row records its source's
+// generation (RaggedSource::gen, changed by every swap), and a row whose shard was dropped or
+// replaced in between fails with ErrKind::Value instead of mixing two sources (a batch is
+// never torn). A batch planned from a shard that is not loaded fails naming the shard.
 //
 // Shutdown. close() sets stop_, drops queued jobs, wakes everyone, joins the producers and
 // waits for in-flight synchronous gathers (gather_external). Afterwards submit/take/commit
@@ -175,10 +181,14 @@ class Ring : public std::enable_shared_from_this<Ring> {
   void drop_external(const std::shared_ptr<Request>& r);
 
   // Install (ptr != null) or drop (ptr == null) one shard's sources, one Source per field
-  // (entries of unsourced fields are ignored; rows must equal the shard's rows). Waits until
-  // no gather is running, so no producer reads the old pointers afterwards; batches gathered
-  // later from a dropped shard fail with ErrKind::Value naming it. See Note [Shard sources].
-  void set_source(std::int64_t shard, const std::vector<Source>& per_field);
+  // (entries of unsourced fields are ignored; rows must equal the shard's rows) and one
+  // RaggedSource per ragged field (offsets null: drop; may be empty when the ring has no
+  // ragged field). Waits until no gather or ragged planning is running, so nothing reads the
+  // old pointers afterwards; batches planned or gathered later from a dropped shard fail with
+  // ErrKind::Value naming it. Returns the swap's sequence number (increasing: the binding
+  // keeps the buffers of the latest swap of a shard). See Note [Shard sources].
+  std::uint64_t set_source(std::int64_t shard, const std::vector<Source>& per_field,
+                           const std::vector<RaggedSource>& per_ragged = {});
 
   void close();
   // True in a process forked from the one that made this ring (see Note [Ring design]).
@@ -225,6 +235,10 @@ class Ring : public std::enable_shared_from_this<Ring> {
   bool hand_out_locked(Delivery& d);  // true: a slot must be grown
   void grow_slot(Delivery& d);
   std::uint8_t* alloc_slot_memory();  // no lock held
+  // A submit's ragged planning reads sources without the lock: it starts when no set_source()
+  // is swapping (waits for !paused_) and counts in planning_ until end_planning_locked().
+  void begin_planning();
+  void end_planning_locked();
   // Plan a request's ragged fields (and give a batch too large for its slot region memory of
   // its own). No lock held. Returns ErrKind::None or the error with `msg` set.
   ErrKind plan_locked_free(Request& r, const std::int64_t* start, const std::int64_t* count,
@@ -264,6 +278,8 @@ class Ring : public std::enable_shared_from_this<Ring> {
   int in_use_ = 0;                    // slots in state InUse
   int sync_gathers_ = 0;              // gather_external calls in flight
   int running_ = 0;                   // producer / consumer gather parts in flight
+  int planning_ = 0;                  // submits planning ragged fields (reading offsets) now
+  std::uint64_t swaps_ = 0;           // set_source() calls done (their sequence numbers)
   bool paused_ = false;               // set_source(): no new gather starts
   bool stop_ = false;
   std::int64_t delivered_ = 0, grown_ = 0, copies_ = 0;

@@ -80,8 +80,9 @@ class Ring:
         max_slots: growth cap when the user holds batches (default: ``slots`` plus about
             512 MiB worth of slots, at least 2 and at most 64 extra).
         min_part_bytes: batches with more bytes than this are split across producer threads.
-        shard_rows: rows per shard; with it, a shard's source may be ``None`` (not loaded yet)
-            and :meth:`set_source` installs or drops a shard's sources while the ring runs
+        shard_rows: rows per shard; with it, a shard's source (a ragged field's pair too) may
+            be ``None`` (not loaded yet) and :meth:`set_source` installs or drops a shard's
+            sources while the ring runs
             (a remote dataset's cache maps shards as they arrive and releases them after
             their last use). A batch that needs a shard that is not loaded fails with a
             ValueError naming the shard.
@@ -135,7 +136,7 @@ class Ring:
         self._index_field = index_field
         self._needs_sources = [n for n, s, i in zip(names, srcs, range(len(names))) if s is None and i != index]
         self._sourced = [s is not None and r is None for s, r in zip(srcs, ragged)]  # set_source: fixed-size
-        self._ragged_sourced = [n for n, s, r in zip(names, srcs, ragged) if s is not None and r is not None]
+        self._ragged_sourced = [s is not None and r is not None for s, r in zip(srcs, ragged)]  # ...and ragged
         first = next((s for s in srcs if s is not None), [])
         self._shard_rows = [a if isinstance(a, int) else (len(a[1]) - 1 if isinstance(a, tuple) else a.shape[0])
                             for a in first]
@@ -247,17 +248,17 @@ class Ring:
         self._check_submit()
         return self._core.submit_many(s, r, ix, per, start, count)
 
-    def set_source(self, shard: int, arrays: Mapping[str, np.ndarray] | None) -> None:
-        """Install one shard's source arrays (``{field: array}`` for every sourced field) or
-        drop them (``None``) while the ring runs. Waits until no gather is running, so the
-        ring never reads a dropped array again (the caller may unmap it afterwards); batches
-        submitted later that need a dropped shard fail naming it."""
+    def set_source(self, shard: int, arrays: Mapping[str, Any] | None) -> None:
+        """Install one shard's sources (``{field: array}`` for every sourced field, ``{field:
+        (values, offsets)}`` for a ragged one) or drop them (``None``) while the ring runs.
+        Waits until no gather (and no ragged planning in ``submit``) is running, so the ring
+        never reads a dropped array again (the caller may unmap it afterwards); batches
+        submitted later that need a dropped shard fail naming it, and so does a ragged batch
+        submitted before and gathered after its shard was dropped or replaced (never a batch
+        mixing two sources)."""
         core = self._live()
-        if self._ragged_sourced:
-            raise ValueError(f"set_source: this ring has ragged fields with sources {self._ragged_sourced}; "
-                             "their sources are fixed when the ring is made")
         per_field = shard_sources(shard, arrays, self._names, self._dtypes, self._shapes, self._sourced,
-                                  self._shard_rows)
+                                  self._shard_rows, self._ragged_sourced)
         core.set_source(int(shard), per_field)
 
     def acquire(self) -> FillSlot:

@@ -26,11 +26,12 @@ class RaggedField:
     filled up with ``pad_value``) and ``name + "_offsets"`` (int64, ``rows + 1``, rebased to
     0: row ``i`` has ``offsets[i + 1] - offsets[i]`` items). ``max_items`` truncates each
     row; ``multiple`` rounds the padded width up (at least one multiple); ``capacity`` is
-    the items a slot holds (default: ``batch_size`` times the longest row) — a larger batch
-    gets memory of its own rather than failing. ``positions`` (packed only): the batch also
-    holds ``name + "_positions"``, int64, one per item: its place within its sample (the
-    row's window start plus its place in the window; the position ids of sequence packing),
-    written by the producer with the items."""
+    the items a slot holds (default: ``batch_size`` times the longest row of the shards
+    loaded when the ring is made) — a larger batch gets memory of its own rather than
+    failing. ``positions`` (packed only): the batch also holds ``name + "_positions"``,
+    int64, one per item: its place within its sample (the row's window start plus its place
+    in the window; the position ids of sequence packing), written by the producer with the
+    items."""
 
     dtype: Any
     item_shape: tuple = ()
@@ -150,24 +151,37 @@ def parse_ragged(fields: Mapping[str, Any], names: list[str], dtypes: list[np.dt
     return out
 
 
-def ragged_sources(name: str, shards: Any, dt: np.dtype, shape: tuple[int, ...]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Checked ``(values, offsets)`` per shard of a ragged field."""
+def ragged_sources(name: str, shards: Any, dt: np.dtype, shape: tuple[int, ...],
+                   shard_rows: Any = None, base: int = 0) -> list[tuple[np.ndarray, np.ndarray] | int]:
+    """Checked ``(values, offsets)`` per shard of a ragged field (named ``base + s`` in
+    messages). With ``shard_rows``, a shard's entry may be None: not loaded yet (its row count
+    takes its place)."""
     if isinstance(shards, tuple) and len(shards) == 2 and isinstance(shards[0], np.ndarray):
         shards = [shards]
-    out = []
+    shards = list(shards)
+    if shard_rows is not None and len(shards) != len(shard_rows):
+        raise ValueError(f"field {name!r} has {len(shards)} shard sources for {len(shard_rows)} shards")
+    out: list = []
     for s, pair in enumerate(shards):
+        sid = base + s
+        if pair is None and shard_rows is not None:
+            out.append(int(shard_rows[s]))
+            continue
         try:
             values, offsets = pair
         except (TypeError, ValueError):
-            raise ValueError(f"field {name!r} shard {s}: a ragged source is a (values, offsets) pair") from None
+            raise ValueError(f"field {name!r} shard {sid}: a ragged source is a (values, offsets) pair") from None
         if not isinstance(values, np.ndarray) or values.dtype != dt or values.shape[1:] != shape or values.ndim < 1:
-            raise ValueError(f"field {name!r} shard {s}: values must be a numpy array of dtype {dt} and shape "
+            raise ValueError(f"field {name!r} shard {sid}: values must be a numpy array of dtype {dt} and shape "
                              f"(items, *{shape})")
         if not values.flags.c_contiguous:
-            raise ValueError(f"field {name!r} shard {s}: values must be C-contiguous")
+            raise ValueError(f"field {name!r} shard {sid}: values must be C-contiguous")
         if (not isinstance(offsets, np.ndarray) or offsets.dtype != np.int64 or offsets.ndim != 1
                 or len(offsets) < 1 or not offsets.flags.c_contiguous):
-            raise ValueError(f"field {name!r} shard {s}: offsets must be a contiguous 1-d int64 array (rows + 1)")
+            raise ValueError(f"field {name!r} shard {sid}: offsets must be a contiguous 1-d int64 array (rows + 1)")
+        if shard_rows is not None and len(offsets) - 1 != int(shard_rows[s]):
+            raise ValueError(f"field {name!r} shard {sid}: offsets hold {len(offsets) - 1} rows, the shard "
+                             f"{int(shard_rows[s])}")
         out.append((values, offsets))
     return out
 
@@ -206,8 +220,8 @@ def parse_sources(
             continue
         shards = sources[name]
         if rag is not None:
-            pairs = ragged_sources(name, shards, dt, shape)
-            rows = [len(o) - 1 for _, o in pairs]
+            pairs = ragged_sources(name, shards, dt, shape, shard_rows)
+            rows = [p if isinstance(p, int) else len(p[1]) - 1 for p in pairs]
             if ref_rows is None:
                 ref_name, ref_rows = name, rows
             elif rows != ref_rows:
@@ -255,7 +269,8 @@ def ragged_descs(ragged: list[RaggedField | None], srcs: list, batch_size: int, 
         item = dt.itemsize * int(np.prod(shape, dtype=np.int64))
         cap = rag.capacity
         if cap is None:  # room for batch_size of the longest rows: a batch never needs more
-            longest = max((int(np.max(o[1:] - o[:-1])) for _, o in (src or []) if len(o) > 1), default=0)
+            longest = max((int(np.max(p[1][1:] - p[1][:-1])) for p in (src or [])
+                           if not isinstance(p, int) and len(p[1]) > 1), default=0)  # loaded shards only
             if rag.max_items is not None:
                 longest = min(longest, rag.max_items)
             m = rag.multiple
@@ -285,27 +300,37 @@ def batch_dict(names: list[str], arrays: tuple) -> dict:
 
 
 def shard_sources(shard: Any, arrays: Any, names: list[str], dtypes: list[np.dtype], shapes: list[tuple],
-                  sourced: list[bool], shard_rows: list[int]) -> list[np.ndarray | None]:
-    """Checked per-field arrays (``None`` for a field without sources) of ``Ring.set_source``:
-    ``arrays`` (``{field: array}`` for every fixed-size sourced field, or ``None`` to drop
-    the shard) for ``shard``, whose row count is ``shard_rows[shard]``."""
+                  sourced: list[bool], shard_rows: list[int], ragged: list[bool] | None = None) -> list[Any]:
+    """Checked per-field entries (``None`` for a field without sources) of ``Ring.set_source``:
+    ``arrays`` (``{field: array}`` for every fixed-size sourced field and ``{field: (values,
+    offsets)}`` for every ragged one with sources, or ``None`` to drop the shard) for
+    ``shard``, whose row count is ``shard_rows[shard]``."""
     if not _is_int(shard) or not 0 <= shard < len(shard_rows):
         raise ValueError(f"shard={shard!r} must be an int in [0, {len(shard_rows)})")
-    per_field: list[np.ndarray | None] = [None] * len(names)
+    ragged = ragged or [False] * len(names)
+    per_field: list[Any] = [None] * len(names)
     if arrays is not None:
         if not isinstance(arrays, Mapping):
             raise ValueError("arrays must be a dict {field: array} or None (to drop the shard)")
-        want = {n for n, src in zip(names, sourced) if src}
+        want = {n for n, src, rag in zip(names, sourced, ragged) if src or rag}
         if set(arrays) != want:
             raise ValueError(f"shard {shard}: set_source needs arrays for exactly the sourced fields "
                              f"{sorted(want)}, got {sorted(arrays)}")
         for f, (n, dt, shape) in enumerate(zip(names, dtypes, shapes)):
-            if n in arrays:
-                a = check_source(n, int(shard), arrays[n], dt, shape)
-                if a.shape[0] != shard_rows[shard]:
-                    raise ValueError(f"field {n!r} shard {shard}: source has {a.shape[0]} rows, "
-                                     f"the shard {shard_rows[shard]}")
-                per_field[f] = a
+            if n not in arrays:
+                continue
+            if ragged[f]:
+                pair = arrays[n]
+                if not isinstance(pair, tuple):
+                    raise ValueError(f"field {n!r} shard {shard}: a ragged field's source is a (values, offsets) "
+                                     f"pair, got {type(pair).__name__}")
+                (per_field[f],) = ragged_sources(n, [pair], dt, shape, [shard_rows[shard]], base=int(shard))
+                continue
+            a = check_source(n, int(shard), arrays[n], dt, shape)
+            if a.shape[0] != shard_rows[shard]:
+                raise ValueError(f"field {n!r} shard {shard}: source has {a.shape[0]} rows, "
+                                 f"the shard {shard_rows[shard]}")
+            per_field[f] = a
     return per_field
 
 

@@ -143,24 +143,3 @@ def test_downloads_start_when_the_loader_is_built(remote_url, local_ds, tmp_path
         st = lo.stats()
     _equal(got, want)
     assert st["bytes_downloaded"] == sum(s["bytes"] for s in lo.dataset.manifest["shards"])
-
-
-def test_ragged_fields_from_a_url_are_refused_with_a_way_out(moto, s3_env, tmp_path):
-    """Not supported yet (see README, Remote datasets): a clear refusal that says what to do;
-    the Dataset itself reads ragged fields from a URL."""
-    from fastload.store import ShardWriter
-
-    path = tmp_path / "tok"
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(1, 40, 300)
-    with ShardWriter(path, {"tokens": "int32[]", "label": "int64"}, shard_size="8KB") as w:
-        w.write_batch({"tokens": [np.arange(n, dtype=np.int32) for n in lengths], "label": np.arange(300)})
-    upload_dir(moto.filesystem(), path, f"{BUCKET}/tok")
-    url = s3_url(moto.endpoint, "tok")
-    for kw in (dict(ragged="padded"), dict(pack_to=64)):
-        with pytest.raises(ValueError, match=r"not read from a remote dataset \(s3://fastload-test/tok\) yet: "
-                                             r"run `fastload prefetch URL DIR`"):
-            fastload.Loader(url, batch_size=8, cache_dir=tmp_path / "c", device="cpu", **kw)
-    with fastload.Dataset(url, cache_dir=tmp_path / "c") as ds:
-        assert np.array_equal(ds.lengths("tokens"), lengths)
-        assert np.array_equal(ds[17]["tokens"], np.arange(lengths[17], dtype=np.int32))

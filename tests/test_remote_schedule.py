@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastload.remote.schedule import admission_times, epoch_end, epoch_uses, minimum_budget, sampler_uses
+from fastload.remote.schedule import admission_times, epoch_end, epoch_uses, minimum_budget, sampler_uses, token_uses
 from fastload.sampling import Sampler, window_permutation
 
 
@@ -30,6 +30,23 @@ def test_epoch_uses_equal_brute_force(start, end, chunk):
     assert u.shards.tolist() == order
     assert u.first.tolist() == first
     assert u.last.tolist() == last
+
+
+@pytest.mark.parametrize("start,end", [(0, None), (13, 200), (0, 1000), (150, 151), (390, 2900)])
+def test_token_uses_equal_brute_force(start, end):
+    """A packed pass counts tokens: a shard is used from the first to the last token of its
+    documents in the range (wrapping around the token stream, any number of times)."""
+    rng = np.random.default_rng(4)
+    sizes = rng.integers(1, 12, size=9)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    stream = rng.permutation(int(sizes.sum()))
+    lengths = rng.integers(0, 9, size=len(stream))  # empty documents included
+    cum = np.concatenate([[0], np.cumsum(lengths[stream])])
+    tokens = np.repeat(stream, lengths[stream])  # the document each token belongs to
+    end_ = int(cum[-1]) if end is None else end
+    u = token_uses(stream, cum, starts, start=start, end=end_)
+    order, first, last = _brute_uses(tokens, starts, start, end_)
+    assert u.shards.tolist() == order and u.first.tolist() == first and u.last.tolist() == last
 
 
 def test_epoch_end_is_what_the_ranks_consume():

@@ -2,8 +2,10 @@
 shard when it arrives in the cache and release it after its last use)."""
 from __future__ import annotations
 
+import re
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -128,3 +130,166 @@ def test_the_core_asserts_what_python_checked():
         core.set_source(1, [x[1]])  # what ringspec.shard_sources hands down
         r.submit([1], [4])
         assert np.array_equal(r.get_arrays()["x"], x[1][4:5])
+
+
+# -- ragged fields -------------------------------------------------------------------------
+def _ragged(rng, rows=50, max_len=9, base=0):
+    lens = rng.integers(0, max_len, rows)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    return (np.arange(base, base + off[-1], dtype=np.int32), off)
+
+
+def _want(pairs, shard, row, start=None, count=None):
+    """(values, offsets) of a packed batch, in numpy."""
+    items = []
+    for i, (s, r) in enumerate(zip(shard, row)):
+        v, o = pairs[s]
+        x = v[o[r]:o[r + 1]]
+        if start is not None:
+            x = x[start[i]:]
+            if count[i] >= 0:
+                x = x[:count[i]]
+        items.append(x)
+    return np.concatenate(items), np.concatenate([[0], np.cumsum([len(x) for x in items])])
+
+
+def _ragged_ring(pairs, x, **kw):
+    from fastload.ring import RaggedField
+
+    return Ring({"x": (np.float32, (4,)), "tok": RaggedField(np.int32, capacity=kw.pop("capacity", 64))}, 8,
+                {"x": x, "tok": pairs}, shard_rows=[50] * len(x), **kw)
+
+
+def test_ragged_shards_installed_and_dropped():
+    rng = np.random.default_rng(1)
+    x = _shards()
+    t = [_ragged(rng, base=1000 * s) for s in range(3)]
+    with _ragged_ring([t[0], None, None], [x[0], None, None], threads=2) as r:
+        r.submit([0, 0], [3, 9])
+        b = r.get_arrays()
+        want = _want(t, [0, 0], [3, 9])
+        assert np.array_equal(b["tok"], want[0]) and np.array_equal(b["tok_offsets"], want[1])
+        r.submit([0, 1], [1, 1])
+        with pytest.raises(ValueError, match="shard 1 is not loaded"):
+            r.get_arrays()
+        with pytest.raises(ValueError, match="exactly the sourced fields"):
+            r.set_source(1, {"x": x[1]})
+        with pytest.raises(ValueError, match="shard 1: offsets hold 49 rows, the shard 50"):
+            r.set_source(1, {"x": x[1], "tok": (t[1][0], t[1][1][:50])})
+        with pytest.raises(ValueError, match="'tok' shard 1: a ragged field's source is a \\(values, offsets\\)"):
+            r.set_source(1, {"x": x[1], "tok": t[1][0]})
+        r.set_source(1, {"x": x[1], "tok": t[1]})
+        r.set_source(2, {"x": x[2], "tok": t[2]})
+        shard, row = [2, 1, 0, 1], [49, 0, 7, 33]
+        r.submit(shard, row, start=[1, 0, 2, 0], count=[-1, 3, 1, 0])
+        b = r.get_arrays()
+        want = _want(t, shard, row, [1, 0, 2, 0], [-1, 3, 1, 0])
+        assert np.array_equal(b["tok"], want[0]) and np.array_equal(b["tok_offsets"], want[1])
+        assert np.array_equal(b["x"], np.stack([x[s][i] for s, i in zip(shard, row)]))
+        a = t[2][0]
+        before = sys.getrefcount(a)
+        r.set_source(2, None)
+        assert sys.getrefcount(a) == before - 1  # the ring let the values go
+        r.submit([2], [0])
+        with pytest.raises(ValueError, match="shard 2 is not loaded"):
+            r.get_arrays()
+
+
+@pytest.mark.parametrize("how", ["dropped", "replaced"])
+def test_a_ragged_batch_planned_before_a_swap_is_not_copied_after_it(how):
+    """A ragged batch is planned (its offsets read) in submit and copied when it gets a slot:
+    a swap in between fails the batch naming the shard, never mixes two sources."""
+    rng = np.random.default_rng(2)
+    x = _shards()
+    t = [_ragged(rng, base=1000 * s) for s in range(3)]
+    other = _ragged(rng, base=5000)
+    with _ragged_ring(t, x, threads=1, slots=1, max_slots=1) as r:
+        fill = r.acquire()  # holds the only slot: the next batch is planned and waits
+        r.submit([1, 0], [4, 4])
+        r.set_source(1, None if how == "dropped" else {"x": x[1], "tok": other})
+        fill.commit(1)
+        r.get_arrays()
+        with pytest.raises(ValueError, match=f"shard 1 was {how} \\(set_source\\) after the batch was planned"):
+            r.get_arrays()
+        if how == "replaced":  # batches planned after the swap read the new source
+            r.submit([1, 0], [4, 4])
+            got = r.get_arrays()["tok"]
+            assert np.array_equal(got, _want([t[0], other], [1, 0], [4, 4])[0])
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_ragged_swaps_while_batches_are_planned_and_gathered(padded):
+    """Stress: shard 0's sources go A -> None -> B -> ... in one thread while another submits
+    many batches (plans read the offsets) and producers gather them in parts. Every batch
+    equals the batch gathered from A alone or from B alone, or fails naming shard 0."""
+    from fastload.ring import RaggedField
+
+    rng = np.random.default_rng(3)
+    rows = 300
+    pair_a = _ragged(rng, rows, max_len=40, base=0)
+    pair_b = _ragged(rng, rows, max_len=40, base=100_000)
+    pair_1 = _ragged(rng, rows, max_len=40, base=200_000)
+    xa, xb, x1 = (rng.standard_normal((rows, 4)).astype(np.float32) for _ in range(3))
+    fields = {"x": (np.float32, (4,)), "tok": RaggedField(np.int32, padded=padded, pad_value=-1, capacity=2048)}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    with Ring(fields, 96, {"x": [xa, x1], "tok": [pair_a, pair_1]}, shard_rows=[rows, rows], threads=2,
+              min_part_bytes=1024) as r:
+
+        def flip():
+            try:
+                while not stop.is_set():
+                    r.set_source(0, None)
+                    r.set_source(0, {"x": xb, "tok": pair_b})
+                    r.set_source(0, {"x": xa, "tok": pair_a})
+                    time.sleep(0.0002)  # some batches go through between swaps
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        th = threading.Thread(target=flip, name="fastload-test-flip")
+        th.start()
+        seen = {"a": 0, "b": 0, "failed": 0}
+        try:
+            deadline = time.monotonic() + 60
+            done = 0  # at least 150 rounds, and until both outcomes were seen (a loaded machine)
+            while done < 150 or (min(seen["a"] + seen["b"], seen["failed"]) < 5 and time.monotonic() < deadline):
+                done += 1
+                n = 4
+                shard = rng.integers(0, 2, 96 * n)
+                row = rng.integers(0, rows, 96 * n)
+                r.submit_many(shard, row)
+                for k in range(n):
+                    s, w = shard[96 * k:96 * (k + 1)], row[96 * k:96 * (k + 1)]
+                    try:
+                        b = r.get_arrays()
+                    except ValueError as e:
+                        assert re.search(r"shard 0 (is not loaded|was dropped|was replaced)", str(e)), str(e)
+                        seen["failed"] += 1
+                        continue
+                    got = (b["tok"].copy(), b["tok_offsets"].copy(), b["x"].copy())
+                    del b
+                    matched = None
+                    for name, pa_, xx in (("a", pair_a, xa), ("b", pair_b, xb)):
+                        v, o = _want([pa_, pair_1], s, w)
+                        if padded:
+                            width = int(np.diff(o).max())
+                            pad = np.full((len(s), width), -1, np.int32)
+                            for i in range(len(s)):
+                                pad[i, :o[i + 1] - o[i]] = v[o[i]:o[i + 1]]
+                            v = pad
+                        xs = np.stack([(xx if q == 0 else x1)[i] for q, i in zip(s, w)])
+                        if (got[0].shape == v.shape and np.array_equal(got[0], v) and np.array_equal(got[1], o)
+                                and np.array_equal(got[2], xs)):
+                            matched = name
+                            break
+                    assert matched is not None, "a batch mixes sources or is damaged"
+                    seen[matched] += 1
+        finally:
+            stop.set()
+            th.join()
+        assert not errors
+        assert seen["a"] + seen["b"] > 0 and seen["failed"] > 0, seen
+        # with the flipping over, every batch succeeds
+        r.set_source(0, {"x": xa, "tok": pair_a})
+        r.submit_many(np.zeros(96, np.int64), np.arange(96))
+        assert np.array_equal(r.get_arrays()["x"], xa[:96])

@@ -13,6 +13,7 @@ step.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -41,6 +42,16 @@ def dataset_fingerprint(ds) -> str:
     desc = json.dumps({"n": m["num_samples"], "fields": m["fields"],
                        "shards": [(s["num_samples"], s.get("checksum")) for s in m["shards"]]}, sort_keys=True)
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
+def packed_pass(ds, sampler, options: Options, epoch: int, start: int, stream=None):
+    """The PackPlan of a pass over ``epoch`` from token ``start`` (a function of values, not
+    of the Loader: remote.py plans the cache's downloads with it)."""
+    name, d = options.pack
+    stream = sampler.stream(epoch) if stream is None else stream
+    return pack_plan(epoch, start, stream, ds.lengths(name), rows=options.batch_size, length=d.pack_to,
+                     world_size=sampler.world_size, rank=sampler.rank, drop_last=sampler.drop_last,
+                     max_length=d.max_length)
 
 
 class Loader:
@@ -200,14 +211,13 @@ class Loader:
         from .remote import RemoteShards, remote_members
 
         if remote_members(ds):  # a remote dataset, or a mixture with remote datasets (see remote.py)
-            if self._options.pack is not None or self._options.ragged:
-                raise ValueError(f"ragged fields and pack_to= are not read from a remote dataset ({ds.path}) yet: "
-                                 "run `fastload prefetch URL DIR`, then read DIR")
-
+            pack = self._options.pack  # a packed pass's positions count tokens: its plans give the uses
             self._remote = RemoteShards(ds, self._sampler, batch_size=self._options.batch_size,
                                         world_size=self._world.world_size, prefetch=self._options.prefetch,
                                         stats=self._stats, mixture=self._mixture,
-                                        warm=self._options.pack is None)
+                                        pack=None if pack is None else functools.partial(
+                                            packed_pass, ds, self._sampler, self._options),
+                                        pack_to=1 if pack is None else pack[1].pack_to)
         # Threads, the ring and DALI pipelines live in Parts, which holds no reference to
         # the Loader: the finalizer can then run when the Loader is garbage collected.
         self._parts = Parts(ds, self._options, self._stats, remote=self._remote,
@@ -243,11 +253,7 @@ class Loader:
         return len(self._pack_plan(s.epoch, s.start_position(), s.stream(s.epoch)))  # a loaded position, or 0
 
     def _pack_plan(self, epoch: int, start: int, stream):
-        name, d = self._options.pack
-        s = self._sampler
-        return pack_plan(epoch, start, stream, self._dataset.lengths(name), rows=self._options.batch_size,
-                         length=d.pack_to, world_size=s.world_size, rank=s.rank, drop_last=s.drop_last,
-                         max_length=d.max_length)
+        return packed_pass(self._dataset, self._sampler, self._options, epoch, start, stream)
 
     @property
     def epoch(self) -> int:

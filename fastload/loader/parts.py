@@ -96,14 +96,15 @@ class Parts:
                 rows = max_pieces(ds.lengths(pack[0]), o.batch_size, pack[1].pack_to, pack[1].max_length)
             for n, d in o.ragged.items():
                 specs[n] = ring_field(ds, n, d, o.slot_rows or o.batch_size)
-                sources[n] = [_values_offsets(ds.ragged_column(s, n, verify=False)) for s in range(ds.num_shards)]
+                sources[n] = [None if remote else _values_offsets(ds.ragged_column(s, n, verify=False))
+                              for s in range(ds.num_shards)]
             specs[INDEX] = (np.int64, ())
             ring = Ring(specs, rows, sources, index_field=INDEX, threads=o.threads,
                         slots=o.slots or ring_slots(o.prefetch), shard_rows=ds.shard_sizes.tolist(),
                         nice=loader_nice())
             self._ring = ring
             if self._remote is not None:
-                self._remote.attach_ring(ring, o.raw_fields)
+                self._remote.attach_ring(ring, o.raw_fields, tuple(o.ragged))
             self._stats.attach("ring", lambda: {"gather_s": ring.stats()["gather_ns"] / 1e9})
         return self._ring
 

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import CacheTooSmall
-from ..remote.schedule import EpochUses, plan_uses, sampler_uses
+from ..remote.schedule import EpochUses, pack_uses, plan_uses, sampler_uses
 
 __all__ = ["RemoteShards", "download_stats", "remote_members"]
 
@@ -46,19 +46,23 @@ def _part(uses: EpochUses, base: int, n: int) -> EpochUses:
 
 
 class RemoteShards:
+    """See the module docstring. ``pack``: a packing Loader's ``(epoch, start) -> PackPlan``
+    (its positions count tokens, ``pack_to`` per row); None: positions count samples."""
+
     def __init__(self, dataset, sampler, *, batch_size: int, world_size: int, prefetch: int, stats,
-                 mixture=None, warm: bool = True) -> None:
+                 mixture=None, warm: bool = True, pack=None, pack_to: int = 1) -> None:
         self._ds = dataset
         self._members = remote_members(dataset)
         self._caches = [c for c, _, _ in self._members]
         self._sampler = sampler
         self._mixture = mixture
+        self._pack = pack
         self._pid = os.getpid()
         # the reader asks for shards up to this many positions before reporting them consumed:
         # the batches in flight on every rank, plus a step of skew between ranks
         for c in self._caches:
-            c.ahead = (prefetch + 2) * batch_size * world_size
-        uses = self._parts(sampler_uses(sampler, dataset.shard_starts))
+            c.ahead = (prefetch + 2) * batch_size * world_size * (pack_to if pack is not None else 1)
+        uses = self._parts(self._pass_uses(sampler.epoch, None))
         needs = [c.minimum_limit(u) for c, u in zip(self._caches, uses)]
         if mixture is None:
             (cache,), (need,), (u,) = self._caches, needs, uses
@@ -69,6 +73,7 @@ class RemoteShards:
         self._ring = None
         self._pending_plan = None
         self._fields: tuple[str, ...] = ()
+        self._ragged: tuple[str, ...] = ()
         self._installed: set[int] = set()
         self._hooks: list = []
         self._lock = threading.Lock()
@@ -85,10 +90,22 @@ class RemoteShards:
         held at this moment until the pass begins); a pass that turns out different (a
         ``set_epoch`` or ``load_state_dict`` before iterating) is planned again."""
         self._frozen = self._probe()
-        nxt = self._parts(sampler_uses(self._sampler, self._ds.shard_starts, epoch=self._sampler.epoch + 1, start=0))
+        nxt = self._parts(self._pass_uses(self._sampler.epoch + 1, 0))
         for c, u, n in zip(self._caches, uses, nxt):
             c.plan(u, next_uses=n)
         self._planned = uses
+
+    def _pass_uses(self, epoch: int, start: int | None) -> EpochUses:
+        """The uses of a pass over ``epoch`` from ``start`` (None: where the sampler stands)."""
+        starts = self._ds.shard_starts
+        if self._pack is None:
+            return sampler_uses(self._sampler, starts, epoch=epoch, start=start)
+        if start is None:
+            start = self._sampler.start_position() if epoch == self._sampler.epoch else 0
+        return pack_uses(self._pack(epoch, start), starts)
+
+    def _plan_uses(self, plan) -> EpochUses:
+        return plan_uses(plan, self._ds.shard_starts) if self._pack is None else pack_uses(plan, self._ds.shard_starts)
 
     def _parts(self, uses: EpochUses) -> list[EpochUses]:
         return [_part(uses, base, r.num_shards) for _, base, r in self._members]
@@ -134,12 +151,11 @@ class RemoteShards:
 
     def _start_pass(self) -> None:
         plan, self._pending_plan = self._pending_plan, None
-        starts = self._ds.shard_starts
-        uses = self._parts(plan_uses(plan, starts))
+        uses = self._parts(self._plan_uses(plan))
         planned, self._planned, self._frozen = self._planned, None, None
         if planned is not None and all(u.same_as(p) for u, p in zip(uses, planned)):
             return  # warm-started at construction: the caches are on this pass already
-        nxt = self._parts(sampler_uses(self._sampler, starts, epoch=plan.epoch + 1, start=0))
+        nxt = self._parts(self._pass_uses(plan.epoch + 1, 0))
         for c, u, n in zip(self._caches, uses, nxt):
             c.plan(u, next_uses=n)
 
@@ -148,8 +164,11 @@ class RemoteShards:
             c.advance(position)
 
     # -- ring sources --------------------------------------------------------------------
-    def attach_ring(self, ring, fields: Sequence[str]) -> None:
-        self._ring, self._fields = ring, tuple(fields)
+    def attach_ring(self, ring, fields: Sequence[str], ragged: Sequence[str] = ()) -> None:
+        """The ring whose sources are the shards in the cache: ``fields`` (fixed-size) and
+        ``ragged`` fields of each shard are installed as it arrives and dropped after its
+        last use."""
+        self._ring, self._fields, self._ragged = ring, tuple(fields), tuple(ragged)
         for c, base, _ in self._members:
             hook = (lambda s, base=base: self._drop(s + base))
             c.on_release(hook)
@@ -168,8 +187,12 @@ class RemoteShards:
             with self._lock:
                 if s in self._installed:
                     continue
-                if self._ring is not None and self._fields:
-                    self._ring.set_source(s, {n: self._ds.column(s, n) for n in self._fields})
+                if self._ring is not None and (self._fields or self._ragged):
+                    arrays: dict = {n: self._ds.column(s, n) for n in self._fields}
+                    for n in self._ragged:
+                        offsets, values = self._ds.ragged_column(s, n)
+                        arrays[n] = (values, offsets)
+                    self._ring.set_source(s, arrays)
                 self._installed.add(s)
 
     def _drop(self, s: int) -> None:
@@ -179,7 +202,7 @@ class RemoteShards:
             if s not in self._installed:
                 return
             self._installed.discard(s)
-            if self._ring is not None and self._fields and not self._ring.closed:
+            if self._ring is not None and (self._fields or self._ragged) and not self._ring.closed:
                 self._ring.set_source(s, None)
 
     def _probe(self) -> dict:

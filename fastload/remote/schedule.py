@@ -27,7 +27,8 @@ import numpy as np
 
 from ..sampling import per_rank_count, rank_batch_bounds
 
-__all__ = ["EpochUses", "epoch_end", "epoch_uses", "plan_uses", "sampler_uses", "minimum_budget", "admission_times"]
+__all__ = ["EpochUses", "epoch_end", "epoch_uses", "pack_uses", "plan_uses", "sampler_uses", "minimum_budget",
+           "admission_times", "token_uses"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,47 @@ def plan_uses(plan, shard_starts: np.ndarray) -> EpochUses:
     positions every rank of the job reads in it (all ranks step together)."""
     end = plan.bounds[-1][2] if plan.bounds else plan.start
     return epoch_uses(plan.stream, shard_starts, epoch=plan.epoch, start=plan.start, end=end)
+
+
+def token_uses(stream: np.ndarray, cum: np.ndarray, shard_starts: np.ndarray, *, epoch: int = 0, start: int = 0,
+               end: int | None = None) -> EpochUses:
+    """:func:`epoch_uses` of a packed pass, whose positions count tokens: document ``j`` of
+    ``stream`` holds tokens ``cum[j]..cum[j+1]-1`` of the token stream (positions past
+    ``cum[-1]`` wrap around), and a shard is used from the first to the last token of its
+    documents that positions ``start..end-1`` read. Vectorised over documents (one step per
+    wrap-around), never over tokens."""
+    stream = np.asarray(stream, dtype=np.int64)
+    cum = np.asarray(cum, dtype=np.int64)
+    total = int(cum[-1]) if len(cum) else 0
+    end = total if end is None else int(end)
+    starts = np.asarray(shard_starts, dtype=np.int64)
+    nshards = len(starts) - 1
+    first = np.full(nshards, np.iinfo(np.int64).max, dtype=np.int64)
+    last = np.full(nshards, -1, dtype=np.int64)
+    if total > 0 and end > start:
+        shard_of = np.searchsorted(starts, stream, side="right") - 1
+        for k in range(start // total, (end - 1) // total + 1):  # each pass of the stream the range touches
+            lo, hi = max(start - k * total, 0), min(end - k * total, total)
+            d0 = int(np.searchsorted(cum, lo, side="right")) - 1
+            d1 = int(np.searchsorted(cum, hi, side="left"))
+            docs = np.arange(max(d0, 0), min(d1, len(stream)), dtype=np.int64)
+            docs = docs[cum[docs + 1] > cum[docs]]  # empty documents are read by no token
+            if not len(docs):
+                continue
+            f = np.maximum(cum[docs], lo) + k * total
+            lst = np.minimum(cum[docs + 1], hi) - 1 + k * total
+            np.minimum.at(first, shard_of[docs], f)
+            np.maximum.at(last, shard_of[docs], lst)
+    used = np.flatnonzero(last >= 0)
+    order = used[np.argsort(first[used], kind="stable")]
+    return EpochUses(int(epoch), int(start), int(end), order.astype(np.int64), first[order], last[order])
+
+
+def pack_uses(plan, shard_starts: np.ndarray) -> EpochUses:
+    """:func:`token_uses` of a :class:`fastload.packing.PackPlan` (one rank's pass): the
+    tokens every rank of the job reads in it (all ranks step together)."""
+    end = plan.bounds[-1][2] if plan.bounds else plan.start
+    return token_uses(plan.stream, plan.cum, shard_starts, epoch=plan.epoch, start=plan.start, end=end)
 
 
 def _merged_intervals(shards: np.ndarray, lo: np.ndarray, hi: np.ndarray):

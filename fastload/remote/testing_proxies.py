@@ -37,7 +37,8 @@ class Fault:
     ``skip`` matching requests passed untouched, get ``kind`` ``times`` times (-1: always).
 
     kinds: ``"slowdown"`` (503 SlowDown, S3 XML), ``"cut"`` (the body stops half way and the
-    connection closes), ``"corrupt"`` (one byte of the body changed), ``"expired"`` (403
+    connection closes), ``"corrupt"`` (one byte of the body changed: byte ``at``, default the
+    middle one, XOR ``xor``), ``"expired"`` (403
     ExpiredToken, only for requests signed with access key ``key_id``), ``"reset"`` (the
     connection closes without an answer), ``"status"`` (an answer with ``status``),
     ``"stall"`` (no answer for ``seconds``, or until :meth:`FaultProxy.release_stalls`; then
@@ -51,6 +52,8 @@ class Fault:
     key_id: str | None = None
     status: int = 500
     seconds: float = 30.0
+    at: int | None = None
+    xor: int = 0xFF
     seen: int = 0
     applied: int = 0
 
@@ -241,8 +244,8 @@ class FaultProxy:
                         self.connection.shutdown(socket.SHUT_RDWR)
                     return
                 if fault is not None and fault.kind == "corrupt" and data:
-                    i = len(data) // 2
-                    data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
+                    i = min(len(data) // 2 if fault.at is None else fault.at, len(data) - 1)
+                    data = data[:i] + bytes([data[i] ^ fault.xor]) + data[i + 1:]
                 self.wfile.write(data)
 
             do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _handle

@@ -156,6 +156,9 @@ class ArrowTransport(Transport):
             f.seek(offset)
         return f, offset
 
+    def open_ranged(self, name: str):
+        return self.filesystem.open_input_file(self._path(name))  # one HEAD; read_at: one ranged GET
+
     def read_bytes(self, name: str) -> bytes:
         with self.filesystem.open_input_stream(self._path(name), compression=None) as f:
             return f.read()

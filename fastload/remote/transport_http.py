@@ -10,7 +10,7 @@ from typing import Mapping
 
 from ..errors import RemoteError
 from .privacy import is_secret_name
-from .url import Transport, _refuse_secrets, display_url
+from .url import RangesUnsupported, Transport, _refuse_secrets, display_url
 
 __all__ = ["HttpTransport"]
 
@@ -24,6 +24,32 @@ class _HttpStream:
 
     def close(self) -> None:
         self._resp.close()
+
+
+class _HttpRanged:
+    """``read_at`` over ``Range`` requests (no request until the first read)."""
+
+    def __init__(self, transport: "HttpTransport", name: str):
+        self._t, self._name = transport, name
+
+    def read_at(self, nbytes: int, offset: int) -> bytes:
+        if nbytes <= 0:
+            return b""
+        resp = self._t._request(self._name, {"Range": f"bytes={offset}-{offset + nbytes - 1}"})
+        try:
+            if resp.status != 206:
+                raise RangesUnsupported(f"{self._t.file_url(self._name)}: the server answered a byte-range "
+                                        f"request with HTTP {resp.status}, not 206")
+            m = re.match(r"bytes (\d+)-", resp.headers.get("Content-Range", ""))
+            if not m or int(m.group(1)) != offset:
+                raise OSError(f"{self._t.file_url(self._name)}: asked for bytes from {offset}, server sent "
+                              f"Content-Range {resp.headers.get('Content-Range')!r}")
+            return resp.read(nbytes)
+        finally:
+            resp.close()
+
+    def close(self) -> None:
+        pass
 
 
 class HttpTransport(Transport):
@@ -73,6 +99,9 @@ class HttpTransport(Transport):
             resp.close()
             raise OSError(f"{self.file_url(name)}: HTTP {resp.status}")
         return _HttpStream(resp), start
+
+    def open_ranged(self, name: str):
+        return _HttpRanged(self, name)
 
     def exists(self, name: str) -> bool:
         try:

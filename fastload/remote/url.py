@@ -30,7 +30,8 @@ from typing import Any
 
 from ..errors import RemoteError
 
-__all__ = ["REMOTE_SCHEMES", "Transport", "is_remote", "display_url", "FaultKind", "classify", "scheme_of"]
+__all__ = ["REMOTE_SCHEMES", "RangesUnsupported", "Transport", "is_remote", "display_url", "FaultKind", "classify",
+           "scheme_of"]
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "az", "abfs", "abfss", "http", "https")
 _SCHEME_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -125,6 +126,10 @@ def classify(exc: BaseException) -> str:
     return FaultKind.TRANSIENT
 
 
+class RangesUnsupported(RemoteError):
+    """The transport, or its server, cannot read a byte range of a file."""
+
+
 class Transport:
     """Reads the files of one remote directory. Thread-safe; no secret in its state."""
 
@@ -137,6 +142,12 @@ class Transport:
         """``(stream, start)``: a readable (``read(n)``, ``close()``) positioned at ``start``,
         which is ``offset`` when the server could resume there and 0 when it could not."""
         raise NotImplementedError
+
+    def open_ranged(self, name: str):
+        """A random-access reader of ``name``: ``read_at(nbytes, offset) -> bytes`` (one
+        ranged request each) and ``close()``. :class:`RangesUnsupported` when this transport
+        or its server cannot read byte ranges."""
+        raise RangesUnsupported(f"{self.url}: {type(self).__name__} does not read byte ranges")
 
     def read_bytes(self, name: str) -> bytes:
         stream, _ = self.open_read(name, 0)

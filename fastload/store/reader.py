@@ -231,6 +231,10 @@ class DatasetReader(Gathering):
                     if self.shard_files[i].exists() or attempt == 2:
                         raise
                     continue  # evicted between ensure() and the mapping (another rank): again
+                if self.__dict__.get("_lengths"):  # lengths read before the download: still right?
+                    from ..remote.lengths import check_shard
+
+                    check_shard(self, i, s)
                 self._shards[i] = s
                 return s
         raise AssertionError("unreachable")  # pragma: no cover
@@ -283,17 +287,24 @@ class DatasetReader(Gathering):
 
     def lengths(self, field: str) -> np.ndarray:
         """Items per sample of a ragged field, for every sample (int64, cached): read from
-        the shards' offsets, never from the values."""
+        the shards' offsets, never from the values (a remote dataset's with byte-range reads
+        of just the offsets, kept in its cache directory: :mod:`fastload.remote.lengths`)."""
         f = self._field(field)
         if not f.ragged:
             raise TypeError(f"field {field!r} is a {f.kind} field, not a ragged one")
         cache = self.__dict__.setdefault("_lengths", {})
         v = cache.get(field)
         if v is None:
-            v = np.empty(len(self), dtype=np.int64)
-            for s in range(self.num_shards):
-                offsets, _ = self.ragged_column(s, field)
-                np.subtract(offsets[1:], offsets[:-1], out=v[self._starts[s]:self._starts[s + 1]])
+            if self.cache is not None:
+                from ..remote.lengths import remote_lengths
+
+                v = remote_lengths(self, field, lambda s: MappedShard(self.shard_files[s], self.manifest["shards"][s],
+                                                                      self.fields))
+            else:
+                v = np.empty(len(self), dtype=np.int64)
+                for s in range(self.num_shards):
+                    offsets, _ = self.ragged_column(s, field)
+                    np.subtract(offsets[1:], offsets[:-1], out=v[self._starts[s]:self._starts[s + 1]])
             v.flags.writeable = False
             cache[field] = v
         return v
