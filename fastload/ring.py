@@ -130,6 +130,7 @@ class Ring:
             max_slots=max_slots, min_part_bytes=min_part_bytes)
 
         self._names = names
+        self._plain = all(r is None for r in ragged)  # no ragged field: one array per name
         self._dtypes = dtypes
         self._shapes = shapes
         self._batch_size = int(batch_size)
@@ -285,21 +286,30 @@ class Ring:
     def get_batch(self) -> RingBatch:
         """As :meth:`get`, with the slot the batch views (for a device delivery)."""
         from_numpy = _from_numpy or _torch_from_numpy()
-        arrays, slot, copied = self._next()
-        return RingBatch({k: from_numpy(a) for k, a in batch_dict(self._names, arrays).items()}, slot, copied)
+        core = self._core  # (the per-batch path: _next() inlined)
+        if self._closed or core is None:
+            raise RuntimeError("this Ring is closed; create a new one")
+        _, arrays, slot, copied = core.get()  # a failed fill raises its own exception here
+        if copied and not self._warned_copy:
+            self._warn_copies(core)
+        named = dict(zip(self._names, arrays)) if self._plain else batch_dict(self._names, arrays)
+        return RingBatch({k: from_numpy(a) for k, a in named.items()}, slot, copied, named)
 
     def _next(self) -> tuple:
         core = self._live()
         rows, arrays, slot, copied = core.get()  # a failed fill raises its own exception here
         if copied and not self._warned_copy:
-            self._warned_copy = True
-            logger.warning(
-                "fastload ring: the caller holds %d batches (max_slots=%d), so batches are now "
-                "delivered as copies; drop references to old batches (or raise max_slots) to "
-                "get zero-copy batches back",
-                core.stats()["in_use"], core.max_slots,
-            )
+            self._warn_copies(core)
         return arrays, slot, copied
+
+    def _warn_copies(self, core) -> None:
+        self._warned_copy = True
+        logger.warning(
+            "fastload ring: the caller holds %d batches (max_slots=%d), so batches are now "
+            "delivered as copies; drop references to old batches (or raise max_slots) to "
+            "get zero-copy batches back",
+            core.stats()["in_use"], core.max_slots,
+        )
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Yield ``get()`` until no submitted/acquired batch is pending."""

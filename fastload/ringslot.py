@@ -95,8 +95,10 @@ class FillSlot:
 
 class RingBatch(NamedTuple):
     """One batch from :meth:`Ring.get_batch`: ``tensors`` (host, zero-copy unless
-    ``copied``) and the ``slot`` they view (-1 for a copy)."""
+    ``copied``), the ``slot`` they view (-1 for a copy), and ``arrays``: the same memory as
+    numpy arrays (for host-side lookups without a tensor round trip)."""
 
     tensors: dict[str, Any]
     slot: int
     copied: bool
+    arrays: dict[str, Any]

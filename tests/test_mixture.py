@@ -262,9 +262,12 @@ def test_pack_to_mixes_documents_and_weights_over_mean_lengths_give_token_shares
     assert np.abs(token_shares(np.array([0.5, 0.5]) / means) - 0.5).max() < 0.02
 
 
-def test_the_next_epochs_mixture_stream_is_prepared_ahead_and_equal(datasets):
+def test_the_next_epochs_mixture_stream_is_prepared_ahead_and_equal(datasets, monkeypatch):
     """A Loader prepares the next epoch's order while an epoch runs: for a mixture too (its own
     stream, not a plain permutation), equal to the stream computed when asked for."""
+    from fastload.sampling import sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "PREPARE_MIN_NS", 0)  # (a small order is otherwise computed when asked for)
     kw = dict(mix=[0.6, 0.3, 0.1], epoch_size=600, batch_size=20, seed=3)
     with fastload.Loader(list(datasets.values()), **kw) as loader:
         first = _read(loader, epochs=2)

@@ -437,8 +437,12 @@ def test_start_position_is_where_the_next_pass_begins():
     assert t.start_position() == 0
 
 
-def test_the_next_epochs_order_is_prepared_in_the_background_and_equal():
+def test_the_next_epochs_order_is_prepared_in_the_background_and_equal(monkeypatch):
     import threading
+
+    from fastload.sampling import sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "PREPARE_MIN_NS", 0)  # (small orders are computed when asked for)
 
     fresh = Sampler(10_000, batch_size=32, seed=5)
     s = Sampler(10_000, batch_size=32, seed=5, weights=None)
@@ -454,7 +458,14 @@ def test_the_next_epochs_order_is_prepared_in_the_background_and_equal():
     s.set_epoch(2)
     assert np.array_equal(s.stream(), fresh.stream(2)) and calls[-1] == (2, "MainThread")
     calls.clear()
-    Sampler(100, batch_size=4, shuffle=False).prepare(1)  # the natural order: nothing to prepare
+    natural = Sampler(100, batch_size=4, shuffle=False)
+    natural.prepare(1)  # the natural order: nothing to prepare
+    assert natural._ahead is None
+    monkeypatch.undo()
+    cheap = Sampler(10_000, batch_size=4, seed=5)
+    cheap.prepare(1)  # 10,000 samples: ~0.1 ms to permute, less than starting a thread
+    assert cheap._ahead is None
+    monkeypatch.setattr(sampler_mod, "PREPARE_MIN_NS", 0)
     weighted = Sampler(1000, batch_size=8, weights=np.arange(1000) + 1.0, seed=2)
     weighted.prepare(3)
     weighted.set_epoch(3)
@@ -462,7 +473,10 @@ def test_the_next_epochs_order_is_prepared_in_the_background_and_equal():
                                                      seed=2).stream(3))
 
 
-def test_a_prepared_order_that_failed_is_computed_again_where_it_is_asked_for():
+def test_a_prepared_order_that_failed_is_computed_again_where_it_is_asked_for(monkeypatch):
+    from fastload.sampling import sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "PREPARE_MIN_NS", 0)
     s = Sampler(1000, batch_size=8, seed=1)
     real = s._compute
     boom = {"n": 0}

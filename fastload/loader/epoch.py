@@ -13,6 +13,7 @@ import collections
 import logging
 import os
 import time
+from time import perf_counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,8 @@ class EpochIterator:
         self._batches = plan.requests()
         self._source = source
         self._prefetch = prefetch
+        self._half = prefetch // 2  # an amortizing source is refilled in runs of about this many
+        self._amortize = source.amortize
         self._stats = stats
         self._progress = progress
         self._fixed_size = fixed_size  # every batch of a row count has the same bytes
@@ -74,7 +77,7 @@ class EpochIterator:
             raise
 
     def _fill(self) -> None:
-        if self._source.amortize and len(self._pending) > self._prefetch // 2:
+        if self._amortize and len(self._pending) > self._half:
             return  # refill in runs of about prefetch/2 batches: one call each
         run, afters = [], []
         while not self._done_sampling and len(self._pending) + len(run) < self._prefetch:
@@ -104,14 +107,15 @@ class EpochIterator:
                 if self._on_position is not None:
                     self._on_position(self._plan.end)
             raise StopIteration
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         try:
             ready = self._source.get()
         except BaseException:
             self.close()
             raise
-        t1 = time.perf_counter()
-        after = self._pending.popleft()
+        t1 = perf_counter()
+        pending = self._pending
+        after = pending.popleft()
         batch = ready.batch
         self._progress.position = after
         if self._on_position is not None:
@@ -123,7 +127,7 @@ class EpochIterator:
             if self._fixed_size:
                 self._nbytes[n] = nbytes
         batches = self._stats.delivered(n, nbytes, t1 - t0, t1)
-        if not self._done_sampling and (len(self._pending) <= self._prefetch // 2 or not self._source.amortize):
+        if not self._done_sampling and (len(pending) <= self._half or not self._amortize):
             self._fill()
         if self._log_every and batches % self._log_every == 0:
             s = self._stats.snapshot()

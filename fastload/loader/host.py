@@ -30,10 +30,11 @@ class HostSource(RingFedSource):
     def get(self) -> Ready:
         req = self.next_request()
         seq = self._feeder.wait_acquired() if self._feeder is not None else None  # the ring has it pending
-        batch = self._ring.get()  # raw fields and index (a failed batch raises its error here)
+        rb = self._ring.get_batch()  # raw fields and index (a failed batch raises its error here)
+        batch = rb.tensors
         if seq is not None:
             batch.update(self._feeder.take(seq)[0])  # DALI's outputs (host: no events)
-        index = batch[INDEX].numpy()
+        index = rb.arrays[INDEX]
         if self._finish is not None:
             batch = self._finish(batch, req)  # ragged forms, lists, mixture source, transforms
         return Ready(batch, index)
