@@ -27,9 +27,11 @@ def rank_batch_bounds(start: int, stream_len: int, world_size: int, rank: int, b
     ``consumed_after`` is the global consumed count once every rank has read that step."""
     per = per_rank_count(stream_len - start, world_size, drop_last)
     full, rem = divmod(per, batch_size)  # full steps, then one shorter step (the same on every rank)
-    step0 = start + np.arange(full, dtype=np.int64) * (batch_size * world_size)  # vectorised: 10^5 steps in ~1 ms
-    begin = step0 + rank * batch_size
-    out = list(zip(begin.tolist(), (begin + batch_size).tolist(), (step0 + batch_size * world_size).tolist()))
+    out: list[tuple[int, int, int]] = []
+    if full:  # (then batch_size * world_size <= about stream_len: int64 holds every position)
+        step0 = start + np.arange(full, dtype=np.int64) * (batch_size * world_size)  # vectorised: 10^5 steps in ~1 ms
+        begin = step0 + rank * batch_size
+        out = list(zip(begin.tolist(), (begin + batch_size).tolist(), (step0 + batch_size * world_size).tolist()))
     if rem and not drop_last_batch:
         last = start + full * batch_size * world_size
         out.append((last + rank * rem, last + (rank + 1) * rem, last + rem * world_size))
