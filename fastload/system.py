@@ -6,10 +6,14 @@ threads) is a change in one place.
 """
 from __future__ import annotations
 
+import logging
 import os
+import stat
+import tempfile
 import threading
+from pathlib import Path
 
-__all__ = ["IMAGE_FEEDERS", "LOADER_NICE", "available_memory", "check_fits_in_memory", "loader_nice", "local_world_size",
+__all__ = ["CACHE_ENV", "IMAGE_FEEDERS", "LOADER_NICE", "cache_root", "available_memory", "check_fits_in_memory", "loader_nice", "local_world_size",
            "lower_priority", "rank_cores", "usable_cores"]
 
 # The priority of a loader's own threads (ring producers, feeders, the DALI threads they
@@ -129,3 +133,48 @@ def lower_priority(nice: int | None = None) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, n)
     except OSError:  # pragma: no cover - a sandbox that forbids it: run at the inherited priority
         pass
+
+
+# -- the node-local cache directory ---------------------------------------------------------
+logger = logging.getLogger("fastload")
+CACHE_ENV = "FASTLOAD_CACHE"
+_no_home_logged = False
+
+
+def cache_root() -> Path | None:
+    """fastload's node-local cache directory (shared with the remote shard cache):
+    ``$FASTLOAD_CACHE``, else ``~/.cache/fastload``. Without a home directory (``HOME``
+    unset and no passwd entry for the user, as for arbitrary UIDs in containers):
+    ``$XDG_CACHE_HOME/fastload``, else ``<tmp>/fastload-<uid>`` (created private to the
+    user; ``None`` when that is not safely ours: then nothing is remembered)."""
+    env = os.environ.get(CACHE_ENV, "").strip()
+    if env:
+        return Path(env).expanduser()
+    try:
+        return Path.home() / ".cache" / "fastload"
+    except (RuntimeError, KeyError, OSError):
+        pass
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    root = Path(xdg) / "fastload" if xdg and os.path.isabs(xdg) else _private_tmp_dir()
+    global _no_home_logged
+    if not _no_home_logged:
+        _no_home_logged = True
+        where = f"uses {root}" if root is not None else "is not kept (no private directory for it)"
+        logger.info("fastload: no home directory for this user; the node-local cache (verified shards) %s; "
+                    "set %s to choose a directory", where, CACHE_ENV)
+    return root
+
+
+def _private_tmp_dir() -> Path | None:
+    """``<tmp>/fastload-<uid>``, created mode 0700; None if it exists but is not a directory
+    of this user's (another user could have planted it in a shared /tmp)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    p = Path(tempfile.gettempdir()) / f"fastload-{uid}"
+    try:
+        p.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(p)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+        return None
+    return p

@@ -222,3 +222,28 @@ def test_close_joins_threads_and_leaves_the_node(moto, local_ds, s3_env, tmp_pat
     assert (c.dir / ".progress" / "rank-1").read_text() == "done\n"  # peers stop counting it
     with pytest.raises(RemoteError, match="closed"):
         c.ensure(0)
+
+
+def test_the_shard_cache_without_a_home_directory_uses_the_same_fallbacks(tmp_path, monkeypatch):
+    """An arbitrary container uid (HOME unset, no passwd entry): the remote shard cache lives
+    where the verified-shard record does ($XDG_CACHE_HOME/fastload, else a private temporary
+    directory), and says what to set when there is no safe place at all."""
+    import pathlib
+
+    from fastload import system
+    from fastload.errors import UsageError
+    from fastload.remote.cache_files import default_cache_dir
+
+    def no_home(*a, **k):
+        raise RuntimeError("Could not determine home directory")
+    monkeypatch.setattr(pathlib.Path, "home", classmethod(no_home))
+    monkeypatch.delenv("FASTLOAD_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "fastload"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setattr(system.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert default_cache_dir() == tmp_path / "tmp" / f"fastload-{os.getuid()}"
+    (tmp_path / "tmp" / f"fastload-{os.getuid()}").chmod(0o777)  # not safely ours (others may write)
+    with pytest.raises(UsageError, match="set FASTLOAD_CACHE"):
+        default_cache_dir()

@@ -310,15 +310,15 @@ def _run_remote_group(plan: Plan, g: int, on_error: str, t0: float) -> dict:
 
 def _scratch_root() -> Path:
     """Where an object-store task converts its group before uploading it: fastload's cache
-    directory ($FASTLOAD_CACHE, else ~/.cache/fastload; the temporary directory when there
-    is no home directory)."""
+    directory (:func:`fastload.system.cache_root`: $FASTLOAD_CACHE, ~/.cache/fastload, or
+    without a home directory $XDG_CACHE_HOME/fastload or a private temporary directory; the
+    temporary directory itself when none of those is safely this user's)."""
     import tempfile
 
-    from ..remote.cache_files import default_cache_dir
+    from ..system import cache_root
 
-    try:
-        root = default_cache_dir()
-    except (RuntimeError, KeyError):  # no home directory (an arbitrary uid in a container)
+    root = cache_root()
+    if root is None:
         return Path(tempfile.gettempdir())
     root.mkdir(parents=True, exist_ok=True)
     return root

@@ -21,19 +21,26 @@ import threading
 from pathlib import Path
 
 from ..errors import parse_bytes
+from ..system import CACHE_ENV, cache_root
 
 __all__ = ["CACHE_ENV", "REMOTE_JSON", "default_cache_dir", "parse_bytes"]
 
 logger = logging.getLogger("fastload")
 
-CACHE_ENV = "FASTLOAD_CACHE"
 REMOTE_JSON = "remote.json"
 
 
 def default_cache_dir() -> Path:
-    """``$FASTLOAD_CACHE``, else ``~/.cache/fastload``."""
-    v = os.environ.get(CACHE_ENV, "").strip()
-    return Path(v).expanduser() if v else Path.home() / ".cache" / "fastload"
+    """``$FASTLOAD_CACHE``, else ``~/.cache/fastload``; without a home directory (an arbitrary
+    uid in a container) the fallbacks of :func:`fastload.system.cache_root`: then
+    ``$XDG_CACHE_HOME/fastload`` or a private ``<tmp>/fastload-<uid>``."""
+    root = cache_root()
+    if root is None:
+        from ..errors import UsageError
+
+        raise UsageError(f"no directory for the shard cache: there is no home directory and the private temporary "
+                         f"directory is not safely this user's; set {CACHE_ENV} (or pass cache_dir=)")
+    return root
 
 
 class _Flock:

@@ -41,72 +41,28 @@ import hashlib
 import json
 import logging
 import os
-import stat
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..system import usable_cores
+from ..system import CACHE_ENV, cache_root, usable_cores  # noqa: F401  (cache_root: importable from here too)
 
 __all__ = ["DEFAULT_VERIFY", "LOCK_TIMEOUT_ENV", "RACY_WINDOW_S", "VERIFY_POLICIES", "VerifiedRecord", "cache_root",
            "hash_mapped", "lock_deadline"]
+
 
 logger = logging.getLogger("fastload")
 
 VERIFY_POLICIES = ("first-use", "always", "off")
 DEFAULT_VERIFY = "first-use"
-CACHE_ENV = "FASTLOAD_CACHE"
 LOCK_TIMEOUT_ENV = "FASTLOAD_VERIFY_LOCK_TIMEOUT"
 LOCK_TIMEOUT_S = 30.0  # waiting for another process's hash of one shard: this, plus ...
 LOCK_BYTES_PER_S = 200e6  # ... the time to hash the shard at this (slow disk) speed
 RACY_WINDOW_S = 2.0  # a shard changed less than this before it was hashed is not remembered
 PRUNE_EVERY_S = 24 * 3600.0  # the record drops entries of gone or changed files this often
 _STALE_TMP_S = 3600.0  # a temporary or lock file this old is left over from a killed process
-
-_no_home_logged = False
-
-
-def cache_root() -> Path | None:
-    """fastload's node-local cache directory (shared with the remote shard cache):
-    ``$FASTLOAD_CACHE``, else ``~/.cache/fastload``. Without a home directory (``HOME``
-    unset and no passwd entry for the user, as for arbitrary UIDs in containers):
-    ``$XDG_CACHE_HOME/fastload``, else ``<tmp>/fastload-<uid>`` (created private to the
-    user; ``None`` when that is not safely ours: then nothing is remembered)."""
-    env = os.environ.get(CACHE_ENV, "").strip()
-    if env:
-        return Path(env).expanduser()
-    try:
-        return Path.home() / ".cache" / "fastload"
-    except (RuntimeError, KeyError, OSError):
-        pass
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-    root = Path(xdg) / "fastload" if xdg and os.path.isabs(xdg) else _private_tmp_dir()
-    global _no_home_logged
-    if not _no_home_logged:
-        _no_home_logged = True
-        where = f"uses {root}" if root is not None else "is not kept (no private directory for it)"
-        logger.info("fastload: no home directory for this user; the node-local cache (verified shards) %s; "
-                    "set %s to choose a directory", where, CACHE_ENV)
-    return root
-
-
-def _private_tmp_dir() -> Path | None:
-    """``<tmp>/fastload-<uid>``, created mode 0700; None if it exists but is not a directory
-    of this user's (another user could have planted it in a shared /tmp)."""
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    p = Path(tempfile.gettempdir()) / f"fastload-{uid}"
-    try:
-        p.mkdir(mode=0o700, exist_ok=True)
-        st = os.lstat(p)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
-        return None
-    return p
-
 
 def lock_deadline(nbytes: int) -> float:
     """Seconds to wait for another process hashing a shard of ``nbytes`` before hashing it
