@@ -35,15 +35,17 @@ from pathlib import Path
 
 from fastload.bench.report import Measurement, headline, interleaved_times, print_table, system_info
 
-# One conversion in a fresh process; prints its summary and the peak memory of the process
-# and of its largest finished child (the local engine's validation processes) as JSON.
+# One conversion in a fresh process; writes its summary and the peak memory of the process
+# and of its largest finished child (the local engine's validation processes) as JSON to
+# a file of its own per rank (torchrun's ranks share one stdout, where their lines can mix).
 _RUN = """
-import json, resource, sys
+import json, os, resource, sys
 from fastload.convert import convert
 r = convert(**json.loads(sys.argv[1]))
 r["self_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 r["children_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-print("RESULT " + json.dumps(r))
+with open(sys.argv[2] + "." + os.environ.get("RANK", "0"), "w") as f:
+    json.dump(r, f)
 """
 
 
@@ -52,7 +54,10 @@ def run_engine(src: Path, dst: Path, engine: str, workers: int, shard_size: int,
     args = json.dumps({"kind": "imagefolder", "src": str(src), "dst": str(dst), "engine": engine,
                        "workers": workers, "shard_size": shard_size, "allow_small_shards": True,  # groups, on purpose
                        "progress": False})
-    cmd = [sys.executable, "-c", _RUN, args]
+    result = dst.parent / f"result-{engine}"
+    for old in dst.parent.glob(f"result-{engine}.*"):
+        old.unlink()
+    cmd = [sys.executable, "-c", _RUN, args, str(result)]
     if engine == "torch":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                "--no-python", *cmd]
@@ -62,8 +67,7 @@ def run_engine(src: Path, dst: Path, engine: str, workers: int, shard_size: int,
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(f"{engine} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    out = [json.loads(ln[7:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    r = next(o for o in out if o.get("rank", 0) == 0)
+    r = json.loads(Path(f"{result}.0").read_text())  # rank 0's (the one that committed)
     r["wall"] = wall
     if engine == "local":  # the work is split: the writer DALI-checks, the validation processes PIL-decode
         r["worker_peak_rss_bytes"] = max(r["self_peak_rss_bytes"], r["children_peak_rss_bytes"])
