@@ -20,6 +20,7 @@ Standard library only.
 """
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -123,6 +124,11 @@ def interleaved_cold_starts(starts: dict[str, Callable[[], Callable[[], object]]
             close = start()
             dt = time.perf_counter() - t0
             close()
+            # Drop the system here, untimed: else its last reference (the closure) goes when the
+            # next start() returns, and its destructor (a DALI pipeline's takes ~40 ms) is charged
+            # to the next system in the round.
+            del close
+            gc.collect()
             if r >= warmup:
                 times[k].append(dt)
     return times
