@@ -125,8 +125,8 @@ def interleaved_cold_starts(starts: dict[str, Callable[[], Callable[[], object]]
             dt = time.perf_counter() - t0
             close()
             # Drop the system here, untimed: else its last reference (the closure) goes when the
-            # next start() returns, and its destructor (a DALI pipeline's takes ~40 ms) is charged
-            # to the next system in the round.
+            # next start()'s result is assigned, inside the next timing, and whatever its
+            # destructors do (join threads, free a pipeline) is charged to the next system.
             del close
             gc.collect()
             if r >= warmup:
