@@ -13,8 +13,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "IMAGE_FEEDERS", "LOADER_NICE", "cache_root", "available_memory", "check_fits_in_memory", "loader_nice", "local_world_size",
-           "lower_priority", "rank_cores", "usable_cores"]
+__all__ = ["CACHE_ENV", "IMAGE_FEEDERS", "LOADER_NICE", "available_memory", "cache_root", "check_fits_in_memory",
+           "loader_nice", "local_world_size", "lower_priority", "rank_cores", "usable_cores"]
 
 # The priority of a loader's own threads (ring producers, feeders, the DALI threads they
 # start), as a Linux nice value: below the training loop's threads, so that when both want a
@@ -160,7 +160,7 @@ def cache_root() -> Path | None:
     if not _no_home_logged:
         _no_home_logged = True
         where = f"uses {root}" if root is not None else "is not kept (no private directory for it)"
-        logger.info("fastload: no home directory for this user; the node-local cache (verified shards) %s; "
+        logger.info("fastload: no home directory for this user; the node-local cache (verified and downloaded shards) %s; "
                     "set %s to choose a directory", where, CACHE_ENV)
     return root
 
