@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _resume import as_numpy, assert_same  # noqa: F401  (assert_same: for the remote tests)
 from fastload.remote import RemoteDataset, RetryPolicy, ShardCache, epoch_uses
 from fastload.remote.testing import FaultProxy, MotoS3, upload_dir
 
@@ -23,6 +24,20 @@ def make_dataset(path: Path, rows: int = ROWS, shard_size: int = 32_000) -> Path
     with ShardWriter(path, {"x": f"float32[{DIM}]", "y": "int64"}, shard_size=shard_size) as w:
         w.write_batch({"x": x, "y": np.arange(rows, dtype=np.int64)})
     return path
+
+
+def batches(loader, epochs=(0,), on_batch=None) -> list[dict]:
+    """Every batch of ``epochs`` as numpy arrays (``epochs=None``: the loader's current
+    epoch, ``set_epoch`` not called); ``on_batch(i)`` runs after the i-th batch."""
+    out = []
+    for e in (None,) if epochs is None else epochs:
+        if e is not None:
+            loader.set_epoch(e)
+        for b in loader:
+            out.append(as_numpy(b))
+            if on_batch is not None:
+                on_batch(len(out) - 1)
+    return out
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -71,6 +86,13 @@ def upload(srv, local: Path, prefix: str = "ds") -> str:
 
 def s3_url(endpoint: str, prefix: str = "ds") -> str:
     return f"s3://{BUCKET}/{prefix}?endpoint_override={endpoint}&scheme=http"
+
+
+@pytest.fixture
+def remote_url(moto, proxy, local_ds, s3_env):
+    """``local_ds`` uploaded to moto, its URL through the fault proxy."""
+    upload(moto, local_ds)
+    return s3_url(proxy.endpoint)
 
 
 def open_remote(endpoint: str, prefix: str = "ds", **storage_options) -> RemoteDataset:

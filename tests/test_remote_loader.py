@@ -10,33 +10,10 @@ import pytest
 
 import fastload
 from _remote import (  # noqa: F401  (fixtures)
+    assert_same, batches, remote_url,
     _aws_sdk_event_loop, BUCKET, DiskSampler, local_ds, moto, proxy, s3_env, s3_url, upload,
 )
 from fastload.errors import CacheTooSmall
-from fastload.remote.testing import s3_filesystem, upload_dir
-
-
-def _batches(loader, epochs=(0,)):
-    out = []
-    for e in epochs:
-        loader.set_epoch(e)
-        for b in loader:
-            out.append({k: v.numpy().copy() for k, v in b.items()})
-    return out
-
-
-def _equal(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys()
-        for k in x:
-            assert np.array_equal(x[k], y[k]), k
-
-
-@pytest.fixture
-def remote_url(proxy, local_ds, s3_env):
-    upload_dir(s3_filesystem(proxy.upstream, "testing", "testing"), local_ds, f"{BUCKET}/ds")
-    return s3_url(proxy.endpoint)
 
 
 def test_dataset_from_a_url(remote_url, local_ds, tmp_path):
@@ -56,14 +33,14 @@ def test_dataset_from_a_url(remote_url, local_ds, tmp_path):
 def test_loader_batches_equal_local_across_epochs(remote_url, local_ds, tmp_path, mode, window, limit_shards):
     kw = dict(batch_size=50, seed=3, shuffle_mode=mode, window=window, device="cpu", prefetch=2, threads=1)
     with fastload.Loader(local_ds, **kw) as lo:
-        want = _batches(lo, epochs=(0, 1))
+        want = batches(lo, epochs=(0, 1))
         shard_bytes = max(s["bytes"] for s in lo.dataset.manifest["shards"])
     limit = None if limit_shards is None else limit_shards * shard_bytes
     with fastload.Loader(remote_url, cache_dir=tmp_path / "c", cache_limit=limit, **kw) as lo:
         with DiskSampler(lo.dataset.cache.dir) as disk:
-            got = _batches(lo, epochs=(0, 1))
+            got = batches(lo, epochs=(0, 1))
         st = lo.stats()
-    _equal(got, want)
+    assert_same(got, want)
     if limit is not None:
         assert disk.peak <= limit, f"{disk.peak} bytes on disk > cache_limit {limit}"
         assert st["evictions"] > 0
@@ -75,7 +52,7 @@ def test_loader_batches_equal_local_across_epochs(remote_url, local_ds, tmp_path
 def test_resume_with_an_empty_cache(remote_url, local_ds, tmp_path):
     kw = dict(batch_size=40, seed=5, shuffle_mode="window", window=1, device="cpu", prefetch=2)
     with fastload.Loader(local_ds, **kw) as lo:
-        want = _batches(lo)
+        want = batches(lo)
     with fastload.Loader(remote_url, cache_dir=tmp_path / "c1", cache_limit="150kB", **kw) as lo:
         it = iter(lo)
         first = [{k: v.numpy().copy() for k, v in next(it).items()} for _ in range(30)]
@@ -83,7 +60,7 @@ def test_resume_with_an_empty_cache(remote_url, local_ds, tmp_path):
     with fastload.Loader(remote_url, cache_dir=tmp_path / "c2", cache_limit="150kB", **kw) as lo:
         lo.load_state_dict(json.loads(json.dumps(state)))
         rest = [{k: v.numpy().copy() for k, v in b.items()} for b in lo]
-    _equal(first + rest, want)
+    assert_same(first + rest, want)
 
 
 def test_too_small_cache_is_refused_at_construction(remote_url, tmp_path):
@@ -131,7 +108,7 @@ def test_downloads_start_when_the_loader_is_built(remote_url, local_ds, tmp_path
 
     kw = dict(batch_size=50, seed=1, shuffle_mode="window", window=1, device="cpu", prefetch=2)
     with fastload.Loader(local_ds, **kw) as lo:
-        want = _batches(lo)
+        want = batches(lo)
     with fastload.Loader(remote_url, cache_dir=tmp_path / "c", **kw) as lo:
         cache = lo.dataset.cache
         first = int(np.searchsorted(lo.dataset.shard_starts, lo.sampler.stream(0)[0], side="right") - 1)
@@ -139,7 +116,7 @@ def test_downloads_start_when_the_loader_is_built(remote_url, local_ds, tmp_path
         while not cache.path(first).exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert cache.path(first).exists(), "the first shard was downloaded before iterating"
-        got = _batches(lo)
+        got = batches(lo)
         st = lo.stats()
-    _equal(got, want)
+    assert_same(got, want)
     assert st["bytes_downloaded"] == sum(s["bytes"] for s in lo.dataset.manifest["shards"])

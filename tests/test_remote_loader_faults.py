@@ -12,6 +12,7 @@ import pytest
 
 import fastload
 from _remote import (  # noqa: F401  (fixtures)
+    assert_same, batches, remote_url,
     _aws_sdk_event_loop, BUCKET, DiskSampler, local_ds, moto, proxy, s3_env, s3_url,
 )
 from fastload.errors import ChecksumMismatch, DownloadTimeout
@@ -20,32 +21,10 @@ from fastload.remote.testing import s3_filesystem, upload_dir
 KW = dict(batch_size=50, seed=3, shuffle_mode="window", window=1, device="cpu", prefetch=2, threads=1)
 
 
-@pytest.fixture
-def remote_url(proxy, local_ds, s3_env):
-    upload_dir(s3_filesystem(proxy.upstream, "testing", "testing"), local_ds, f"{BUCKET}/ds")
-    return s3_url(proxy.endpoint)
-
-
 def _open(url, cache_dir, **kw):
     """The Loader's Dataset with pyarrow's own request retries off (max_attempts=1): the
     cache's retries are what these faults meet."""
     return fastload.Dataset(url, cache_dir=cache_dir, storage_options={"max_attempts": 1}, **kw)
-
-
-def _rows(loader, on_batch=None):
-    out = []
-    for i, b in enumerate(loader):
-        out.append({k: v.numpy().copy() for k, v in b.items()})
-        if on_batch is not None:
-            on_batch(i)
-    return out
-
-
-def _equal(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        for k in x:
-            assert np.array_equal(x[k], y[k]), k
 
 
 def _shard_bytes(local_ds) -> int:
@@ -55,7 +34,7 @@ def _shard_bytes(local_ds) -> int:
 
 def test_the_epoch_completes_with_identical_batches_under_faults(remote_url, proxy, local_ds, tmp_path):
     with fastload.Loader(local_ds, **KW) as lo:
-        want = _rows(lo)
+        want = batches(lo, epochs=None)
     proxy.add("slowdown", r"shard-0000[0-4]", times=6)
     proxy.add("cut", r"shard-0000[5-9]", times=3)
     proxy.add("corrupt", r"shard-00010", times=1)
@@ -68,9 +47,9 @@ def test_the_epoch_completes_with_identical_batches_under_faults(remote_url, pro
 
     with _open(remote_url, tmp_path / "c", cache_limit=limit) as ds, fastload.Loader(ds, **KW) as lo:
         with DiskSampler(ds.cache.dir) as disk:
-            got = _rows(lo, on_batch=disappear)
+            got = batches(lo, epochs=None, on_batch=disappear)
         st = lo.stats()
-    _equal(got, want)
+    assert_same(got, want)
     assert sum(1 for r in proxy.log if r.fault) >= 13, "the faults were met"
     assert st["retries"] >= 5 and st["evictions"] > 0
     assert disk.peak <= limit
@@ -149,10 +128,10 @@ def test_an_image_field_from_a_url(proxy, s3_env, tmp_path):
               device="cpu", prefetch=1)
     with fastload.Loader(path, **kw) as lo:
         assert lo.dataset.num_shards >= 3
-        want = _rows(lo)
+        want = batches(lo, epochs=None)
         shard = max(s["bytes"] for s in lo.dataset.manifest["shards"])
     with fastload.Loader(s3_url(proxy.endpoint, "img"), cache_dir=tmp_path / "c", cache_limit=3 * shard, **kw) as lo:
-        got = _rows(lo)
+        got = batches(lo, epochs=None)
         st = lo.stats()
-    _equal(got, want)
+    assert_same(got, want)
     assert got[0]["image"].shape == (8, 3, 32, 32) and st["bytes_downloaded"] > 0

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 import fastload
 from _remote import (  # noqa: F401  (fixtures)
+    assert_same, batches,
     _aws_sdk_event_loop, BUCKET, DiskSampler, make_dataset, moto, proxy, s3_env, s3_url,
 )
 from fastload.errors import CacheTooSmall
@@ -23,25 +23,6 @@ def two(proxy, tmp_path, s3_env):
     upload_dir(fs, a, f"{BUCKET}/a")
     upload_dir(fs, b, f"{BUCKET}/b")
     return (a, b), (s3_url(proxy.endpoint, "a"), s3_url(proxy.endpoint, "b"))
-
-
-def _batches(loader, epochs=(0,), on_batch=None):
-    out = []
-    for e in epochs:
-        loader.set_epoch(e)
-        for b in loader:
-            out.append({k: v.numpy().copy() for k, v in b.items()})
-            if on_batch is not None:
-                on_batch()
-    return out
-
-
-def _equal(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys()
-        for k in x:
-            assert np.array_equal(x[k], y[k]), k
 
 
 def _mapped_deleted(directory) -> int:
@@ -60,7 +41,7 @@ def test_mixture_of_urls_equals_the_local_mixture(two, tmp_path, shuffle, shards
     kw = dict(mix=[0.6, 0.4], epoch_size=1500, batch_size=50, seed=7, shuffle=shuffle, device="cpu", prefetch=2,
               threads=1)
     with fastload.Loader([str(a), str(b)], **kw) as lo:
-        want = _batches(lo, epochs=(0, 1))
+        want = batches(lo, epochs=(0, 1))
     limit = None if shards is None else shards * _shard_bytes(a)
     cache = tmp_path / "cache"
     deleted = []
@@ -69,12 +50,12 @@ def test_mixture_of_urls_equals_the_local_mixture(two, tmp_path, shuffle, shards
         caches = [r.cache for r in lo.dataset.readers]
         if limit is not None:
             assert sum(c.limit for c in caches) <= limit
-        on_batch = lambda: deleted.append(_mapped_deleted(cache))  # noqa: E731
+        on_batch = lambda _i: deleted.append(_mapped_deleted(cache))  # noqa: E731
         with DiskSampler(caches[0].dir) as d0, DiskSampler(caches[1].dir) as d1:
-            got = _batches(lo, epochs=(0,), on_batch=on_batch)
+            got = batches(lo, epochs=(0,), on_batch=on_batch)
             st = lo.stats()  # the first epoch's
-            got += _batches(lo, epochs=(1,), on_batch=on_batch)
-    _equal(got, want)
+            got += batches(lo, epochs=(1,), on_batch=on_batch)
+    assert_same(got, want)
     assert max(deleted) == 0, "a deleted cache file is still mapped"
     assert st["bytes_downloaded"] > 0 and "download_MBps" in st
     if limit is not None:
@@ -89,7 +70,7 @@ def test_mixture_resume_with_an_empty_cache(two, tmp_path):
     (a, b), (ua, ub) = two
     kw = dict(mix=[0.5, 0.5], epoch_size=1200, batch_size=40, seed=2, device="cpu", prefetch=2)
     with fastload.Loader([str(a), str(b)], **kw) as lo:
-        want = _batches(lo)
+        want = batches(lo)
     with fastload.Loader([ua, ub], cache_dir=tmp_path / "c1", **kw) as lo:
         it = iter(lo)
         first = [{k: v.numpy().copy() for k, v in next(it).items()} for _ in range(11)]
@@ -97,7 +78,7 @@ def test_mixture_resume_with_an_empty_cache(two, tmp_path):
     with fastload.Loader([ua, ub], cache_dir=tmp_path / "c2", **kw) as lo:
         lo.load_state_dict(json.loads(json.dumps(state)))
         rest = [{k: v.numpy().copy() for k, v in b.items()} for b in lo]
-    _equal(first + rest, want)
+    assert_same(first + rest, want)
 
 
 def test_a_budget_the_mixture_cannot_meet_is_refused(two, tmp_path):

@@ -14,18 +14,13 @@ import pytest
 
 import fastload
 from _remote import (  # noqa: F401  (fixtures)
+    remote_url,
     _aws_sdk_event_loop, BUCKET, local_ds, moto, proxy, s3_env, s3_url, upload,
 )
 from fastload.errors import RemoteError
 from fastload.remote.testing import s3_filesystem, upload_dir
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-
-
-@pytest.fixture
-def remote_url(proxy, local_ds, s3_env):
-    upload_dir(s3_filesystem(proxy.upstream, "testing", "testing"), local_ds, f"{BUCKET}/ds")
-    return s3_url(proxy.endpoint)
 
 
 def _in_child(fn, timeout: float = 30.0) -> bytes:

@@ -13,6 +13,7 @@ import pytest
 
 import fastload
 from _remote import (  # noqa: F401  (fixtures)
+    assert_same, batches,
     _aws_sdk_event_loop, BUCKET, DiskSampler, moto, proxy, s3_env, s3_url,
 )
 from fastload.errors import FormatError
@@ -47,25 +48,6 @@ def tok(proxy, tmp_path, s3_env):
     upload_dir(s3_filesystem(proxy.upstream, "testing", "testing"), local, f"{BUCKET}/tok")
     proxy.log.clear()
     return local, s3_url(proxy.endpoint, "tok"), lengths
-
-
-def _batches(loader, epochs=(0,), limit=None):
-    out = []
-    for e in epochs:
-        loader.set_epoch(e)
-        for b in loader:
-            out.append({k: v.numpy().copy() for k, v in b.items()})
-            if limit is not None and len(out) >= limit:
-                return out
-    return out
-
-
-def _equal(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys()
-        for k in x:
-            assert np.array_equal(x[k], y[k]), k
 
 
 def _shard_gets(log, name):
@@ -127,14 +109,14 @@ def test_ragged_batches_from_a_url_equal_local_across_epochs(tok, tmp_path, how)
     else:
         kw.update(ragged=how)
     with fastload.Loader(local, **kw) as lo:
-        want = _batches(lo, epochs=(0, 1))
+        want = batches(lo, epochs=(0, 1))
     limit = 4 * max(s["bytes"] for s in _manifest(local)["shards"])
     with fastload.Loader(url, cache_dir=tmp_path / "c", cache_limit=limit, **kw) as lo:
         assert lo.dataset.cache.lengths_stats["shards"] == lo.dataset.num_shards  # ranged reads, no download
         with DiskSampler(lo.dataset.cache.dir) as disk:
-            got = _batches(lo, epochs=(0, 1))
+            got = batches(lo, epochs=(0, 1))
         st = lo.stats()
-    _equal(got, want)
+    assert_same(got, want)
     assert disk.peak <= limit, f"{disk.peak} bytes on disk > cache_limit {limit}"
     assert st["evictions"] > 0
 
@@ -145,7 +127,7 @@ def test_ragged_resumes_with_an_empty_cache(tok, tmp_path, how):
     kw = dict(batch_size=4, seed=5, shuffle_mode="window", window=1, device="cpu", prefetch=2)
     kw.update(dict(pack_to=48, fields=["tokens"]) if how == "pack_to" else dict(ragged=how, batch_size=12))
     with fastload.Loader(local, **kw) as lo:
-        want = _batches(lo)
+        want = batches(lo)
     limit = 4 * max(s["bytes"] for s in _manifest(local)["shards"])
     with fastload.Loader(url, cache_dir=tmp_path / "c1", cache_limit=limit, **kw) as lo:
         it = iter(lo)
@@ -153,8 +135,8 @@ def test_ragged_resumes_with_an_empty_cache(tok, tmp_path, how):
         state = lo.state_dict()
     with fastload.Loader(url, cache_dir=tmp_path / "c2", cache_limit=limit, **kw) as lo:
         lo.load_state_dict(json.loads(json.dumps(state)))
-        rest = _batches(lo)
-    _equal(first + rest, want)
+        rest = batches(lo)
+    assert_same(first + rest, want)
 
 
 def test_pack_to_plans_downloads_at_construction(tok, tmp_path):
@@ -171,9 +153,9 @@ def test_pack_to_plans_downloads_at_construction(tok, tmp_path):
         while not path.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert path.exists()
-        got = _batches(lo)
+        got = batches(lo)
     with fastload.Loader(local, **kw) as lo:
-        _equal(got, _batches(lo))
+        assert_same(got, batches(lo))
 
 
 def test_a_damaged_offsets_read_is_read_again(proxy, tmp_path, s3_env):
@@ -207,7 +189,7 @@ def test_a_damaged_offsets_read_the_checks_miss_stops_the_run(proxy, tmp_path, s
     proxy.add("corrupt", re.escape(m["shards"][s]["file"]), method="GET", skip=2, times=1, at=8 * k, xor=1)
     kw = dict(batch_size=4, pack_to=64, fields=["tokens"], seed=4, shuffle=False, device="cpu", prefetch=2)
     with fastload.Loader(local, **kw) as lo:
-        want = _batches(lo)
+        want = batches(lo)
     got = []
     with fastload.Loader(url, cache_dir=tmp_path / "c", **kw) as lo:
         bad = lo.dataset.lengths("tokens")
@@ -220,10 +202,10 @@ def test_a_damaged_offsets_read_the_checks_miss_stops_the_run(proxy, tmp_path, s
     # every batch delivered before the error is right (the stream is in order: shard 2's
     # documents come after shards 0 and 1)
     assert 0 < len(got) < len(want)
-    _equal(got, want[:len(got)])
+    assert_same(got, want[:len(got)])
     with fastload.Loader(url, cache_dir=tmp_path / "c", **kw) as lo:
         assert np.array_equal(lo.dataset.lengths("tokens"), lengths)
-        _equal(_batches(lo), want)
+        assert_same(batches(lo), want)
 
 
 def test_a_mixture_of_remote_ragged_datasets(proxy, tmp_path, s3_env):
@@ -237,10 +219,10 @@ def test_a_mixture_of_remote_ragged_datasets(proxy, tmp_path, s3_env):
     for extra in (dict(pack_to=32, fields=["tokens"]), dict(ragged="packed")):
         kw = dict(mix=[0.7, 0.3], epoch_size=600, batch_size=6, seed=1, device="cpu", prefetch=2, **extra)
         with fastload.Loader([str(p) for p in locals_], **kw) as lo:
-            want = _batches(lo, epochs=(0, 1))
+            want = batches(lo, epochs=(0, 1))
         with fastload.Loader(urls, cache_dir=tmp_path / "c", **kw) as lo:
-            got = _batches(lo, epochs=(0, 1))
-        _equal(got, want)
+            got = batches(lo, epochs=(0, 1))
+        assert_same(got, want)
 
 
 @pytest.mark.parametrize("ranges", [True, False])

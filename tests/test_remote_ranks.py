@@ -16,17 +16,11 @@ import pytest
 import fastload
 from _dist import run_ranks
 from _remote import (  # noqa: F401  (fixtures)
+    remote_url,
     _aws_sdk_event_loop, BUCKET, FAST_RETRY, local_ds, make_cache, moto, open_remote, proxy, read_pass, s3_env,
     s3_url, shard_starts, window_stream,
 )
 from fastload.remote import epoch_uses
-from fastload.remote.testing import s3_filesystem, upload_dir
-
-
-@pytest.fixture
-def remote_url(proxy, local_ds, s3_env):
-    upload_dir(s3_filesystem(proxy.upstream, "testing", "testing"), local_ds, f"{BUCKET}/ds")
-    return s3_url(proxy.endpoint)
 
 
 def _shard_gets(proxy) -> Counter:
