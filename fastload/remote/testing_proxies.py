@@ -22,7 +22,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from .testing_servers import HOST, _stop_process, free_port
+from .testing_servers import HOST, Service, _stop_process, free_port
 
 __all__ = ["Fault", "RequestLog", "FaultProxy", "DelayProxy"]
 
@@ -89,7 +89,7 @@ class _ProxyServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = True
 
 
-class FaultProxy:
+class FaultProxy(Service):
     """An HTTP proxy on 127.0.0.1 in front of ``upstream`` (``host:port``) that injects
     :class:`Fault`\\s. Thread-based, in this process; ``stop()`` joins every thread.
 
@@ -285,15 +285,9 @@ class FaultProxy:
             self._revive = None
         self._shutdown()
 
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
-
 
 # -- latency ---------------------------------------------------------------------------------
-class DelayProxy:
+class DelayProxy(Service):
     """A TCP delay line in a subprocess: ``127.0.0.1:port`` -> ``upstream``, every chunk
     delivered ``delay_ms`` after it arrived (both directions); optional bandwidth cap.
     The subprocess also ends by itself after ``seconds``."""
@@ -328,9 +322,3 @@ class DelayProxy:
         if self.proc is not None and self.proc.stdout:
             self.proc.stdout.close()
         self.proc = None
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()

