@@ -9,23 +9,10 @@ import pytest
 
 import fastload
 from fastload.store import ShardWriter
+from _dtypes import DTYPES, random_values
 
-DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-          "float16", "float32", "float64", "bool", "complex64", "complex128"]
 ITEMS = {"": (), "_3": (3,)}
 N = 41
-
-
-def _values(rng, dtype, shape):
-    a = rng.standard_normal(shape) * 100
-    if dtype == "bool":
-        return a > 0
-    if dtype.startswith("complex"):
-        return (a + 1j * rng.standard_normal(shape)).astype(dtype)
-    if dtype.startswith(("int", "uint")):
-        info = np.iinfo(dtype)
-        return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
-    return a.astype(dtype)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +23,7 @@ def written(tmp_path_factory):
         for suffix, item in ITEMS.items():
             lens = rng.integers(0, 9, N)
             lens[::5] = 0  # zero-length samples throughout
-            data[d + suffix] = [_values(rng, d, (int(k), *item)) for k in lens]
+            data[d + suffix] = [random_values(rng, d, (int(k), *item)) for k in lens]
     fields = {n: f"{n}[]" if "_" not in n else f"{n.split('_')[0]}[*,3]" for n in data}
     path = tmp_path_factory.mktemp("dtypes") / "ds"
     with ShardWriter(path, fields, shard_size=2500) as w:

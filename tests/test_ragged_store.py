@@ -13,27 +13,13 @@ from fastload.errors import FormatError, SampleError
 from fastload.store import DatasetReader, ShardWriter, parse_field, read_manifest
 from fastload.store.format import Field
 from fastload.store.values import Ragged
-
-DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-          "float16", "float32", "float64", "bool", "complex64", "complex128"]
-
-
-def _values(rng, dtype, shape):
-    a = rng.standard_normal(shape) * 100
-    if dtype == "bool":
-        return a > 0
-    if dtype.startswith("complex"):
-        return (a + 1j * rng.standard_normal(shape)).astype(dtype)
-    if dtype.startswith(("int", "uint")):
-        info = np.iinfo(dtype)
-        return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
-    return a.astype(dtype)
+from _dtypes import DTYPES, random_values
 
 
 def _samples(rng, dtype, item, n, max_len=6):
     lens = rng.integers(0, max_len, n)
     lens[::5] = 0  # zero-length samples throughout
-    return [_values(rng, dtype, (int(k), *item)) for k in lens]
+    return [random_values(rng, dtype, (int(k), *item)) for k in lens]
 
 
 @pytest.mark.parametrize("spec, kind, shape", [

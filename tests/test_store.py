@@ -16,6 +16,7 @@ import torch
 import fastload
 from fastload.store import FormatError, parse_field, parse_size, read_manifest
 from fastload.store.format import Field
+from _dtypes import DTYPES
 
 
 def _write(path, fields, samples, **kw):
@@ -27,8 +28,7 @@ def _write(path, fields, samples, **kw):
 
 def test_every_field_kind_round_trips_bytes_equal(tmp_path):
     rng = np.random.default_rng(0)
-    dtypes = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-              "float16", "float32", "float64", "bool", "complex64", "complex128"]
+    dtypes = DTYPES
     fields = {f"t_{d}": f"{d}[2,3]" for d in dtypes}
     fields.update({f"s_{d}": d for d in dtypes if not d.startswith("complex")})
     fields.update({"img": "image", "raw": "bytes", "txt": "string"})
