@@ -3,7 +3,6 @@ DALI, sampler order, resume, errors, stats, and no thread left behind."""
 from __future__ import annotations
 
 import gc
-import io
 import itertools
 import json
 import time
@@ -11,11 +10,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import fastload
 from fastload import DecodeError, Loader, Sampler, vision
 from fastload.sample_data import photos
+from _images import jpeg, write_photo_crops
 
 
 @pytest.fixture(scope="module")
@@ -34,25 +33,10 @@ def raw_ds(tmp_path_factory):
     return ds, x
 
 
-def _jpeg(a: np.ndarray) -> bytes:
-    b = io.BytesIO()
-    Image.fromarray(a).save(b, "JPEG", quality=90)
-    return b.getvalue()
-
-
 @pytest.fixture(scope="module")
 def image_ds(tmp_path_factory):
     """60 real photo crops (JPEG) of varied sizes with labels, in several shards."""
-    path = tmp_path_factory.mktemp("img") / "ds"
-    p = list(photos(["astronaut", "chelsea", "coffee", "rocket"]).values())
-    rng = np.random.default_rng(1)
-    with fastload.ShardWriter(path, {"image": "image", "label": "int64"}, label="label", shard_size="200KB") as wr:
-        for i in range(60):
-            src = p[i % len(p)]
-            h, w = rng.integers(80, 200), rng.integers(80, 200)
-            y, x = rng.integers(0, src.shape[0] - h), rng.integers(0, src.shape[1] - w)
-            wr.write({"image": _jpeg(src[y:y + h, x:x + w]), "label": i % 4}, key=f"img{i:03d}.jpg")
-    return fastload.Dataset(path)
+    return fastload.Dataset(write_photo_crops(tmp_path_factory.mktemp("img") / "ds", 60, "200KB"))
 
 
 def collect(loader, limit=None):
@@ -357,7 +341,7 @@ def corrupt_ds(tmp_path):
                 wr.write({"image": b"\xff\xd8\xff" + b"junk" * 50, "label": 0}, key="bad/005.jpg",
                          image_sizes={"image": (64, 64)})
             else:
-                wr.write({"image": _jpeg(p[i * 10:i * 10 + 100, :120]), "label": 1}, key=f"ok/{i:03d}.jpg")
+                wr.write({"image": jpeg(p[i * 10:i * 10 + 100, :120]), "label": 1}, key=f"ok/{i:03d}.jpg")
     return fastload.Dataset(tmp_path / "ds")
 
 
@@ -398,7 +382,7 @@ def test_large_batches_of_unchecked_images_are_decoded_in_safe_runs(corrupt_ds, 
     src = tmp_path / "folder" / "cat"
     src.mkdir(parents=True)
     for i in range(CPU_RUN + 4):
-        (src / f"{i:03d}.jpg").write_bytes(_jpeg(p[i * 5:i * 5 + 100, :120]))
+        (src / f"{i:03d}.jpg").write_bytes(jpeg(p[i * 5:i * 5 + 100, :120]))
     fastload.convert("imagefolder", tmp_path / "folder", tmp_path / "conv", progress=False)
     ds = fastload.Dataset(tmp_path / "conv")
     assert ds.manifest["metadata"]["images_checked"] == "dali"

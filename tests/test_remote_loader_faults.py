@@ -4,10 +4,8 @@ batches, or fails with the named error. Plus an image field (DALI's CPU graph) r
 URL, and the download options."""
 from __future__ import annotations
 
-import io
 import time
 
-import numpy as np
 import pytest
 
 import fastload
@@ -17,6 +15,7 @@ from _remote import (  # noqa: F401  (fixtures)
 )
 from fastload.errors import ChecksumMismatch, DownloadTimeout
 from fastload.remote.testing import s3_filesystem, upload_dir
+from _images import write_photo_crops
 
 KW = dict(batch_size=50, seed=3, shuffle_mode="window", window=1, device="cpu", prefetch=2, threads=1)
 
@@ -100,29 +99,12 @@ def test_download_options_are_checked(remote_url, local_ds, tmp_path):
         fastload.Loader(local_ds, batch_size=10, download_threads=2)
 
 
-def _jpeg(a: np.ndarray) -> bytes:
-    from PIL import Image
-
-    b = io.BytesIO()
-    Image.fromarray(a).save(b, "JPEG", quality=90)
-    return b.getvalue()
-
-
 def test_an_image_field_from_a_url(proxy, s3_env, tmp_path):
     """Encoded images read from the cache's mapped shards, decoded by DALI's CPU graph."""
     pytest.importorskip("nvidia.dali")
     from fastload import vision
-    from fastload.sample_data import photos
 
-    path = tmp_path / "img"
-    p = list(photos(["astronaut", "chelsea", "coffee", "rocket"]).values())
-    rng = np.random.default_rng(1)
-    with fastload.ShardWriter(path, {"image": "image", "label": "int64"}, label="label", shard_size="100KB") as wr:
-        for i in range(48):
-            src = p[i % len(p)]
-            h, w = rng.integers(80, 200), rng.integers(80, 200)
-            y, x = rng.integers(0, src.shape[0] - h), rng.integers(0, src.shape[1] - w)
-            wr.write({"image": _jpeg(src[y:y + h, x:x + w]), "label": i % 4}, key=f"img{i:03d}.jpg")
+    path = write_photo_crops(tmp_path / "img", 48, "100KB")
     upload_dir(s3_filesystem(proxy.upstream, "testing", "testing"), path, f"{BUCKET}/img")
     kw = dict(batch_size=8, seed=1, shuffle_mode="window", window=1, transforms={"image": vision.eval(32)},
               device="cpu", prefetch=1)
