@@ -22,7 +22,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from .testing_servers import HOST, Service, _stop_process, free_port
+from .testing_servers import HOST, ProcessService, Service, free_port
 
 __all__ = ["Fault", "RequestLog", "FaultProxy", "DelayProxy"]
 
@@ -287,7 +287,7 @@ class FaultProxy(Service):
 
 
 # -- latency ---------------------------------------------------------------------------------
-class DelayProxy(Service):
+class DelayProxy(ProcessService):
     """A TCP delay line in a subprocess: ``127.0.0.1:port`` -> ``upstream``, every chunk
     delivered ``delay_ms`` after it arrived (both directions); optional bandwidth cap.
     The subprocess also ends by itself after ``seconds``."""
@@ -318,7 +318,7 @@ class DelayProxy(Service):
         return self
 
     def stop(self) -> None:
-        _stop_process(self.proc)
-        if self.proc is not None and self.proc.stdout:
-            self.proc.stdout.close()
-        self.proc = None
+        out = self.proc.stdout if self.proc is not None else None
+        super().stop()
+        if out:
+            out.close()

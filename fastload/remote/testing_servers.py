@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["HOST", "Service", "SeaweedFS", "MotoS3", "HttpFileServer", "GcsEmulator", "free_port", "s3_filesystem",
+__all__ = ["HOST", "ProcessService", "Service", "SeaweedFS", "MotoS3", "HttpFileServer", "GcsEmulator", "free_port", "s3_filesystem",
            "upload_dir", "weed_binary"]
 
 HOST = "127.0.0.1"
@@ -89,6 +89,16 @@ class Service:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class ProcessService(Service):
+    """A :class:`Service` that is one subprocess (``self.proc``), stopped by its process id."""
+
+    proc: subprocess.Popen | None = None
+
+    def stop(self) -> None:
+        _stop_process(self.proc)
+        self.proc = None
 
 
 # -- SeaweedFS -------------------------------------------------------------------------------
@@ -218,7 +228,7 @@ class MotoS3(Service):
 
 
 # -- plain HTTP ------------------------------------------------------------------------------
-class HttpFileServer(Service):
+class HttpFileServer(ProcessService):
     """A subprocess serving ``directory`` over HTTP: ``ranges=True`` runs RangeHTTPServer
     (206 Partial Content), ``ranges=False`` the standard library's ``http.server`` (which
     ignores ``Range`` and answers 200 with the whole file)."""
@@ -246,13 +256,9 @@ class HttpFileServer(Service):
             raise
         return self
 
-    def stop(self) -> None:
-        _stop_process(self.proc)
-        self.proc = None
-
 
 # -- Google Cloud Storage ----------------------------------------------------------------------
-class GcsEmulator(Service):
+class GcsEmulator(ProcessService):
     """``gcp-storage-emulator`` (a pip package) in a subprocess on 127.0.0.1, in memory, with
     ``buckets`` created; read it with ``storage_options`` (anonymous, no secret)."""
 
@@ -298,7 +304,3 @@ class GcsEmulator(Service):
             self.stop()
             raise
         return self
-
-    def stop(self) -> None:
-        _stop_process(self.proc)
-        self.proc = None
