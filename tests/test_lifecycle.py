@@ -107,6 +107,14 @@ def test_a_drain_waits_for_a_batch_that_never_comes_only_until_its_deadline():
         assert ring.drain(timeout=1) is True
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the child, before exec: SIGINT at its default, as in a terminal. A test run started
+    in the background by a non-interactive shell (``make test &``, some CI runners) inherits
+    SIGINT ignored; then Python installs no KeyboardInterrupt handler and the convert rightly
+    ignores the signal (a fresh-clone run failed so: [0, 0, 0])."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_to_converts_process_group_prints_one_line(tmp_path):
     src = tmp_path / "src"
@@ -120,7 +128,7 @@ def test_ctrl_c_to_converts_process_group_prints_one_line(tmp_path):
         dst = tmp_path / f"out{delay}"
         p = subprocess.Popen([sys.executable, "-m", "fastload", "convert", "imagefolder", str(src), str(dst),
                               "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=_ctrl_c_as_in_a_terminal)
         # once the conversion runs (DST exists; the interpreter's own start-up, importing torch,
         # is not fastload's to interrupt cleanly until `import fastload` is lazy), then a while
         deadline = time.monotonic() + 60
