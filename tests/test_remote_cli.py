@@ -118,7 +118,10 @@ def test_overwrite_keeps_the_old_dataset_until_the_new_manifest(moto, s3_env, tm
     from fastload.remote.publish import upload_dataset
     from fastload.remote.testing import FaultProxy
 
+    from fastload.store.report import write_report
+
     old, new = make_dataset(tmp_path / "old", rows=1000), make_dataset(tmp_path / "new", rows=1500)
+    write_report(old / "skipped.jsonl", [{"index": 3, "key": "a.jpg", "reason": "test"}])  # the new one has none
     with FaultProxy(moto.endpoint) as px:
         prefix = f"ow{int(fail)}"  # moto keeps its objects for the whole process
         url = f"s3://{BUCKET}/{prefix}?endpoint_override={px.endpoint}&scheme=http"

@@ -27,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from ._store import MANIFEST, SKIPPED_REPORT, commit_transaction, fsync_dir, remove_tree, shard_name, write_report
+from ._store import (MANIFEST, SKIPPED_REPORT, commit_transaction, fsync_dir, read_report, remove_tree, shard_name,
+                     write_report)
 from .common import RESIZED_IMAGES, ConvertError
-from .objstore import Store, record_name, stale_files
+from ..store.format import stale_files
+from .objstore import Store, record_name
 from .plan import Plan
 from .task import read_part
 
@@ -81,20 +83,6 @@ def _read_manifest(part: Path) -> dict | None:
             return json.load(f)
     except FileNotFoundError:
         return None
-
-
-def _read_report(part: Path, offset: int) -> list[dict]:
-    out = []
-    try:
-        with open(part / SKIPPED_REPORT, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    r = json.loads(line)
-                    r["index"] = int(r["index"]) + offset
-                    out.append(r)
-    except FileNotFoundError:
-        pass
-    return out
 
 
 def check_parts(plan: Plan, on_error: str) -> list[tuple[int, dict, dict | None]]:
@@ -191,7 +179,7 @@ def commit(plan: Plan, on_error: str = "raise", target: Any = None) -> dict:
     parts = check_parts(plan, on_error)
     skipped: list[dict] = []
     for g, rec, _ in parts:
-        skipped += _read_report(plan.part_dir(g), rec["start"])
+        skipped += read_report(plan.part_dir(g), rec["start"])
     if sum(rec["num_samples"] for _, rec, _ in parts) == 0:
         if skipped and not (dst / MANIFEST).exists():
             write_report(dst / SKIPPED_REPORT, skipped)

@@ -32,7 +32,8 @@ import re
 from typing import Any
 
 from ..remote.url import display_url, is_remote, scheme_of
-from ._store import MANIFEST, PARTS, SKIPPED_REPORT, shard_name
+from ..store.format import SHARD_FILE_RE
+from ._store import MANIFEST, PARTS, shard_name
 from .common import ConvertError
 
 __all__ = ["SHARDS_PER_GROUP", "Store", "check_remote_destination", "is_remote", "record_name", "remote_shard_name"]
@@ -42,7 +43,7 @@ __all__ = ["SHARDS_PER_GROUP", "Store", "check_remote_destination", "is_remote",
 # names from the manifest).
 SHARDS_PER_GROUP = 1000
 _RECORD = re.compile(r"g-([0-9]{8})\.json")
-_OWN_SHARD = re.compile(r"shard-[0-9]{5,}(?:-[0-9a-f]{8})?\.arrow")
+_OWN_SHARD = re.compile(SHARD_FILE_RE)
 
 
 def record_name(g: int) -> str:
@@ -117,14 +118,6 @@ class Store:
                     break
                 dst.write(b)
 
-    def get_file(self, name: str, local: str | os.PathLike) -> None:
-        with self.fs.open_input_stream(self.path(name), compression=None) as src, open(local, "wb") as dst:
-            while True:
-                b = src.read(16 << 20)
-                if not b:
-                    break
-                dst.write(b)
-
     def open_input(self, name: str):
         """A random-access file (for Parquet: only the row groups a task needs are read)."""
         return self.fs.open_input_file(self.path(name))
@@ -162,9 +155,3 @@ def check_remote_destination(store: Store, *, overwrite: bool, allow_leftovers: 
         raise FileExistsError(f"{store.display} holds shard files without a manifest ({own[0]}, ...: an "
                               "interrupted upload or conversion?); pass --overwrite to replace them")
     return names
-
-
-def stale_files(names: dict[str, int] | list[str], keep: set[str]) -> list[str]:
-    """fastload's own files at DST that a new dataset (``keep``) replaces: shards it does not
-    list, and a skipped report it does not have."""
-    return sorted(n for n in names if n not in keep and (_OWN_SHARD.fullmatch(n) or n == SKIPPED_REPORT))

@@ -35,7 +35,7 @@ def upload_dataset(local: str | os.PathLike, url: str, *, overwrite: bool = Fals
     the manifest is replaced in one PUT (the new dataset opens from then on; until then, the
     old one still does, also when the upload fails half way), and only then are the old
     shards deleted. Returns the bytes uploaded."""
-    from ..store.format import GENERATION_PATTERN, SKIPPED_REPORT
+    from ..store.format import SKIPPED_REPORT, shard_name, stale_files
     from ..store.reader import read_manifest
     from ..store.transaction import new_generation
 
@@ -55,17 +55,18 @@ def upload_dataset(local: str | os.PathLike, url: str, *, overwrite: bool = Fals
     sources = [local / s["file"] for s in m["shards"]]
     if old:  # names no file there has: readers of the old dataset never see a new shard under an old name
         generation = new_generation(listed)
-        m = dict(m, shards=[dict(s, file=GENERATION_PATTERN.format(i, generation)) for i, s in enumerate(m["shards"])])
+        m = dict(m, shards=[dict(s, file=shard_name(i, generation)) for i, s in enumerate(m["shards"])])
     files = [s["file"] for s in m["shards"]]
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastload-upload") as pool:
         list(pool.map(lambda a: t.write_file(*a), zip(sources, files)))
+    keep = set(files)
     if (local / SKIPPED_REPORT).exists():
         t.write_file(local / SKIPPED_REPORT, SKIPPED_REPORT)
+        keep.add(SKIPPED_REPORT)
     # last, in one PUT (atomic per object): the new dataset opens from here on
     t.write_bytes((json.dumps(m, indent=1) + "\n").encode("utf-8"), MANIFEST)
-    for n in old:
-        if n.startswith("shard-") and n not in files:
-            t.delete(n)
+    for n in stale_files(old, keep):  # the old shards, and an old report the new dataset does not have
+        t.delete(n)
     return sum(int(s["bytes"]) for s in m["shards"])
 
 

@@ -34,6 +34,14 @@ GENERATION_PATTERN = "shard-{:05d}-{}.arrow"
 SHARD_FILE_RE = r"shard-[0-9]{5,}(?:-[0-9a-f]{8})?\.arrow"  # every name the writer gives, nothing else
 CHECKSUM_ALGO = "xxh3_128"
 
+
+def stale_files(names, keep: set[str]) -> list[str]:
+    """fastload's own files among ``names`` (a directory's or an object-store prefix's) that
+    a new dataset listing ``keep`` replaces: shards it does not list, and a skipped report
+    it does not have. Never anything fastload did not name (a shared prefix's other files)."""
+    return sorted(n for n in names if n not in keep and (re.fullmatch(SHARD_FILE_RE, n) or n == SKIPPED_REPORT))
+
+
 KINDS = ("tensor", "scalar", "ragged", "image", "bytes", "string")
 NUMERIC_KINDS = ("tensor", "scalar", "ragged")
 
