@@ -118,21 +118,13 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
                               f"(or set ${CACHE_ENV}) to a writable local directory") from None
         self._write_remote_json()
         self._check_present()
-        self.limit = self._resolve_limit(limit)
-        # the whole dataset fits: a mirror, nothing is deleted (a rerun reads it all locally)
-        self.mirror = self.limit >= int(self.sizes.sum())
-        biggest = int(self.sizes.max()) if self.num_shards else 0
-        if self.limit < biggest:
-            raise CacheTooSmall(
-                f"cache_limit={format_bytes(self.limit)} is smaller than the largest shard of {remote.url} "
-                f"({format_bytes(biggest)}); raise cache_limit", minimum=biggest)
+        self.set_limit(self._resolve_limit(limit))
 
         self._stop = threading.Event()
         self.counters = DownloadCounters()
         self._downloader_kw = dict(threads=threads, policy=self.policy, chunk_bytes=chunk_bytes, fsync=fsync)
         self.downloader = Downloader(remote.transport, stop=self._stop, counters=self.counters, **self._downloader_kw)
         self._threads_n = max(1, int(threads))
-        self._pid = os.getpid()
         self._cond = threading.Condition()
         self._admit_lock = threading.Lock()
         self._admission = _Flock(self.dir / ".locks" / "admission.lock")
@@ -143,16 +135,7 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         self._progress_path = self.dir / ".progress" / f"rank-{self.local_rank}"
         self._t_open, self._t_open_mono = time.time(), time.monotonic()
 
-        # The timeline (see schedule.py): uses of the kept passes, in first-use order.
-        self._u_shard = np.zeros(0, np.int64)
-        self._u_first = np.zeros(0, np.int64)
-        self._u_last = np.zeros(0, np.int64)
-        self._u_admit = np.zeros(0, np.int64)
-        self._by_shard: dict[int, np.ndarray] = {}
-        self._events = np.zeros(0, np.int64)
-        self._next_event = np.iinfo(np.int64).max
-        self._next = 0           # next use for the prefetch threads
-        self._passes: list[dict] = []  # {"k", "base", "uses"} of the kept passes
+        self._clear_timeline()
         self._pass = 0
         self._base_next = 0
         self._my_t = 0
@@ -161,7 +144,6 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         self._node_t = 0
         self._node_t_at = 0.0
         self._release_ptr = 0
-        self._by_last = np.zeros(0, np.int64)
         self._inflight: set[int] = set()
         self._fetched: set[int] = set()  # downloaded by this process, not yet counted by the prefetcher
         self._errors: dict[int, BaseException] = {}
@@ -212,13 +194,21 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
                 "cache_hits": self.cache_hits, "evictions": self.evictions, "retries": c.retries,
                 "downloads": self.downloads}
 
+    def _clear_timeline(self) -> None:
+        """No pass planned: the timeline (see schedule.py: the uses of the kept passes, in
+        first-use order, and the events and releases along it) is empty."""
+        self._passes: list[dict] = []  # {"k", "base", "uses"} of the kept passes
+        self._u_shard = self._u_first = self._u_last = self._u_admit = np.zeros(0, np.int64)
+        self._by_shard: dict[int, np.ndarray] = {}
+        self._by_last = np.zeros(0, np.int64)
+        self._events, self._next_event = np.zeros(0, np.int64), np.iinfo(np.int64).max
+        self._next = 0  # next use for the prefetch threads
+
     def stop(self) -> None:
         """Stop and join the download threads (a Loader closing); ``ensure()`` still works,
         and the next :meth:`plan` starts them again."""
         with self._cond:
-            self._passes = []
-            self._u_shard = self._u_first = self._u_last = self._u_admit = np.zeros(0, np.int64)
-            self._by_shard, self._next = {}, 0
+            self._clear_timeline()
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
@@ -238,6 +228,7 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
             raise CacheTooSmall(f"cache_limit={format_bytes(limit)} is smaller than the largest shard of {self.url} "
                                 f"({format_bytes(biggest)}); raise cache_limit", minimum=biggest)
         self.limit = int(limit)
+        # the whole dataset fits: a mirror, nothing is deleted (a rerun reads it all locally)
         self.mirror = self.limit >= int(self.sizes.sum())
 
     def minimum_limit(self, uses: EpochUses) -> int:
@@ -306,15 +297,11 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         on-demand cache of the same directory (no plan: the parent's pass is the parent's):
         new locks, new downloader, and the cross-process flocks opened again (a flock is
         shared with the parent through an inherited descriptor, so it would not exclude it)."""
-        self._pid = os.getpid()
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self._admit_lock = threading.Lock()
         self._workers, self._inflight, self._fetched, self._errors = [], set(), set(), {}
-        self._passes = []
-        self._u_shard = self._u_first = self._u_last = self._u_admit = np.zeros(0, np.int64)
-        self._by_shard, self._next, self._by_last = {}, 0, np.zeros(0, np.int64)
-        self._events, self._next_event = np.zeros(0, np.int64), np.iinfo(np.int64).max
+        self._clear_timeline()
         self.counters = DownloadCounters()
         self.downloader = Downloader(self.remote.transport, stop=self._stop, counters=self.counters,
                                      **{**self._downloader_kw, "chunk_bytes": self.downloader.chunk})
@@ -324,10 +311,6 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         if not self._closed:
             self._admission = _Flock(self.dir / ".locks" / "admission.lock")
             self._peer_alive = {r: _Flock(f.path) for r, f in self._peer_alive.items()}
-
-    @property
-    def forked(self) -> bool:
-        return self._pid != os.getpid()
 
     def close(self) -> None:
         """Stop and join the download threads, leave the node (peers stop counting this

@@ -39,7 +39,8 @@ __all__ = ["Concurrency", "DownloadCounters", "Downloader", "RetryPolicy", "Canc
 CHECKSUM_PREFIX = "xxh3_128:"
 
 
-_TRANSIENT_ERRORS = (OSError, http.client.HTTPException, urllib.error.URLError, socket.timeout, ValueError)
+# the errors a retry may cure (what classify() sorts); anything else is a bug, raised at once
+TRANSIENT_ERRORS = (OSError, http.client.HTTPException, urllib.error.URLError, socket.timeout, ValueError)
 
 
 class _Truncated(OSError):
@@ -122,7 +123,7 @@ class Downloader:
                 last = RuntimeError(f"checksum {m.actual} != {checksum}")
             except (Cancelled, DownloadError):
                 raise
-            except _TRANSIENT_ERRORS as e:
+            except TRANSIENT_ERRORS as e:
                 last = e
                 kind = classify(e)
                 if kind == FaultKind.MISSING:

@@ -33,20 +33,18 @@ through the cache instead, as for a local dataset.
 from __future__ import annotations
 
 import hashlib
-import http.client
 import logging
 import os
 import re
-import socket
 import threading
 import time
-import urllib.error
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import DownloadError, FormatError
+from .download import TRANSIENT_ERRORS
 from .ipc_layout import LayoutError, footer_length, list_column, parse_footer
 from .url import FaultKind, RangesUnsupported, classify
 
@@ -56,9 +54,6 @@ logger = logging.getLogger("fastload")
 
 TAIL_BYTES = 16 << 10  # the first read of a shard's tail: footers of a few dozen fields fit
 THREADS = 16           # shards read at once (each request is small: latency-bound)
-
-_TRANSIENT = (OSError, http.client.HTTPException, urllib.error.URLError, socket.timeout, ValueError)
-
 
 class _Reads:
     """Ranged reads of one file, counted, served from what was already read when possible."""
@@ -140,7 +135,7 @@ def fetch_offsets(transport, name: str, *, size: int, rows: int, field: str, pol
             logger.warning("fastload: the offsets of %r in %s did not check out (%s); reading them again", field,
                            url, e)
             continue  # at once: not a network fault
-        except _TRANSIENT as e:
+        except TRANSIENT_ERRORS as e:
             last = e
             kind = classify(e)
             if kind == FaultKind.MISSING:
