@@ -286,9 +286,7 @@ class Loader:
                            progress=self._progress, fixed_size=fixed, log_every=o.log_every,
                            on_position=self._remote.advance if self._remote is not None else None)
         self._parts.track(it)
-        prepare = getattr(self._sampler, "prepare", None)
-        if prepare is not None:  # the next epoch's order, in the background while this one runs
-            prepare(plan.epoch + 1)
+        self._sampler.prepare(plan.epoch + 1)  # the next epoch's order, in the background while this one runs
         return it
 
     # -- resume --------------------------------------------------------------------------------
@@ -354,9 +352,7 @@ class Loader:
             self._parts.close()
             return
         self._parts.stop_iter()
-        join = getattr(self._sampler, "join_ahead", None)
-        if join is not None:
-            join()
+        self._sampler.join_ahead()
         self._stats.detach_all()  # stats() stays complete after close()
         self._finalizer()
 

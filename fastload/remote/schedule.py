@@ -95,7 +95,7 @@ def sampler_uses(sampler, shard_starts: np.ndarray, *, epoch: int | None = None,
     """:func:`epoch_uses` for a :class:`fastload.Sampler`'s pass (its epoch and resume
     position unless given)."""
     e = sampler.epoch if epoch is None else int(epoch)
-    s = (sampler._start() if e == sampler.epoch else 0) if start is None else int(start)
+    s = (sampler.start_position() if e == sampler.epoch else 0) if start is None else int(start)
     end = epoch_end(sampler.stream_len, world_size=sampler.world_size, batch_size=sampler.batch_size,
                     drop_last=sampler.drop_last, drop_last_batch=sampler.drop_last_batch, start=s)
     return epoch_uses(sampler.stream(e), shard_starts, epoch=e, start=s, end=end)

@@ -113,7 +113,7 @@ class Sampler:
         self.epoch = 0
         self._consumed = 0
         self._resume_pending = False
-        self._cache: tuple[int, np.ndarray] | None = None
+        self._cache: dict[int, np.ndarray] = {}  # the streams of the current epoch and the next
         self._ahead: _Ahead | None = None  # an epoch's stream computed in the background (prepare)
         self._identity_cache: dict | None = None
 
@@ -124,15 +124,20 @@ class Sampler:
         return self.num_samples if self.num_draws is None else self.num_draws
 
     def stream(self, epoch: int | None = None) -> np.ndarray:
-        """The epoch's full stream (identical on every rank). Cached for the current epoch."""
+        """The epoch's full stream (identical on every rank). Cached for the current epoch and
+        the next (a remote dataset's cache plans the next epoch's downloads from it while this
+        one runs: then :meth:`prepare` has nothing left to compute)."""
         e = self.epoch if epoch is None else int(epoch)
-        if self._cache is not None and self._cache[0] == e:
-            return self._cache[1]
+        s = self._cache.get(e)
+        if s is not None:
+            return s
         s = self._take_ahead(e)
         if s is None:
             s = self._compute(e)
-        if epoch is None or e == self.epoch:
-            self._cache = (e, s)
+        keep = (self.epoch, self.epoch + 1)
+        if e in keep:
+            self._cache = {k: v for k, v in self._cache.items() if k in keep}
+            self._cache[e] = s
         return s
 
     def _compute(self, e: int) -> np.ndarray:
@@ -158,7 +163,7 @@ class Sampler:
         # sample (C++), weighted or balanced draws ~200 ns.
         if self.stream_len * (200 if drawn else 10) < PREPARE_MIN_NS:
             return
-        if (self._cache is not None and self._cache[0] == e) or (self._ahead is not None and self._ahead.epoch == e):
+        if e in self._cache or (self._ahead is not None and self._ahead.epoch == e):
             return
         self.join_ahead()
         self._ahead = _Ahead(e, self._compute)
@@ -196,8 +201,6 @@ class Sampler:
         """Where the next pass over the current epoch starts (the consumed count
         :meth:`begin_pass` will return): a loaded mid-epoch position, else 0. Reads only."""
         return self._consumed if self._resume_pending else 0
-
-    _start = start_position  # the former private name (fastload/remote/schedule.py calls it)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (call before each epoch, like ``DistributedSampler.set_epoch``).
