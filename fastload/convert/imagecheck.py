@@ -54,7 +54,7 @@ class DaliImageCheck:
 
     def _run(self, encoded: list[np.ndarray]) -> tuple[list[tuple[int, int]] | None, str | None]:
         """Decoded (width, height) of each image, or (None, DALI's reason)."""
-        from ..pipeline.runner import _reason, _strip_tags
+        from ..pipeline.badsamples import reason as _reason, strip_tags as _strip_tags
 
         if self._pipe is None:
             self._pipe = self._build()

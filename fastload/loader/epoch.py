@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
-import time
 from time import perf_counter
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +64,6 @@ class EpochIterator:
         self._nbytes: dict[int, int] = {}  # batch bytes by row count
         self._done_sampling = False
         self.closed = False
-        self._pid = os.getpid()
         self._generation = lifecycle.generation  # changes in a forked child (no syscall per batch)
         progress.position = plan.start
         stats.begin_epoch()
@@ -77,8 +74,8 @@ class EpochIterator:
             raise
 
     def _fill(self) -> None:
-        if self._amortize and len(self._pending) > self._half:
-            return  # refill in runs of about prefetch/2 batches: one call each
+        """Request batches up to ``prefetch`` in flight. ``__next__`` calls it only when at most
+        half are left (``amortize``: refill in runs of about prefetch/2 batches, one call each)."""
         run, afters = [], []
         while not self._done_sampling and len(self._pending) + len(run) < self._prefetch:
             try:
@@ -141,7 +138,7 @@ class EpochIterator:
         if self.closed:
             return
         self.closed = True
-        if os.getpid() != self._pid:
+        if lifecycle.generation != self._generation:
             return
         self._stats.end_epoch()
         self._pending.clear()

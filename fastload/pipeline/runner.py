@@ -33,8 +33,8 @@ import numpy as np
 from .. import lifecycle
 from ..errors import BadSamples
 from ..system import rank_cores
-from .badsamples import CPU_SEARCH_CHUNK, BadSampleSearch  # noqa: F401 - CPU_SEARCH_CHUNK re-exported
-from .badsamples import reason as _reason  # (also imported from here by convert/imagecheck.py)
+from .badsamples import BadSampleSearch
+from .badsamples import reason as _reason
 from .badsamples import strip_tags as _strip_tags
 from .quiet import decoder_output_captured, messages_since
 
