@@ -15,10 +15,11 @@ import math
 import os
 from dataclasses import dataclass, fields
 
+from .models import STEPS
+
 __all__ = ["DEVICES", "TRANSFORMS", "BenchOptions", "add_bench_arguments", "run_command"]
 
 TRANSFORMS = ("train224", "eval224", "none")
-STEPS = ("mlp", "cnn")  # fastload.bench.models.STEPS (not imported: building the parser imports no torch)
 DEVICES = ("auto", "cpu", "cuda")
 COMPARES = ("torch",)
 

@@ -12,12 +12,12 @@ import shutil
 from pathlib import Path
 
 from ..store.format import MANIFEST, MAX_SHARD_SIZE, SKIPPED_REPORT, shard_name
-from ..store.report import write_report
+from ..store.report import read_report, write_report
 from ..store.transaction import PARTS_DIR as PARTS
 from ..store.transaction import Transaction, fsync_dir, is_own_file, write_json_atomic
 
 __all__ = ["MANIFEST", "MAX_SHARD_SIZE", "PARTS", "SKIPPED_REPORT", "check_destination", "commit_transaction",
-           "fsync_dir", "remove_tree", "shard_name", "write_json", "write_report"]
+           "fsync_dir", "read_report", "remove_tree", "shard_name", "write_json", "write_report"]
 
 write_json = write_json_atomic
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ._store import MANIFEST, PARTS, SKIPPED_REPORT, fsync_dir, write_json
+from ._store import MANIFEST, PARTS, SKIPPED_REPORT, fsync_dir, read_report, write_json
 from .common import ConvertError, Source, run_convert
 from .objstore import Store, record_name, remote_shard_name
 from .plan import Plan, load_plan
@@ -299,11 +299,7 @@ def _run_remote_group(plan: Plan, g: int, on_error: str, t0: float) -> dict:
                 store.put_file(out / s["file"], name)
                 shards.append({**s, "file": name})
             m["shards"] = shards
-        report = []
-        if (out / SKIPPED_REPORT).exists():
-            with open(out / SKIPPED_REPORT, encoding="utf-8") as f:
-                report = [json.loads(line) for line in f if line.strip()]
-        rec = {**rec, "token": plan.token, "manifest": m, "report": report}
+        rec = {**rec, "token": plan.token, "manifest": m, "report": read_report(out)}
         store.put_json(record_name(g), rec)  # last: from here on the group counts as done
     return _result(rec, t0, reused=False)
 

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-__all__ = ["write_report"]
+__all__ = ["read_report", "write_report"]
 
 
 def write_report(path: Path, records: Iterable[Mapping[str, Any]]) -> int:
@@ -30,3 +30,21 @@ def write_report(path: Path, records: Iterable[Mapping[str, Any]]) -> int:
             pass
         raise
     return len(records)
+
+
+def read_report(directory: Path, offset: int = 0) -> list[dict]:
+    """The records of ``directory``'s skipped-sample report (none if it has no report), each
+    ``index`` shifted by ``offset`` (a conversion group's first sample in the whole dataset)."""
+    from .format import SKIPPED_REPORT
+
+    out = []
+    try:
+        with open(Path(directory) / SKIPPED_REPORT, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    r["index"] = int(r["index"]) + offset
+                    out.append(r)
+    except FileNotFoundError:
+        pass
+    return out
