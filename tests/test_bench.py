@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -340,6 +341,18 @@ def test_bench_scripts_smoke(tmp_path):
     assert table[0].startswith("| workload") and len(table) == 2 + len(records)
     for r, line in zip(records, table[2:]):
         assert f"`python bench/{r['script']}`" in line and line.count("|") == 7
+
+
+def test_dali_stages_diagnostic_smoke():
+    """bench/dali_stages.py (issue 17's decode-vs-resize breakdown, not in run_all): it runs
+    and reports every stage with a positive rate."""
+    pytest.importorskip("nvidia.dali")
+    p = run(ROOT / "bench" / "dali_stages.py", "--smoke", timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    for row in ("DALI ROI decode ", "DALI ROI decode + resize ", "no antialias", "torch resize"):
+        line = next(ln for ln in p.stdout.splitlines() if row in ln)
+        assert float(re.search(r"([\d,]+) img/s", line).group(1).replace(",", "")) > 0, line
+    assert "CPU per image: decode" in p.stdout
 
 
 def test_readme_table_is_replaced_between_markers(tmp_path):
