@@ -26,8 +26,9 @@ and the cold time to the first batch (the Loader's constructor plus its first ``
 DataLoader's first ``next()``, which starts its workers).
 
 **The CPU bound (CNN).** On the CPU the decoder and the model share the cores, so no loader
-can bring the wait to zero: each round also runs DALI alone (the Loader's graph on the same
-bytes, no training) and measures its process CPU time per epoch (C_decode), and the limit
+can bring the wait to zero: each round also runs the Loader's decoding alone (its DALI
+decode and torch resize on the same bytes, in a thread of its own like a feeder's, no
+training) and measures its process CPU time per epoch (C_decode), and the limit
 epoch's wall and CPU time (T_loop, C_loop, every thread). The bound is
 max(T_loop, (C_loop + C_decode) / cores): the shortest epoch any loader can give on these
 cores, at which the loop still waits 1 - T_loop / bound. Each row says how far it is from it,
@@ -41,6 +42,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +59,7 @@ from fastload.bench.baseline import EpochSampler, ImageCollate, PILImageWork, Ta
 from fastload.bench.models import mlp, sgd, small_cnn  # noqa: E402
 from fastload.bench.report import Measurement, Spread, headline, paired_ratios, print_table, system_info  # noqa: E402
 from fastload.loader.parts import images_checked  # noqa: E402
+from fastload.pipeline.host_tail import one_torch_thread  # noqa: E402
 from fastload.sample_data import make_image_folder  # noqa: E402
 from fastload.system import loader_nice, usable_cores  # noqa: E402
 
@@ -136,7 +139,7 @@ def run_setting(systems: list[System], make_model, repeats: int, warmup: int,
 class Bound:
     """The CPU bound of an epoch on ``cores`` cores: max(T_loop, (C_loop + C_decode) / cores),
     from the loop's own wall and CPU seconds (the limit system: batches in memory) and the
-    decoder's CPU seconds for an epoch's images (DALI alone, measured in the same rounds). No
+    decoder's CPU seconds for an epoch's images (decoding alone, measured in the same rounds). No
     loader on these cores can finish an epoch sooner; at the bound the loop still waits
     1 - T_loop / bound of the time. C_loop counts every thread of the loop, torch's OpenMP
     workers spinning at their barriers included, so with torch threads > 1 the bound can
@@ -259,18 +262,34 @@ def cnn_case(tmp: Path, n: int, batch: int, repeats: int, warmup: int, threads: 
         return loader
 
     systems.append(System("fastload Loader (DALI, cpu)", "ours", fl, keys=("image", "label"), build_s=build_s))
-    # DALI alone on the same bytes, the same graph, as many threads as the Loader's pipelines:
-    # the decoder's CPU time per epoch, for the CPU bound
+    # the Loader's decoding alone on the same bytes (its runner: DALI's decode with as many
+    # threads as the Loader's pipelines, torch's resize on one thread, as in a feeder): the
+    # decoding's CPU time per epoch, for the CPU bound
     runner = tf.runner(device="cpu", batch_size=batch, seed=0)
     runner.whole_batches = images_checked(ds)  # as the Loader's runners
     name = "image"
 
-    def dali_alone(k: int) -> None:
+    def decode_epoch(k: int) -> None:
+        one_torch_thread()  # as a feeder: torch's resize on this thread alone
         order = np.random.default_rng(k).permutation(len(ds))
         for s in range(0, len(order), batch):
             idx = order[s:s + batch]
             w, h = ds.image_sizes(name, idx)
             runner.run(ds.views(name, idx), w, h, idx, k)
+
+    def dali_alone(k: int) -> None:
+        failed: list = []
+
+        def work() -> None:
+            try:
+                decode_epoch(k)
+            except BaseException as e:  # raised in the bench's thread below
+                failed.append(e)
+        t = threading.Thread(target=work, name="bench-decode")
+        t.start()
+        t.join()
+        if failed:
+            raise failed[0]
 
     torch.set_num_threads(threads)
     try:
@@ -286,7 +305,7 @@ def cnn_case(tmp: Path, n: int, batch: int, repeats: int, warmup: int, threads: 
     rows = report(f"small CNN on {n:,} photo JPEGs, RandomResizedCrop 224 float32 CHW, batch {batch}, "
                   f"torch threads={threads}", systems, 3 * 224 * 224 * 4 + 8, bound)
     dali_s = Spread.of([w for w, _ in probed["dali"]])
-    print(f"DALI alone (no training, same rounds): {dali_s.rate(n).fmt(',.0f')} img/s, "
+    print(f"decoding alone (no training, same rounds): {dali_s.rate(n).fmt(',.0f')} img/s, "
           f"{Spread.of([c for _, c in probed['dali']]).fmt('.3f')} CPU s per epoch")
     for r in rows.values():
         r.extra["bound"] = {"seconds": bound.seconds, "min_wait": bound.min_wait, "t_loop": bound.t_loop,
@@ -324,7 +343,7 @@ def summarize(results: dict, rows_n: int, images: int, smoke: bool) -> None:
             vb = ours.extra["vs_bound"]
             vbs = Spread(vb, *ours.extra["vs_bound_range"], n).fmt(".2f", "x")
             dl_wait = max(r.wait_fraction for r in dls)
-            line += (f"; CPU bound {b['seconds']:.3f} s/epoch ({b['dali_alone_img_s']:,.0f} img/s DALI alone): "
+            line += (f"; CPU bound {b['seconds']:.3f} s/epoch ({b['dali_alone_img_s']:,.0f} img/s decoding alone): "
                      f"fastload {vbs} the bound, where the loop must still "
                      f"wait >= {100 * b['min_wait']:.0f}%")
             if dl_wait > 0.20:

@@ -69,7 +69,13 @@ def _h2d(fake):
 
 
 def _cpu_reference(ds, **kw):
-    with Loader(ds, device="cpu", **kw) as lo:
+    """The same batches from a CPU Loader whose presets run their whole graph in DALI, as
+    the (fake) GPU does: on the CPU they resize in torch instead (pipeline/host_tail.py)."""
+    from unittest import mock
+
+    from fastload.pipeline import presets
+
+    with mock.patch.object(presets._Normalized, "finishes_on_cpu", False), Loader(ds, device="cpu", **kw) as lo:
         return [{k: v.clone() for k, v in b.items()} for b in lo]
 
 

@@ -50,10 +50,30 @@ def test_preset_cuda_graph_is_valid_with_decoder_mixed_and_ops_on_gpu(name):
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_preset_cpu_graph_is_the_same_graph_on_the_cpu(name):
+def test_preset_cpu_graph_is_the_gpu_graph_up_to_the_decoder(name):
+    """On the CPU the presets' DALI graph ends at the decoder (resize, crop, flip and
+    normalize run in torch, pipeline/host_tail.py): the same sources and decoder, with the
+    same arguments, as on the GPU (bar the decoder's device), and nothing after it."""
     t = PRESETS[name]()
     gpu = offline.check(t, device="cuda")
     cpu = offline.check(t, device="cpu")
+    assert cpu.problems() == []
+    assert t.finishes_on_cpu
+    fed = {"encoded", *t.param_names(decoded_only=True)}  # the flip is done by torch on the CPU
+    head = [op for op in gpu.ops if (op.is_source and op.name in fed) or op.is_decoder]
+    assert [op.schema for op in cpu.ops] == [op.schema for op in head]
+    assert [[a for a in op.args if a[0] != "device"] for op in cpu.ops] == \
+        [[a for a in op.args if a[0] != "device"] for op in head]
+    assert [d for _, d in cpu.outputs] == ["cpu"] and cpu.decoders[0].device == "cpu"
+    assert {op.name for op in cpu.ops if op.is_source} == fed
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_whole_dali_graph_is_the_same_on_both_devices(name):
+    """dali_only=True (the bench's "DALI alone" limit) runs the GPU's graph on the CPU."""
+    t = PRESETS[name]()
+    gpu = offline.check(t, device="cuda")
+    cpu = offline.check(t, device="cpu", dali_only=True)
     assert cpu.problems() == []
     assert [op.schema for op in cpu.ops] == [op.schema for op in gpu.ops]  # one graph, two devices
     assert [op.args for op in cpu.ops] == [op.args for op in gpu.ops]

@@ -103,6 +103,72 @@ def test_eval_preset_equals_reference_resize_center_crop(images):
         assert err < 0.06, (i, err)  # ~3 grey levels on average
 
 
+def _run_whole_dali(transform, enc, w, h, idx, epoch=0, seed=0):
+    r = transform.runner(device="cpu", batch_size=len(enc), seed=seed, num_threads=2, dali_only=True)
+    try:
+        assert not r.host_tail
+        return r.run(list(enc), w, h, idx, epoch).numpy()
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: vision.train(64, scale=(0.2, 1.0)),
+    lambda: vision.train((48, 80), dtype="uint8", layout="HWC"),
+    lambda: vision.train(56, dtype="float16", layout="HWC", mean=(0.5, 0.4, 0.3), std=(0.2, 0.3, 0.25)),
+    lambda: vision.eval(64, resize=73),
+    lambda: vision.eval((40, 56), dtype="uint8", layout="CHW"),
+], ids=["train-f32-chw", "train-u8-hwc", "train-f16-hwc-own-stats", "eval-f32", "eval-u8-chw"])
+def test_torch_finish_on_the_cpu_matches_dalis_whole_graph(images, make):
+    """On the CPU the presets end DALI's graph at the decoder and resize, crop, flip and
+    normalize in torch (pipeline/host_tail.py): the same pixels as DALI's whole graph (the
+    GPU's) up to the resampling filters' rounding, per sample, for every dtype and layout.
+    A wrong window, flip, layout or normalisation is off by far more."""
+    enc, _, w, h = images
+    t = make()
+    idx = np.arange(40, 40 + len(enc))
+    r = t.runner(device="cpu", batch_size=len(enc), seed=4, num_threads=2)
+    try:
+        assert r.host_tail
+        ours = r.run(list(enc), w, h, idx, 2).numpy()
+    finally:
+        r.close()
+    ref = _run_whole_dali(t, enc, w, h, idx, epoch=2, seed=4)
+    assert ours.shape == ref.shape == (len(enc), *t.out_shape) and ours.dtype == ref.dtype
+    scale = 1.0 if t.dtype == "uint8" else 1 / (255 * min(t.std))  # one grey level in output units
+    diff = np.abs(ours.astype(np.float32) - ref.astype(np.float32)).reshape(len(enc), -1)
+    assert diff.mean(axis=1).max() < 1.5 * scale, diff.mean(axis=1) / scale  # measured <= 0.7; flipped >= 6
+    if isinstance(t, type(vision.train())):
+        _, _, flip = train_params(4, 2, idx, w, h, t.scale, t.ratio, t.flip)
+        assert 0 < flip.sum() < len(flip)  # both kinds present: a flip on the wrong side would show
+    else:  # eval: no resampling difference on the crop's border rows either (same window)
+        assert diff.max(axis=1).max() < 40 * scale
+
+
+def test_the_torch_finish_runs_on_its_thread_alone():
+    """Feeders call one_torch_thread(): torch's operators there use that thread only, while
+    the process's setting (the training loop's) is left as it was."""
+    import threading
+
+    from fastload.pipeline.host_tail import one_torch_thread
+
+    before = torch.get_num_threads()
+    seen = []
+
+    def worker():
+        seen.append((one_torch_thread(), torch.get_num_threads()))
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    assert seen == [(True, 1)]
+    assert torch.get_num_threads() == before
+    other = []
+    th = threading.Thread(target=lambda: other.append(torch.get_num_threads()))
+    th.start()
+    th.join()
+    assert other == [before]  # a new thread still gets the process default
+
+
 def test_same_seed_epoch_index_same_pixels_regardless_of_batch(images):
     enc, _, w, h = images
     idx = np.array([7, 123456789, 42, 0, 5, 99, 3])

@@ -4,7 +4,7 @@ Iterates a dataset with the chosen settings and reports samples/s, MB/s, time to
 batch, per-stage times and the stall fraction; ``--compare torch`` runs
 ``torch.utils.data.DataLoader`` on the same data doing the same work (PIL decode and the same
 augmentations, with the same crop windows, for images) in the same run; ``--limit`` adds the
-hardware limit for the workload (memcpy of the same bytes for raw fields, the same DALI graph
+hardware limit for the workload (memcpy of the same bytes for raw fields, the transform's whole DALI graph
 alone for images). ``--json [FILE]`` writes every figure with the machine description (to
 stdout when FILE is omitted or '-'; the text report then goes to stderr); ``--plot`` draws them.
 """

@@ -1,6 +1,7 @@
 """The runs of ``fastload bench``: the fastload Loader, torch's DataLoader doing the same
 work (:mod:`fastload.bench.baseline`), and the hardware limit of the workload (memcpy of the
-same bytes for raw fields, the same DALI graph alone on the same encoded bytes for images).
+same bytes for raw fields, the transform's whole graph in DALI alone on the same encoded bytes
+for images).
 
 Each run takes the dataset path and the validated :class:`fastload.bench.cli.BenchOptions`
 and returns a :class:`fastload.bench.report.Measurement`; :func:`run` makes the whole report.
@@ -286,9 +287,9 @@ def _dali_args(ds, name: str, idx: np.ndarray) -> tuple:
 
 def run_limit(path, o, device: str, nbytes_per_sample: float, samples: int,
               device_id: int | None = None) -> Measurement | None:
-    """memcpy of the same bytes (raw fields) or the same DALI graph alone on the same encoded
-    bytes (images; on CUDA on GPU ``device_id``, the Loader's); None when there is nothing to
-    copy."""
+    """memcpy of the same bytes (raw fields) or the transform's whole graph in DALI alone on
+    the same encoded bytes (images; on CUDA on GPU ``device_id``, the Loader's); None when
+    there is nothing to copy."""
     from ..store import Dataset
 
     ds = Dataset(path)
@@ -299,8 +300,10 @@ def run_limit(path, o, device: str, nbytes_per_sample: float, samples: int,
             raise ValueError("run_limit: device='cuda' needs the device_id of the GPU to run DALI on")
         from ..loader.parts import images_checked
 
+        # the transform's whole graph in DALI (on the CPU the Loader resizes in torch instead)
         runner = transform_for(o.transform).runner(device=device, batch_size=o.batch_size, seed=0,
-                                                   device_id=device_id if device == "cuda" else None)
+                                                   device_id=device_id if device == "cuda" else None,
+                                                   dali_only=True)
         runner.whole_batches = images_checked(ds)  # whole batches where the Loader's runners decode them
         order = np.random.default_rng(0).permutation(len(ds))[:samples]
         try:
@@ -313,7 +316,7 @@ def run_limit(path, o, device: str, nbytes_per_sample: float, samples: int,
             sec = time.perf_counter() - t0
         finally:
             runner.close()
-        return Measurement("DALI alone (same graph, same bytes)", len(order), int(nbytes_per_sample * len(order)),
+        return Measurement("DALI alone (the whole graph in DALI, same bytes)", len(order), int(nbytes_per_sample * len(order)),
                            sec, "limit")
     nb = int(nbytes_per_sample * o.batch_size)
     if nb == 0:

@@ -8,14 +8,18 @@ the slot, hands the decoded images over by the slot's sequence number and commit
 The consumer waits for the next slot to be acquired (``wait_acquired``: the ring then has
 that batch pending), takes it from the ring, and picks up its images (``take``).
 
-The images are DALI's own output buffers: zero-copy torch tensors on the host (DLPack, DALI's
-dynamic executor never reuses a buffer while it is referenced), CUDA tensors made on each
-runner's copy stream on a GPU, with the events a consumer's stream must wait on. Two workers,
+On the host, the presets' images are written into the slot itself (the ring has a field for
+each: DALI decodes, torch finishes each image there, host_tail.py), so they travel with the
+raw fields under the ring's lifetime rule. Other images are DALI's own output buffers:
+zero-copy torch tensors on the host (DLPack, DALI's dynamic executor never reuses a buffer
+while it is referenced), CUDA tensors made on each runner's copy stream on a GPU, with the
+events a consumer's stream must wait on. Two workers,
 each with its own pipelines, take batches in turn: while one worker's Python glue runs
 (views, crop parameters), the other's DALI threads keep the cores busy.
 
 Feeder threads run at the loader's thread priority (``system.lower_priority``), and so do
-the DALI threads they start: a training step's own threads win a contended core.
+the DALI threads they start: a training step's own threads win a contended core. Their torch
+operators run on the feeder's own thread only (``host_tail.one_torch_thread``).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..system import IMAGE_FEEDERS, lower_priority
+from ..pipeline.host_tail import one_torch_thread
 from .decode import Decoders, decode_fields, runner_decoder
 
 __all__ = ["ImageFeeder"]
@@ -110,6 +115,7 @@ class ImageFeeder:
     def _run(self, worker: int) -> None:
         try:
             lower_priority()  # before DALI starts its threads: they inherit it
+            one_torch_thread()  # host_tail.py's torch work here runs on this thread alone
             if self._device is not None:
                 from ..device import select
 
@@ -129,11 +135,19 @@ class ImageFeeder:
                 slot.fail(e)
 
     def _fill(self, slot, idx: np.ndarray, runners: dict) -> None:
+        import torch
+
         ds = self._dataset
-        decoders = {name: runner_decoder(runners[name], ds, name, self._epoch, None, self._stats)
+        # image fields the ring has room for (finished in torch on the host) are decoded into the slot
+        arrays = slot.arrays
+        into = {name: torch.from_numpy(arrays[name][:len(idx)]) for name in self._image_fields if name in arrays}
+        decoders = {name: runner_decoder(runners[name], ds, name, self._epoch, into.get(name), self._stats)
                     for name in self._image_fields}
         images, final, replaced = decode_fields(decoders, idx, num_samples=len(ds), on_error=self._on_error,
                                                 describe=ds.describe, known_bad=self._known_bad)
+        for name in into:  # in the slot: delivered with the raw fields
+            del images[name]
+        del into, arrays
         if replaced:
             self._stats.add("replaced_samples", replaced)
         # on a GPU each field's last run produced its tensor: its runner's ready event covers it

@@ -77,8 +77,10 @@ class Parts:
         return self._opts.device.type == "cuda"
 
     def ring(self) -> Ring:
-        """Raw fields (gathered from the memory-mapped shards) and the int64 ``"index"``
-        field; decoded images never pass through it (they are DALI's own buffers)."""
+        """Raw fields (gathered from the memory-mapped shards), the int64 ``"index"``
+        field, and on the host the image fields whose transform finishes in torch (the
+        feeders write them into the slot: :func:`slot_images`); other decoded images never
+        pass through it (they are DALI's own buffers)."""
         if self._ring is None:
             ds, o = self._dataset, self._opts
             specs: dict[str, Any] = {}
@@ -98,6 +100,9 @@ class Parts:
                 specs[n] = ring_field(ds, n, d, o.slot_rows or o.batch_size)
                 sources[n] = [None if remote else _values_offsets(ds.ragged_column(s, n, verify=False))
                               for s in range(ds.num_shards)]
+            for n in slot_images(o):  # written by the feeders, no source
+                t = o.transforms[n]
+                specs[n] = (np.dtype(t.out_dtype), tuple(t.out_shape))
             specs[INDEX] = (np.int64, ())
             ring = Ring(specs, rows, sources, index_field=INDEX, threads=o.threads,
                         slots=o.slots or ring_slots(o.prefetch), shard_rows=ds.shard_sizes.tolist(),
@@ -237,6 +242,15 @@ class Parts:
 def _values_offsets(column: tuple) -> tuple:
     offsets, values = column
     return values, offsets
+
+
+def slot_images(o) -> tuple[str, ...]:
+    """The image fields decoded into ring slots: on the host, those whose transform ends
+    its DALI graph at the decoder and finishes each image in torch, straight into the batch
+    (``Transform.finishes_on_cpu``; a slot outlives nothing the user holds, see ring.py)."""
+    if o.device.type == "cuda":
+        return ()
+    return tuple(n for n in o.image_fields if o.transforms[n].finishes_on_cpu)
 
 
 def images_checked(dataset) -> bool:

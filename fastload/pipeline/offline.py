@@ -87,12 +87,13 @@ class GraphReport:
 
 
 def check(transform, *, device: str = "cuda", batch_size: int = 8, num_threads: int = 1,
-          seed: int = 0) -> GraphReport:
+          seed: int = 0, dali_only: bool = False) -> GraphReport:
     """Define ``transform``'s graph for ``device`` as a runner would, let DALI validate and
     serialize it (offline: ``device_id=None``), and report what it accepted. DALI's own
-    errors (a misspelled argument, an input on the wrong device, ...) propagate."""
+    errors (a misspelled argument, an input on the wrong device, ...) propagate.
+    ``dali_only``: the whole graph in DALI on the CPU too (see ``Runner``)."""
     runner = transform.runner(device=device, batch_size=batch_size, num_threads=num_threads, seed=seed,
-                              device_id=None)
+                              device_id=None, dali_only=dali_only)
     pipe = runner._define()
     try:
         blob = pipe.serialize()

@@ -63,20 +63,30 @@ class Transform:
     def describe(self) -> dict:
         raise NotImplementedError
 
-    def param_names(self) -> dict[str, Any]:
-        """``{external source name: numpy dtype}`` of the per-sample parameters."""
+    # On the CPU the runner builds the graph up to the decoder only (``decoded_only``) and
+    # ``finish`` does the rest in torch, per image (see fastload.pipeline.host_tail)
+    finishes_on_cpu = False
+
+    def param_names(self, decoded_only: bool = False) -> dict[str, Any]:
+        """``{external source name: numpy dtype}`` of the per-sample parameters the DALI
+        graph reads (``params`` computes them all; ``finish`` may use the others)."""
         return {}
 
     def params(self, seed: int, epoch: int, index: np.ndarray, width: np.ndarray, height: np.ndarray) -> dict:
         return {}
 
-    def graph(self, encoded, params: dict, *, decode_device: str, device: str):
+    def graph(self, encoded, params: dict, *, decode_device: str, device: str, decoded_only: bool = False):
+        raise NotImplementedError
+
+    def finish(self, decoded, params: dict, out) -> None:
+        """The rest of a ``decoded_only`` graph's work: DALI's decoded images into ``out``."""
         raise NotImplementedError
 
     def runner(self, *, device: str = "cpu", batch_size: int, num_threads: int | None = None,
-               prefetch: int | None = None, seed: int = 0, device_id: int | None = None) -> Runner:
+               prefetch: int | None = None, seed: int = 0, device_id: int | None = None,
+               dali_only: bool = False) -> Runner:
         return Runner(self, device=device, batch_size=batch_size, num_threads=num_threads, prefetch=prefetch,
-                      seed=seed, device_id=device_id)
+                      seed=seed, device_id=device_id, dali_only=dali_only)
 
     def __repr__(self) -> str:
         d = self.describe()
@@ -134,10 +144,18 @@ class _Normalized(Transform):
             kw["crop_pos_y"] = 0.5
         return fn.crop_mirror_normalize(images, **kw)
 
+    finishes_on_cpu = True  # torch's resize is ~4x cheaper than DALI's on the CPU (host_tail.py)
+
+    def finish(self, decoded, params, out) -> None:
+        from .host_tail import finish_batch
+
+        finish_batch(self, decoded, params, out)
+
 
 class Train(_Normalized):
     """RandomResizedCrop(size, scale, ratio) → horizontal flip(p) → normalize, as torchvision's
-    ImageNet recipe; the crop is decoded directly (ROI decoding) where the decoder allows."""
+    ImageNet recipe; the crop is decoded directly (ROI decoding) where the decoder allows. On
+    the CPU the resize, flip and normalize run in torch (``finish``, host_tail.py)."""
 
     def __init__(self, size=224, *, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
                  mean=None, std=None, dtype: str = "float32", layout: str = "CHW",
@@ -155,20 +173,23 @@ class Train(_Normalized):
         return {"kind": "train", **self._common(), "scale": list(self.scale), "ratio": list(self.ratio),
                 "flip": self.flip}
 
-    def param_names(self):
-        return {"crop_anchor": np.float32, "crop_shape": np.float32, "flip": np.int32}
+    def param_names(self, decoded_only=False):
+        window = {"crop_anchor": np.float32, "crop_shape": np.float32}
+        return window if decoded_only else {**window, "flip": np.int32}  # else finish() flips
 
     def params(self, seed, epoch, index, width, height):
         anchor, shape, flip = train_params(seed, epoch, index, width, height, self.scale, self.ratio, self.flip)
         return {"crop_anchor": anchor, "crop_shape": shape, "flip": flip}
 
-    def graph(self, encoded, params, *, decode_device, device):
+    def graph(self, encoded, params, *, decode_device, device, decoded_only=False):
         from nvidia.dali import fn, types
 
         images = fn.decoders.image_slice(encoded, params["crop_anchor"], params["crop_shape"],
                                          device=decode_device, output_type=types.RGB, axis_names="WH",
                                          normalized_anchor=False, normalized_shape=False,
                                          adjust_orientation=True)  # the window is in the upright frame
+        if decoded_only:
+            return images  # resize, flip, normalize: finish()
         h, w = self.size
         images = fn.resize(images, device=device, resize_x=w, resize_y=h, antialias=True)
         return self._normalize(images, device=device, mirror=params["flip"])
@@ -176,7 +197,8 @@ class Train(_Normalized):
 
 class Eval(_Normalized):
     """Resize the shorter side to ``resize`` (default ``size / 0.875``), center crop ``size``,
-    normalize: the ImageNet evaluation recipe."""
+    normalize: the ImageNet evaluation recipe. On the CPU all but the decode run in torch
+    (``finish``, host_tail.py)."""
 
     def __init__(self, size=224, *, resize: int | None = None, mean=None, std=None, dtype: str = "float32",
                  layout: str = "CHW", max_pixels: int = DEFAULT_MAX_PIXELS):
@@ -190,11 +212,13 @@ class Eval(_Normalized):
     def describe(self) -> dict:
         return {"kind": "eval", **self._common(), "resize": self.resize}
 
-    def graph(self, encoded, params, *, decode_device, device):
+    def graph(self, encoded, params, *, decode_device, device, decoded_only=False):
         from nvidia.dali import fn, types
 
         images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB,
                                    adjust_orientation=True)  # upright, as the store's sizes
+        if decoded_only:
+            return images  # resize, center crop, normalize: finish()
         images = fn.resize(images, device=device, resize_shorter=self.resize, antialias=True)
         return self._normalize(images, device=device, crop=self.size)
 
@@ -227,7 +251,7 @@ class Custom(Transform):
         return {"kind": "custom", "name": self.name, "shape": list(self.out_shape), "dtype": self.out_dtype,
                 "max_pixels": self.max_pixels}
 
-    def graph(self, encoded, params, *, decode_device, device):
+    def graph(self, encoded, params, *, decode_device, device, decoded_only=False):
         return self.build(encoded, device=device)
 
 

@@ -8,9 +8,11 @@ the failing samples, raised as :class:`fastload.errors.BadSamples`
 
 On the CPU, DALI's dynamic executor runs the graph, in runs of at most ``CPU_RUN`` images
 unless the images were checked at convert time (a failed larger run can crash DALI 2.4,
-see CPU_RUN); a batch of one run is handed over as
-DALI's own output buffer without a copy (DLPack; reference-counted, never reused while
-held), a larger one is concatenated from its runs.
+see CPU_RUN). The presets' graph ends at the decoder there (``host_tail``): their
+``finish`` resizes each decoded image in torch straight into the output (a ring slot), run
+by run. Other graphs: a batch of one run is handed over as DALI's own output buffer without
+a copy (DLPack; reference-counted, never reused while held), a larger one is concatenated
+from its runs.
 
 On CUDA (the thin part): DALI runs host-synchronously (the legacy executor; ``run(stream)``
 needs the dynamic one), and its output is copied into a new torch tensor on the runner's own
@@ -73,7 +75,7 @@ class Runner(BadSampleSearch):
     """
 
     def __init__(self, transform, *, device: str, batch_size: int, num_threads: int | None,
-                 prefetch: int | None, seed: int, device_id: int | None):
+                 prefetch: int | None, seed: int, device_id: int | None, dali_only: bool = False):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r} must be 'cpu' or 'cuda'")
         self.transform = transform
@@ -96,6 +98,10 @@ class Runner(BadSampleSearch):
         # when every image was decoded by DALI at convert time, see CPU_RUN)
         self.whole_batches = False
         self.copy_s = 0.0  # time copying DALI's output out (into a ring slot / a CUDA tensor)
+        # CPU: the graph ends at the decoder, transform.finish() resizes into the output
+        # (host_tail.py); dali_only keeps the transform's whole graph in DALI (the GPU's)
+        self.host_tail = device == "cpu" and transform.finishes_on_cpu and not dali_only
+        self._fed = tuple(transform.param_names(self.host_tail))  # DALI's inputs
 
     # -- the graph ---------------------------------------------------------------------------
     def _define(self):
@@ -105,7 +111,7 @@ class Runner(BadSampleSearch):
 
         t = self.transform
         gpu = self.device == "cuda"
-        names = t.param_names()
+        names = t.param_names(self.host_tail)
 
         @pipeline_def(batch_size=self._pipeline_batch(), num_threads=self.num_threads,
                       device_id=self.device_id if gpu else None, prefetch_queue_depth=1,
@@ -115,7 +121,7 @@ class Runner(BadSampleSearch):
             params = {n: fn.external_source(name=n, dtype=types.FLOAT if d == np.float32 else types.INT32,
                                             no_copy=True) for n, d in names.items()}
             return t.graph(enc, params, decode_device="mixed" if gpu else "cpu",
-                           device="gpu" if gpu else "cpu")
+                           device="gpu" if gpu else "cpu", decoded_only=self.host_tail)
 
         return graph()
 
@@ -184,8 +190,8 @@ class Runner(BadSampleSearch):
     def _run_once(self, encoded: list, params: dict[str, np.ndarray], capture: bool = True):
         pipe = self._pipeline()
         pipe.feed_input("encoded", encoded)
-        for n, a in params.items():
-            pipe.feed_input(n, a)  # one (n, ...) array: a uniform batch, no per-sample list
+        for n in self._fed:
+            pipe.feed_input(n, params[n])  # one (n, ...) array: a uniform batch, no per-sample list
         # Host-synchronous run on both devices. On the CPU, DALI's dynamic executor: its output
         # buffers are reference-counted, so _deliver hands them over without a copy. On CUDA
         # (the legacy executor) the output stays on the device and _deliver copies it out on
@@ -227,12 +233,16 @@ class Runner(BadSampleSearch):
                 if pixels[i] > self.max_pixels else f"invalid recorded size {int(widths[i])}x{int(heights[i])}"
                 for i in refused])
         params = self.transform.params(self.seed, epoch, indices, widths, heights)
+        if self.host_tail and out is None:
+            import torch
+
+            out = torch.empty((n, *self.out_shape), dtype=getattr(torch, self.out_dtype.name))
         if n > self._pipeline_batch():
             return self._run_chunked(encoded, params, n, out)
         res, err = self._try(encoded, params, capture=not self.whole_batches)
         if err is not None:
             self._raise_bad(self._locate_bad(encoded, params, err), n, err)
-        return self._deliver(res, n, out)
+        return self._deliver(res, n, out, params)
 
     def _run_chunked(self, encoded: list, params: dict[str, np.ndarray], n: int, out):
         """``run`` on the CPU in runs of at most CPU_RUN images, concatenated (see CPU_RUN)."""
@@ -246,9 +256,14 @@ class Runner(BadSampleSearch):
                 err = e
                 self._find_bad(encoded, params, pos, e, bad)
             elif not bad and err is None:
-                parts.append(self._deliver(res, len(pos), None))
+                if self.host_tail:  # straight into its rows of the output
+                    self._deliver(res, len(pos), out[start:start + len(pos)], {k: a[pos] for k, a in params.items()})
+                else:
+                    parts.append(self._deliver(res, len(pos), None))
         if err is not None:
             self._raise_bad(bad, n, err)
+        if self.host_tail:
+            return out
         whole = torch.cat(parts)
         if out is None:
             return whole
@@ -256,7 +271,16 @@ class Runner(BadSampleSearch):
         out.copy_(whole)
         return out
 
-    def _deliver(self, res, n: int, out):
+    def _deliver(self, res, n: int, out, params: dict | None = None):
+        if self.host_tail:  # augmentation work, not a copy: counted as decoding
+            import torch
+
+            if len(res) != n:
+                raise RuntimeError(f"the decoder produced {len(res)} images for a batch of {n}")
+            if not isinstance(out, torch.Tensor):
+                out = torch.from_numpy(out)
+            self.transform.finish(res, params or {}, out)
+            return out
         t0 = time.perf_counter()
         try:
             return self._deliver_into(res, n, out)
