@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
-#include <cstring>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -158,9 +157,11 @@ void Ring::check_owner() const {
 std::uint8_t* Ring::alloc_slot_memory() {
   void* p = nullptr;
   if (posix_memalign(&p, kSlotAlign, slot_bytes_) != 0 || p == nullptr) throw std::bad_alloc();
-  // Touch every page now so the first batches do not pay the page faults (and so pinning
-  // later registers resident memory).
-  std::memset(p, 0, slot_bytes_);
+  // Pages are not touched here: the thread that first writes a slot faults its pages in
+  // (the kernel zero-fills them), so building a ring costs no time per slot and the first
+  // batch waits only for its own slot's pages. Touching every slot up front put ~0.13 s
+  // before the first batch of an image Loader on the CPU (8 slots of 64 float32 224x224
+  // images). Pinning (cudaHostRegister) faults pages in itself.
   return static_cast<std::uint8_t*>(p);
 }
 
