@@ -152,7 +152,7 @@ class Bound:
 
     def describe(self) -> str:
         return (f"CPU bound {self.seconds:.3f} s/epoch = max(loop {self.t_loop:.3f} s, (loop CPU {self.c_loop:.3f} s "
-                f"+ DALI-alone decode CPU {self.c_decode:.3f} s) / {self.cores} cores): a loop fed at the bound "
+                f"+ decoding-alone CPU {self.c_decode:.3f} s) / {self.cores} cores): a loop fed at the bound "
                 f"still waits {100 * self.min_wait:.0f}%")
 
 
