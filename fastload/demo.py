@@ -67,7 +67,8 @@ def run_demo(out: Path, num_images: int = 512, quick: bool = False) -> int:
     m = machine_info()
     (out / "demo-results.json").write_text(json.dumps(
         {"machine": m, "images": num_images, "batch_size": batch, "results": [x.as_dict() for x in results]}, indent=2))
-    print(f"\nmachine: {system_info(m)}" + ("" if m["gpu"] else "; GPU: none (the same transform on the CPU: DALI decodes, torch resizes)"))
+    print(f"\nmachine: {system_info(m)}"
+          + ("" if m["gpu"] else "; GPU: none (the same transform on the CPU: DALI decodes, torch resizes)"))
     print(f"output: {out.resolve()} (images/, dataset/, demo-results.json)")
     print(f"next:   fastload bench {dst} --compare torch --limit --plot bench.png")
     return 0

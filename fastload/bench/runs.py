@@ -316,8 +316,8 @@ def run_limit(path, o, device: str, nbytes_per_sample: float, samples: int,
             sec = time.perf_counter() - t0
         finally:
             runner.close()
-        return Measurement("DALI alone (the whole graph in DALI, same bytes)", len(order), int(nbytes_per_sample * len(order)),
-                           sec, "limit")
+        return Measurement("DALI alone (the whole graph in DALI, same bytes)", len(order),
+                           int(nbytes_per_sample * len(order)), sec, "limit")
     nb = int(nbytes_per_sample * o.batch_size)
     if nb == 0:
         return None
