@@ -27,28 +27,28 @@ logger = logging.getLogger("fastload")
 __all__ = ["one_torch_thread", "finish_batch", "eval_window"]
 
 _omp_lock = threading.Lock()
-_omp: list = []  # [the OpenMP runtime torch uses (ctypes), or None]
+_omp: list = []  # the OpenMP runtimes loaded in this process (ctypes), found once
 
 
-def _openmp():
-    """The OpenMP runtime loaded with torch (libgomp in Linux wheels), or None."""
+def _openmp() -> list:
+    """Every OpenMP runtime loaded in this process (torch's libgomp in Linux wheels; another
+    library may have brought its own), as ctypes handles; empty where none is found."""
     with _omp_lock:
         if not _omp:
-            lib = None
+            libs = []
             try:
                 with open("/proc/self/maps") as f:
-                    paths = sorted(set(re.findall(r"(/\S*/lib(?:g|i|i5)?omp[^/\s]*\.so[^/\s]*)", f.read())))
-                for p in paths:
-                    try:
-                        cand = ctypes.CDLL(p)  # already loaded: the same handle
-                        cand.omp_set_num_threads.argtypes = [ctypes.c_int]
-                        lib = cand
-                        break
-                    except (OSError, AttributeError):
-                        continue
+                    paths = sorted(set(re.findall(r"(/\S*/lib(?:g|i)?omp[^/\s]*\.so[^/\s]*)", f.read())))
             except OSError:  # no /proc (not Linux)
-                pass
-            _omp.append(lib)
+                paths = []
+            for p in paths:
+                try:
+                    lib = ctypes.CDLL(p)  # already loaded: the same handle
+                    lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+                    libs.append(lib)
+                except (OSError, AttributeError):
+                    continue
+            _omp.append(libs)
         return _omp[0]
 
 
@@ -61,8 +61,7 @@ def one_torch_thread() -> bool:
 
     if torch.get_num_threads() == 1:
         return True
-    lib = _openmp()
-    if lib is not None:
+    for lib in _openmp():  # the count is per thread in each runtime: set it in all of them
         lib.omp_set_num_threads(1)
     ok = torch.get_num_threads() == 1
     if not ok:
