@@ -101,7 +101,9 @@ class Runner(BadSampleSearch):
         # CPU: the graph ends at the decoder, transform.finish() resizes into the output
         # (host_tail.py); dali_only keeps the transform's whole graph in DALI (the GPU's)
         self.host_tail = device == "cpu" and transform.finishes_on_cpu and not dali_only
-        self._fed = tuple(transform.param_names(self.host_tail))  # DALI's inputs
+        # (the keyword only when set: a Transform subclass written before it keeps working)
+        self._only = {"decoded_only": True} if self.host_tail else {}
+        self._fed = tuple(transform.param_names(**self._only))  # DALI's inputs
 
     # -- the graph ---------------------------------------------------------------------------
     def _define(self):
@@ -111,7 +113,7 @@ class Runner(BadSampleSearch):
 
         t = self.transform
         gpu = self.device == "cuda"
-        names = t.param_names(self.host_tail)
+        names = t.param_names(**self._only)
 
         @pipeline_def(batch_size=self._pipeline_batch(), num_threads=self.num_threads,
                       device_id=self.device_id if gpu else None, prefetch_queue_depth=1,
@@ -121,7 +123,7 @@ class Runner(BadSampleSearch):
             params = {n: fn.external_source(name=n, dtype=types.FLOAT if d == np.float32 else types.INT32,
                                             no_copy=True) for n, d in names.items()}
             return t.graph(enc, params, decode_device="mixed" if gpu else "cpu",
-                           device="gpu" if gpu else "cpu", decoded_only=self.host_tail)
+                           device="gpu" if gpu else "cpu", **self._only)
 
         return graph()
 
