@@ -235,10 +235,13 @@ class Runner(BadSampleSearch):
                 if pixels[i] > self.max_pixels else f"invalid recorded size {int(widths[i])}x{int(heights[i])}"
                 for i in refused])
         params = self.transform.params(self.seed, epoch, indices, widths, heights)
-        if self.host_tail and out is None:
+        if out is not None or self.host_tail:  # one tensor for every path below
             import torch
 
-            out = torch.empty((n, *self.out_shape), dtype=getattr(torch, self.out_dtype.name))
+            if out is None:  # the presets' torch finish writes into an output of its own
+                out = torch.empty((n, *self.out_shape), dtype=getattr(torch, self.out_dtype.name))
+            elif not isinstance(out, torch.Tensor):
+                out = torch.from_numpy(out)
         if n > self._pipeline_batch():
             return self._run_chunked(encoded, params, n, out)
         res, err = self._try(encoded, params, capture=not self.whole_batches)
@@ -247,19 +250,21 @@ class Runner(BadSampleSearch):
         return self._deliver(res, n, out, params)
 
     def _run_chunked(self, encoded: list, params: dict[str, np.ndarray], n: int, out):
-        """``run`` on the CPU in runs of at most CPU_RUN images, concatenated (see CPU_RUN)."""
+        """``run`` on the CPU in runs of at most CPU_RUN images (see CPU_RUN), each finished into
+        its rows of ``out`` (``host_tail``) or concatenated."""
         import torch
 
         parts, bad, err = [], {}, None
         for start in range(0, n, CPU_RUN):
             pos = np.arange(start, min(n, start + CPU_RUN))
-            res, e = self._try([encoded[i] for i in pos], {k: a[pos] for k, a in params.items()})
+            run_params = {k: a[pos] for k, a in params.items()}
+            res, e = self._try([encoded[i] for i in pos], run_params)
             if e is not None:
                 err = e
                 self._find_bad(encoded, params, pos, e, bad)
             elif not bad and err is None:
                 if self.host_tail:  # straight into its rows of the output
-                    self._deliver(res, len(pos), out[start:start + len(pos)], {k: a[pos] for k, a in params.items()})
+                    self._deliver(res, len(pos), out[start:start + len(pos)], run_params)
                 else:
                     parts.append(self._deliver(res, len(pos), None))
         if err is not None:
@@ -269,18 +274,13 @@ class Runner(BadSampleSearch):
         whole = torch.cat(parts)
         if out is None:
             return whole
-        out = out if isinstance(out, torch.Tensor) else torch.from_numpy(out)
         out.copy_(whole)
         return out
 
     def _deliver(self, res, n: int, out, params: dict | None = None):
         if self.host_tail:  # augmentation work, not a copy: counted as decoding
-            import torch
-
             if len(res) != n:
                 raise RuntimeError(f"the decoder produced {len(res)} images for a batch of {n}")
-            if not isinstance(out, torch.Tensor):
-                out = torch.from_numpy(out)
             self.transform.finish(res, params or {}, out)
             return out
         t0 = time.perf_counter()
@@ -308,8 +308,6 @@ class Runner(BadSampleSearch):
             # DALI's own buffer, zero-copy: the dynamic executor never reuses a buffer that a
             # DLPack capsule still references (measured: +18% img/s over a copy into a slot)
             return torch.from_dlpack(res.as_tensor())
-        if not isinstance(out, torch.Tensor):
-            out = torch.from_numpy(out)
         feed_ndarray(res.as_tensor(), out)
         return out
 
