@@ -277,7 +277,7 @@ def cnn_case(tmp: Path, n: int, batch: int, repeats: int, warmup: int, threads: 
             w, h = ds.image_sizes(name, idx)
             runner.run(ds.views(name, idx), w, h, idx, k)
 
-    def dali_alone(k: int) -> None:
+    def decoding_alone(k: int) -> None:
         failed: list = []
 
         def work() -> None:
@@ -293,7 +293,7 @@ def cnn_case(tmp: Path, n: int, batch: int, repeats: int, warmup: int, threads: 
 
     torch.set_num_threads(threads)
     try:
-        probed = run_setting(systems, lambda: small_cnn(classes), repeats, warmup, probes={"dali": dali_alone})
+        probed = run_setting(systems, lambda: small_cnn(classes), repeats, warmup, probes={"decode": decoding_alone})
     finally:
         loader.close()
         runner.close()
@@ -301,16 +301,16 @@ def cnn_case(tmp: Path, n: int, batch: int, repeats: int, warmup: int, threads: 
             dl._iterator = None  # noqa: SLF001
     limit = systems[0]
     bound = Bound(statistics.median(limit.times), statistics.median(limit.cpu),
-                  statistics.median(c for _, c in probed["dali"]), usable_cores())
+                  statistics.median(c for _, c in probed["decode"]), usable_cores())
     rows = report(f"small CNN on {n:,} photo JPEGs, RandomResizedCrop 224 float32 CHW, batch {batch}, "
                   f"torch threads={threads}", systems, 3 * 224 * 224 * 4 + 8, bound)
-    dali_s = Spread.of([w for w, _ in probed["dali"]])
-    print(f"decoding alone (no training, same rounds): {dali_s.rate(n).fmt(',.0f')} img/s, "
-          f"{Spread.of([c for _, c in probed['dali']]).fmt('.3f')} CPU s per epoch")
+    decode_s = Spread.of([w for w, _ in probed["decode"]])
+    print(f"decoding alone (no training, same rounds): {decode_s.rate(n).fmt(',.0f')} img/s, "
+          f"{Spread.of([c for _, c in probed['decode']]).fmt('.3f')} CPU s per epoch")
     for r in rows.values():
         r.extra["bound"] = {"seconds": bound.seconds, "min_wait": bound.min_wait, "t_loop": bound.t_loop,
                             "c_loop": bound.c_loop, "c_decode": bound.c_decode, "cores": bound.cores,
-                            "dali_alone_img_s": n / dali_s.median}
+                            "decoding_alone_img_s": n / decode_s.median}
     return rows
 
 
@@ -343,7 +343,7 @@ def summarize(results: dict, rows_n: int, images: int, smoke: bool) -> None:
             vb = ours.extra["vs_bound"]
             vbs = Spread(vb, *ours.extra["vs_bound_range"], n).fmt(".2f", "x")
             dl_wait = max(r.wait_fraction for r in dls)
-            line += (f"; CPU bound {b['seconds']:.3f} s/epoch ({b['dali_alone_img_s']:,.0f} img/s decoding alone): "
+            line += (f"; CPU bound {b['seconds']:.3f} s/epoch ({b['decoding_alone_img_s']:,.0f} img/s decoding alone): "
                      f"fastload {vbs} the bound, where the loop must still "
                      f"wait >= {100 * b['min_wait']:.0f}%")
             if dl_wait > 0.20:
