@@ -68,14 +68,15 @@ def _h2d(fake):
     return [c for c in fake.copies if c.src == "cpu"]
 
 
-def _cpu_reference(ds, **kw):
-    """The same batches from a CPU Loader whose presets run their whole graph in DALI, as
-    the (fake) GPU does: on the CPU they resize in torch instead (pipeline/host_tail.py)."""
+def _cpu_reference(ds, epoch=0, **kw):
+    """The same batches (of ``epoch``) from a CPU Loader whose presets run their whole graph
+    in DALI, as the (fake) GPU does: on the CPU they resize in torch instead (host_tail.py)."""
     from unittest import mock
 
     from fastload.pipeline import presets
 
     with mock.patch.object(presets._Normalized, "finishes_on_cpu", False), Loader(ds, device="cpu", **kw) as lo:
+        lo.set_epoch(epoch)
         return [{k: v.clone() for k, v in b.items()} for b in lo]
 
 
@@ -247,6 +248,23 @@ def test_a_bad_image_is_located_without_rebuilding_the_gpu_pipeline(fake, images
     for _t, rid in builds:
         per_runner[rid] = per_runner.get(rid, 0) + 1
     assert max(per_runner.values()) <= 2, f"GPU pipeline rebuilt {per_runner} times to find one bad image (F10)"
+
+
+def test_next_epoch_requested_ahead_on_cuda_is_exact(fake, images, monkeypatch):
+    """The feeder (and its GPU pipelines) outlives an epoch: epoch 1's first batches are
+    decoded while epoch 0 ends, and both epochs equal the CPU's, batch for batch."""
+    fake_dali_on_gpu(fake, monkeypatch)
+    kw = dict(batch_size=8, transforms={"image": EVAL}, on_error="skip", seed=5)
+    refs = [_cpu_reference(images, e, **kw) for e in range(2)]
+    with Loader(images, device="cuda:1", **kw) as lo:
+        for e in range(2):
+            lo.set_epoch(e)
+            got = list(lo)
+            assert lo.stats()["batches_ahead"] == (0 if e == 0 else lo.prefetch)
+            for b, r in zip(got, refs[e], strict=True):
+                assert b["index"].cpu().tolist() == r["index"].tolist()
+                assert torch.equal(b["image"].cpu(), r["image"]) and torch.equal(b["label"].cpu(), r["label"])
+        assert fake.contexts == {1}
 
 
 def test_cuda_image_prefetch_is_budgeted_in_device_bytes(fake, images):

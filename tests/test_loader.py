@@ -230,7 +230,8 @@ def test_stats_say_where_time_went(raw_ds, image_ds):
 
 
 STATS_KEYS = ["batches", "samples", "bytes", "wall_s", "wait_s", "wait_fraction", "batches_per_s", "samples_per_s",
-              "mb_per_s", "first_batch_s", "loop_s", "bottleneck", "stages", "replaced_samples", "epoch", "verify"]
+              "mb_per_s", "first_batch_s", "loop_s", "bottleneck", "stages", "replaced_samples", "batches_ahead",
+              "epoch", "verify"]
 
 
 def test_stats_keys_from_every_part_in_one_report(raw_ds):

@@ -24,13 +24,11 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..device import clear_cuda_error, guard
-from ..system import IMAGE_FEEDERS
-from .decode import Decoders
 from .feeder import ImageFeeder
 from .source import INDEX, Ready, RingFedSource
 
@@ -180,9 +178,8 @@ class CudaDelivery:
 class CudaSource(RingFedSource):
     """See the module docstring. ``ring`` holds the raw fields and ``"index"``."""
 
-    def __init__(self, *, ring, delivery: CudaDelivery, dataset, device, image_fields: Sequence[str],
-                 decoders: Decoders | None, epoch: int, on_error: str, stats, workers: int = IMAGE_FEEDERS, finish=None,
-                 device_transform=None, prepare=None) -> None:
+    def __init__(self, *, ring, delivery: CudaDelivery, dataset, device, feeder: ImageFeeder | None, epoch: int,
+                 finish=None, device_transform=None, prepare=None) -> None:
         import torch
 
         self._torch = torch
@@ -192,9 +189,7 @@ class CudaSource(RingFedSource):
         # GPU-decoded images are not in it) and the device transform (all fields).
         self._finish = None if finish is None or finish.trivial else finish
         self._device_fn = device_transform
-        super().__init__(ring, dataset, ImageFeeder(
-            ring=ring, dataset=dataset, device=device, image_fields=image_fields, decoders=decoders, epoch=epoch,
-            on_error=on_error, stats=stats, workers=workers) if image_fields else None, prepare)
+        super().__init__(ring, dataset, feeder, epoch, prepare)
 
     def get(self) -> Ready:
         req = self.next_request()

@@ -6,6 +6,12 @@ and for each batch it hands to the training loop reports it to the stats and rec
 position after it in ``Progress`` — the one value it shares with the Loader, so a
 ``state_dict()`` taken between two steps resumes exactly at the next one. It knows nothing
 of rings, DALI or devices.
+
+Look-ahead: once a pass has requested its last batch, it asks ``lookahead()`` (the Loader's)
+for the next pass, an ``Ahead``, and requests that pass's first batches as its own are taken,
+keeping ``prefetch`` in flight in all: the next pass's first batch is then ready when it
+begins, instead of waiting for a decode. The next pass's iterator takes the ``Ahead`` over
+(its requests, its source); a pass that does not match is closed unused.
 """
 from __future__ import annotations
 
@@ -45,13 +51,46 @@ def _download_line(s: dict) -> str:
             f"{s['evictions']} evictions, {s['retries']} retries")
 
 
+class Ahead:
+    """The next pass's first requests, put to its source before its iterator exists (see the
+    module docstring). ``close()`` ends it unused (the source drops what it was asked for)."""
+
+    def __init__(self, plan: EpochPlan, source: BatchSource) -> None:
+        self.plan = plan
+        self.source = source
+        self.batches = plan.requests()
+        self.afters: list[int] = []  # the position after each batch requested so far
+        self.done = False  # every batch of the pass requested
+        self.failed = False  # a request failed: never taken over (its error comes again in its own pass)
+
+    def fill(self, room: int) -> None:
+        run = []
+        while not self.done and len(run) < room:
+            try:
+                req, after = next(self.batches)
+            except StopIteration:
+                self.done = True
+                break
+            run.append(req)
+            self.afters.append(after)
+        if run:
+            try:
+                self.source.put(run)
+            except BaseException:
+                self.failed = True
+                raise
+
+    def close(self) -> None:
+        self.source.close()
+
+
 class EpochIterator:
     def __init__(self, plan: EpochPlan | PackPlan, source: BatchSource, *, prefetch: int, stats: Stats,
                  progress: Progress, fixed_size: bool = True, log_every: int | None = None,
-                 on_position=None) -> None:
+                 on_position=None, ahead: Ahead | None = None, lookahead=None) -> None:
         self._plan = plan
-        self._batches = plan.requests()
-        self._source = source
+        self._batches = plan.requests() if ahead is None else ahead.batches
+        self._source = source if ahead is None else ahead.source
         self._prefetch = prefetch
         self._half = prefetch // 2  # an amortizing source is refilled in runs of about this many
         self._amortize = source.amortize
@@ -60,13 +99,17 @@ class EpochIterator:
         self._fixed_size = fixed_size  # every batch of a row count has the same bytes
         self._log_every = log_every
         self._on_position = on_position  # a remote dataset's cache: evicts after last uses
-        self._pending: collections.deque = collections.deque()  # position after each requested batch
+        self._pending: collections.deque = collections.deque(() if ahead is None else ahead.afters)
         self._nbytes: dict[int, int] = {}  # batch bytes by row count
-        self._done_sampling = False
+        self._done_sampling = ahead is not None and ahead.done
+        self._lookahead = lookahead  # () -> the next pass's Ahead, or None (asked once)
+        self._next: Ahead | None = None
         self.closed = False
         self._generation = lifecycle.generation  # changes in a forked child (no syscall per batch)
         progress.position = plan.start
         stats.begin_epoch()
+        if ahead is not None:
+            stats.add("batches_ahead", len(ahead.afters))
         try:
             self._fill()
         except BaseException:
@@ -88,6 +131,20 @@ class EpochIterator:
         if run:
             self._source.put(run)
             self._pending.extend(afters)
+
+    def _feed_next(self) -> None:
+        """Request the next pass's first batches into the room this pass's last ones leave."""
+        try:
+            if self._next is None:
+                lookahead, self._lookahead = self._lookahead, None
+                self._next = lookahead()
+                if self._next is None:
+                    return
+            room = self._prefetch - len(self._pending) - len(self._next.afters)
+            if room > 0 and not self._next.done and not self._next.failed:
+                self._next.fill(room)
+        except Exception as e:  # not this pass's business: the next pass meets it again, as its own
+            logger.debug("fastload: requesting the next pass ahead failed: %s", e)
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -126,6 +183,8 @@ class EpochIterator:
         batches = self._stats.delivered(n, nbytes, t1 - t0, t1)
         if not self._done_sampling and (len(pending) <= self._half or not self._amortize):
             self._fill()
+        if self._done_sampling and (self._next is not None or self._lookahead is not None):
+            self._feed_next()
         if self._log_every and batches % self._log_every == 0:
             s = self._stats.snapshot()
             logger.info("fastload: %d batches, %.0f samples/s, waiting %.1f%% of the time%s",

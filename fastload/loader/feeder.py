@@ -1,6 +1,9 @@
 """ImageFeeder: worker threads that decode each batch's image fields, in request order.
 
-The one protocol of both deliveries. Under a lock a worker takes the next batch's indices
+The one protocol of both deliveries. A feeder belongs to the Loader's parts and serves pass
+after pass: each batch is put with its epoch (the crops are a function of seed, epoch and
+sample), so the next pass's first batches can follow this pass's last ones in the same queue
+(the Loader's look-ahead, epoch.py); a pass ended early closes it, and the next gets a new one. Under a lock a worker takes the next batch's indices
 and acquires the next ring slot, so slots are acquired in request order; then, outside the
 lock, it decodes every image field through its own DALI runners (replacing undecodable
 samples per the policy in ``decode.py``), gathers the raw fields and the final indices into
@@ -44,20 +47,20 @@ class ImageFeeder:
     """See the module docstring. ``device``: a CUDA ``torch.device`` (each worker selects it
     first, so every CUDA call of the thread goes to the loader's GPU), or None on the host."""
 
-    def __init__(self, *, ring, dataset, image_fields: Sequence[str], decoders: Decoders, epoch: int,
+    def __init__(self, *, ring, dataset, image_fields: Sequence[str], decoders: Decoders,
                  on_error: str, stats, workers: int = IMAGE_FEEDERS, device=None) -> None:
         self._ring = ring
         self._dataset = dataset
         self._device = device
         self._image_fields = list(image_fields)
-        self._epoch = epoch
         self._on_error = on_error
         self._stats = stats
         self._inbox: queue.Queue = queue.Queue()
         self._acquired: queue.Queue = queue.Queue()  # the seq of each slot acquired, or the error
-        self._done: dict[int, tuple[dict, tuple]] = {}  # slot seq -> (images, ready events)
+        self._done: dict[int, tuple[dict, tuple, int]] = {}  # slot seq -> (images, ready events, replaced)
         self._done_lock = threading.Lock()
         self._stop = threading.Event()
+        self.closed = False
         self._take_lock = threading.Lock()
         self._known_bad = decoders.known_bad
         self._runners = [decoders.for_worker(self._image_fields, k) for k in range(workers)]
@@ -67,8 +70,9 @@ class ImageFeeder:
         for t in self._threads:
             t.start()
 
-    def put(self, idx: np.ndarray) -> None:
-        self._inbox.put(idx)
+    def put(self, idx: np.ndarray, epoch: int) -> None:
+        """Decode this batch of ``epoch`` after every batch put before (of any epoch)."""
+        self._inbox.put((idx, epoch))
 
     def wait_acquired(self) -> int:
         """Wait until a worker holds the next batch's slot (or raise why it could not); the
@@ -88,20 +92,23 @@ class ImageFeeder:
         """The images and ready events of batch ``seq``, just taken from the ring (a worker
         hands them over before it commits the slot)."""
         with self._done_lock:
-            return self._done.pop(seq)
+            images, events, replaced = self._done.pop(seq)
+        if replaced:  # counted in the pass that delivers the batch (it may be decoded in the one before)
+            self._stats.add("replaced_samples", replaced)
+        return images, events
 
     # -- the workers -------------------------------------------------------------------------
     def _take(self):
-        """(indices, slot) of the next batch, slots acquired in order; None when stopping."""
+        """(indices, epoch, slot) of the next batch, slots acquired in order; None when stopping."""
         with self._take_lock:
             while True:
                 if self._stop.is_set():
                     return None
                 try:
-                    idx = self._inbox.get(timeout=0.1)
+                    job = self._inbox.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                if idx is None:
+                if job is None:
                     self._inbox.put(None)  # let the other workers see it too
                     return None
                 try:
@@ -110,7 +117,7 @@ class ImageFeeder:
                     self._acquired.put(e)
                     return None
                 self._acquired.put(slot.seq)
-                return idx, slot
+                return job + (slot,)
 
     def _run(self, worker: int) -> None:
         try:
@@ -128,37 +135,40 @@ class ImageFeeder:
             job = self._take()
             if job is None:
                 return
-            idx, slot = job
+            idx, epoch, slot = job
             try:
-                self._fill(slot, idx, runners)
+                self._fill(slot, idx, epoch, runners)
             except BaseException as e:  # the consumer raises it for this very batch
                 slot.fail(e)
 
-    def _fill(self, slot, idx: np.ndarray, runners: dict) -> None:
+    def _fill(self, slot, idx: np.ndarray, epoch: int, runners: dict) -> None:
         import torch
 
         ds = self._dataset
         # image fields the ring has room for (finished in torch on the host) are decoded into the slot
         arrays = slot.arrays
         into = {name: torch.from_numpy(arrays[name][:len(idx)]) for name in self._image_fields if name in arrays}
-        decoders = {name: runner_decoder(runners[name], ds, name, self._epoch, into.get(name), self._stats)
+        decoders = {name: runner_decoder(runners[name], ds, name, epoch, into.get(name), self._stats)
                     for name in self._image_fields}
         images, final, replaced = decode_fields(decoders, idx, num_samples=len(ds), on_error=self._on_error,
                                                 describe=ds.describe, known_bad=self._known_bad)
         for name in into:  # in the slot: delivered with the raw fields
             del images[name]
         del into, arrays
-        if replaced:
-            self._stats.add("replaced_samples", replaced)
         # on a GPU each field's last run produced its tensor: its runner's ready event covers it
         events = tuple(ev for ev in (getattr(runners[n], "ready_event", None) for n in self._image_fields)
                        if ev is not None)
         slot.gather(*ds.locate(final), index=final)  # raw fields + the indices delivered
         with self._done_lock:
-            self._done[slot.seq] = (images, events)
+            self._done[slot.seq] = (images, events, replaced)
         slot.commit(len(idx))
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Stop the workers and drop every batch they were asked for (the ring is drained
+        while they stop). Idempotent: True when this call closed it."""
+        if self.closed:
+            return False
+        self.closed = True
         self._stop.set()
         self._inbox.put(None)
         # A worker may be blocked in ring.acquire() waiting for a free slot: keep draining
@@ -173,3 +183,4 @@ class ImageFeeder:
                 break
         with self._done_lock:
             self._done.clear()
+        return True

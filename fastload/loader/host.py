@@ -2,15 +2,12 @@
 
 Raw fields (tensors, scalars) and ``"index"`` are gathered by the ring's C++ threads
 straight into a slot and delivered as zero-copy views of it. With image fields, the
-``ImageFeeder`` (``feeder.py``) fills the slots instead and decodes the images with DALI on
-the CPU; each image field is delivered as DALI's own output buffer (DLPack, no copy).
+``ImageFeeder`` (``feeder.py``, the Loader's parts own it) fills the slots instead and
+decodes the images with DALI on the CPU: the presets' images are finished in the slot itself,
+other image fields are delivered as DALI's own output buffers (DLPack, no copy).
 """
 from __future__ import annotations
 
-from typing import Sequence
-
-from ..system import IMAGE_FEEDERS
-from .decode import Decoders
 from .feeder import ImageFeeder
 from .source import INDEX, Ready, RingFedSource
 
@@ -20,11 +17,9 @@ class HostSource(RingFedSource):
     """See the module docstring. ``ring`` has every raw field (with sources) and the
     ``"index"`` field."""
 
-    def __init__(self, *, ring, dataset, image_fields: Sequence[str], decoders: Decoders | None, epoch: int,
-                 on_error: str, stats, finish=None, workers: int = IMAGE_FEEDERS, prepare=None) -> None:
-        super().__init__(ring, dataset, ImageFeeder(
-            ring=ring, dataset=dataset, image_fields=image_fields, decoders=decoders, epoch=epoch,
-            on_error=on_error, stats=stats, workers=workers) if image_fields else None, prepare)
+    def __init__(self, *, ring, dataset, feeder: ImageFeeder | None, epoch: int, finish=None,
+                 prepare=None) -> None:
+        super().__init__(ring, dataset, feeder, epoch, prepare)
         self._finish = None if finish is None or finish.trivial else finish
 
     def get(self) -> Ready:

@@ -20,11 +20,13 @@ import os
 import weakref
 from typing import Any, Iterator, Mapping, Sequence
 
+import numpy as np
+
 from ..mixture import Mixture
 from ..packing import pack_plan
 from ..store import Dataset, DatasetReader
 from ..world import World
-from .epoch import EpochIterator, Progress
+from .epoch import Ahead, EpochIterator, Progress
 from ..store.integrity import DEFAULT_VERIFY
 from .options import Options, as_mixture, build_options, fit_to_epoch, make_sampler
 from .parts import Parts
@@ -139,6 +141,8 @@ class Loader:
                  download_threads: int | None = None):
         self._closed = True  # until fully built (__del__ / close() of a half-built Loader)
         self._parts = None
+        self._ahead: Ahead | None = None  # the next pass's first batches, requested ahead (epoch.py)
+        self._epoch_set = False  # set_epoch called since the last pass began
         self._remote = None
         remote_kw = {k: v for k, v in (("cache_dir", cache_dir), ("cache_limit", cache_limit),
                                        ("filesystem", filesystem), ("download_timeout", download_timeout),
@@ -266,6 +270,54 @@ class Loader:
         if epoch != self._sampler.epoch:
             self._progress.position = None
         self._sampler.set_epoch(epoch)
+        self._epoch_set = True
+        if self._ahead is not None and self._ahead.plan.epoch != self._sampler.epoch:
+            self._drop_ahead()  # requested for another epoch: its work stops now
+
+    # -- looking ahead (epoch.py): the next pass's first batches, decoded while this one ends --
+    def _can_look_ahead(self) -> bool:
+        """Only where a pass's first batch waits for real work (a decode) and the next pass is
+        a pure function of the epoch: image fields, fed by the shared feeder in order; not a
+        packed pass, a remote dataset (its cache plans by pass) or a user's transform thread."""
+        o = self._options
+        return (bool(o.image_fields) and o.pack is None and self._remote is None and o.batch_transform is None
+                and o.device_transform is None)
+
+    def _lookahead(self, epoch: int):
+        """For the pass over ``epoch`` just begun: what its iterator calls once its last batch is
+        requested. The next pass is guessed: ``epoch + 1`` when ``set_epoch`` was called before
+        this pass (a training loop's habit), else ``epoch`` again (as a loop that never calls it
+        iterates). A wrong guess costs the batches decoded for it (``prefetch`` at most)."""
+        nxt = epoch + 1 if self._epoch_set else epoch
+        self._epoch_set = False
+        if not self._can_look_ahead():
+            return None
+        loader = weakref.ref(self)  # the iterator does not keep the Loader alive for this
+
+        def ahead() -> Ahead | None:
+            me = loader()
+            if me is None or me._closed or me._ahead is not None:
+                return None
+            me._ahead = Ahead(me._sampler.plan(nxt), me._parts.source(nxt))
+            return me._ahead
+        return ahead
+
+    def _take_ahead(self, plan) -> Ahead | None:
+        """The Ahead requested for this very pass, if any and still fed; any other is closed."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if (not ahead.failed and ahead.source.feeder_alive and ahead.plan.epoch == plan.epoch
+                and ahead.plan.start == plan.start and ahead.plan.bounds == plan.bounds
+                and (ahead.plan.stream is plan.stream or np.array_equal(ahead.plan.stream, plan.stream))):
+            return ahead
+        ahead.close()
+        return None
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.close()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._closed:
@@ -282,8 +334,10 @@ class Loader:
         if self._remote is not None:
             self._remote.begin(plan)
         fixed = o.fixed_size and o.batch_transform is None and o.device_transform is None
-        it = EpochIterator(plan, self._parts.source(plan.epoch), prefetch=o.prefetch, stats=self._stats,
-                           progress=self._progress, fixed_size=fixed, log_every=o.log_every,
+        ahead = self._take_ahead(plan)  # before any new request: a stale one is closed first
+        it = EpochIterator(plan, ahead.source if ahead is not None else self._parts.source(plan.epoch),
+                           prefetch=o.prefetch, stats=self._stats, progress=self._progress, fixed_size=fixed,
+                           log_every=o.log_every, ahead=ahead, lookahead=self._lookahead(plan.epoch),
                            on_position=self._remote.advance if self._remote is not None else None)
         self._parts.track(it)
         self._sampler.prepare(plan.epoch + 1)  # the next epoch's order, in the background while this one runs
@@ -352,6 +406,7 @@ class Loader:
             self._parts.close()
             return
         self._parts.stop_iter()
+        self._drop_ahead()
         self._sampler.join_ahead()
         self._stats.detach_all()  # stats() stays complete after close()
         self._finalizer()

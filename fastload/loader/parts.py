@@ -22,6 +22,7 @@ from ..ring import Ring
 from ..system import IMAGE_FEEDERS, loader_nice, lower_priority
 from .decode import Decoders
 from .finish import Finish
+from .feeder import ImageFeeder
 from .host import HostSource
 from .ragged import ring_field
 from .threaded import ThreadedSource
@@ -44,6 +45,7 @@ class Parts:
         self._ring: Ring | None = None
         self._decoders: Decoders | None = None
         self._delivery = None  # CudaDelivery on a CUDA device
+        self._feeder: ImageFeeder | None = None  # the image fields' workers, across epochs (feeder.py)
         self._iter_ref: weakref.ref | None = None
         self._warm: threading.Thread | None = None  # builds the DALI pipelines ahead (warm())
         self._pid = os.getpid()
@@ -183,14 +185,25 @@ class Parts:
             self._stats.attach("cuda", self._delivery.probe)
         return self._delivery
 
+    def feeder(self) -> ImageFeeder | None:
+        """The image fields' feeder (None without image fields): one for as long as passes end
+        normally, so its threads and DALI runners carry on from one epoch to the next; a pass
+        closed early closes it (with every batch it held) and the next pass makes a new one."""
+        o = self._opts
+        if not o.image_fields:
+            return None
+        if self._feeder is None or self._feeder.closed:
+            self._feeder = ImageFeeder(ring=self.ring(), dataset=self._dataset, image_fields=o.image_fields,
+                                       decoders=self.decoders(), on_error=o.on_error, stats=self._stats,
+                                       device=o.device if self.cuda else None)
+        return self._feeder
+
     def source(self, epoch: int) -> BatchSource:
         """This epoch's source of ready batches: host or CUDA delivery, run in a fastload
         thread when the user's transforms must run off the training loop's thread."""
         o = self._opts
-        decoders = self.decoders() if o.image_fields else None
         finish = Finish(dataset=self._dataset, options=o, epoch=epoch, on_host_device=not self.cuda)
-        common = dict(ring=self.ring(), dataset=self._dataset, image_fields=o.image_fields, decoders=decoders,
-                      epoch=epoch, on_error=o.on_error, stats=self._stats, finish=finish,
+        common = dict(ring=self.ring(), dataset=self._dataset, feeder=self.feeder(), epoch=epoch, finish=finish,
                       prepare=self._remote.prepare if self._remote is not None else None)
         threaded = o.batch_transform is not None or o.device_transform is not None
         if self.cuda:
@@ -219,6 +232,9 @@ class Parts:
             return
         lifecycle.untrack(self)
         self.stop_iter()
+        feeder, self._feeder = self._feeder, None
+        if feeder is not None:
+            feeder.close()  # and with it what a pass looking ahead had put (loader.py)
         warm, self._warm = self._warm, None
         if warm is not None:
             warm.join()  # a pipeline being built: closed below once it exists

@@ -70,17 +70,30 @@ def submit_batches(ring, dataset, batches: Sequence[Request]) -> None:
 
 class RingFedSource:
     """What both sources share: batches go to the image feeder when there is one (it fills
-    the ring or hands over device batches), else straight to the ring in runs; ``close()``
-    joins the feeder and drains the ring so its slots are free for the next epoch."""
+    the ring or hands over device batches), else straight to the ring in runs.
 
-    def __init__(self, ring, dataset, feeder, prepare=None) -> None:
+    The feeder outlives an epoch (the Loader's parts own it): its requests carry their epoch,
+    so the next pass's first batches can be put while this pass's last ones are consumed
+    (``Loader``'s look-ahead). ``close()`` after every request was delivered leaves the
+    feeder running (what it holds belongs to the next pass); before, it closes the feeder
+    and drains the ring, so every slot is free again (a feeder is made anew for the next
+    pass), and the same without a feeder."""
+
+    def __init__(self, ring, dataset, feeder, epoch: int, prepare=None) -> None:
         self._ring = ring
         self._dataset = dataset
         self._feeder = feeder
+        self._epoch = epoch
         self._prepare = prepare  # a remote dataset: make the batches' shards local first
         self.amortize = feeder is None
         self._closed = False
         self._requests: collections.deque = collections.deque()  # put, not yet taken: in order
+
+    @property
+    def feeder_alive(self) -> bool:
+        """Whether the feeder this source put its batches into still runs (a pass that
+        ended early closed it, and with it what was put for the next pass)."""
+        return self._feeder is not None and not self._feeder.closed
 
     def put(self, batches: Sequence[Request]) -> None:
         if self._prepare is not None and batches:
@@ -91,7 +104,7 @@ class RingFedSource:
         self._requests.extend(batches)  # before the ring can deliver them
         if self._feeder is not None:
             for req in batches:
-                self._feeder.put(req.index)
+                self._feeder.put(req.index, self._epoch)
         elif batches:
             submit_batches(self._ring, self._dataset, batches)
 
@@ -108,7 +121,8 @@ class RingFedSource:
         if self._closed:
             return
         self._closed = True
-        if self._feeder is not None:
-            self._feeder.close()
+        if self._feeder is not None and not self._requests:
+            return  # all delivered: the feeder carries on (the next pass's batches may be in it)
         self._dataset.stop_verify_ahead()
-        self._ring.drain(timeout=DRAIN_TIMEOUT_S)  # never waits longer for a batch that does not come
+        if self._feeder is None or self._feeder.close():  # else closed already, with what it held
+            self._ring.drain(timeout=DRAIN_TIMEOUT_S)  # never waits longer for a batch that does not come

@@ -40,7 +40,9 @@ LOOP_BOUND_BELOW = 0.05  # the loop hardly ever waits: its own step sets the spe
 LOADER_BOUND_ABOVE = 0.20  # the loop waits a fifth of its time or more: loading does
 
 STAGES = ("gather_s", "decode_s", "copy_s")  # where the time went, summed over threads
-_COUNTERS = ("replaced_samples",)  # counters that always appear, zero or not
+# counters that always appear, zero or not; batches_ahead: this pass's batches requested
+# while the previous pass ended (epoch.py's look-ahead)
+_COUNTERS = ("replaced_samples", "batches_ahead")
 
 Probe = Callable[[], dict]
 Derive = Callable[[dict], Any]

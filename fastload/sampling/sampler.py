@@ -218,6 +218,12 @@ class Sampler:
         epoch, start, stream = self.begin_pass()
         return EpochPlan(epoch, start, stream, tuple(self._bounds(start)))
 
+    def plan(self, epoch: int) -> EpochPlan:
+        """A whole pass over ``epoch`` as a value, leaving the sampler's state as it is (a
+        loader requests the next pass's first batches with it while this one ends)."""
+        epoch = _int("epoch", epoch, 0)
+        return EpochPlan(epoch, 0, self.stream(epoch), tuple(self._bounds(0)))
+
     def begin_pass(self) -> tuple[int, int, np.ndarray]:
         """Begin a pass: ``(epoch, consumed count it starts at, the epoch's stream)``. The
         count is the caller's unit (stream positions; tokens for a packing loader)."""
