@@ -423,6 +423,45 @@ class BoundRing {
     return ring_->submit_many(shard.data(), row.data(), ix, n, per, st, ct);
   }
 
+  // Global sample indices (numbered across the shards in order) as consecutive batches of
+  // `per` rows, located here as Dataset.locate does (the last shard whose first index is <=
+  // the index), with the GIL released: no (shard, row) arrays are made in Python. The index
+  // field, if any, receives the indices. One out of range raises IndexError naming it, and
+  // nothing is submitted.
+  std::int64_t submit_indices(const IndexArray& index, std::int64_t per) {
+    if (index.ndim() != 1) throw py::value_error("index must be a 1-D int64 array");
+    const Layout& L = ring_->layout();
+    if (L.shard_rows.empty()) throw py::value_error("submit_indices() needs a ring with sourced fields");
+    const std::int64_t n = index.shape(0);
+    const std::int64_t* ix = index.data();
+    std::vector<std::int64_t> shard(static_cast<std::size_t>(n)), row(static_cast<std::size_t>(n));
+    std::vector<std::int64_t> starts(L.shard_rows.size() + 1, 0);
+    for (std::size_t s = 0; s < L.shard_rows.size(); ++s) starts[s + 1] = starts[s] + L.shard_rows[s];
+    const std::int64_t total = starts.back();
+    std::int64_t bad = -1;
+    {
+      py::gil_scoped_release nogil;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::int64_t v = ix[i];
+        if (v < 0 || v >= total) {
+          bad = i;
+          break;
+        }
+        const std::size_t s = starts.size() == 2
+                                  ? 0
+                                  : static_cast<std::size_t>(std::upper_bound(starts.begin(), starts.end(), v) -
+                                                             starts.begin() - 1);
+        shard[static_cast<std::size_t>(i)] = static_cast<std::int64_t>(s);
+        row[static_cast<std::size_t>(i)] = v - starts[s];
+      }
+      if (bad < 0)
+        return ring_->submit_many(shard.data(), row.data(), L.index_field >= 0 ? ix : nullptr, n, per, nullptr,
+                                  nullptr);
+    }
+    throw py::index_error("sample index " + std::to_string(ix[bad]) + " is out of range (the ring's shards hold " +
+                          std::to_string(total) + " rows)");
+  }
+
   std::int64_t submit_sizes(const IndexArray& shard, const IndexArray& row, const py::object& index,
                             const IndexArray& sizes, const py::object& start, const py::object& count) {
     const std::int64_t n = index_length(shard, row, index);
@@ -783,6 +822,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("count") = py::none(),
            "Enqueue rows as consecutive batches of batch_size rows (the last may be shorter); "
            "returns the number of batches.")
+      .def("submit_indices", &BoundRing::submit_indices, py::arg("index"), py::arg("batch_size"),
+           "Enqueue global sample indices (numbered across the shards in order) as consecutive batches "
+           "of batch_size rows, located in C++; returns the number of batches.")
       .def("submit_sizes", &BoundRing::submit_sizes, py::arg("shard"), py::arg("row"), py::arg("index"),
            py::arg("sizes"), py::arg("start") = py::none(), py::arg("count") = py::none(),
            "Enqueue rows as consecutive batches of sizes[k] rows; returns the number of batches.")

@@ -223,6 +223,22 @@ class Ring:
             raise ValueError("submit_many() needs at least one row")
         return self._submit(s, r, ix, int(per), *window_args(start, count, len(s)))
 
+    def submit_indices(self, index: Any, batch_size: int | None = None) -> int:
+        """Enqueue the rows of global sample indices, numbered across the shards in order
+        (``Dataset.locate``'s numbering, from ``shard_rows``), as consecutive batches of
+        ``batch_size`` rows (default: the ring's), the last one possibly shorter. The ring
+        locates them in C++ (no shard and row arrays are made); its index field, if any,
+        receives the indices. An index out of range raises IndexError and submits nothing.
+        Returns the number of batches."""
+        ix = as_index(index, "index")
+        per = self._batch_size if batch_size is None else batch_size
+        if not _is_int(per) or not 1 <= per <= self._batch_size:
+            raise ValueError(f"batch_size={per!r} must be an int between 1 and the ring's batch_size={self._batch_size}")
+        if len(ix) == 0:
+            raise ValueError("submit_indices() needs at least one index")
+        self._check_submit()
+        return self._core.submit_indices(ix, int(per))
+
     def submit_sizes(self, shard: Any, row: Any, sizes: Any, index: Any = None, *, start: Any = None,
                      count: Any = None) -> int:
         """Enqueue consecutive batches of ``sizes[k]`` rows each (they add up to the rows):

@@ -498,6 +498,35 @@ def test_index_field_travels_with_the_batch(shards):
         ring.submit([0], [0], index=[5])
 
 
+def test_submit_indices_locates_in_cpp_as_dataset_locate_does():
+    """Global indices -> batches, the ring locating them from its rows per shard (empty
+    shards included): the same rows and index field as locate() + submit_many(); an index
+    out of range raises naming it and submits nothing; without an index field too."""
+    sizes = [500, 0, 317, 1, 0, 182]
+    data = make_data(sum(sizes))
+    sources = split(data, sizes)
+    fields = {**FIELDS, "index": (np.int64, ())}
+    order = np.random.default_rng(4).permutation(sum(sizes))
+    order[:3] = [500, 817, 999]  # the first row of a shard after empty ones, a one-row shard, the last row
+    with Ring(fields, 64, sources, index_field="index", threads=2) as ring:
+        assert ring.submit_indices(order, 50) == 20
+        for idx in batches_of(order, 50):
+            b = ring.get()
+            assert np.array_equal(b["index"].numpy(), idx)
+            assert_batch({k: v for k, v in b.items() if k != "index"}, data, idx)
+        for bad in (-1, sum(sizes)):
+            with pytest.raises(IndexError, match=f"sample index {bad} is out of range"):
+                ring.submit_indices(np.array([3, bad, 4]))
+        assert ring.pending == 0
+        with pytest.raises(ValueError, match="batch_size"):
+            ring.submit_indices(order, 65)
+    one = {k: [v] for k, v in make_data(40).items()}
+    with Ring(FIELDS, 8, one) as ring:  # one shard, no index field
+        ring.submit_indices(np.arange(39, -1, -1))
+        got = np.concatenate([b["y"].numpy() for b in ring])
+    assert np.array_equal(got, one["y"][0][::-1])
+
+
 def test_a_failed_fill_raises_its_own_exception_for_that_batch(shards):
     """fail(exception) hands the very exception to the consumer (typed, not a string)."""
     sizes, data, sources = shards

@@ -49,16 +49,18 @@ class BatchSource(Protocol):
 
 
 def submit_batches(ring, dataset, batches: Sequence[Request]) -> None:
-    """Locate and submit consecutive batches with one call when they have equal sizes (the
-    sampler only shortens the last one), else one by one; their indices fill ``INDEX`` and
-    their windows (packing) the ragged fields'."""
+    """Submit consecutive batches with one call: located by the ring in C++ when they have
+    equal sizes (the sampler only shortens the last one), else located here and submitted
+    with their sizes; their indices fill ``INDEX`` and their windows (packing) the ragged
+    fields'. Shards are verified when a batch is taken (``next_request``)."""
     idx_all = np.concatenate([b.index for b in batches]) if len(batches) > 1 else batches[0].index
-    shard, row = dataset.locate(idx_all, check=False, verify=False)  # verified when taken (next_request)
     sizes = {len(b.index) for b in batches[:-1]}
     windows = batches[0].start is not None
     if not windows and len(sizes) <= 1 and (not sizes or len(batches[-1].index) <= next(iter(sizes))):
-        ring.submit_many(shard, row, len(batches[0].index), index=idx_all)
+        # the ring locates them in C++ (its shard rows are the dataset's: the same numbering)
+        ring.submit_indices(idx_all, len(batches[0].index))
         return
+    shard, row = dataset.locate(idx_all, check=False, verify=False)  # verified when taken (next_request)
     sizes = [len(b.index) for b in batches]
     if windows:  # packed sequences: one row per piece, pieces per batch vary
         start = np.concatenate([b.start for b in batches]) if len(batches) > 1 else batches[0].start
