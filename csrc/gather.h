@@ -116,7 +116,7 @@ struct Layout {
 namespace detail {
 
 constexpr std::int64_t kPrefetchRows = 4;   // prefetch distance, in rows
-constexpr std::size_t kPrefetchLines = 16;  // cache lines prefetched at the head of a row
+constexpr std::size_t kPrefetchLines = 64;  // cache lines prefetched at the head of a row
 
 inline void prefetch_row(const std::uint8_t* p, std::size_t lines) {
   for (std::size_t l = 0; l < lines; ++l) __builtin_prefetch(p + 64 * l, 0, 3);
