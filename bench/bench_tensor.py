@@ -16,6 +16,9 @@ Cases (all shuffled; each figure is the median (min–max) of several repeats af
       with submit() keeping 8 in flight, sources in one shard and in 8 shards;
     - torch DataLoader over a TensorDataset (batch_size=300, shuffled) with num_workers 0 and 2;
     - numpy take of the same rows into a preallocated batch (a random gather, 1 thread);
+    - the ring's C++ gather kernel alone (``fastload._C.gather_rows``, 1 thread, no ring) on
+      the same random rows: against memcpy (1 thread) it shows what random 3 KB rows cost
+      against sequential bytes on this machine, a floor no ring row can go below;
     - the limit: memcpy of the same bytes as whole contiguous batches into a ring's worth of
       rotating batch-sized destinations (fresh slot memory, as the ring writes), with 1 thread
       and with as many threads as the widest ring row; and, labelled, the old limit: memcpy
@@ -181,7 +184,7 @@ def case_tensor(title: str, n: int, shape, dtype, batch: int, repeats: int, dl_b
     perms = [np.random.default_rng(4 + i).permutation(n) for i in range(count)]
     bx = np.empty((batch, *x.shape[1:]), x.dtype)
     by = np.empty(batch, y.dtype)
-    state = {"take": 0, "plan": 0}
+    state = {"take": 0, "plan": 0, "kernel": 0}
 
     def take_epoch() -> None:
         perm = perms[state["take"] % count]
@@ -191,6 +194,22 @@ def case_tensor(title: str, n: int, shape, dtype, batch: int, repeats: int, dl_b
             k = len(idx)
             np.take(x, idx, axis=0, out=bx[:k])
             np.take(y, idx, axis=0, out=by[:k])
+
+    # The gather kernel alone, one thread, no ring and nothing per row in Python: what random
+    # rows cost against sequential bytes (memcpy (1 thread)), the floor under every ring row.
+    gdst = [(np.empty((batch, *x.shape[1:]), x.dtype), np.empty(batch, y.dtype)) for _ in range(10)]
+    zeros = np.zeros(batch, np.int64)
+
+    def kernel_epoch() -> None:
+        from fastload import _C
+
+        perm = perms[state["kernel"] % count]
+        state["kernel"] += 1
+        for b, i in enumerate(range(0, n, batch)):
+            rows = perm[i : i + batch]
+            k = len(rows)
+            bx, by = gdst[b % len(gdst)]
+            _C.gather_rows([bx[:k], by[:k]], [[x], [y]], zeros[:k], rows, None, -1)
 
     # The whole Loader (sampler, ring, batch dicts) over the same rows written as a dataset.
     tmp = tempfile.mkdtemp(prefix="fastload-bench-tensor-")
@@ -246,6 +265,7 @@ def case_tensor(title: str, n: int, shape, dtype, batch: int, repeats: int, dl_b
                 "ringk": lambda: ring_epoch_many(rk, *plans_k.next()),
                 "ringw": lambda: ring_epoch_window(rw, *plans_w.next()),
                 "take": take_epoch,
+                "kernel": kernel_epoch,
                 **memcpys,
             })
             times = interleaved_times(fns, repeats=repeats, warmup=1)
@@ -282,6 +302,8 @@ def case_tensor(title: str, n: int, shape, dtype, batch: int, repeats: int, dl_b
     slots_n = len(memcpys["memcpy1"].dst)
     rows += [
         row("take", "numpy take (1 thread)", "other", "same rows into a preallocated batch"),
+        row("kernel", "fastload gather kernel alone (1 thread)", "other",
+            "the ring's C++ gather on the same random rows, no ring: random access vs memcpy's sequential bytes"),
         row("memcpy1", "memcpy (1 thread)", "limit", f"same bytes as whole batches into {slots_n} rotating slots"),
     ]
     if "memcpyN" in times:
@@ -382,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                 "dl": max((r for r in rows if r.kind == "dataloader"), key=lambda r: r.samples_per_s),
                 "lim": max((r for r in rows if r.kind == "limit"), key=lambda r: r.samples_per_s),
                 "hot": by["memcpy into one cache-hot batch"],
+                "kernel": by["fastload gather kernel alone (1 thread)"], "memcpy1": by["memcpy (1 thread)"],
                 "best_ring": max((r for r in rows if r.system.startswith("fastload Ring")),
                                  key=lambda r: r.samples_per_s)}
 
@@ -401,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         if targets:
             text += f" (target >= 95%: {'met' if ri.samples_per_s >= 0.95 * lim.samples_per_s else 'NOT met'})"
         return text + (f"; best Ring row {pct(p['best_ring'], lim)}; the Loader is {pct(lo, ri)} of its ring "
-                       f"alone; vs the cache-hot memcpy: Loader {pct(lo, p['hot'])}")
+                       f"alone; vs the cache-hot memcpy: Loader {pct(lo, p['hot'])}; the gather kernel alone "
+                       f"(1 thread, random rows) is {pct(p['kernel'], p['memcpy1'])} of memcpy (1 thread)")
 
     def record(rows: list[Measurement], workload: str) -> None:
         p = pick(rows)
@@ -412,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                  ours=("Loader", lo.rate_spread), baseline=(dl.system, dl.rate_spread),
                  limit=(lim.system, lim.rate_spread), vs_baseline=lo.paired(dl), vs_limit=lo.paired(lim),
                  note=f"Ring alone with the Loader's settings {pct(ri, lim)} of memcpy"
-                      + (f"; {others}" if others else ""))
+                      + (f"; {others}" if others else "")
+                      + f"; the gather kernel alone (1 thread, random rows) {pct(p['kernel'], p['memcpy1'])} "
+                        f"of memcpy (1 thread)")
 
     record(mnist, f"MNIST {mnist_n:,}x784 float32, batch 300, shuffled")
     record(big, f"{big_n:,} x 3x224x224 uint8 rows, batch 64, shuffled")
