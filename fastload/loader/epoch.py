@@ -51,6 +51,20 @@ def _download_line(s: dict) -> str:
             f"{s['evictions']} evictions, {s['retries']} retries")
 
 
+def _take_requests(batches, room: int) -> tuple[list, list[int], bool]:
+    """Up to ``room`` requests from a plan's iterator of (request, position after it):
+    (the requests, their positions, whether the plan is exhausted)."""
+    run, afters = [], []
+    while len(run) < room:
+        try:
+            req, after = next(batches)
+        except StopIteration:
+            return run, afters, True
+        run.append(req)
+        afters.append(after)
+    return run, afters, False
+
+
 class Ahead:
     """The next pass's first requests, put to its source before its iterator exists (see the
     module docstring). ``close()`` ends it unused (the source drops what it was asked for)."""
@@ -64,15 +78,10 @@ class Ahead:
         self.failed = False  # a request failed: never taken over (its error comes again in its own pass)
 
     def fill(self, room: int) -> None:
-        run = []
-        while not self.done and len(run) < room:
-            try:
-                req, after = next(self.batches)
-            except StopIteration:
-                self.done = True
-                break
-            run.append(req)
-            self.afters.append(after)
+        if self.done:
+            return
+        run, afters, self.done = _take_requests(self.batches, room)
+        self.afters.extend(afters)
         if run:
             try:
                 self.source.put(run)
@@ -119,15 +128,9 @@ class EpochIterator:
     def _fill(self) -> None:
         """Request batches up to ``prefetch`` in flight. ``__next__`` calls it only when at most
         half are left (``amortize``: refill in runs of about prefetch/2 batches, one call each)."""
-        run, afters = [], []
-        while not self._done_sampling and len(self._pending) + len(run) < self._prefetch:
-            try:
-                req, after = next(self._batches)
-            except StopIteration:
-                self._done_sampling = True
-                break
-            run.append(req)
-            afters.append(after)
+        if self._done_sampling:
+            return
+        run, afters, self._done_sampling = _take_requests(self._batches, self._prefetch - len(self._pending))
         if run:
             self._source.put(run)
             self._pending.extend(afters)
