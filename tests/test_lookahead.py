@@ -103,6 +103,36 @@ def test_a_pass_ended_early_after_its_look_ahead_began(image_ds, stop):
         assert lo.stats()["batches_ahead"] == 0
 
 
+@pytest.mark.parametrize("where", ["get_batch", "wait_acquired"])
+def test_ctrl_c_inside_the_last_batchs_get_leaves_the_next_epoch_whole(image_ds, monkeypatch, where):
+    """Ctrl-C while the last batch of an epoch is being taken (its request gone, its ring
+    batch or the feeder's record of it not yet): the feeder is out of step with the ring, so
+    it is closed and drained, not kept for the next epoch (which would deliver this epoch's
+    last batch first, or raw fields with another batch's images)."""
+    from fastload.loader.feeder import ImageFeeder
+    from fastload.ring import Ring
+
+    cls, name = (Ring, "get_batch") if where == "get_batch" else (ImageFeeder, "wait_acquired")
+    orig = getattr(cls, name)
+    calls = {"n": 0}
+
+    def interrupted(self):
+        calls["n"] += 1
+        if calls["n"] == 8:  # the last batch of the epoch
+            raise KeyboardInterrupt
+        return orig(self)
+
+    with Loader(image_ds, **KW) as lo:
+        lo.set_epoch(0)
+        monkeypatch.setattr(cls, name, interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            _take(lo)
+        monkeypatch.setattr(cls, name, orig)
+        for e in (1, 2):
+            lo.set_epoch(e)
+            _same(_take(lo), _fresh(image_ds, e))
+
+
 def test_closing_or_dropping_a_loader_with_batches_ahead_leaves_no_thread(image_ds):
     """(conftest's autouse fixture fails the test if a thread outlives it.)"""
     lo = Loader(image_ds, **KW)

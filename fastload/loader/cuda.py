@@ -198,6 +198,7 @@ class CudaSource(RingFedSource):
         rb = self._ring.get_batch()  # raw fields and index (a failed batch raises its error here)
         if seq is not None:
             images, events = self._feeder.take(seq)
+        self.taken()
         index = rb.arrays[INDEX].copy()  # the slot is recycled after its copy
         host = None if self._finish is None else self._finish(dict(rb.tensors), req)
         out = self._delivery.deliver(rb, host, None if images else self._device_fn)

@@ -80,14 +80,14 @@ class Ahead:
     def fill(self, room: int) -> None:
         if self.done:
             return
-        run, afters, self.done = _take_requests(self.batches, room)
-        self.afters.extend(afters)
-        if run:
-            try:
+        try:
+            run, afters, self.done = _take_requests(self.batches, room)
+            if run:
                 self.source.put(run)
-            except BaseException:
-                self.failed = True
-                raise
+        except BaseException:
+            self.failed = True
+            raise
+        self.afters.extend(afters)  # once they are requested
 
     def close(self) -> None:
         self.source.close()

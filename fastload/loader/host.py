@@ -29,6 +29,7 @@ class HostSource(RingFedSource):
         batch = rb.tensors
         if seq is not None:
             batch.update(self._feeder.take(seq)[0])  # DALI's outputs (host: no events)
+        self.taken()
         index = rb.arrays[INDEX]
         if self._finish is not None:
             batch = self._finish(batch, req)  # ragged forms, lists, mixture source, transforms

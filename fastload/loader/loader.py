@@ -276,12 +276,15 @@ class Loader:
 
     # -- looking ahead (epoch.py): the next pass's first batches, decoded while this one ends --
     def _can_look_ahead(self) -> bool:
-        """Only where a pass's first batch waits for real work (a decode) and the next pass is
-        a pure function of the epoch: image fields, fed by the shared feeder in order; not a
-        packed pass, a remote dataset (its cache plans by pass) or a user's transform thread."""
+        """Only where a pass's first batch waits for real work (a decode on the CPU) and the next
+        pass is a pure function of the epoch: image fields decoded on the host, fed by the shared
+        feeder in order. Not on a GPU (nvJPEG's first batch is quick, and batches decoded ahead
+        would hold device memory through the script's evaluation between epochs), a packed
+        pass, a remote dataset (its cache plans by pass) or a user's transform thread (it would
+        take the next pass's batches early)."""
         o = self._options
-        return (bool(o.image_fields) and o.pack is None and self._remote is None and o.batch_transform is None
-                and o.device_transform is None)
+        return (bool(o.image_fields) and o.device.type == "cpu" and o.pack is None and self._remote is None
+                and o.batch_transform is None and o.device_transform is None)
 
     def _lookahead(self, epoch: int):
         """For the pass over ``epoch`` just begun: what its iterator calls once its last batch is

@@ -76,10 +76,12 @@ class RingFedSource:
 
     The feeder outlives an epoch (the Loader's parts own it): its requests carry their epoch,
     so the next pass's first batches can be put while this pass's last ones are consumed
-    (``Loader``'s look-ahead). ``close()`` after every request was delivered leaves the
-    feeder running (what it holds belongs to the next pass); before, it closes the feeder
-    and drains the ring, so every slot is free again (a feeder is made anew for the next
-    pass), and the same without a feeder."""
+    (``Loader``'s look-ahead). ``close()`` after every request was delivered, none half way
+    (``get`` calls ``taken()`` once its batch is off the ring and the feeder: a Ctrl-C or an
+    error in between leaves the feeder's queues out of step with the ring), leaves the feeder
+    running (what it holds belongs to the next pass); otherwise it closes the feeder and drains
+    the ring, so every slot is free again (a feeder is made anew for the next pass), and the
+    same without a feeder."""
 
     def __init__(self, ring, dataset, feeder, epoch: int, prepare=None) -> None:
         self._ring = ring
@@ -90,6 +92,7 @@ class RingFedSource:
         self.amortize = feeder is None
         self._closed = False
         self._requests: collections.deque = collections.deque()  # put, not yet taken: in order
+        self._clean = True  # no get() left half done (a request taken, its batch not)
 
     @property
     def feeder_alive(self) -> bool:
@@ -114,16 +117,21 @@ class RingFedSource:
         """The request of the batch ``get`` delivers now (requests come back in order), its
         shards verified first (as the dataset's policy says): a batch waits for its own
         shards only, the others are hashed ahead in the background (``put``)."""
+        self._clean = False  # until taken(): an interrupted get() leaves the feeder out of step
         req = self._requests.popleft()
         if not self._dataset.fully_verified:
             self._dataset.locate(req.index, check=False)
         return req
 
+    def taken(self) -> None:
+        """``get`` has taken its batch from the ring and the feeder: nothing is half done."""
+        self._clean = True
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._feeder is not None and not self._requests:
+        if self._feeder is not None and not self._requests and self._clean:
             return  # all delivered: the feeder carries on (the next pass's batches may be in it)
         self._dataset.stop_verify_ahead()
         if self._feeder is None or self._feeder.close():  # else closed already, with what it held
