@@ -129,17 +129,19 @@ def _normalizer(t) -> _Normalizer:
     return n
 
 
-def finish_batch(transform, decoded, params: dict[str, np.ndarray], out) -> None:
-    """Resize (and for eval: center crop), flip, normalize and lay out each decoded image
-    of ``decoded`` (DALI's output: a batch of HWC uint8 images of any sizes) into the rows
-    of ``out`` (a host tensor ``(n, *transform.out_shape)``)."""
+def finish_batch(transform, decoded, params: dict[str, np.ndarray], out, *,
+                 resize_shorter: int | None = None) -> None:
+    """Resize (to ``transform.size``; with ``resize_shorter``, the eval preset: the shorter
+    side to it, then a center crop of ``transform.size``), flip, normalize and lay out each
+    decoded image of ``decoded`` (DALI's output: a batch of HWC uint8 images of any sizes)
+    into the rows of ``out`` (a host tensor ``(n, *transform.out_shape)``)."""
     import torch
     from torch.nn.functional import interpolate
 
     norm = _normalizer(transform)
     flips = params.get("flip")
     size = tuple(transform.size)
-    resize = getattr(transform, "resize", None)  # eval: the shorter side
+    resize = resize_shorter
     scratch: dict[Any, Any] = {}
     for i in range(len(out)):
         hwc = torch.from_dlpack(decoded[i])  # DALI's buffer, zero-copy

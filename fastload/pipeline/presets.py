@@ -222,6 +222,11 @@ class Eval(_Normalized):
         images = fn.resize(images, device=device, resize_shorter=self.resize, antialias=True)
         return self._normalize(images, device=device, crop=self.size)
 
+    def finish(self, decoded, params, out) -> None:
+        from .host_tail import finish_batch
+
+        finish_batch(self, decoded, params, out, resize_shorter=self.resize)  # then the center crop
+
 
 class Custom(Transform):
     """A user's DALI graph: ``build(encoded, device=...)`` receives the ``external_source``
