@@ -343,6 +343,10 @@ class BoundRing {
     // Starts C++ threads; does not touch Python (GIL stays held, see the file comment).
     ring_ = std::make_shared<Ring>(std::move(layout), batch_size, threads, slots, max_slots,
                                    static_cast<std::size_t>(min_part_bytes), nice);
+    // each shard's first global index (rows per shard are fixed for the ring's life)
+    const std::vector<std::int64_t>& rows = ring_->layout().shard_rows;
+    starts_.assign(rows.size() + 1, 0);
+    for (std::size_t sh = 0; sh < rows.size(); ++sh) starts_[sh + 1] = starts_[sh] + rows[sh];
   }
 
   // Install (arrays, one per field: a (values, offsets) pair for a ragged field; None for
@@ -435,8 +439,7 @@ class BoundRing {
     const std::int64_t n = index.shape(0);
     const std::int64_t* ix = index.data();
     std::vector<std::int64_t> shard(static_cast<std::size_t>(n)), row(static_cast<std::size_t>(n));
-    std::vector<std::int64_t> starts(L.shard_rows.size() + 1, 0);
-    for (std::size_t s = 0; s < L.shard_rows.size(); ++s) starts[s + 1] = starts[s] + L.shard_rows[s];
+    const std::vector<std::int64_t>& starts = starts_;
     const std::int64_t total = starts.back();
     std::int64_t bad = -1;
     {
@@ -661,6 +664,7 @@ class BoundRing {
   // ragged fields' (values, offsets): [ragged field][shard] -> two buffers (null: not loaded)
   std::vector<std::vector<std::vector<std::unique_ptr<py::buffer_info>>>> ragged_bufs_;
   std::vector<std::uint64_t> swap_seq_;  // per shard: the sequence number of the swap bufs_ hold
+  std::vector<std::int64_t> starts_;     // per shard its first global index, then the total (submit_indices)
   std::shared_ptr<Ring> ring_;
 };
 
