@@ -356,7 +356,8 @@ def summarize(results: dict, rows_n: int, images: int, smoke: bool) -> None:
                     line += (f"; not reachable on {b['cores']} CPU cores with this decoder if the loop needs all "
                              f"its CPU time: the bound implies >= {100 * b['min_wait']:.0f}%")
             note += (f", {vbs} the CPU bound {b['seconds']:.3f} s (loop CPU {b['c_loop']:.2f} s + decode CPU "
-                     f"{b['c_decode']:.2f} s over {b['cores']} cores: a loop fed at the bound waits {100 * b['min_wait']:.0f}%)")
+                     f"{b['c_decode']:.2f} s over {b['cores']} cores: a loop fed at the bound waits "
+                     f"{100 * b['min_wait']:.0f}%)")
         print(line)
         note += f"; {best_dl.system} waits {100 * best_dl.wait_fraction:.0f}%"
         what = (f"MLP 784-256-10 on {rows_n:,} MNIST-like rows, batch 300" if case == "mlp"

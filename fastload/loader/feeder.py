@@ -3,8 +3,8 @@
 The one protocol of both deliveries. A feeder belongs to the Loader's parts and serves pass
 after pass: each batch is put with its epoch (the crops are a function of seed, epoch and
 sample), so the next pass's first batches can follow this pass's last ones in the same queue
-(the Loader's look-ahead, epoch.py); a pass ended early closes it, and the next gets a new one. Under a lock a worker takes the next batch's indices
-and acquires the next ring slot, so slots are acquired in request order; then, outside the
+(the Loader's look-ahead, epoch.py); a pass ended early closes it, and the next gets a new
+one. Under a lock a worker takes the next batch's indices and acquires the next ring slot, so slots are acquired in request order; then, outside the
 lock, it decodes every image field through its own DALI runners (replacing undecodable
 samples per the policy in ``decode.py``), gathers the raw fields and the final indices into
 the slot, hands the decoded images over by the slot's sequence number and commits the slot.
