@@ -4,21 +4,22 @@ The one protocol of both deliveries. A feeder belongs to the Loader's parts and 
 after pass: each batch is put with its epoch (the crops are a function of seed, epoch and
 sample), so the next pass's first batches can follow this pass's last ones in the same queue
 (the Loader's look-ahead, epoch.py); a pass ended early closes it, and the next gets a new
-one. Under a lock a worker takes the next batch's indices and acquires the next ring slot, so slots are acquired in request order; then, outside the
-lock, it decodes every image field through its own DALI runners (replacing undecodable
-samples per the policy in ``decode.py``), gathers the raw fields and the final indices into
-the slot, hands the decoded images over by the slot's sequence number and commits the slot.
-The consumer waits for the next slot to be acquired (``wait_acquired``: the ring then has
-that batch pending), takes it from the ring, and picks up its images (``take``).
+one. Under a lock a worker takes the next batch's indices and acquires the next ring slot,
+so slots are acquired in request order; then, outside the lock, it decodes every image field
+through its own DALI runners (replacing undecodable samples per the policy in
+``decode.py``), gathers the raw fields and the final indices into the slot, hands the
+decoded images over by the slot's sequence number and commits the slot. The consumer waits
+for the next slot to be acquired (``wait_acquired``: the ring then has that batch pending),
+takes it from the ring, and picks up its images (``take``).
 
 On the host, the presets' images are written into the slot itself (the ring has a field for
 each: DALI decodes, torch finishes each image there, host_tail.py), so they travel with the
 raw fields under the ring's lifetime rule. Other images are DALI's own output buffers:
 zero-copy torch tensors on the host (DLPack, DALI's dynamic executor never reuses a buffer
 while it is referenced), CUDA tensors made on each runner's copy stream on a GPU, with the
-events a consumer's stream must wait on. Two workers,
-each with its own pipelines, take batches in turn: while one worker's Python glue runs
-(views, crop parameters), the other's DALI threads keep the cores busy.
+events a consumer's stream must wait on. Two workers, each with its own pipelines, take
+batches in turn: while one worker's Python glue runs (views, crop parameters), the other's
+DALI threads keep the cores busy.
 
 Feeder threads run at the loader's thread priority (``system.lower_priority``), and so do
 the DALI threads they start: a training step's own threads win a contended core. Their torch
