@@ -44,6 +44,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from fastload.bench.report import Measurement, headline, interleaved_medians, interleaved_times, print_table, system_info
+from fastload import _C
 from fastload.ring import Ring, default_slots, default_threads
 from fastload.system import loader_nice
 
@@ -201,8 +202,6 @@ def case_tensor(title: str, n: int, shape, dtype, batch: int, repeats: int, dl_b
     zeros = np.zeros(batch, np.int64)
 
     def kernel_epoch() -> None:
-        from fastload import _C
-
         perm = perms[state["kernel"] % count]
         state["kernel"] += 1
         for b, i in enumerate(range(0, n, batch)):
