@@ -15,8 +15,8 @@ import shutil
 from collections.abc import Sequence
 
 __all__ = ["BadSamples", "CacheTooSmall", "ChecksumMismatch", "ConvertError", "DecodeError", "DownloadError",
-           "DownloadTimeout", "FastloadError", "FormatError", "MissingFileError", "NoSpaceError", "RemoteError",
-           "SampleError", "TransformError", "UsageError"]
+           "DownloadTimeout", "FastloadError", "FormatError", "MissingFileError", "NoSpaceError", "PassEnded",
+           "RemoteError", "SampleError", "TransformError", "UsageError"]
 
 
 class FastloadError(Exception):
@@ -49,6 +49,12 @@ class TransformError(FastloadError, RuntimeError):
     """A Loader's ``batch_transform`` / ``device_transform`` raised (or returned something
     that is not a dict of tensors); names the batch's stream position and sample indices,
     with the transform's own exception as ``__cause__``."""
+
+
+class PassEnded(FastloadError, RuntimeError):
+    """``next()`` on a Loader's pass that ended before its data ran out: the Loader was
+    closed, ``set_epoch`` / ``load_state_dict`` / a new ``iter(loader)`` ended it, or an
+    earlier ``next()`` raised. The message says which; an epoch never ends quietly early."""
 
 
 class UsageError(FastloadError, ValueError):

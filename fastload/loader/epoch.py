@@ -12,6 +12,12 @@ for the next pass, an ``Ahead``, and requests that pass's first batches as its o
 keeping ``prefetch`` in flight in all: the next pass's first batch is then ready when it
 begins, instead of waiting for a decode. The next pass's iterator takes the ``Ahead`` over
 (its requests, its source); a pass that does not match is closed unused.
+
+Never silently nothing: the iterator holds its ``owner`` (the Loader), so
+``for batch in Loader(path, ...)`` — a Loader nobody else holds — delivers its whole epoch.
+A pass ends quietly (``StopIteration``) only when its data ran out; a pass ended by anything
+else (the Loader closed, ``set_epoch``, ``load_state_dict``, a new pass, an error in an
+earlier ``next()``) raises ``PassEnded`` from every later ``next()``, saying why.
 """
 from __future__ import annotations
 
@@ -22,12 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import lifecycle
+from ..errors import PassEnded
 from ..packing import PackPlan
 from ..sampling import EpochPlan
 from .source import BatchSource
 from .stats import Stats
 
-__all__ = ["EpochIterator", "Progress"]
+__all__ = ["EpochIterator", "PassEnded", "Progress"]
 
 logger = logging.getLogger("fastload")
 
@@ -96,7 +103,10 @@ class Ahead:
 class EpochIterator:
     def __init__(self, plan: EpochPlan | PackPlan, source: BatchSource, *, prefetch: int, stats: Stats,
                  progress: Progress, fixed_size: bool = True, log_every: int | None = None,
-                 on_position=None, ahead: Ahead | None = None, lookahead=None) -> None:
+                 on_position=None, ahead: Ahead | None = None, lookahead=None, owner: Any = None) -> None:
+        self._owner = owner  # the Loader: alive as long as one of its passes is iterated
+        self._ended: str | None = None  # why the pass ended before its data ran out (None: it did not)
+        self._taken = 0  # batches handed over in this pass
         self._plan = plan
         self._batches = plan.requests() if ahead is None else ahead.batches
         self._source = source if ahead is None else ahead.source
@@ -156,6 +166,8 @@ class EpochIterator:
         if lifecycle.generation != self._generation:
             raise RuntimeError("this Loader iterator was created before os.fork(); its threads do not exist in "
                                "this process. Create a new fastload.Loader in the child process.")
+        if self._ended is not None:
+            raise PassEnded(self._ended)
         if self.closed or not self._pending:
             finished = not self.closed
             self.close()
@@ -167,12 +179,15 @@ class EpochIterator:
         t0 = perf_counter()
         try:
             ready = self._source.get()
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self.close(f"this pass ended at its batch {self._taken + 1} with "
+                       f"{type(e).__name__}: {e}; the batches after it were not delivered. Start a new pass "
+                       "(iter(loader)), or load a state_dict to continue from the last batch delivered")
             raise
         t1 = perf_counter()
         pending = self._pending
         after = pending.popleft()
+        self._taken += 1
         batch = ready.batch
         self._progress.position = after
         if self._on_position is not None:
@@ -194,12 +209,16 @@ class EpochIterator:
                         s["batches"], s["samples_per_s"], 100 * s["wait_fraction"], _download_line(s))
         return batch
 
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
         """End this pass: stats stop their clock, the source joins its threads and drains
-        (in a forked child, whose copy of the source has no threads: nothing)."""
+        (in a forked child, whose copy of the source has no threads: nothing). ``reason``:
+        why a pass whose data had not run out ended; every later ``next()`` raises it."""
+        if reason is not None and self._ended is None and not self.closed and self._pending:
+            self._ended = reason
         if self.closed:
             return
         self.closed = True
+        self._owner = None
         if lifecycle.generation != self._generation:
             return
         self._stats.end_epoch()

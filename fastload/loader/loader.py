@@ -266,7 +266,7 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order (call before iterating, like DistributedSampler). After
         ``load_state_dict``, setting the loaded epoch keeps the loaded mid-epoch position."""
-        self._parts.stop_iter()
+        self._parts.stop_iter(f"set_epoch({epoch}) was called during this pass")
         if epoch != self._sampler.epoch:
             self._progress.position = None
         self._sampler.set_epoch(epoch)
@@ -327,7 +327,8 @@ class Loader:
             raise RuntimeError("this Loader is closed")
         self._parts.check_process()
         self._ranks.check()  # every rank built its Loader by now, usually: compare once
-        self._parts.stop_iter()
+        self._parts.stop_iter("a new pass over this Loader began (iter(loader)); each Loader runs one pass at "
+                              "a time: iterate the new one")
         o = self._options
         if o.pack is None:
             plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
@@ -341,7 +342,8 @@ class Loader:
         it = EpochIterator(plan, ahead.source if ahead is not None else self._parts.source(plan.epoch),
                            prefetch=o.prefetch, stats=self._stats, progress=self._progress, fixed_size=fixed,
                            log_every=o.log_every, ahead=ahead, lookahead=self._lookahead(plan.epoch),
-                           on_position=self._remote.advance if self._remote is not None else None)
+                           on_position=self._remote.advance if self._remote is not None else None,
+                           owner=self)  # the pass keeps its Loader alive: `for b in Loader(...)` works
         self._parts.track(it)
         self._sampler.prepare(plan.epoch + 1)  # the next epoch's order, in the background while this one runs
         return it
@@ -372,7 +374,7 @@ class Loader:
             if state.get(key, {} if key == "ragged" else None) != mine[key]:
                 raise ValueError(f"Loader state mismatch in {key}: saved {state.get(key)!r}, "
                                  f"this loader has {mine[key]!r}")
-        self._parts.stop_iter()
+        self._parts.stop_iter("load_state_dict() was called during this pass")
         self._sampler.load_state_dict(state["sampler"], epoch_end=self._token_epoch_end())  # validates seed, size, version, position
         self._progress.position = None
 
@@ -408,7 +410,7 @@ class Loader:
         if self._parts.forked:
             self._parts.close()
             return
-        self._parts.stop_iter()
+        self._parts.stop_iter("the Loader was closed during this pass")
         self._drop_ahead()
         self._sampler.join_ahead()
         self._stats.detach_all()  # stats() stays complete after close()

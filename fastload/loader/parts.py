@@ -220,18 +220,19 @@ class Parts:
         # weak: an iterator keeps its loader alive, never the other way round
         self._iter_ref = weakref.ref(it)
 
-    def stop_iter(self) -> None:
+    def stop_iter(self, reason: str | None = None) -> None:
+        """End the live pass, if any; ``reason``: what its later ``next()`` calls raise (epoch.py)."""
         it = self._iter_ref() if self._iter_ref is not None else None
         self._iter_ref = None
         if it is not None and not self.forked:
-            it.close()
+            it.close(reason)
 
     def close(self) -> None:
         if self.forked:  # a child's inert copy: drop references, join and lock nothing
             self._iter_ref = None
             return
         lifecycle.untrack(self)
-        self.stop_iter()
+        self.stop_iter("the Loader was closed during this pass (close(), or the interpreter exiting)")
         feeder, self._feeder = self._feeder, None
         if feeder is not None:
             feeder.close()  # and with it what a pass looking ahead had put (loader.py)
