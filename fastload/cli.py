@@ -113,6 +113,14 @@ def cmd_convert(a, out: Output) -> int:
     if "tasks_run" in r:
         out.print(f"{a.engine}: {r['num_groups']} group(s); {r['tasks_run']} converted by this run, "
                   f"{r['tasks_reused']} reused from an interrupted one")
+    if r.get("resumed_changed"):  # --resume: finished groups whose files changed in place were redone
+        from .convert.sourcestate import shown
+
+        redo = r["resumed_changed"]
+        files = [p for g in sorted(redo) for p in redo[g]]
+        out.print(f"--resume: {len(files)} source file(s) had changed since their group was converted "
+                  f"({shown(files, os.path.abspath(a.src))}); group(s) {', '.join(map(str, sorted(redo)))} were "
+                  "converted again from the files as they are now, the other finished groups reused")
     return 0
 
 
@@ -245,7 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
                    help="--engine ray: join this Ray cluster (default: a private Ray on this machine, 127.0.0.1 only)")
     c.add_argument("--resume", action="store_true",
-                   help="--engine ray/torch: finish an interrupted conversion into DST, reusing its finished parts")
+                   help="--engine ray/torch: finish an interrupted conversion into DST, reusing its finished parts. "
+                        "A source whose files were added or removed, or whose table/.npy/.tar files changed, is "
+                        "refused (the error names the files; --overwrite starts over); finished groups whose "
+                        "images changed in place are converted again (and the run says which)")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
 

@@ -46,7 +46,13 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
     (per rank with "torch"). With "ray" and "torch" the samples, keys, labels and image sizes
     are those of "local"; only the cut into shards may differ. ``resume`` (ray, torch)
     finishes an interrupted conversion of the same source into ``dst``, reusing its
-    finished parts.
+    finished parts. It refuses a source whose files were added or removed (an image folder's
+    listing) or whose table, ``.npy`` or ``.tar`` files changed, naming them (pass
+    ``overwrite`` instead to start over), and converts again the finished groups whose files
+    (images) changed in place: the summary's ``resumed_changed`` is ``{group: [paths]}``.
+    Every engine records the size and modification time of each file it reads: a file that
+    changes while the conversion runs fails it, naming the file, and nothing is committed
+    (see ``fastload.convert.sourcestate``).
 
     ``dst`` may be an object-store URL (``s3://``, ``gs://``, ``az://``): with "local" the
     dataset is converted in a local staging directory and uploaded (shards, then the manifest);

@@ -26,10 +26,14 @@ from ..store.values import Ragged
 from .common import ConvertError, Source, bulk_chunks, resolve_label
 
 
-def _load(path: Path) -> dict[str, np.ndarray]:
+def array_files(path: Path) -> list[Path]:
+    """The files an arrays source reads: SRC itself, or the ``.npy`` files of a folder (sorted)."""
+    return sorted(Path(path).glob("*.npy")) if Path(path).is_dir() else [Path(path)]
+
+
+def _load(path: Path, files: list[Path]) -> dict[str, np.ndarray]:
     try:
         if path.is_dir():
-            files = sorted(path.glob("*.npy"))
             if not files:
                 raise ConvertError(f"{path}: a directory with no .npy files")
             for p in files:  # only regular files: a FIFO would block np.load, /dev/zero never end
@@ -97,8 +101,12 @@ class ArraysSource(Source):
             path = Path("<arrays>")
             arrays = {str(k): (v if isinstance(v, Ragged) else np.asarray(v)) for k, v in src.items()}
         else:
+            from .sourcestate import stat_file
+
             path = Path(src)
-            arrays = _load(path)
+            files = array_files(path)
+            opened = {os.fspath(f): stat_file(f) for f in files}  # before reading them
+            arrays = _load(path, files)
         if not arrays:
             raise ConvertError(f"{path}: holds no arrays")
         arrays = _pairs(path, arrays)
@@ -129,6 +137,12 @@ class ArraysSource(Source):
                          metadata={"source": "arrays"})
         self.path = path
         self.arrays = arrays
+        if not isinstance(src, Mapping):
+            self.files = [os.fspath(f) for f in files]
+            self.opened = opened
+
+    def inputs(self) -> list[str]:
+        return getattr(self, "files", [])
 
     def read(self, i: int) -> dict:
         return {n: a[i] for n, a in self.arrays.items()}

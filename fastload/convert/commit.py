@@ -2,6 +2,9 @@
 
 1. Check every group: its part exists, covers the planned rows, has the planned fields,
    label field, class names and metadata, and its shard files have the recorded sizes.
+   Check the source: the files that number its samples are as planned and every file a
+   group read is still as that group read it (plan.py, sourcestate.py); otherwise nothing
+   is committed and the error names the files.
 2. In group order, rename the part shards to ``shard-NNNNN.arrow`` (inside DST, or inside a
    staging directory when DST holds a dataset to replace: ``--overwrite`` keeps its
    guarantee, the old dataset is untouched until the new one is complete).
@@ -32,7 +35,7 @@ from ._store import (MANIFEST, SKIPPED_REPORT, commit_transaction, fsync_dir, re
 from .common import RESIZED_IMAGES, ConvertError
 from ..store.format import stale_files
 from .objstore import Store, record_name
-from .plan import Plan
+from .plan import Plan, check_source_at_commit
 from .task import read_part
 
 
@@ -177,6 +180,7 @@ def commit(plan: Plan, on_error: str = "raise", target: Any = None) -> dict:
         return _commit_remote(plan, on_error)
     dst = Path(plan.dst)
     parts = check_parts(plan, on_error)
+    check_source_at_commit(plan, {g: rec for g, rec, _ in parts})  # the source is still what the parts read
     skipped: list[dict] = []
     for g, rec, _ in parts:
         skipped += read_report(plan.part_dir(g), rec["start"])
@@ -224,6 +228,7 @@ def _commit_remote(plan: Plan, on_error: str) -> dict:
         _check_part(plan, g, rec, m, on_error, store.where(record_name(g)), store.where(record_name(g)), names.get)
         parts.append((g, rec, m))
         skipped += [{**r, "index": int(r["index"]) + rec["start"]} for r in rec.get("report", [])]
+    check_source_at_commit(plan, {g: rec for g, rec, _ in parts})  # the source is still what the parts read
     if sum(rec["num_samples"] for _, rec, _ in parts) == 0:
         raise _nothing_converted(plan, skipped)
     shards = [s for _, _, m in parts if m is not None for s in m["shards"]]

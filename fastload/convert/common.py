@@ -51,6 +51,9 @@ class Source:
     max_pixels: int | None = DEFAULT_MAX_PIXELS
     max_size: int | None = None  # images re-encoded so that their longer side is at most this
     quality: int | None = None   # the JPEG quality of those (default DEFAULT_QUALITY)
+    # {path: (size, mtime_ns)} of the files the source read when it opened (before reading
+    # them): a conversion checks that they are still so at its end (sourcestate.py)
+    opened: dict[str, tuple[int, int] | None] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_pixels is None:  # one limit: the Loader's (a source asked for none gets it too)
@@ -68,6 +71,12 @@ class Source:
 
     def key(self, i: int) -> str:
         return str(i)
+
+    def inputs(self) -> Sequence[str]:
+        """The paths of the files this source reads (its table, array or tar files, its images):
+        a conversion records their state and refuses to finish when one changed meanwhile
+        (sourcestate.py). None for data handed over in memory."""
+        return ()
 
     def read(self, i: int) -> dict[str, Any]:
         """Sample i as a dict of field values (bytes for images)."""
@@ -169,11 +178,19 @@ def check_shard_size(shard_size: int | str, allow_small_shards: bool) -> int:
 def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None = None,
                 shard_size: int | str = DEFAULT_SHARD_SIZE, on_error: str = "raise",
                 overwrite: bool = False, progress: bool = True, desc: str = "convert",
-                check_threads: int | None = None) -> dict:
+                check_threads: int | None = None, record_inputs: bool = False) -> dict:
     """Write ``source`` into the dataset directory ``dst``; return a summary. ``check_threads``:
     the threads of the DALI decoder that checks the images (default: every usable core; a
-    task of a distributed conversion passes its own allotment, 1)."""
+    task of a distributed conversion passes its own allotment, 1).
+
+    The state (size, modification time) of every file the source reads is taken before the
+    first sample is read and again after the last one: a file that changed meanwhile is a
+    ``SourceChanged`` error naming it, and nothing is written (sourcestate.py).
+    ``record_inputs``: the summary's ``inputs`` holds those states ``[[path, size, mtime_ns],
+    ...]``, which a distributed conversion keeps with each group."""
     global _SOURCE
+    from .sourcestate import SourceChanged, as_records, describe, differing, stat_files
+
     check_choice("on_error", on_error, ON_ERROR)
     workers = usable_cores() if workers is None else check_int("workers", workers, min=0)
     check_bool("overwrite", overwrite)
@@ -195,6 +212,13 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
     checker = DaliImageCheck(threads=check_threads) if image_fields else None
     pending: list[tuple[int, dict, dict, int]] = []  # read, waiting for the DALI check, in source order
     resized = [0]  # images written re-encoded (--max-size)
+    inputs = source.inputs()
+    before = stat_files(inputs)
+    if source.opened:  # the states of the files the source read when it opened
+        for i, p in enumerate(inputs):
+            if p in source.opened:
+                s = source.opened[p]
+                before[i] = (-1, -1) if s is None else s
     _SOURCE = source
     try:
         with writer:
@@ -281,6 +305,10 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
                         one(i, sizes, err)
                         bar.update(1)
                 flush_pending()
+            changed = differing(inputs, before, stat_files(inputs))
+            if changed:  # inside the writer: it aborts, nothing is written
+                raise SourceChanged(f"the source changed while it was being converted: {describe(None, changed=changed)}"
+                                    "; nothing was written from it: convert it again once it stays unchanged")
             if writer.num_samples == 0:
                 first = "; ".join(f"{r['key']}: {r['reason']}" for r in skipped[:3])
                 raise ConvertError(f"no sample of {source.num_samples} could be converted"
@@ -318,7 +346,8 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
             "report": str(dst / SKIPPED_REPORT) if skipped else None,
             "max_pixels": source.max_pixels if image_fields else None,
             "max_size": source.max_size if image_fields else None,
-            "resized_images": resized[0] if image_fields and source.max_size is not None else None}
+            "resized_images": resized[0] if image_fields and source.max_size is not None else None,
+            **({"inputs": as_records(inputs, before)} if record_inputs else {})}
 
 
 def label_from_strings(values: Sequence[str]) -> tuple[list[str], Any]:

@@ -17,6 +17,7 @@ naming it), each at most ``files.MAX_SAMPLE_BYTES``.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,22 @@ def _ident(path) -> tuple[int, int] | None:
     except OSError:
         return None
     return st.st_dev, st.st_ino
+
+
+class Files(Sequence):
+    """The image files of a listing as paths (``root/<path>``), made one at a time: no list
+    of a million strings beside the listing's array."""
+
+    def __init__(self, root: Path, paths: np.ndarray):
+        self.root, self.paths = os.fspath(root), paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return os.path.join(self.root, str(self.paths[i]))
 
 
 class ImageFolderSource(Source):
@@ -150,6 +167,9 @@ class ImageFolderSource(Source):
 
     def key(self, i: int) -> str:
         return str(self.paths[i])
+
+    def inputs(self) -> "Files":
+        return Files(self.root, self.paths)
 
     def read(self, i: int) -> dict:
         p = self.root / str(self.paths[i])

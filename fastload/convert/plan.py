@@ -19,6 +19,14 @@ What a task needs to open its group without redoing the driver's work (``spec``)
   that one column (for the class names). Nobody walks or stats every file.
 * ``arrays``, ``webdataset``: each task opens the source (memory-mapped .npy, tar headers)
   and takes its range.
+
+What the plan read is recorded (sourcestate.py): the listing for an image folder, the
+state (size, modification time) of the table, ``.npy`` or ``.tar`` files (``fingerprint``)
+otherwise; each finished group's record adds the state of every other file it read (its
+images). ``--resume`` refuses a source whose listing or files of the fingerprint changed,
+naming the files (``--overwrite`` converts it anew), and converts again the finished groups
+whose own files changed in place (``Plan.redo`` says which); the commit refuses a source
+changed while the run went on.
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ from .objstore import Store, check_remote_destination, is_remote
 PLAN = "plan.json"
 LISTING = "files.parquet"
 PLAN_FORMAT = "fastload-convert-plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: the fingerprint names its files by absolute path; groups record what they read
 _SAMPLE_FOR_ESTIMATE = 256  # samples read (evenly spaced) to estimate the bytes per sample
 _LISTING_ROW_GROUP = 65536
 
@@ -62,6 +70,9 @@ class Plan:
     overwrite: bool = False
     created: float = 0.0
     token: str | None = None  # object-store DST: the shard-name token of this conversion (objstore.py)
+    # --resume: {group: [files changed in place since it was converted]} of the finished groups
+    # the resume converts again (not part of the plan on disk)
+    redo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def remote(self) -> bool:
@@ -98,7 +109,9 @@ class Plan:
         return min(MAX_SHARD_SIZE, 2 * int(self.options["shard_size"]))
 
     def to_json(self) -> dict:
-        return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **asdict(self)}
+        d = asdict(self)
+        d.pop("redo")
+        return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **d}
 
 
 def load_plan(dst: str | os.PathLike) -> Plan:
@@ -175,15 +188,28 @@ def estimate_bytes_per_sample(source: Source, rows: Sequence[int] | None = None)
     return float(np.mean(sizes)) if sizes else 1.0
 
 
-def _fingerprint(src: Path) -> list:
-    """(name, size, mtime) of the source file, or of the files directly in a source folder:
-    a resumed conversion refuses a source changed since it was planned."""
-    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.is_file())
-    out = []
-    for p in files:
-        st = p.stat()
-        out.append([p.name, st.st_size, st.st_mtime_ns])
-    return out
+def _fingerprint(source: Source) -> list:
+    """``[[path, size, mtime_ns], ...]`` of the files the source read when it opened (its
+    table, ``.npy`` or ``.tar`` files; taken before reading them), sorted by path."""
+    from .sourcestate import as_records
+
+    paths = sorted(source.opened)
+    states = np.array([(-1, -1) if source.opened[p] is None else source.opened[p] for p in paths],
+                      dtype=np.int64).reshape(-1, 2)
+    return as_records(paths, states)
+
+
+def _container_files(kind: str, src: Path) -> list[str]:
+    """The files whose state the fingerprint of a ``kind`` source holds, as they are now."""
+    if kind == "arrays":
+        from .arrays import array_files
+
+        return [os.fspath(p) for p in array_files(src)]
+    if kind == "webdataset":
+        return [os.fspath(p) for p in (sorted(src.glob("*.tar")) if src.is_dir() else [src])]
+    if kind == "table":
+        return [os.fspath(src)]
+    return []
 
 
 # -- planning per source kind --------------------------------------------------------------
@@ -231,7 +257,7 @@ def _plan_table(src: Path, parts: Path, options: dict) -> tuple[Source, dict, li
     spec = {"label": source.label, "image_columns": sorted(n for n, f in source.fields.items() if f.kind == "image"),
             "classes": classes, "ragged": sorted(n for n, f in source.fields.items() if f.kind == "ragged"),
             "num_samples": num}
-    return source, spec, _fingerprint(src), estimate_bytes_per_sample(source)
+    return source, spec, _fingerprint(source), estimate_bytes_per_sample(source)
 
 
 def _string_classes(path: Path, column: str) -> list[str]:
@@ -273,7 +299,7 @@ def _plan_whole(kind: str, src: Path, options: dict) -> tuple[Source, dict, list
 
     source = make_source(kind, src, label=options["label"], image_columns=options["image_columns"],
                          max_pixels=options["max_pixels"], max_size=options["max_size"], quality=options["quality"])
-    return source, {"label": source.label}, _fingerprint(src), estimate_bytes_per_sample(source)
+    return source, {"label": source.label}, _fingerprint(source), estimate_bytes_per_sample(source)
 
 
 def make_plan(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, shard_size: int, overwrite: bool,
@@ -290,6 +316,7 @@ def make_plan(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, shar
         plan = load_plan(dst)
         _check_same(plan, kind, src, options)
         check_destination(dst, overwrite=overwrite or plan.overwrite, allow_leftovers=True)
+        _check_resumed_source(plan)
         return plan
     if parts.exists() and not (resume or overwrite):
         raise FileExistsError(f"{dst} holds an unfinished conversion ({parts}); pass --resume to finish it "
@@ -342,6 +369,7 @@ def _make_remote_plan(kind: str, src: Path, dst: str, options: dict, overwrite: 
         plan = load_plan(dst)
         _check_same(plan, kind, src, options)
         check_remote_destination(store, overwrite=overwrite or plan.overwrite, allow_leftovers=True)
+        _check_resumed_source(plan)
         return plan
     if store.sizes(PARTS) and not (resume or overwrite):
         raise FileExistsError(f"{store.display} holds an unfinished conversion ({store.display}/{PARTS}/); pass "
@@ -370,6 +398,119 @@ def _check_same(plan: Plan, kind: str, src: Path, options: dict) -> None:
         if plan.options.get(k) != v:
             raise ConvertError(f"--resume: the interrupted conversion used {k}={plan.options.get(k)!r}, this one "
                                f"{k}={v!r}; repeat the same options, or pass --overwrite to start over")
-    if plan.fingerprint and _fingerprint(src) != plan.fingerprint:
-        raise ConvertError(f"--resume: {src} changed since the conversion was planned (sizes or modification "
-                           "times differ); pass --overwrite to start over")
+
+
+# -- has the source changed? (sourcestate.py) -------------------------------------------------
+def source_changes(plan: Plan) -> str:
+    """What differs between the source now and the files that number its samples in the plan:
+    the listing of an image folder (files added or removed, non-image files counted), the
+    state of a table, ``.npy`` or ``.tar`` file. "" when nothing does."""
+    from .sourcestate import describe, from_records, stat_files
+
+    src = Path(plan.src)
+    if plan.kind == "imagefolder":
+        return _listing_changes(plan)
+    paths, then = from_records(plan.fingerprint)
+    now_paths = _container_files(plan.kind, src) if src.exists() else []
+    planned = set(paths)
+    added = [p for p in now_paths if p not in planned]
+    present = set(now_paths)
+    removed = [p for p in paths if p not in present]
+    kept = [i for i, p in enumerate(paths) if p in present]
+    now = stat_files([paths[i] for i in kept])
+    changed = [paths[i] for i, s in zip(kept, now) if (s != then[i]).any()]
+    return describe(src if src.is_dir() else src.parent, changed=changed, added=added, removed=removed)
+
+
+def _listing_changes(plan: Plan) -> str:
+    """An image folder walked again and compared with the plan's listing."""
+    import pyarrow.parquet as pq
+
+    from .imagefolder import ImageFolderSource
+    from .sourcestate import describe
+
+    spec, src = plan.spec, Path(plan.src)
+    try:
+        now = ImageFolderSource(src, max_pixels=plan.options["max_pixels"])
+    except ConvertError as e:
+        return f"it cannot be listed as it was ({e})"
+    if plan.remote:
+        with Store(plan.dst).open_input(f"{PARTS}/{spec['listing']}") as f:
+            listing = pq.read_table(f, columns=["path"]).column("path").to_pylist()
+    else:
+        listing = pq.read_table(plan.parts / spec["listing"], columns=["path"]).column("path").to_pylist()
+    then = [os.fsdecode(p) for p in listing]
+    paths = now.paths.tolist()
+    out = ""
+    if paths != then:
+        old, new = set(then), set(paths)
+        out = describe(src, added=[os.path.join(src, p) for p in paths if p not in old],
+                       removed=[os.path.join(src, p) for p in then if p not in new])
+        if not out:  # the same files in another order (cannot happen with sorted walks)
+            out = "its files are listed in another order"
+    extra = []
+    if now.class_names != spec["classes"]:
+        extra.append(f"class folders {now.class_names[:5]} where the plan has {spec['classes'][:5]}")
+    if now.ignored != spec["ignored"]:
+        extra.append(f"{now.ignored} non-image file(s) where the plan counted {spec['ignored']} "
+                     "(the manifest records the number)")
+    if now.repeated_dirs != spec.get("repeated_dirs", 0):
+        extra.append(f"{now.repeated_dirs} folder(s) reached twice through links where the plan had "
+                     f"{spec.get('repeated_dirs', 0)}")
+    return "; ".join(x for x in [out, *extra] if x)
+
+
+def changed_groups(plan: Plan, records: dict[int, dict]) -> dict[int, list[str]]:
+    """{group: files changed since it read them} among groups with records ``{g: record}``
+    (every file's state is taken once, on threads: see sourcestate.stat_files)."""
+    from .sourcestate import from_records, stat_files
+
+    owners, recs = [], []
+    for g, rec in sorted(records.items()):
+        inputs = rec.get("inputs") or []
+        owners += [g] * len(inputs)
+        recs += inputs
+    paths, then = from_records(recs)
+    out: dict[int, list[str]] = {}
+    if paths:
+        now = stat_files(paths)
+        for i in map(int, np.flatnonzero((now != then).any(axis=1))):
+            out.setdefault(owners[i], []).append(paths[i])
+    return out
+
+
+def _check_resumed_source(plan: Plan) -> None:
+    """--resume: refuse a source whose numbering changed; set the finished groups whose own
+    files changed in place aside (``plan.redo``), to be converted again."""
+    from .sourcestate import SourceChanged
+    from .task import discard_group, finished_groups
+
+    what = source_changes(plan)
+    if what:
+        raise SourceChanged(f"--resume refused: {plan.src} changed since the conversion was planned: {what}. "
+                            "The planned groups no longer fit it, so no finished part is reused; pass --overwrite "
+                            "(instead of --resume) to convert the source as it is now")
+    redo = changed_groups(plan, finished_groups(plan, range(plan.num_groups)))
+    for g in redo:
+        discard_group(plan, g)
+    plan.redo = redo
+
+
+def check_source_at_commit(plan: Plan, records: dict[int, dict]) -> None:
+    """Refuse to commit parts read from a source that changed meanwhile: files of the plan's
+    numbering (added, removed, changed: start over), or a file changed after its group read
+    it (--resume converts those groups again)."""
+    from .sourcestate import SourceChanged, shown
+
+    what = source_changes(plan)
+    if what:
+        raise SourceChanged(f"{plan.src} changed while it was being converted: {what}; the dataset would mix "
+                            "two states of it, so nothing was committed. Pass --overwrite (instead of --resume) "
+                            "to convert the source as it is now")
+    redo = changed_groups(plan, records)
+    if redo:
+        files = [p for g in sorted(redo) for p in redo[g]]
+        raise SourceChanged(f"{plan.src} changed while it was being converted: {len(files)} file(s) changed after "
+                            f"their group read them ({shown(files, plan.src)}); the dataset would mix two states "
+                            "of it, so nothing was committed. Run the same command with --resume: the group(s) "
+                            f"{', '.join(map(str, sorted(redo)))} are converted again, the others reused")

@@ -109,7 +109,10 @@ class TableSource(Source):
         image columns are exactly ``image_columns``, none guessed from the values; ``ragged``:
         list columns stored as ragged fields even where these rows happen to have equal
         lengths. They let tasks of the distributed convert each read their own rows alike."""
+        from .sourcestate import stat_file
+
         path = Path(src)
+        opened = {os.fspath(path): stat_file(path)}  # before reading it
         table = read_table(path, rows).combine_chunks()
         self.offset = rows[0] if rows is not None else 0
         if table.num_rows == 0:
@@ -185,6 +188,16 @@ class TableSource(Source):
                          max_size=max_size, quality=quality)
         self.path = path
         self._key_col = next((n for n in self.image_paths), None)
+        self.opened = opened
+
+    def inputs(self) -> list[str]:
+        """The table file, then the image files its path columns name (in row order)."""
+        out = [os.fspath(self.path)]
+        for name in sorted(self.image_paths):
+            for v in self.columns[name]:
+                p = Path(str(v))
+                out.append(os.fspath(p if p.is_absolute() else self.root / p))
+        return out
 
     def key(self, i: int) -> str:
         if self._key_col is not None:

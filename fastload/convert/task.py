@@ -39,6 +39,7 @@ from ._store import MANIFEST, PARTS, SKIPPED_REPORT, fsync_dir, read_report, wri
 from .common import ConvertError, Source, run_convert
 from .objstore import Store, record_name, remote_shard_name
 from .plan import Plan, load_plan
+from .sourcestate import SourceChanged
 
 PART = "part.json"
 TASK_THREADS = 1  # the CPUs a task may use: Ray gives each task num_cpus=1
@@ -57,6 +58,10 @@ class RangeSource(Source):
                          class_names=inner.class_names, metadata=inner.metadata, max_pixels=inner.max_pixels,
                          max_size=inner.max_size, quality=inner.quality)
         self.inner, self.start = inner, start
+        self.opened = inner.opened
+
+    def inputs(self):
+        return self.inner.inputs()
 
     def key(self, i: int) -> str:
         return self.inner.key(self.start + i)
@@ -114,8 +119,9 @@ def open_group(plan: Plan, g: int) -> Source:
                            ragged=spec.get("ragged", ()), **resize)
     from .kinds import make_source
 
-    return RangeSource(make_source(plan.kind, plan.src, label=spec.get("label"), max_pixels=opts["max_pixels"],
-                                   **resize), a, b)
+    if plan.kind == "arrays":  # (the only kind left that takes --label; a webdataset's label is its .cls)
+        return RangeSource(make_source("arrays", plan.src, label=spec.get("label")), a, b)
+    return RangeSource(make_source(plan.kind, plan.src, max_pixels=opts["max_pixels"], **resize), a, b)
 
 
 def read_part(part: Path) -> dict | None:
@@ -222,6 +228,11 @@ def _convert_group(plan: Plan, g: int, on_error: str, out: Path, t0: float) -> d
     except ConvertError as e:
         return failed(str(e))
     try:
+        changed = _unplanned(plan, source.opened)  # the files read as the source opened: the plan's?
+        if changed:
+            return {**failed(f"{plan.src} changed since the conversion was planned: {changed}; the planned groups "
+                             "no longer fit it: pass --overwrite (instead of --resume) to convert it as it is now"),
+                    "source_changed": True}
         fields = {n: f.to_json() for n, f in source.fields.items()}
         if fields != plan.fields or source.num_samples != b - a:
             return failed(f"the source changed since the conversion was planned (fields {fields} and "
@@ -231,12 +242,16 @@ def _convert_group(plan: Plan, g: int, on_error: str, out: Path, t0: float) -> d
             # one CPU per task (Ray's num_cpus=1, one torch worker process): one validation
             # process (this one) and one DALI decoder thread, never a pool sized to the machine
             r = run_convert(source, out, workers=1, shard_size=plan.part_shard_size, on_error=on_error,
-                            progress=False, desc=f"group {g}", check_threads=TASK_THREADS)
+                            progress=False, desc=f"group {g}", check_threads=TASK_THREADS, record_inputs=True)
             n, skipped = r["num_samples"], r["skipped"]
+            inputs = [x for x in r["inputs"] if x[0] not in source.opened]  # (those are the plan's)
+        except SourceChanged as e:
+            return failed(str(e))
         except ConvertError as e:
             if not (on_error == "skip" and _count_lines(out / SKIPPED_REPORT) == b - a):
                 return failed(str(e))
             n, skipped = 0, b - a  # every sample of the group skipped: an empty part
+            inputs = _states(source)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
@@ -245,7 +260,48 @@ def _convert_group(plan: Plan, g: int, on_error: str, out: Path, t0: float) -> d
         if close is not None:
             close()
     return {"group": g, "start": a, "stop": b, "num_samples": n, "skipped": skipped,
-            "seconds": round(time.perf_counter() - t0, 3), "host": socket.gethostname(), "pid": os.getpid()}
+            "seconds": round(time.perf_counter() - t0, 3), "host": socket.gethostname(), "pid": os.getpid(),
+            "inputs": inputs}
+
+
+def _unplanned(plan: Plan, opened: dict) -> str:
+    """How the files a group's source read as it opened (its table, ``.npy`` or ``.tar``
+    files) differ from the plan's fingerprint; "" when they do not."""
+    from .sourcestate import describe
+
+    planned = {p: None if s is None else (s, m) for p, s, m in plan.fingerprint}
+    changed = [p for p in opened if p in planned and planned[p] != (None if opened[p] is None else tuple(opened[p]))]
+    added = [p for p in opened if p not in planned]
+    removed = [p for p in planned if p not in opened]
+    src = Path(plan.src)
+    return describe(src if src.is_dir() else src.parent, changed=changed, added=added, removed=removed)
+
+
+def _states(source: Source) -> list[list]:
+    """``[[path, size, mtime_ns], ...]`` of the files ``source`` reads besides those it read
+    as it opened (sourcestate.py)."""
+    from .sourcestate import as_records, stat_files
+
+    paths = [p for p in source.inputs() if p not in source.opened]
+    return as_records(paths, stat_files(paths))
+
+
+def discard_group(plan: Plan, g: int) -> None:
+    """Forget the finished part of group ``g`` (its source files changed): the next task of
+    the group converts it again. A local part is renamed first, then removed (a concurrent
+    reader never sees it half deleted); an object store's group loses its record (its shards
+    are PUT again under the same names)."""
+    if plan.remote:
+        Store(plan.dst).delete(record_name(g))
+        return
+    part = plan.part_dir(g)
+    gone = part.with_name(f"{part.name}.attempt-{uuid.uuid4().hex[:12]}")
+    try:
+        os.rename(part, gone)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(gone, ignore_errors=True)
+    fsync_dir(plan.parts)
 
 
 def run_group(dst: str, g: int, on_error: str = "raise") -> dict:

@@ -64,6 +64,9 @@ class WebDatasetSource(Source):
                 check_regular(tp, what="tar file")
             except (NotRegularFile, OSError) as e:
                 raise ConvertError(f"{printable(str(tp))}: cannot be read ({e})") from None
+        from .sourcestate import stat_file
+
+        opened = {os.fspath(tp): stat_file(tp) for tp in tars}  # before reading them
         keys: list[str] = []
         members: dict[str, list] = {}
         exts: list[str] | None = None
@@ -127,8 +130,13 @@ class WebDatasetSource(Source):
                          metadata={"source": "webdataset", "tars": [printable(t.name) for t in tars]},
                          max_pixels=max_pixels, max_size=max_size, quality=quality)
 
+        self.opened = opened
+
     def key(self, i: int) -> str:
         return str(self._keys[i])
+
+    def inputs(self) -> list[str]:
+        return self.tars
 
     def _fd(self, ti: int) -> int:
         fd = self._files.get(ti)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from ..common import ConvertError
 from ..plan import Plan
+from ..sourcestate import SourceChanged
 from ..task import finished_groups
 
 class Executor(Protocol):
@@ -52,13 +53,13 @@ def drive(plan: Plan, executor: Executor, groups: Iterable[int], *, progress: bo
             todo.append(g)
         else:
             reused += rec["stop"] - rec["start"]
-            results[g] = {k: v for k, v in rec.items() if k not in ("manifest", "report")}
+            results[g] = {k: v for k, v in rec.items() if k not in ("manifest", "report", "inputs")}
             results[g].update(reused=True, error=None)
     total = sum(plan.bounds(g)[1] - plan.bounds(g)[0] for g in groups)
     bar = _bar(plan, total, reused, progress, desc)
     pending: dict[Any, int] = {}
     todo.reverse()
-    failure = None
+    failure, restart = None, False
     try:
         while (todo or pending) and failure is None:
             while todo and len(pending) < executor.slots:
@@ -70,7 +71,8 @@ def drive(plan: Plan, executor: Executor, groups: Iterable[int], *, progress: bo
                 if isinstance(res, BaseException):
                     failure = failure or f"group {g} (samples {a}..{b - 1}) failed: {_describe(res)}"
                 elif res.get("error"):
-                    failure = failure or res["error"]
+                    if failure is None:
+                        failure, restart = res["error"], bool(res.get("source_changed"))
                 else:
                     results[g] = res
                     bar.update(b - a)
@@ -86,6 +88,8 @@ def drive(plan: Plan, executor: Executor, groups: Iterable[int], *, progress: bo
     if failure is not None:
         if pending:
             executor.cancel(list(pending))
+        if restart:  # the source no longer fits the plan: its message says to start over
+            raise SourceChanged(failure)
         raise ConvertError(f"{failure}\n(the finished parts are kept in {plan.parts_where}: run the same command "
                            "with --resume to reuse them)")
     return results
@@ -98,10 +102,14 @@ def _describe(exc: BaseException) -> str:
     return f"{type(e).__name__}: {text[-1] if text else ''}"
 
 
-def summary(res: dict, t0: float, results: dict[int, dict], engine: str, slots: int) -> dict:
+def summary(res: dict, t0: float, results: dict[int, dict], engine: str, slots: int, plan: Plan | None = None) -> dict:
     """The summary of a distributed run: the commit's, plus the whole call's seconds (with
     the engine's start), the task phase's (``tasks_seconds``, set by the engine), task
-    counts, and the peak memory and heavy imports of the processes that ran tasks."""
+    counts, the peak memory and heavy imports of the processes that ran tasks, and under
+    ``resumed_changed`` the groups a --resume converted again because files they had read
+    changed since (``{group: [paths]}``, see plan.py)."""
+    if plan is not None:
+        res["resumed_changed"] = {int(g): list(p) for g, p in sorted(plan.redo.items())}
     ran = [r for r in results.values() if not r.get("reused")]
     peak = [r.get("peak_rss_bytes", 0) for r in ran]
     res.update(seconds=time.perf_counter() - t0, engine=engine, workers=slots,

@@ -164,4 +164,4 @@ def run(kind, src, dst, *, workers, on_error, progress, address, shard_size, ove
         t_tasks = time.perf_counter() - t_tasks
     res = commit_plan(plan, on_error)
     res["tasks_seconds"] = t_tasks
-    return summary(res, t0, results, "ray", slots)
+    return summary(res, t0, results, "ray", slots, plan)

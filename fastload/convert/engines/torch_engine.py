@@ -316,7 +316,7 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
             res = {"dst": Store(plan.dst).display if plan.remote else plan.dst, "num_samples": m["num_samples"], "num_shards": len(m["shards"]),
                    "bytes": m["total_bytes"], "skipped": None, "report": None, "num_groups": plan.num_groups}
         res.update(rank=ranks.rank, world_size=ranks.world, tasks_seconds=t_tasks)
-        res = summary(res, t0, results, "torch", slots)  # worker figures: this rank's tasks
+        res = summary(res, t0, results, "torch", slots, plan if ranks.rank == 0 else None)  # worker figures: this rank's tasks
         res["workers"] = sum(rank_slots(workers, r, ranks.world) for r in range(ranks.world))  # all ranks'
         if ranks.rank == 0:  # task counts: every rank's
             res.update(tasks_run=plan.num_groups - reused, tasks_reused=reused)
