@@ -237,7 +237,7 @@ def _commit_remote(plan: Plan, on_error: str) -> dict:
         with tempfile.TemporaryDirectory(prefix="fastload-commit-") as tmp:
             write_report(Path(tmp) / SKIPPED_REPORT, skipped)
             store.put_file(Path(tmp) / SKIPPED_REPORT, SKIPPED_REPORT)
-    store.put_json(MANIFEST, manifest)  # last: from here on DST opens as the new dataset
+    store.put_manifest(manifest)  # last: from here on DST opens as the new dataset
     keep = {s["file"] for s in shards} | {MANIFEST} | ({SKIPPED_REPORT} if skipped else set())
     for name in stale_files(names, keep):  # the replaced dataset's files, a failed run's shards
         store.delete(name)

@@ -110,6 +110,13 @@ class Store:
         with self.fs.open_output_stream(self.path(name), compression=None) as f:
             f.write((json.dumps(obj, indent=1) + "\n").encode())
 
+    def put_manifest(self, manifest: dict) -> None:
+        """PUT ``manifest.json``, sealed with its checksum (the store's one manifest serialiser)."""
+        from ..manifest_checksum import manifest_bytes
+
+        with self.fs.open_output_stream(self.path(MANIFEST), compression=None) as f:
+            f.write(manifest_bytes(manifest))
+
     def put_file(self, local: str | os.PathLike, name: str) -> None:
         with open(local, "rb") as src, self.fs.open_output_stream(self.path(name), compression=None) as dst:
             while True:

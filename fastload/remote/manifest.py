@@ -12,6 +12,7 @@ import random
 import time
 from typing import Any, Mapping
 
+from .. import manifest_checksum
 from ..errors import FormatError, RemoteError
 from .transports import open_transport
 from .url import SAFE_NAME, FaultKind, Transport, classify
@@ -34,7 +35,8 @@ def check_manifest(m: Any, where: str) -> dict:
     and a checksum (the cache verifies every download), and its file name is a plain name (it
     becomes a file name in the cache directory). The format and its version are checked by
     the reader (``fastload.store.reader.check_manifest``): this package sits below the store
-    and does not import it."""
+    and does not import it. Last, the manifest's own checksum (``manifest_checksum``, when it
+    has one): a manifest damaged on the way or in the store is refused before it keys a cache."""
     if not isinstance(m, dict):
         raise FormatError(f"{where} is not a fastload manifest (not a JSON object)")
     for k in ("fields", "shards", "num_samples"):
@@ -58,6 +60,7 @@ def check_manifest(m: Any, where: str) -> dict:
         if s["bytes"] < 0 or s["num_samples"] < 0 or not s["checksum"].startswith("xxh3_128:"):
             raise FormatError(f"{where}: shard {name} has a bad size or checksum ({s['bytes']!r}, "
                               f"{s['checksum']!r}); the manifest is damaged")
+    manifest_checksum.check(m, where)
     return m
 
 

@@ -7,7 +7,6 @@ shard while it arrives, write ``manifest.json`` last, and run the full Arrow val
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..errors import RemoteError
+from ..manifest_checksum import manifest_bytes
 from .download import Downloader, DownloadCounters, RetryPolicy
 from .manifest import MANIFEST, RemoteDataset
 from .transports import open_transport
@@ -64,7 +64,7 @@ def upload_dataset(local: str | os.PathLike, url: str, *, overwrite: bool = Fals
         t.write_file(local / SKIPPED_REPORT, SKIPPED_REPORT)
         keep.add(SKIPPED_REPORT)
     # last, in one PUT (atomic per object): the new dataset opens from here on
-    t.write_bytes((json.dumps(m, indent=1) + "\n").encode("utf-8"), MANIFEST)
+    t.write_bytes(manifest_bytes(m), MANIFEST)  # sealed afresh: the shard names may have changed
     for n in stale_files(old, keep):  # the old shards, and an old report the new dataset does not have
         t.delete(n)
     return sum(int(s["bytes"]) for s in m["shards"])
@@ -149,7 +149,7 @@ def prefetch(url: str, dest: str | os.PathLike, *, threads: int = 8, filesystem:
     if problems:
         raise RemoteError(f"prefetch of {remote.url} into {dest}: " + "; ".join(problems[:5]))
     tmp = dest / f".{MANIFEST}.tmp"
-    tmp.write_bytes(remote.manifest_bytes)
+    tmp.write_bytes(manifest_bytes(remote.manifest))  # checked on fetching; sealed (also an old one)
     os.replace(tmp, dest / MANIFEST)  # last: dest is a complete dataset from now on
     return {"dst": str(dest), "bytes_downloaded": counters.bytes, "shards": len(remote.shard_files)}
 

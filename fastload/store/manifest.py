@@ -13,22 +13,29 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .. import manifest_checksum
 from ..errors import FormatError, MissingFileError
 from ..files import NotRegularFile, read_regular
 from .format import MANIFEST, Field
 from .schema import validate_manifest
 from .transaction import STAGING_PREFIX
 
-__all__ = ["MAX_MANIFEST_BYTES", "check_manifest", "manifest_fields", "read_manifest"]
+__all__ = ["MAX_MANIFEST_BYTES", "check_manifest", "manifest_bytes", "manifest_fields", "read_manifest"]
+
+# The bytes every writer of a manifest writes (sealed with its checksum; see
+# :mod:`fastload.manifest_checksum`).
+manifest_bytes = manifest_checksum.manifest_bytes
 
 
 # A manifest larger than this is not one fastload wrote (a million shards take ~150 MB).
 MAX_MANIFEST_BYTES = 1 << 30
 
 
-def read_manifest(path: Path) -> dict:
+def read_manifest(path: Path, *, checksum: bool = True) -> dict:
     """The parsed ``manifest.json`` of the dataset at ``path``, checked against the schema
-    (:func:`check_manifest`: a FormatError names the bad key)."""
+    and its own checksum (:func:`check_manifest`: a FormatError names the bad key, or says the
+    content does not match the checksum). ``checksum=False``: the schema only (``verify``
+    reports a checksum mismatch as one of its problems and goes on checking the shards)."""
     mpath = path / MANIFEST
     if not path.exists():
         raise MissingFileError(f"{path} does not exist; create a dataset with `fastload convert`")
@@ -57,13 +64,17 @@ def read_manifest(path: Path) -> dict:
         m = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise FormatError(f"{mpath} is not readable JSON ({str(e)[:200]}); the dataset is damaged") from None
-    return check_manifest(m, mpath)
+    return check_manifest(m, mpath, checksum=checksum)
 
 
-def check_manifest(m: Any, where: Any) -> dict:
+def check_manifest(m: Any, where: Any, *, checksum: bool = True) -> dict:
     """Every key of a manifest, wherever it was read (``where`` names it), against the schema
-    (:func:`fastload.store.schema.validate_manifest`); returns ``m``."""
+    (:func:`fastload.store.schema.validate_manifest`), then its content against its
+    ``manifest_checksum`` when it has one (:func:`fastload.manifest_checksum.check`); returns
+    ``m``. The schema goes first: a damaged key is named as such."""
     validate_manifest(m, where)
+    if checksum:
+        manifest_checksum.check(m, where)
     return m
 
 

@@ -34,6 +34,7 @@ from typing import Any, Iterable, Iterator
 
 import xxhash
 
+from ..manifest_checksum import sealed
 from .format import MANIFEST, SHARD_FILE_RE, SKIPPED_REPORT
 
 __all__ = ["HashingFile", "PARTS_DIR", "STAGING_PREFIX", "Transaction", "fsync_dir", "is_own_file", "prepare_output_dir",
@@ -216,11 +217,14 @@ class Transaction:
     def staging(self) -> bool:
         return self.dir != self.path
 
-    def commit(self, manifest: dict) -> None:
-        """Write ``manifest.json`` (from here on ``path`` opens as the new dataset)."""
-        write_json_atomic(self.dir / MANIFEST, manifest)
+    def commit(self, manifest: dict) -> dict:
+        """Write ``manifest.json``, sealed with its checksum (from here on ``path`` opens as
+        the new dataset); returns the manifest as written."""
+        m = sealed(manifest)
+        write_json_atomic(self.dir / MANIFEST, m)
         if self.staging:
             self._swap_in()
+        return m
 
     def _swap_in(self) -> None:
         """Replace the old dataset in ``path`` by the complete new one in the staging dir."""

@@ -2,7 +2,8 @@
 (field shapes included) and Arrow's full validation.
 
 The manifest is checked on reading (:func:`~fastload.store.reader.read_manifest` raises a
-FormatError naming the bad key). Each shard is mapped like a reader maps it (regular files
+FormatError naming the bad key); a manifest whose content does not match its own checksum
+(``manifest_checksum``) is reported as the first problem, naming it and what to do. Each shard is mapped like a reader maps it (regular files
 only, no descriptor kept), hashed in C++ with the GIL released, several shards at once.
 Shards that pass are added to the node's verified record (see
 :mod:`fastload.store.integrity`), so a Loader with ``verify="first-use"`` on this node does not
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from .. import manifest_checksum
+from ..errors import FormatError
 from ..files import printable
 from ..system import usable_cores
 from .format import MANIFEST, SHARD_FILE_RE, Field, field_of_arrow, schema_mismatch
@@ -95,7 +98,12 @@ def verify(path: str | os.PathLike, *, remember: bool = True) -> list[str]:
     pass to this node's verified record (so Loaders here need not hash them again).
     """
     path = Path(path)
-    m = read_manifest(path)
+    m = read_manifest(path, checksum=False)
+    problems = []
+    try:  # a manifest damaged in a way the schema allows: reported, and the shards still checked
+        manifest_checksum.check(m, path / MANIFEST)
+    except FormatError as e:
+        problems.append(str(e))
     fields = manifest_fields(m, path)
     record = VerifiedRecord() if remember else None
     shards = m["shards"]
@@ -105,7 +113,7 @@ def verify(path: str | os.PathLike, *, remember: bool = True) -> list[str]:
     else:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fastload-verify") as pool:
             results = list(pool.map(lambda s: check_shard(path / s["file"], s, fields, record=record), shards))
-    problems = [p for r in results for p in r]
+    problems += [p for r in results for p in r]
     listed = {s["file"] for s in shards}
     for extra in sorted(os.listdir(path)):
         if _SHARD_FILE.fullmatch(extra) and extra not in listed:

@@ -347,7 +347,7 @@ class ShardWriter:
         self._flush()
         m = self.manifest()
         try:
-            self._txn.commit(m)
+            m = self._txn.commit(m)  # sealed with the manifest's checksum
         except OSError as e:
             if e.errno not in NO_SPACE_ERRNOS:
                 raise
