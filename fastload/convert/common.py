@@ -307,8 +307,9 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
                 flush_pending()
             changed = differing(inputs, before, stat_files(inputs))
             if changed:  # inside the writer: it aborts, nothing is written
-                raise SourceChanged(f"the source changed while it was being converted: {describe(None, changed=changed)}"
-                                    "; nothing was written from it: convert it again once it stays unchanged")
+                raise SourceChanged("the source changed while it was being converted: "
+                                    f"{describe(None, changed=changed)}; nothing was written from it: convert it "
+                                    "again once it stays unchanged")
             if writer.num_samples == 0:
                 first = "; ".join(f"{r['key']}: {r['reason']}" for r in skipped[:3])
                 raise ConvertError(f"no sample of {source.num_samples} could be converted"

@@ -483,7 +483,7 @@ def _check_resumed_source(plan: Plan) -> None:
     """--resume: refuse a source whose numbering changed; set the finished groups whose own
     files changed in place aside (``plan.redo``), to be converted again."""
     from .sourcestate import SourceChanged
-    from .task import discard_group, finished_groups
+    from .parts import discard_group, finished_groups
 
     what = source_changes(plan)
     if what:

@@ -39,9 +39,9 @@ from ._store import MANIFEST, PARTS, SKIPPED_REPORT, fsync_dir, read_report, wri
 from .common import ConvertError, Source, run_convert
 from .objstore import Store, record_name, remote_shard_name
 from .plan import Plan, load_plan
+from .parts import PART, _intact_record, discard_group, finished_groups, finished_part, read_part  # noqa: F401
 from .sourcestate import SourceChanged
 
-PART = "part.json"
 TASK_THREADS = 1  # the CPUs a task may use: Ray gives each task num_cpus=1
 # Heavy modules a task reports having loaded. torch must never be among them (~1.9 s and
 # ~250 MB per process); DALI is expected in a task that converts images: every image is also
@@ -124,38 +124,6 @@ def open_group(plan: Plan, g: int) -> Source:
     return RangeSource(make_source(plan.kind, plan.src, max_pixels=opts["max_pixels"], **resize), a, b)
 
 
-def read_part(part: Path) -> dict | None:
-    """The record of a finished part, or None when the group is not done."""
-    try:
-        with open(part / PART, encoding="utf-8") as f:
-            return json.load(f)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
-def finished_part(part: Path) -> dict | None:
-    """The record of a finished, intact part; None when the group must be (re)done. A part
-    whose shard files are gone (an interrupted commit had moved them) is set aside."""
-    rec = read_part(part)
-    if rec is None:
-        return None
-    try:
-        with open(part / MANIFEST, encoding="utf-8") as f:
-            shards = json.load(f)["shards"]
-    except FileNotFoundError:
-        shards = []
-    if all((part / s["file"]).is_file() and (part / s["file"]).stat().st_size == s["bytes"] for s in shards) \
-            and (shards or rec["num_samples"] == 0):
-        return rec
-    broken = part.with_name(f"{part.name}.attempt-{uuid.uuid4().hex[:12]}")
-    try:  # renamed first, so that a concurrent reader never sees it half deleted
-        os.rename(part, broken)
-        shutil.rmtree(broken, ignore_errors=True)
-    except OSError:
-        pass
-    return None
-
-
 def _peak_rss() -> int:
     """Peak resident memory of this process's program, in bytes. Linux's VmHWM (unlike
     getrusage's maxrss, which keeps the high-water mark of a parent the process was forked
@@ -184,32 +152,6 @@ def _count_lines(path: Path) -> int:
             return sum(1 for _ in f)
     except FileNotFoundError:
         return 0
-
-
-def finished_groups(plan: Plan, groups) -> dict[int, dict]:
-    """{group: record} of the groups among ``groups`` whose part is finished and intact (a
-    broken local part is set aside); one listing for an object store."""
-    if not plan.remote:
-        return {g: rec for g in groups if (rec := finished_part(plan.part_dir(g))) is not None}
-    store = Store(plan.dst)
-    have = store.records()
-    names = store.sizes() if have else {}
-    out = {}
-    for g in groups:
-        if g in have:
-            rec = _intact_record(store.get_json(record_name(g)), names.get, plan.token)
-            if rec is not None:
-                out[g] = rec
-    return out
-
-
-def _intact_record(rec: dict | None, size_of, token: str | None) -> dict | None:
-    """An object-store group record of this plan (``token``) whose shards are all at DST with
-    the recorded sizes (``size_of(name)``: a shard's size, None when it is missing)."""
-    if not isinstance(rec, dict) or rec.get("token") != token:
-        return None
-    shards = (rec.get("manifest") or {}).get("shards", [])
-    return rec if all(size_of(s["file"]) == s["bytes"] for s in shards) else None
 
 
 def _convert_group(plan: Plan, g: int, on_error: str, out: Path, t0: float) -> dict:
@@ -284,24 +226,6 @@ def _states(source: Source) -> list[list]:
 
     paths = [p for p in source.inputs() if p not in source.opened]
     return as_records(paths, stat_files(paths))
-
-
-def discard_group(plan: Plan, g: int) -> None:
-    """Forget the finished part of group ``g`` (its source files changed): the next task of
-    the group converts it again. A local part is renamed first, then removed (a concurrent
-    reader never sees it half deleted); an object store's group loses its record (its shards
-    are PUT again under the same names)."""
-    if plan.remote:
-        Store(plan.dst).delete(record_name(g))
-        return
-    part = plan.part_dir(g)
-    gone = part.with_name(f"{part.name}.attempt-{uuid.uuid4().hex[:12]}")
-    try:
-        os.rename(part, gone)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(gone, ignore_errors=True)
-    fsync_dir(plan.parts)
 
 
 def run_group(dst: str, g: int, on_error: str = "raise") -> dict:
