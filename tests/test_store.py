@@ -372,37 +372,41 @@ def test_field_json_round_trip():
         assert Field.from_json(json.loads(json.dumps(f.to_json()))) == f
 
 
-def test_an_overwrite_killed_while_swapping_leaves_the_new_dataset_findable(tmp_path, monkeypatch):
+def test_an_overwrite_killed_while_swapping_leaves_the_new_dataset_findable(tmp_path, monkeypatch, capsys):
     import fastload.store.transaction as transaction_mod
+    from fastload.store.recover import main as recover_main
     d = tmp_path / "ds"
     _write(d, {"x": "int64"}, [{"x": 1}])
-    real_rename = os.rename
+    real_replace = os.replace
 
     def dies_at_the_manifest(src, dst):
-        if str(dst).endswith("manifest.json") and ".fastload-staging-" in str(src):
-            raise KeyboardInterrupt  # the process is stopped between the last two steps
-        real_rename(src, dst)
+        if os.fspath(dst) == os.fspath(d / "manifest.json") and ".fastload-staging-" in str(src):
+            raise KeyboardInterrupt  # the process is stopped before the new manifest moves up
+        real_replace(src, dst)
 
-    monkeypatch.setattr(transaction_mod.os, "rename", dies_at_the_manifest)
+    monkeypatch.setattr(transaction_mod.os, "replace", dies_at_the_manifest)
     with pytest.raises(KeyboardInterrupt):
         _write(d, {"y": "int8"}, [{"y": 5}, {"y": 6}], overwrite=True)
     monkeypatch.undo()
-    with pytest.raises(fastload.FormatError, match="interrupted while swapping .* move every file") as e:
+    with pytest.raises(fastload.FormatError, match=r"interrupted while swapping .*`python -m fastload\.store\.recover") \
+            as e:
         fastload.Dataset(d)
     staged = next(d.glob(".fastload-staging-*"))
-    assert str(staged) in str(e.value)
-    for p in list(staged.iterdir()):  # the recovery the message describes: nothing was lost
-        p.rename(d / p.name)
-    staged.rmdir()
+    assert staged.name in str(e.value) and str(d) in str(e.value)
+    assert recover_main([str(d)]) == 0  # the recovery the message describes: nothing was lost, nothing old left
+    assert "finished an overwrite" in capsys.readouterr().out
     assert fastload.Dataset(d).get_batch([0, 1])["y"].tolist() == [5, 6] and fastload.verify(d) == []
-    # an interrupted swap that is not recovered: the next overwrite removes the leftover
-    monkeypatch.setattr(transaction_mod.os, "rename", dies_at_the_manifest)
+    assert sorted(p.name for p in d.iterdir() if p.name != "manifest.json") == \
+        sorted(s["file"] for s in fastload.Dataset(d).manifest["shards"])
+    # an interrupted swap that is not recovered: the next overwrite finishes it, then replaces it
+    monkeypatch.setattr(transaction_mod.os, "replace", dies_at_the_manifest)
     with pytest.raises(KeyboardInterrupt):
         _write(d, {"y": "int8"}, [{"y": 7}], overwrite=True)
     monkeypatch.undo()
     _write(d, {"z": "int8"}, [{"z": 1}], overwrite=True)
-    # no manifest was left, so no reader can have it open: plain names again
-    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "shard-00000.arrow"]
+    names = sorted(p.name for p in d.iterdir())
+    assert len(names) == 2 and names[0] == "manifest.json" and names[1].startswith("shard-00000")
+    assert fastload.Dataset(d).get_batch([0])["z"].tolist() == [1] and fastload.verify(d) == []
 
 
 # -- the file transaction: what --overwrite may delete ------------------------------------

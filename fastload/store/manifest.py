@@ -18,7 +18,7 @@ from ..errors import FormatError, MissingFileError
 from ..files import NotRegularFile, read_regular
 from .format import MANIFEST, Field
 from .schema import validate_manifest
-from .transaction import STAGING_PREFIX
+from .transaction import STAGING_PREFIX, interrupted_swap
 
 __all__ = ["MAX_MANIFEST_BYTES", "check_manifest", "manifest_bytes", "manifest_fields", "read_manifest"]
 
@@ -43,11 +43,13 @@ def read_manifest(path: Path, *, checksum: bool = True) -> dict:
         raise FormatError(f"{path} is not a directory; a fastload dataset is a directory with {MANIFEST}")
     if not mpath.exists():
         shards = sorted(p.name for p in path.glob("*shard-*.arrow*"))
-        staged = sorted(p for p in path.glob(STAGING_PREFIX + "*") if (p / MANIFEST).exists())
-        if staged:  # an overwrite was killed while swapping the new dataset in
-            hint = (f" An overwrite was interrupted while swapping the new dataset in: move every file"
-                    f" of {staged[-1]} up into this directory to complete it (the new shards already"
-                    " moved are here), then remove that directory.")
+        staged = interrupted_swap(path) or next(
+            (p for p in sorted(path.glob(STAGING_PREFIX + "*")) if (p / MANIFEST).exists()), None)
+        if staged is not None:  # an overwrite was killed while swapping the new dataset in
+            hint = (f" An overwrite was interrupted while swapping the new dataset in (it is complete in"
+                    f" {staged.name}). Finish it with `python -m fastload.store.recover {path}`: this"
+                    " directory then holds exactly the new dataset (converting again with --overwrite"
+                    " also finishes it first).")
         elif shards:
             hint = (" It holds shard files but no manifest: the writer was interrupted, so the dataset is"
                     " incomplete; convert again with --overwrite.")

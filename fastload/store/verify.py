@@ -27,6 +27,7 @@ from ..system import usable_cores
 from .format import MANIFEST, SHARD_FILE_RE, Field, field_of_arrow, schema_mismatch
 from .integrity import VerifiedRecord
 from .manifest import manifest_fields, read_manifest
+from .transaction import ASIDE_PREFIX, is_own_file
 
 __all__ = ["check_shard", "file_checksum", "verify"]
 
@@ -118,4 +119,7 @@ def verify(path: str | os.PathLike, *, remember: bool = True) -> list[str]:
     for extra in sorted(os.listdir(path)):
         if _SHARD_FILE.fullmatch(extra) and extra not in listed:
             problems.append(f"{extra}: not listed in {MANIFEST} (left over from another write?)")
+        elif extra.startswith(ASIDE_PREFIX) and is_own_file(extra):
+            problems.append(f"{extra}: the files of the dataset this one replaced, left by an overwrite that was "
+                            f"killed; remove them with `python -m fastload.store.recover {path}`")
     return problems
