@@ -15,6 +15,10 @@
 // released, so several shards hash in parallel on several cores and a training thread is
 // never blocked by hashing. The checksum is the same as the python `xxhash` package's
 // `xxh3_128(...).hexdigest()` (csrc/third_party/xxhash.h is xxHash 0.8.3, BSD-2-Clause).
+//
+// Every mapping is registered (fault.h) so a SIGBUS on one of its pages (the file truncated
+// while mapped, an I/O error) names the file, whoever read it; hashing reads it guarded and
+// raises fastload.errors.ShardReadError instead of dying (raise_shard_read_error below).
 #include <pybind11/pybind11.h>
 
 #include <fcntl.h>
@@ -30,6 +34,8 @@
 
 #define XXH_INLINE_ALL
 #include "third_party/xxhash.h"
+
+#include "fault.h"
 
 namespace py = pybind11;
 
@@ -108,22 +114,38 @@ class MappedFile {
         raise_os(err, path, std::string("cannot be memory-mapped: ") + std::strerror(err));
       }
       data_ = static_cast<const std::uint8_t*>(p);
+      try {
+        fastload::register_mapping(data_, static_cast<std::size_t>(size_), path_);
+      } catch (...) {  // out of memory: the mapping works, a fault in it just names no file
+      }
     }
     ::close(fd);  // the mapping keeps the file (its inode) alive, not the descriptor
   }
   ~MappedFile() {
-    if (data_ != nullptr) ::munmap(const_cast<std::uint8_t*>(data_), static_cast<std::size_t>(size_));
+    if (data_ == nullptr) return;
+    fastload::unregister_mapping(data_);
+    ::munmap(const_cast<std::uint8_t*>(data_), static_cast<std::size_t>(size_));
   }
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
 
   // "xxh3_128:<32 hex digits>" of the whole file, as fastload's manifest records it.
+  // A SIGBUS while reading (truncated while mapped, an I/O error) raises ShardReadError.
   std::string hash_xxh3_128() const {
-    XXH128_hash_t h;
+    XXH128_hash_t h{};
+    const void* fault = nullptr;
+    bool ok;
     {
       py::gil_scoped_release nogil;
-      h = XXH3_128bits(data_ == nullptr ? "" : static_cast<const void*>(data_),
-                       static_cast<std::size_t>(size_));
+      ok = fastload::run_guarded([&] {
+        h = XXH3_128bits(data_ == nullptr ? "" : static_cast<const void*>(data_), static_cast<std::size_t>(size_));
+      }, fault);
+    }
+    if (!ok) {
+      std::string path;
+      std::string msg = fastload::describe_fault(fault, "hashing the shard", path);
+      if (path.empty()) msg = fastload::describe_fault(nullptr, "hashing the shard " + path_, path);
+      fastload::raise_shard_read_error(msg, path_);
     }
     return checksum_text(h);
   }
@@ -154,6 +176,20 @@ class MappedFile {
 }  // namespace
 
 namespace fastload {
+
+void raise_shard_read_error(const std::string& msg, const std::string& path) {
+  py::object cls;
+  try {
+    cls = py::module_::import("fastload.errors").attr("ShardReadError");
+  } catch (py::error_already_set&) {  // fastload.errors unusable: the built-in base
+    cls = py::module_::import("builtins").attr("OSError");
+  }
+  py::object exc = cls(msg);
+  exc.attr("errno") = EIO;
+  exc.attr("path") = path.empty() ? py::object(py::none()) : py::object(py::str(path));
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  throw py::error_already_set();
+}
 
 void register_files(py::module_& m) {
   py::class_<MappedFile>(m, "MappedFile", py::buffer_protocol(),
@@ -189,10 +225,18 @@ void register_files(py::module_& m) {
             throw py::value_error("xxh3_128: the buffer must be C-contiguous");
           expect *= info.shape[d];
         }
-        XXH128_hash_t h;
+        XXH128_hash_t h{};
+        const void* fault = nullptr;
+        bool ok;
         {
           py::gil_scoped_release nogil;
-          h = XXH3_128bits(info.ptr, static_cast<std::size_t>(info.size * info.itemsize));
+          ok = fastload::run_guarded(
+              [&] { h = XXH3_128bits(info.ptr, static_cast<std::size_t>(info.size * info.itemsize)); }, fault);
+        }
+        if (!ok) {
+          std::string path;
+          const std::string msg = fastload::describe_fault(fault, "hashing a mapped buffer", path);
+          raise_shard_read_error(msg, path);
         }
         return checksum_text(h);
       },

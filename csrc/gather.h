@@ -22,7 +22,9 @@
 namespace fastload {
 
 // What went wrong, translated to a Python exception type once, at the binding.
-enum class ErrKind : int { None = 0, Index = 1, Value = 2, Runtime = 3, External = 4 };
+// Fault: a read of a memory-mapped shard raised SIGBUS (see Note [Mapped reads and SIGBUS] in
+// fault.h); the message names the shard and its file.
+enum class ErrKind : int { None = 0, Index = 1, Value = 2, Runtime = 3, External = 4, Fault = 5 };
 
 // One shard of one field: `rows` rows, C-contiguous, of the field's row size. `ptr` is null
 // while the shard is not loaded (a ring can install and drop a shard's sources while running).
@@ -112,6 +114,28 @@ struct Layout {
   bool is_ragged(std::size_t f) const { return f < ragged_of.size() && ragged_of[f] >= 0; }
   std::int64_t num_shards() const { return static_cast<std::int64_t>(shard_rows.size()); }
 };
+
+// The shard whose source (a fixed-size field's rows, a ragged field's values or offsets)
+// holds `addr`, or -1: names the shard of a faulting read (see fault.h).
+inline std::int64_t shard_of_address(const Layout& L, const void* addr) {
+  const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(addr);
+  auto within = [a](const void* p, std::size_t bytes) {
+    const std::uintptr_t b = reinterpret_cast<std::uintptr_t>(p);
+    return p != nullptr && a >= b && a - b < bytes;
+  };
+  for (std::size_t f = 0; f < L.sources.size(); ++f)
+    for (std::size_t s = 0; s < L.sources[f].size(); ++s)
+      if (within(L.sources[f][s].ptr, static_cast<std::size_t>(L.sources[f][s].rows) * L.row_bytes[f]))
+        return static_cast<std::int64_t>(s);
+  for (const RaggedSpec& spec : L.ragged)
+    for (std::size_t s = 0; s < spec.sources.size(); ++s) {
+      const RaggedSource& rs = spec.sources[s];
+      if (within(rs.values, static_cast<std::size_t>(rs.items) * spec.item_bytes) ||
+          within(rs.offsets, static_cast<std::size_t>(rs.rows + 1) * sizeof(std::int64_t)))
+        return static_cast<std::int64_t>(s);
+    }
+  return -1;
+}
 
 namespace detail {
 

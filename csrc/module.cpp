@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "fault.h"
 #include "gather.h"
 #include "permute.h"
 #include "ring.h"
@@ -74,11 +75,14 @@ py::object take_fill_error(FillErrors* errors, std::int64_t seq) {
 
 // The one translation of the ring's error kinds into Python exceptions. A batch whose
 // external fill failed raises the fill's exception (`errors`, when given and still holding
-// it), else a RuntimeError with the message.
-[[noreturn]] void raise_err(ErrKind k, const std::string& msg, std::int64_t seq, FillErrors* errors = nullptr) {
+// it), else a RuntimeError with the message. A read of a shard that raised SIGBUS
+// (ErrKind::Fault, see fault.h) raises fastload.errors.ShardReadError with the shard's `path`.
+[[noreturn]] void raise_err(ErrKind k, const std::string& msg, std::int64_t seq, FillErrors* errors = nullptr,
+                            const std::string& path = std::string()) {
   switch (k) {
     case ErrKind::Index: throw py::index_error(msg);
     case ErrKind::Value: throw py::value_error(msg);
+    case ErrKind::Fault: fastload::raise_shard_read_error(msg, path);
     case ErrKind::External: {
       py::object exc = take_fill_error(errors, seq);
       if (!exc) throw std::runtime_error(msg);
@@ -263,13 +267,13 @@ class FillHandle {
     const std::int64_t n = index_length(shard, row, index);
     IndexArray keep;
     const std::int64_t* ix = index_data(index, keep);
-    std::string msg;
+    std::string msg, path;
     ErrKind e;
     {
       py::gil_scoped_release nogil;
-      e = ring_->gather_external(req_, shard.data(), row.data(), ix, n, msg);
+      e = ring_->gather_external(req_, shard.data(), row.data(), ix, n, msg, path);
     }
-    if (e != ErrKind::None) raise_err(e, msg, req_->seq);
+    if (e != ErrKind::None) raise_err(e, msg, req_->seq, nullptr, path);
   }
   void commit(std::int64_t rows) { ring_->publish_external(req_, rows, ErrKind::None, ""); }
   // An exception object is kept (GIL held) and raised as is by get() for this batch; any
@@ -500,7 +504,7 @@ class BoundRing {
     if (st == Ring::Status::Empty)
       throw std::runtime_error("get(): no batch is pending; submit() or acquire() one first");
     if (d.err != ErrKind::None) {
-      if (!drop_failed) raise_err(d.err, d.msg, d.seq, fill_errors_.get());
+      if (!drop_failed) raise_err(d.err, d.msg, d.seq, fill_errors_.get(), d.path);
       take_fill_error(fill_errors_.get(), d.seq);  // dropped
       return py::bool_(false);
     }
@@ -668,6 +672,74 @@ class BoundRing {
   std::shared_ptr<Ring> ring_;
 };
 
+// A SIGBUS interrupted a guarded read of `shard` (-1: unknown) of the kernels called alone.
+[[noreturn]] void raise_fault(const void* addr, std::int64_t shard) {
+  std::string path;
+  const std::string msg =
+      fastload::describe_fault(addr, shard >= 0 ? "shard " + std::to_string(shard) + " of the sources" : "a source", path);
+  fastload::raise_shard_read_error(msg, path);
+}
+
+// The binary/string kernel: the bytes of rows `row` of one shard's binary column (Arrow int32
+// `offsets`, rows + 1 of them, into `values`), read guarded (a SIGBUS raises ShardReadError
+// naming the file) -> (one uint8 array of the rows' bytes back to back, int64 bounds: row i
+// is bytes bounds[i]..bounds[i+1]-1). ValueError if offsets run outside `values`.
+py::tuple gather_binary_py(py::buffer offsets, py::buffer values, const IndexArray& row) {
+  py::buffer_info oi = offsets.request(), vi = values.request();
+  if (oi.ndim != 1 || oi.itemsize != 4 || (oi.shape[0] > 1 && oi.strides[0] != 4) || oi.shape[0] < 1)
+    throw py::value_error("gather_binary: offsets must be a contiguous 1-D int32 array");
+  if (vi.ndim != 1 || vi.itemsize != 1 || (vi.shape[0] > 1 && vi.strides[0] != 1))
+    throw py::value_error("gather_binary: values must be a contiguous 1-D uint8 array");
+  if (row.ndim() != 1) throw py::value_error("gather_binary: row must be a 1-D int64 array");
+  const std::int32_t* off = static_cast<const std::int32_t*>(oi.ptr);
+  const std::uint8_t* val = static_cast<const std::uint8_t*>(vi.ptr);
+  const std::int64_t rows = static_cast<std::int64_t>(oi.shape[0]) - 1, items = static_cast<std::int64_t>(vi.shape[0]);
+  const std::int64_t n = row.shape(0);
+  const std::int64_t* r = row.data();
+  py::array_t<std::int64_t> bounds(n + 1);
+  std::int64_t* b = bounds.mutable_data();
+  std::string msg;
+  const void* fault = nullptr;
+  bool ok;
+  {
+    py::gil_scoped_release nogil;
+    ok = fastload::run_guarded([&] {  // pass 1: the rows' extents (offsets read from the mapping)
+      b[0] = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        if (r[i] < 0 || r[i] >= rows) {
+          b[0] = -1 - i;  // reported below, outside the guard
+          return;
+        }
+        const std::int64_t a = off[r[i]], z = off[r[i] + 1];
+        if (a < 0 || z < a || z > items) {
+          b[0] = -1 - i;
+          return;
+        }
+        b[i + 1] = b[i] + (z - a);
+      }
+    }, fault);
+  }
+  if (!ok) raise_fault(fault, -1);
+  if (b[0] < 0) {
+    const std::int64_t i = -1 - b[0];
+    if (r[i] < 0 || r[i] >= rows)
+      throw py::index_error("gather_binary: row " + std::to_string(r[i]) + " is out of range (" + std::to_string(rows) + " rows)");
+    throw py::value_error("gather_binary: the offsets of row " + std::to_string(r[i]) +
+                          " run outside the column's bytes (a damaged shard? run `fastload verify`)");
+  }
+  py::array_t<std::uint8_t> blob(b[n]);
+  std::uint8_t* out = blob.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    ok = fastload::run_guarded([&] {  // pass 2: the bytes
+      for (std::int64_t i = 0; i < n; ++i)
+        if (b[i + 1] > b[i]) std::memcpy(out + b[i], val + off[r[i]], static_cast<std::size_t>(b[i + 1] - b[i]));
+    }, fault);
+  }
+  if (!ok) raise_fault(fault, -1);
+  return py::make_tuple(blob, bounds);
+}
+
 // The gather kernel alone: rows (shard[i], row[i]) of `sources[f]` (one array per shard, or
 // None) into `out[f]` (a writable (n, *shape) array), index[i] into out[index_field].
 void gather_rows_py(const py::list& out, const py::list& sources, const IndexArray& shard,
@@ -703,11 +775,15 @@ void gather_rows_py(const py::list& out, const py::list& sources, const IndexArr
   IndexArray keep_ix;
   const std::int64_t* ix = index_data(index, keep_ix);
   std::string msg;
-  ErrKind e;
+  ErrKind e = ErrKind::None;
+  const void* fault = nullptr;
+  bool ok;
   {
-    py::gil_scoped_release nogil;
-    e = fastload::gather_rows(L, shard.data(), row.data(), ix, 0, n, dst.data(), msg);
+    py::gil_scoped_release nogil;  // the reads run guarded: a SIGBUS raises ShardReadError
+    ok = fastload::run_guarded([&] { e = fastload::gather_rows(L, shard.data(), row.data(), ix, 0, n, dst.data(), msg); },
+                               fault);
   }
+  if (!ok) raise_fault(fault, fault != nullptr ? fastload::shard_of_address(L, fault) : -1);
   if (e != ErrKind::None) raise_err(e, msg, -1);
 }
 
@@ -728,18 +804,32 @@ py::tuple gather_ragged_py(const py::list& sources, const IndexArray& shard, con
   const std::int64_t* ct = optional_index(count, n, kc, "count");
   RaggedPlan plan;
   std::string msg;
-  ErrKind e;
+  ErrKind e = ErrKind::None;
+  const void* fault = nullptr;
+  bool ok;
+  Layout L;  // for naming a faulting shard
   {
-    py::gil_scoped_release nogil;
-    e = fastload::plan_ragged(rs, shard.data(), row.data(), st, ct, n, plan, msg);
+    py::gil_scoped_release nogil;  // the reads run guarded: a SIGBUS raises ShardReadError
+    ok = fastload::run_guarded([&] { e = fastload::plan_ragged(rs, shard.data(), row.data(), st, ct, n, plan, msg); },
+                               fault);
+  }
+  if (!ok) {
+    L.ragged.push_back(std::move(rs));
+    raise_fault(fault, fault != nullptr ? fastload::shard_of_address(L, fault) : -1);
   }
   if (e != ErrKind::None) raise_err(e, msg, -1);
   py::array values(dtype, ragged_shape(fd, rs, plan, n));
   py::array offsets(py::dtype("int64"), std::vector<py::ssize_t>{static_cast<py::ssize_t>(n + 1)});
   {
     py::gil_scoped_release nogil;
-    fastload::gather_ragged(rs, plan, shard.data(), n, 0, n, static_cast<std::uint8_t*>(values.mutable_data()),
-                            static_cast<std::int64_t*>(offsets.mutable_data()));
+    ok = fastload::run_guarded([&] {
+      fastload::gather_ragged(rs, plan, shard.data(), n, 0, n, static_cast<std::uint8_t*>(values.mutable_data()),
+                              static_cast<std::int64_t*>(offsets.mutable_data()));
+    }, fault);
+  }
+  if (!ok) {
+    L.ragged.push_back(std::move(rs));
+    raise_fault(fault, fault != nullptr ? fastload::shard_of_address(L, fault) : -1);
   }
   return py::make_tuple(values, offsets);
 }
@@ -774,6 +864,9 @@ PYBIND11_MODULE(_C, m) {
         "The gather kernel alone: rows (shard[i], row[i]) of each field's per-shard sources "
         "into out[f][i] (GIL released); IndexError names a bad sample.");
 
+  m.def("gather_binary", &gather_binary_py, py::arg("offsets"), py::arg("values"), py::arg("row"),
+        "The bytes of rows `row` of a binary column (int32 offsets into uint8 values), read with "
+        "SIGBUS guarded (ShardReadError naming the file) -> (uint8 blob, int64 bounds[n+1]).");
   m.def("gather_ragged", &gather_ragged_py, py::arg("sources"), py::arg("shard"), py::arg("row"),
         py::arg("start") = py::none(), py::arg("count") = py::none(), py::arg("padded") = false,
         py::arg("pad") = std::string(), py::arg("max_items") = -1, py::arg("multiple") = 1,

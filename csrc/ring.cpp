@@ -1,6 +1,8 @@
 // Implementation of the ring. See Note [Ring design] in ring.h.
 #include "ring.h"
 
+#include "fault.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -396,12 +398,12 @@ void Ring::run_front_job(std::unique_lock<std::mutex>& lk) {
   jobs_.pop_front();
   ++running_;
   lk.unlock();
-  std::string msg;
+  std::string msg, path;
   ErrKind e;
   try {
     const Request& r = *j.req;
     e = gather(r, r.shard.data(), r.row.data(), r.index.empty() ? nullptr : r.index.data(),
-               j.begin, j.end, j.base, msg);
+               j.begin, j.end, j.base, msg, path);
   } catch (const std::exception& ex) {
     e = ErrKind::Runtime;
     msg = ex.what();
@@ -411,13 +413,14 @@ void Ring::run_front_job(std::unique_lock<std::mutex>& lk) {
   }
   lk.lock();
   if (--running_ == 0 && paused_) cv_idle_.notify_all();
-  finish_part_locked(*j.req, e, std::move(msg));
+  finish_part_locked(*j.req, e, std::move(msg), std::move(path));
 }
 
-void Ring::finish_part_locked(Request& r, ErrKind err, std::string&& msg) {
+void Ring::finish_part_locked(Request& r, ErrKind err, std::string&& msg, std::string&& path) {
   if (err != ErrKind::None && r.err == ErrKind::None) {
     r.err = err;
     r.msg = std::move(msg);
+    r.path = std::move(path);
   }
   if (--r.parts_left > 0) return;
   publish_ready_locked(r);
@@ -440,7 +443,14 @@ ErrKind Ring::plan_locked_free(Request& r, const std::int64_t* start, const std:
   for (std::size_t g = 0; g < layout_.ragged.size(); ++g) {
     const RaggedSpec& spec = layout_.ragged[g];
     RaggedPlan& plan = r.ragged[g];
-    const ErrKind e = plan_ragged(spec, r.shard.data(), r.row.data(), start, count, n, plan, msg);
+    // The offsets are read from the mapped shards: guarded (a SIGBUS fails this batch).
+    ErrKind e = ErrKind::None;
+    const void* fault = nullptr;
+    if (!run_guarded([&] { e = plan_ragged(spec, r.shard.data(), r.row.data(), start, count, n, plan, msg); },
+                     fault)) {
+      msg = fault_message(fault, r.shard.data(), 0, n, r.path);
+      return ErrKind::Fault;
+    }
     if (e != ErrKind::None) return e;
     if (plan.bytes > static_cast<std::size_t>(spec.capacity) * spec.item_bytes) {
       // A batch larger than the slot region (rare: sized for the longest samples) gets
@@ -460,7 +470,7 @@ ErrKind Ring::plan_locked_free(Request& r, const std::int64_t* start, const std:
 
 ErrKind Ring::gather(const Request& r, const std::int64_t* shard, const std::int64_t* row,
                      const std::int64_t* index, std::int64_t begin, std::int64_t end,
-                     std::uint8_t* base, std::string& msg) const {
+                     std::uint8_t* base, std::string& msg, std::string& path) const {
   const auto t0 = std::chrono::steady_clock::now();
   // Each field's destination in this slot (on the stack for the usual few fields).
   constexpr std::size_t kInline = 32;
@@ -472,7 +482,26 @@ ErrKind Ring::gather(const Request& r, const std::int64_t* shard, const std::int
   ErrKind e = ErrKind::None;
   for (std::size_t g = 0; g < layout_.ragged.size() && e == ErrKind::None; ++g)  // not swapped since planned
     e = check_planned(layout_.ragged[g], r.ragged[g], shard, begin, end, msg);
-  if (e == ErrKind::None) e = gather_rows(layout_, shard, row, index, begin, end, dst, msg);
+  // The copies read the mapped shards: one recovery point for the whole part (see Note
+  // [Mapped reads and SIGBUS] in fault.h); the kernels hold no object a jump would skip.
+  const void* fault = nullptr;
+  if (e == ErrKind::None && !run_guarded([&] { e = gather_guarded(r, shard, row, index, begin, end, base, dst, msg); },
+                                         fault)) {
+    e = ErrKind::Fault;
+    msg = fault_message(fault, shard, begin, end, path);
+  }
+  gather_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - t0).count(),
+                       std::memory_order_relaxed);
+  if (e != ErrKind::None) msg = "batch " + std::to_string(r.seq) + ", " + msg;
+  return e;
+}
+
+ErrKind Ring::gather_guarded(const Request& r, const std::int64_t* shard, const std::int64_t* row,
+                             const std::int64_t* index, std::int64_t begin, std::int64_t end,
+                             std::uint8_t* base, std::uint8_t* const* dst, std::string& msg) const {
+  const std::size_t nf = layout_.offsets.size();
+  ErrKind e = gather_rows(layout_, shard, row, index, begin, end, dst, msg);
   if (e == ErrKind::None) {
     for (std::size_t f = 0; f < nf; ++f) {
       if (!layout_.is_ragged(f)) continue;
@@ -488,11 +517,24 @@ ErrKind Ring::gather(const Request& r, const std::int64_t* shard, const std::int
                     reinterpret_cast<std::int64_t*>(dst[f]), positions);
     }
   }
-  gather_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           std::chrono::steady_clock::now() - t0).count(),
-                       std::memory_order_relaxed);
-  if (e != ErrKind::None) msg = "batch " + std::to_string(r.seq) + ", " + msg;
   return e;
+}
+
+std::string Ring::fault_message(const void* addr, const std::int64_t* shard, std::int64_t begin,
+                                std::int64_t end, std::string& path) const {
+  const std::int64_t found = addr != nullptr ? shard_of_address(layout_, addr) : -1;
+  std::string what;
+  if (found >= 0) {
+    what = "shard " + std::to_string(found);
+  } else {  // no address (re-raised by another handler) or not in a source: the shards read
+    std::vector<std::int64_t> read(shard + begin, shard + end);
+    std::sort(read.begin(), read.end());
+    read.erase(std::unique(read.begin(), read.end()), read.end());
+    what = read.size() == 1 ? "shard " : "one of shards ";
+    for (std::size_t k = 0; k < read.size() && k < 16; ++k) what += (k ? ", " : "") + std::to_string(read[k]);
+    if (read.size() > 16) what += ", ...";
+  }
+  return describe_fault(addr, what, path);
 }
 
 Ring::Status Ring::wait_head_locked(std::unique_lock<std::mutex>& lk, int timeout_ms) {
@@ -531,6 +573,7 @@ bool Ring::hand_out_locked(Delivery& d) {
   d.rows = r->rows;
   d.err = r->err;
   d.msg = std::move(r->msg);
+  d.path = std::move(r->path);
   if (r->err == ErrKind::None) d.ragged = std::move(r->ragged);
   if (r->slot < 0) return false;  // failed before it had a slot
   Slot& s = *slots_[r->slot];
@@ -639,7 +682,7 @@ Ring::Status Ring::wait_slot(const std::shared_ptr<Request>& r, int timeout_ms) 
 
 ErrKind Ring::gather_external(const std::shared_ptr<Request>& r, const std::int64_t* shard,
                               const std::int64_t* row, const std::int64_t* index,
-                              std::int64_t n, std::string& msg) {
+                              std::int64_t n, std::string& msg, std::string& path) {
   if (n < 1 || n > batch_size_) {
     msg = "a batch must have between 1 and batch_size=" + std::to_string(batch_size_) +
           " rows, got " + std::to_string(n);
@@ -675,8 +718,9 @@ ErrKind Ring::gather_external(const std::shared_ptr<Request>& r, const std::int6
       r->row.assign(row, row + n);
       e = plan_locked_free(*r, nullptr, nullptr, msg);
       if (e != ErrKind::None) msg = "batch " + std::to_string(r->seq) + ", " + msg;
+      if (e == ErrKind::Fault) path = r->path;
     }
-    if (e == ErrKind::None) e = gather(*r, shard, row, index, 0, n, base, msg);
+    if (e == ErrKind::None) e = gather(*r, shard, row, index, 0, n, base, msg, path);
   } catch (const std::exception& ex) {
     e = ErrKind::Runtime;
     msg = ex.what();

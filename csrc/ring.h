@@ -58,7 +58,10 @@
 // take() delivers it to the consumer for that very batch. An external fill that failed is
 // published as ErrKind::External: the binding (module.cpp) raises the fill's own exception,
 // which it keeps by batch, for that batch.
-// Later batches are unaffected.
+// Later batches are unaffected. A read of a shard that raises SIGBUS (its file truncated
+// while mapped, an I/O error under a mapped page) fails the batch that read it with
+// ErrKind::Fault naming the shard and its file (see Note [Mapped reads and SIGBUS] in
+// fault.h); batches that do not read that shard are unaffected.
 //
 // Note [Shard sources]
 // ~~~~~~~~~~~~~~~~~~~~
@@ -118,6 +121,7 @@ struct Request {
   bool committed = false;                       // external: commit() or fail() happened
   ErrKind err = ErrKind::None;
   std::string msg;
+  std::string path;  // Fault: the file of the shard whose read failed (empty if unknown)
 };
 
 struct Delivery {
@@ -128,6 +132,7 @@ struct Delivery {
   bool copy = false;  // deliver as a copy, then release(slot)
   ErrKind err = ErrKind::None;
   std::string msg;
+  std::string path;  // Fault: the file of the shard whose read failed (empty if unknown)
   std::vector<RaggedPlan> ragged;  // extents of each ragged field (and memory of its own, if any)
 };
 
@@ -169,9 +174,10 @@ class Ring : public std::enable_shared_from_this<Ring> {
   Status wait_slot(const std::shared_ptr<Request>& r, int timeout_ms);
   // Synchronously gather the sourced fields (and the index field) into the request's slot in
   // the calling thread. Returns ErrKind::None or an error kind with `msg` set.
+  // ErrKind::Fault (a SIGBUS reading a shard) sets `path` to the shard's file, if known.
   ErrKind gather_external(const std::shared_ptr<Request>& r, const std::int64_t* shard,
                           const std::int64_t* row, const std::int64_t* index, std::int64_t n,
-                          std::string& msg);
+                          std::string& msg, std::string& path);
   // commit (err == None, rows > 0) or fail (err != None): publishes the request. Throws
   // std::logic_error if already published or the ring is closed.
   void publish_external(const std::shared_ptr<Request>& r, std::int64_t rows, ErrKind err,
@@ -226,7 +232,7 @@ class Ring : public std::enable_shared_from_this<Ring> {
   void worker();
   void run_front_job(std::unique_lock<std::mutex>& lk);
   void assign_locked();
-  void finish_part_locked(Request& r, ErrKind err, std::string&& msg);
+  void finish_part_locked(Request& r, ErrKind err, std::string&& msg, std::string&& path);
   void release_locked(int slot);
   void publish_ready_locked(Request& r);
   // take(), in three steps: wait for the head request (helping with queued parts), hand it
@@ -242,12 +248,22 @@ class Ring : public std::enable_shared_from_this<Ring> {
   // Plan a request's ragged fields (and give a batch too large for its slot region memory of
   // its own). No lock held. Returns ErrKind::None or the error with `msg` set.
   ErrKind plan_locked_free(Request& r, const std::int64_t* start, const std::int64_t* count,
-                           std::string& msg) const;
+                           std::string& msg) const;  // Fault: r.path is set
   // The gather kernel on rows begin..end-1 of a request, timed into gather_ns_; the message
   // of an error is prefixed with the batch's sequence number.
+  // The reads of the sources run guarded (Note [Mapped reads and SIGBUS] in fault.h): a
+  // SIGBUS fails the part with ErrKind::Fault, `msg` naming the shard and `path` its file.
   ErrKind gather(const Request& r, const std::int64_t* shard, const std::int64_t* row,
                  const std::int64_t* index, std::int64_t begin, std::int64_t end,
-                 std::uint8_t* base, std::string& msg) const;
+                 std::uint8_t* base, std::string& msg, std::string& path) const;
+  // gather()'s reads of the sources (gather_rows, gather_ragged): run inside its guard.
+  ErrKind gather_guarded(const Request& r, const std::int64_t* shard, const std::int64_t* row,
+                         const std::int64_t* index, std::int64_t begin, std::int64_t end,
+                         std::uint8_t* base, std::uint8_t* const* dst, std::string& msg) const;
+  // A SIGBUS at `addr` while reading rows begin..end-1 of a request: the message naming the
+  // shard (found from the address among the sources; else the shards those rows read).
+  std::string fault_message(const void* addr, const std::int64_t* shard, std::int64_t begin,
+                            std::int64_t end, std::string& path) const;
 
   // Immutable after construction.
   Layout layout_;

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 __all__ = ["BadSamples", "CacheTooSmall", "ChecksumMismatch", "ConvertError", "DecodeError", "DownloadError",
            "DownloadTimeout", "FastloadError", "FormatError", "MissingFileError", "NoSpaceError", "PassEnded",
-           "RemoteError", "SampleError", "TransformError", "UsageError"]
+           "RemoteError", "SampleError", "ShardReadError", "TransformError", "UsageError"]
 
 
 class FastloadError(Exception):
@@ -25,6 +25,14 @@ class FastloadError(Exception):
 
 class FormatError(FastloadError, ValueError):
     """A dataset directory, manifest or shard does not follow the fastload format."""
+
+
+class ShardReadError(FormatError, OSError):
+    """Reading a memory-mapped shard raised SIGBUS: its file was truncated while in use, or its
+    storage failed (a bad sector, a network file system that went away). Raised by the read
+    that needed it (the batch, the hash) instead of the process dying; the message names the
+    shard, its file (``path``) and what to do. Both a :class:`FormatError` and an ``OSError``
+    (``errno`` EIO)."""
 
 
 class SampleError(FastloadError, ValueError):
