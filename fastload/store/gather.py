@@ -3,9 +3,13 @@
 
 :class:`Gathering` is the reading half of :class:`~fastload.store.reader.DatasetReader`:
 global indices are located (``locate``, which verifies the shards first), grouped by shard,
-and each field is gathered from the shard's zero-copy columns with vectorised numpy
-(fixed-size fields) or per row (ragged fields as arrays ``(k, *item_shape)``, binary fields
-as ``bytes``, strings as ``str``; copies, so they outlive the memory map).
+and each field is gathered from the shard's zero-copy columns by the C++ kernels (fixed-size
+fields as stacked arrays, ragged fields as arrays ``(k, *item_shape)``, binary fields as
+``bytes``, strings as ``str``; copies, so they outlive the memory map). The kernels read the
+mapping with SIGBUS guarded: a shard truncated while in use, or an I/O error under a mapped
+page, raises :class:`~fastload.errors.ShardReadError` naming its file instead of killing the
+process. (``views()`` hands out the mapping itself: whoever reads those views, DALI included,
+reads unguarded.)
 """
 from __future__ import annotations
 
@@ -17,6 +21,23 @@ from ..validate import is_int
 from .format import KEY_COLUMN, image_size_columns
 
 __all__ = ["Gathering"]
+
+
+def _take(col: np.ndarray, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``col[rows]`` for a C-contiguous mapped column, copied by the C++ gather kernel, whose
+    reads survive SIGBUS (ShardReadError naming the shard's file; an out-of-range row raises
+    IndexError)."""
+    from .. import _C
+
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    if out is None:
+        out = np.empty((len(rows), *col.shape[1:]), dtype=col.dtype)
+    if len(rows):
+        if not col.flags.c_contiguous:  # not a shard's column view: nothing to guard
+            np.take(col, rows, axis=0, out=out)
+        else:
+            _C.gather_rows([out], [[col]], np.zeros(len(rows), dtype=np.int64), rows)
+    return out
 
 
 class Gathering:
@@ -37,31 +58,41 @@ class Gathering:
         for s, sel in self._groups(shard):
             col = self.column(s, name)
             if isinstance(sel, slice):
-                np.take(col, row, axis=0, out=out)
+                _take(col, row, out)
             else:
-                out[sel] = col[row[sel]]
+                out[sel] = _take(col, row[sel])
         return out
 
     def _gather_ragged(self, name: str, shard: np.ndarray, row: np.ndarray) -> list[np.ndarray]:
         """One array ``(k, *item_shape)`` per row: copies, so they outlive the memory map."""
+        from .. import _C
+
+        f = self.fields[name]
         out: list = [None] * len(row)
         for s, sel in self._groups(shard):
             offsets, values = self.ragged_column(s, name)
             pos = np.arange(len(row))[sel]
-            r = row[sel]
-            for p, a, b in zip(pos.tolist(), offsets[r].tolist(), offsets[r + 1].tolist()):
-                out[p] = values[a:b].copy()
+            r = np.ascontiguousarray(row[sel], dtype=np.int64)
+            vals, offs = _C.gather_ragged([(values, offsets)], np.zeros(len(r), dtype=np.int64), r,
+                                          dtype=f.np_dtype, item_shape=list(f.shape))  # guarded reads
+            b = offs.tolist()
+            for k, p in enumerate(pos.tolist()):
+                out[p] = vals[b[k]:b[k + 1]]  # disjoint slices of one new array: no map reference
         return out
 
     def _gather_binary(self, name: str, shard: np.ndarray, row: np.ndarray) -> list:
         out: list = [None] * len(row)
         as_str = self.fields[name].kind == "string" if name in self.fields else True
+        from .. import _C
+
         for s, sel in self._groups(shard):
             offsets, values = self._raw_column(s, name)
             pos = np.arange(len(row))[sel]
-            for p, r in zip(pos.tolist(), row[sel].tolist()):
-                b = values[offsets[r]:offsets[r + 1]].tobytes()
-                out[p] = b.decode("utf-8") if as_str else b
+            blob, bounds = _C.gather_binary(offsets, values, np.ascontiguousarray(row[sel], dtype=np.int64))
+            data, b = blob.tobytes(), bounds.tolist()  # read from the mapping with SIGBUS guarded
+            for k, p in enumerate(pos.tolist()):
+                v = data[b[k]:b[k + 1]]
+                out[p] = v.decode("utf-8") if as_str else v
         return out
 
     def views(self, field: str, indices: np.ndarray | Sequence[int]) -> list[np.ndarray]:
@@ -90,8 +121,8 @@ class Gathering:
         w = np.empty(len(row), dtype=np.int32)
         h = np.empty(len(row), dtype=np.int32)
         for s, sel in self._groups(shard):
-            w[sel] = self._int_column(s, wcol)[row[sel]]
-            h[sel] = self._int_column(s, hcol)[row[sel]]
+            w[sel] = _take(self._int_column(s, wcol), row[sel])
+            h[sel] = _take(self._int_column(s, hcol), row[sel])
         return w, h
 
     def keys(self, indices: np.ndarray | Sequence[int]) -> list[str]:
