@@ -13,7 +13,7 @@ import numpy as np
 
 from .validate import is_int as _is_int
 
-__all__ = ["RaggedField", "as_index", "batch_dict", "check_source", "pad_as", "parse_fields", "parse_ragged", "parse_sources", "ragged_descs",
+__all__ = ["RaggedField", "as_index", "batch_dict", "check_source", "pad_as", "pad_check", "parse_fields", "parse_ragged", "parse_sources", "ragged_descs",
            "row_args", "shard_sources", "window_args"]
 
 
@@ -90,39 +90,111 @@ def parse_fields(fields: Mapping[str, Any]) -> tuple[list[str], list[np.dtype], 
 
 
 def pad_as(value: Any, dt: np.dtype) -> np.generic | None:
-    """``value`` as a scalar of dtype ``dt``, or None when it is not a value of ``dt``.
-    Integer and bool fields take exactly representable numbers only; float and complex fields
-    take any real number, rounded to their precision (NaN and infinities included, not a finite
-    value that overflows to infinity), complex fields also complex numbers."""
-    import warnings
+    """``value`` as a scalar of dtype ``dt``, or None when it is not a value of ``dt`` (why:
+    :func:`pad_check`)."""
+    return pad_check(value, dt)[0]
 
+
+def pad_check(value: Any, dt: np.dtype) -> tuple[np.generic | None, str]:
+    """``(value as a scalar of dtype dt, "")``, or ``(None, why)`` when ``dt`` cannot hold
+    it: a pad is never silently changed into another number.
+
+    Integer and bool dtypes take exactly representable integers only (``1.0`` is 1; ``1.5``,
+    NaN, out-of-range values and complex numbers are refused). Float dtypes (and each part of
+    a complex one) take an integer only when they hold it exactly (``16777217`` is not a
+    float32), NaN and infinities, and a float that they hold exactly or whose nearest value
+    is the same decimal number (``0.1`` is float32's ``0.1``; ``1/3`` or ``16777217.0`` for
+    float32, ``1.0001`` for float16 are refused, naming the nearest value); a finite value
+    too large for the dtype is refused. Complex numbers need a complex dtype (or an
+    imaginary part of 0)."""
+    dt = np.dtype(dt)
+    parts = _pad_parts(value)
+    if parts is None:
+        return None, f"a pad value is a single real or complex number, not {type(value).__name__}"
+    re_, im = parts
+    if dt.kind in "biu":
+        if im is not None:
+            return None, "a complex number for an integer field"
+        if not isinstance(re_, int):
+            if not (np.isfinite(re_) and float(re_).is_integer()):
+                return None, f"{dt} holds integers only"
+            re_ = int(re_)
+        lo, hi = (0, 1) if dt.kind == "b" else (int(np.iinfo(dt).min), int(np.iinfo(dt).max))
+        if not lo <= re_ <= hi:
+            return None, f"{dt} holds {lo}..{hi}"
+        return dt.type(re_), ""
+    if dt.kind == "f":
+        if im is not None and im != 0:
+            return None, "a complex number with an imaginary part for a real field"
+        return _float_pad(re_, dt)
+    if dt.kind == "c":
+        part = np.dtype(f"f{dt.itemsize // 2}")
+        r, why = _float_pad(re_, part)
+        if r is None:
+            return None, f"real part: {why}"
+        i, why = _float_pad(0 if im is None else im, part)
+        if i is None:
+            return None, f"imaginary part: {why}"
+        return dt.type(complex(float(r), float(i))), ""
+    return None, f"pads of dtype {dt} are not supported"
+
+
+def _pad_parts(value: Any) -> tuple[Any, Any] | None:
+    """(real, imaginary or None) of a pad: Python ints exact (any size), floats as numpy
+    scalars of their own dtype (a float32 0.1 is the decimal 0.1, not float64's nearest)."""
+    if isinstance(value, (bool, np.bool_)):
+        return int(bool(value)), None
+    if isinstance(value, (int, np.integer)):
+        return int(value), None
+    if isinstance(value, np.floating):
+        return value, None
+    if isinstance(value, float):
+        return np.float64(value), None
+    if isinstance(value, np.complexfloating):
+        return value.real, value.imag
+    if isinstance(value, complex):
+        return np.float64(value.real), np.float64(value.imag)
+    if isinstance(value, (str, bytes)):
+        return None
     try:
-        a = np.asarray(value)
+        a = np.asarray(value)  # a 0-d array, a torch scalar tensor
     except (TypeError, ValueError):
         return None
     if a.ndim != 0 or a.dtype.kind not in "biufc":
         return None
-    kind = np.dtype(dt).kind
-    v = a.item()
-    if kind in "biu" and a.dtype.kind == "c":
-        return None
-    if kind == "f" and a.dtype.kind == "c":
-        if v.imag != 0:
-            return None
-        a, v = np.asarray(v.real), v.real
+    return _pad_parts(a[()])
+
+
+def _shortest(x: np.floating) -> float:
+    """The shortest decimal that names ``x`` in its own dtype, as a Python float."""
+    return float(np.format_float_scientific(x, unique=True))
+
+
+def _float_pad(x: Any, dt: np.dtype) -> tuple[np.generic | None, str]:
+    """``x`` (a Python int or a numpy float scalar) as float dtype ``dt`` (see pad_check)."""
+    import warnings
+
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            cast = a.astype(dt)[()]
-        except (TypeError, ValueError, OverflowError):
-            return None
-    if kind in "biu":
-        if a.dtype.kind == "f" and not (np.isfinite(v) and float(v).is_integer()):
-            return None
-        return cast if int(cast) == int(v) else None
-    if np.isinf(cast).any() and not np.isinf(a).any():
-        return None  # a finite value too large for the dtype
-    return cast
+        if isinstance(x, int):
+            try:
+                cast = dt.type(float(x))
+            except OverflowError:
+                return None, f"{x} is too large for {dt}"
+            if not np.isfinite(cast):
+                return None, f"{x} is too large for {dt}"
+            if int(cast) != x:
+                return None, f"{dt} cannot hold {x} exactly (the nearest {dt} is {int(cast)})"
+            return cast, ""
+        cast = np.asarray(x).astype(dt)[()]
+        if not np.isfinite(x):
+            return cast, ""  # NaN and infinities are values of every float dtype
+        if np.isinf(cast):
+            return None, f"{x} is too large for {dt}"
+        if np.asarray(cast).astype(x.dtype)[()] == x or _shortest(cast) == _shortest(x):
+            return cast, ""  # exact, or the same decimal number at the dtype's precision
+    return None, (f"{dt} cannot hold {np.format_float_positional(x, unique=True, trim='-')} exactly (the "
+                  f"nearest {dt} is {np.format_float_positional(cast, unique=True, trim='-')})")
 
 
 def parse_ragged(fields: Mapping[str, Any], names: list[str], dtypes: list[np.dtype],
@@ -145,8 +217,9 @@ def parse_ragged(fields: Mapping[str, Any], names: list[str], dtypes: list[np.dt
                             ("capacity", spec.capacity, 0)):
             if v is not None and (not _is_int(v) or v < lo):
                 raise ValueError(f"field {name!r}: {what}={v!r} must be an int >= {lo}")
-        if pad_as(spec.pad_value, dt) is None:
-            raise ValueError(f"field {name!r}: pad_value={spec.pad_value!r} is not a value of dtype {dt}")
+        why = pad_check(spec.pad_value, dt)[1]
+        if why:
+            raise ValueError(f"field {name!r}: pad_value={spec.pad_value!r} is not a value of dtype {dt} ({why})")
         out.append(spec)
     return out
 

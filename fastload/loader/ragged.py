@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..ringspec import RaggedField, pad_as
+from ..ringspec import RaggedField, pad_check
 from ..validate import check_choice, check_int
 
 __all__ = ["MODES", "RAGGED_SLOT_BUDGET", "RaggedDelivery", "resolve_ragged", "ring_field", "shape_batch"]
@@ -114,9 +114,10 @@ def resolve_ragged(ds, names: tuple[str, ...], *, ragged: Any, pad_value: Any, m
             raise ValueError(f"field {n!r} is delivered packed (no padding): pad_value and pad_to_multiple "
                              "apply to ragged='padded'")
         pad = pads.get(n, 0)
-        cast = pad_as(pad, f.np_dtype)
+        cast, why = pad_check(pad, f.np_dtype)
         if cast is None:
-            raise ValueError(f"pad_value[{n!r}]={pad!r} is not a value of the field's dtype {f.dtype}")
+            raise ValueError(f"pad_value[{n!r}]={pad!r} is not a value of the field's dtype {f.dtype} ({why}); "
+                             "pass a value the dtype holds exactly")
         out[n] = RaggedDelivery(mode, pad_value=cast, max_length=ml,
                                 multiple=check_int(f"pad_to_multiple[{n!r}]", mult.get(n, 1), min=1))
     return out
