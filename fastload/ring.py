@@ -289,8 +289,10 @@ class Ring:
         """The next batch as zero-copy numpy views of its host slot, shape ``(rows, *shape)``.
 
         Waits with the GIL released; Ctrl-C raises KeyboardInterrupt. A producer error for
-        this batch raises here (IndexError for bad shard/row ids; a failed external fill
-        raises its own exception; RuntimeError otherwise).
+        this batch raises here (IndexError for bad shard/row ids; ShardReadError, naming the
+        shard's file, when reading a memory-mapped source raised SIGBUS — the file was
+        truncated while in use or its storage failed; a failed external fill raises its own
+        exception; RuntimeError otherwise).
         """
         return batch_dict(self._names, self._next()[0])
 
