@@ -128,6 +128,39 @@ for f in ("x", "name", "tok"):
         print("NO ERROR", f)
     except ShardReadError as e:
         report(e)
+try:  # the copy the image decoders are fed (views of the mapping would fault in DALI's threads)
+    ds.views("name", [last], copy=True)
+    print("NO ERROR views")
+except ShardReadError as e:
+    report(e)
+""",
+    # encoded images: copied out of the mapping (guarded) before DALI's threads read them
+    "images": """
+import io
+from PIL import Image
+img = path + "_img"
+rng = np.random.default_rng(0)
+with fastload.ShardWriter(img, {"image": "image", "label": "int64"}, shard_size=8 * 40_000) as w:
+    for i in range(64):
+        b = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (100, 100, 3), dtype=np.uint8)).save(b, "PNG")
+        w.write({"image": b.getvalue(), "label": i})
+ds = fastload.Dataset(img, verify="off")
+assert ds.num_shards >= 4, ds.shard_sizes
+loader = fastload.Loader(ds, batch_size=4, shuffle=False, device="cpu", prefetch=2,
+                         transforms={"image": fastload.vision.eval(32, resize=32)})
+it = iter(loader)
+next(it)
+bad = ds.num_shards - 1
+print("TRUNCATED", truncate(ds, bad))
+try:
+    for b in it:
+        pass
+    print("NO ERROR")
+except ShardReadError as e:
+    report(e)
+loader.close()
+print("CLOSED")
 """,
     # a read outside every guard (numpy on a column view) still dies by SIGBUS
     "unguarded": """
@@ -197,9 +230,9 @@ def test_hashing_a_shard_truncated_after_it_was_mapped_raises_naming_it(ds_path)
 def test_dataset_reads_of_a_truncated_shard_raise_naming_it(ds_path):
     p = run_case("consumer", ds_path)
     lines = caught(p)
-    assert len(lines) == 6, p.stdout  # x, name and tok each raised
+    assert len(lines) == 8, p.stdout  # x, name, tok and the copied views each raised
     f = str(fastload.Dataset(ds_path, verify="off").shard_files[1])
-    for k in range(3):
+    for k in range(4):
         check_message(lines[2 * k:2 * k + 2], f)
 
 
@@ -210,3 +243,12 @@ def test_a_read_outside_the_guards_still_dies_by_sigbus(ds_path, faulthandler):
     assert "SUM" not in p.stdout
     if faulthandler:  # the previous handler (faulthandler's) ran: the chain is intact
         assert "Fatal Python error: Bus error" in p.stderr, p.stderr
+
+
+def test_a_shard_of_images_truncated_under_a_running_loader_fails_naming_it(ds_path):
+    """The encoded bytes go to DALI as a guarded copy, not as views of the mapping."""
+    p = run_case("images", ds_path)
+    lines = caught(p)
+    bad = fastload.Dataset(str(ds_path) + "_img", verify="off")
+    check_message(lines, str(bad.shard_files[bad.num_shards - 1]))
+    assert "CLOSED" in p.stdout

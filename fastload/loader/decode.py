@@ -108,11 +108,13 @@ def decode_fields(decoders: Mapping[str, Callable[[np.ndarray], Any]], idx: np.n
 
 
 def runner_decoder(runner, dataset, name: str, epoch: int, out: Any, stats) -> Callable[[np.ndarray], Any]:
-    """``decode(idx)`` for one image field: zero-copy views of the encoded bytes and their
-    recorded sizes through a DALI runner (writing into ``out`` when given), timed into
-    ``stats`` as ``decode_s`` (DALI's work) and ``copy_s`` (its output copied out)."""
+    """``decode(idx)`` for one image field: the encoded bytes (copied out of the mapping by a
+    guarded C++ read, so a shard that fails under its mapping is a ``ShardReadError`` naming
+    it, not a SIGBUS in a DALI thread; one memcpy of the compressed bytes, small beside their
+    decode) and their recorded sizes through a DALI runner (writing into ``out`` when given),
+    timed into ``stats`` as ``decode_s`` (DALI's work) and ``copy_s`` (its output copied out)."""
     def decode(idx: np.ndarray) -> Any:
-        enc = dataset.views(name, idx)
+        enc = dataset.views(name, idx, copy=True)
         w, h = dataset.image_sizes(name, idx)
         t0 = time.perf_counter()
         c0 = runner.copy_s

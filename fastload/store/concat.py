@@ -163,10 +163,10 @@ class ConcatReader:
             self._lengths[field] = v
         return v
 
-    def views(self, field: str, indices: Any) -> list:
+    def views(self, field: str, indices: Any, *, copy: bool = False) -> list:
         out: list = [None] * len(np.asarray(indices))
         for d, sel, local in self._by_dataset(indices):
-            for p, v in zip(sel.tolist(), self.readers[d].views(field, local)):
+            for p, v in zip(sel.tolist(), self.readers[d].views(field, local, copy=copy)):
                 out[p] = v
         return out
 

@@ -95,18 +95,27 @@ class Gathering:
                 out[p] = v.decode("utf-8") if as_str else v
         return out
 
-    def views(self, field: str, indices: np.ndarray | Sequence[int]) -> list[np.ndarray]:
-        """Zero-copy uint8 views of the encoded bytes of an image/bytes field, one per index."""
+    def views(self, field: str, indices: np.ndarray | Sequence[int], *, copy: bool = False) -> list[np.ndarray]:
+        """uint8 arrays of the encoded bytes of an image/bytes field, one per index: zero-copy
+        views of the mapping, or with ``copy=True`` views of one new array the bytes were copied
+        into by a guarded C++ read (a shard truncated or failing under its mapping raises
+        ``ShardReadError`` here instead of killing whoever reads the views later, e.g. DALI)."""
         f = self._field(field)
         if f.fixed or f.ragged:
             raise TypeError(f"field {field!r} is a {f.kind} field; views() is for binary fields")
         shard, row = self.locate(indices)
         out: list = [None] * len(row)
+        if copy:
+            from .. import _C
         for s, sel in self._groups(shard):
             offsets, values = self._raw_column(s, field)
             pos = np.arange(len(row))[sel]
             r = row[sel]
-            starts, ends = offsets[r].tolist(), offsets[r + 1].tolist()
+            if copy:
+                blob, bounds = _C.gather_binary(offsets, values, np.ascontiguousarray(r, dtype=np.int64))
+                starts, ends, values = bounds[:-1].tolist(), bounds[1:].tolist(), blob
+            else:
+                starts, ends = offsets[r].tolist(), offsets[r + 1].tolist()
             for p, a, b in zip(pos.tolist(), starts, ends):
                 out[p] = values[a:b]
         return out
