@@ -1,4 +1,4 @@
-"""The ``fastload`` command: convert, inspect, verify, prefetch, bench, doctor, demo.
+"""The ``fastload`` command: convert, inspect, verify, recover, prefetch, bench, doctor, demo.
 
 This module imports nothing heavy: the parser is built from the standard library alone, so
 ``fastload --help`` answers at once, and each command imports its own module when it runs
@@ -169,6 +169,21 @@ def cmd_verify(a, out: Output) -> int:
     return 0
 
 
+# -- recover -----------------------------------------------------------------------------
+def cmd_recover(a, out: Output) -> int:
+    from pathlib import Path
+
+    from .errors import UsageError
+    from .store.transaction import recover
+
+    path = Path(a.path)
+    if not path.is_dir():
+        raise UsageError(f"{path} is not a directory (give the dataset directory an overwrite was replacing)")
+    did = recover(path)
+    out.print(f"{path}: {did or 'no interrupted overwrite to finish'}")
+    return 0
+
+
 # -- prefetch ----------------------------------------------------------------------------
 def cmd_prefetch(a, out: Output) -> int:
     from .remote.publish import prefetch
@@ -275,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the URL's manifest instead of downloading")
     add_json_option(v, "the result ({path, ok, problems})")
     v.set_defaults(func=cmd_verify, json_check=lambda a: check_json_dest(a, v))
+
+    r = sub.add_parser("recover", help="finish (or roll back) an overwrite of a dataset that was killed while it "
+                       "swapped the new dataset in; changes nothing when there is none")
+    r.add_argument("path", help="the dataset directory")
+    r.set_defaults(func=cmd_recover)
 
     f = sub.add_parser("prefetch", help="mirror a remote dataset into a plain, verified local dataset")
     f.add_argument("url", help="s3://, gs://, az://, abfs:// or https:// URL of a dataset")

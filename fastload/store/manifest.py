@@ -47,7 +47,7 @@ def read_manifest(path: Path, *, checksum: bool = True) -> dict:
             (p for p in sorted(path.glob(STAGING_PREFIX + "*")) if (p / MANIFEST).exists()), None)
         if staged is not None:  # an overwrite was killed while swapping the new dataset in
             hint = (f" An overwrite was interrupted while swapping the new dataset in (it is complete in"
-                    f" {staged.name}). Finish it with `python -m fastload.store.recover {path}`: this"
+                    f" {staged.name}). Finish it with `fastload recover {path}`: this"
                     " directory then holds exactly the new dataset (converting again with --overwrite"
                     " also finishes it first).")
         elif shards:

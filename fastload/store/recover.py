@@ -1,5 +1,5 @@
-"""``python -m fastload.store.recover DST``: finish an overwrite of DST that was killed while
-it swapped the new dataset in (see :mod:`fastload.store.transaction`). DST then holds exactly
+"""``fastload recover DST`` (also ``python -m fastload.store.recover DST``): finish an
+overwrite of DST that was killed while it swapped the new dataset in (see :mod:`fastload.store.transaction`). DST then holds exactly
 the new dataset, and ``fastload verify DST`` passes. Safe to run on any dataset directory:
 without an interrupted swap it changes nothing (or removes what a finished one left)."""
 from __future__ import annotations

@@ -21,7 +21,7 @@ only (:func:`_swap`):
 A process killed at any point of the swap leaves DST opening as exactly the old dataset
 (before step 2) or exactly the new one (after step 3), or not opening at all in between —
 then opening DST says that an overwrite was interrupted and to run
-``python -m fastload.store.recover DST``. That command, and the next overwrite of DST (a
+``fastload recover DST``. That command, and the next overwrite of DST (a
 ``ShardWriter(overwrite=True)``, ``fastload convert --overwrite``), finish an interrupted swap
 (:func:`recover`): DST holds exactly the new dataset afterwards, nothing of the old, and
 ``fastload verify`` passes. Before step 1 (no journal) recovery rolls back instead: the
@@ -266,7 +266,7 @@ class Transaction:
         if self.staging:  # a staging directory of our own
             if self._swapping:  # the old dataset may be moved aside already: recovery finishes the swap
                 logger.error("fastload: replacing %s failed midway; the complete new dataset is in %s: run "
-                             "`python -m fastload.store.recover %s` to finish replacing", self.path, self.dir,
+                             "`fastload recover %s` to finish replacing", self.path, self.dir,
                              self.path)
                 return
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -371,7 +371,7 @@ def recover(path: Path, keep: Iterable[str] = (PARTS_DIR,)) -> str | None:
 
     Staging directories without a journal are left to the next overwrite (they may be a live
     writer's), except as above. Run by every overwrite before it writes, and by
-    ``python -m fastload.store.recover DST``."""
+    ``fastload recover DST``."""
     path = Path(path)
     if not path.is_dir():
         return None

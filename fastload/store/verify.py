@@ -121,5 +121,5 @@ def verify(path: str | os.PathLike, *, remember: bool = True) -> list[str]:
             problems.append(f"{extra}: not listed in {MANIFEST} (left over from another write?)")
         elif extra.startswith(ASIDE_PREFIX) and is_own_file(extra):
             problems.append(f"{extra}: the files of the dataset this one replaced, left by an overwrite that was "
-                            f"killed; remove them with `python -m fastload.store.recover {path}`")
+                            f"killed; remove them with `fastload recover {path}`")
     return problems
