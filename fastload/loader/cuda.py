@@ -189,7 +189,17 @@ class CudaSource(RingFedSource):
         # GPU-decoded images are not in it) and the device transform (all fields).
         self._finish = None if finish is None or finish.trivial else finish
         self._device_fn = device_transform
+        self._checks = finish  # runs device_transform with its info, errors and result checks
+        self.transforms = list(finish.names) if finish is not None else []
         super().__init__(ring, dataset, feeder, epoch, prepare)
+
+    def _device_transform(self, req, index: np.ndarray):
+        """The device transform of this batch (None without one): the user's ``fn(batch)`` as
+        ``Finish.device_transform`` runs it (info, TransformError, result checked on the device)."""
+        fn, checks = self._device_fn, self._checks
+        if fn is None or checks is None:
+            return fn
+        return lambda batch: checks.device_transform(fn, batch, req, index, self._device)
 
     def get(self) -> Ready:
         req = self.next_request()
@@ -201,7 +211,8 @@ class CudaSource(RingFedSource):
         self.taken()
         index = rb.arrays[INDEX].copy()  # the slot is recycled after its copy
         host = None if self._finish is None else self._finish(dict(rb.tensors), req)
-        out = self._delivery.deliver(rb, host, None if images else self._device_fn)
+        device_fn = self._device_transform(req, index)
+        out = self._delivery.deliver(rb, host, None if images else device_fn)
         if images:
             torch = self._torch
             with guard(self._device):
@@ -211,8 +222,8 @@ class CudaSource(RingFedSource):
                 for v in images.values():
                     v.record_stream(cur)  # allocated on a copy stream, used on `cur`
             out.update(images)
-            if self._device_fn is not None:
-                out = self._delivery.run_on_stream(self._device_fn, out)
+            if device_fn is not None:
+                out = self._delivery.run_on_stream(device_fn, out)
         return Ready(out, index)
 
 

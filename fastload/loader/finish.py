@@ -13,12 +13,33 @@ position), so random transforms give the same result after a resume; ``info.samp
 (one per row, from each sample's stream position) stay the same even when a different world
 size regroups samples into other batches. An exception names the batch's samples
 (:class:`~fastload.errors.TransformError`).
+
+What a transform returns is checked (``Finish.transform``, for ``batch_transform`` and for
+``device_transform`` on the host and on CUDA alike), so a wrong batch fails at once, naming
+the batch and the key, instead of putting every later step out of line:
+
+* a ``dict`` (any ``Mapping``) of ``str`` keys; keys may be added and dropped;
+* every value a ``torch.Tensor``. A numpy array is converted with ``torch.from_numpy`` (no
+  copy; a read-only array is copied first), from a ``batch_transform`` and from a
+  ``device_transform`` on the CPU; on CUDA a ``device_transform``'s tensors must be on the
+  loader's device. Lists are allowed only for the string and bytes fields named in
+  ``fields=`` (one item per row), as fastload delivers them;
+* every value has the batch's rows along dimension 0: ``len(index)`` of the batch as fastload
+  delivered it (a transform cannot drop or add samples). Exempt: the keys of a ragged field
+  delivered ``ragged="packed"`` or with ``pack_to`` (``name``, ``name + "_offsets"``,
+  ``name + "_positions"``), whose lengths count tokens and pieces; a key the transform adds
+  may also have the length of such a field's dimension 0 (per-token values, e.g. labels);
+* ``"index"`` (and a mixture's ``"source"``) are fastload's: put back when the transform's
+  dict leaves them out.
+
+Anything else raises ``TransformError`` naming the transform, the batch (stream position,
+epoch, samples) and the offending key.
 """
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -98,9 +119,21 @@ class Finish:
         self._split = getattr(dataset, "split", None)  # a mixture: index -> (source, local index)
         self._transform = options.batch_transform
         self._device_transform = options.device_transform if on_host_device else None
-        self._info = {fn: takes_info(fn) for fn in (self._transform, self._device_transform) if fn is not None}
+        fns = (options.batch_transform, options.device_transform)
+        self._info = {fn: takes_info(fn) for fn in fns if fn is not None}
         self._seed = options.seed
         self._epoch = epoch
+        # keys whose length is not the batch's rows (ragged fields delivered packed / pack_to),
+        # and those of them whose dimension 0 a transform's new per-token values may have
+        self._free: set[str] = set()
+        self._tokens: list[str] = []
+        for name, d in self._ragged.items():
+            if d.mode != "padded":
+                self._free.update((name, *d.keys(name)))
+                self._tokens.extend(k for k in (name, *d.keys(name)) if not k.endswith("_offsets"))
+        self._list_set = frozenset(self._lists)
+        self.names = [_name(w, fn) for w, fn in (("batch_transform", options.batch_transform),
+                                                 ("device_transform", options.device_transform)) if fn is not None]
 
     @property
     def trivial(self) -> bool:
@@ -126,12 +159,25 @@ class Finish:
                 batch = self._run(what, fn, batch, req, index, source)
         return batch
 
-    def _run(self, what: str, fn: Callable, batch: dict, req: Request, index: np.ndarray, source) -> dict:
+    def device_transform(self, fn: Callable, batch: dict, req: Request, index: np.ndarray, device) -> dict:
+        """``fn`` as the ``device_transform`` of a batch on a CUDA ``device`` (``cuda.py``), with
+        the same info, error and result checks as on the host; ``index``: the batch's global
+        sample indices (a host array)."""
+        source = None
+        if self._split is not None:
+            source, index = self._split(index)
+        return self._run("device_transform", fn, batch, req, index, source, device=device)
+
+    def _run(self, what: str, fn: Callable, batch: dict, req: Request, index: np.ndarray, source,
+             device=None) -> dict:
         args = (batch,)
         if self._info[fn]:
             seed = int(derive_seeds(self._seed, self._epoch, np.array([req.position]))[0])
             args = (batch, BatchInfo(seed, self._epoch, int(req.position), index, source,
                                      derive_seeds(self._seed, self._epoch, req.stream_positions())))
+        # what the result is checked against, taken before fn can change the dict in place
+        kept = {k: batch[k] for k in (INDEX, SOURCE) if k in batch}
+        given = {k: _dim0(v) for k, v in batch.items()}
         try:
             out = fn(*args)
         except Exception as e:
@@ -141,7 +187,82 @@ class Finish:
             raise TransformError(f"{_name(what, fn)} must return a dict of str -> tensor; it returned "
                                  f"{type(out).__name__} for the batch at stream position {req.position} of "
                                  f"epoch {self._epoch}, {_samples(index, source)}")
-        return dict(out)
+        return self._check(what, fn, dict(out), rows=len(index), kept=kept, given=given, req=req, index=index,
+                           source=source, device=device)
+
+    def _check(self, what: str, fn: Callable, out: dict, *, rows: int, kept: dict, given: dict, req: Request,
+               index: np.ndarray, source, device) -> dict:
+        """``out`` as the rules of the module docstring say (numpy arrays converted, ``index``
+        put back), or TransformError naming the key."""
+        import torch
+
+        def bad(key: str, problem: str) -> TransformError:
+            return TransformError(
+                f"{_name(what, fn)} returned {key!r} {problem}, for the batch at stream position {req.position} "
+                f"of epoch {self._epoch} ({rows} rows), {_samples(index, source)}. A transform returns a dict "
+                "of tensors, each with the batch's rows along dimension 0 (see fastload.loader.finish)")
+
+        for k, v in kept.items():
+            out.setdefault(k, v)  # fastload's keys: always delivered
+        for k, v in out.items():
+            if isinstance(v, np.ndarray):
+                if device is not None:
+                    raise bad(k, f"as a numpy array (on the host); a device_transform returns tensors on {device}")
+                try:
+                    v = out[k] = torch.from_numpy(v if v.flags.writeable else v.copy())
+                except TypeError as e:
+                    raise bad(k, f"as a numpy array of dtype {v.dtype}, which torch cannot hold ({e})") from None
+            if isinstance(v, torch.Tensor):
+                if device is not None and not _on(v, device):
+                    raise bad(k, f"on {v.device}, not on the loader's device {device}; create new tensors "
+                                 "with device=batch['index'].device")
+                if k in self._free:
+                    continue
+                if v.dim() == 0:
+                    raise bad(k, f"as a 0-d tensor ({_short(v)}); it needs one row per sample: {rows} along "
+                                 "dimension 0")
+                n = int(v.shape[0])
+                if n != rows and (k in given or n not in self._token_lengths(out, given)):
+                    raise bad(k, f"with {n} rows along dimension 0 (shape {tuple(v.shape)}), not the batch's "
+                                 f"{rows}")
+            elif isinstance(v, (list, tuple)) and k in self._list_set:
+                if len(v) != rows:
+                    raise bad(k, f"as a {type(v).__name__} of {len(v)} items, not the batch's {rows}")
+            else:
+                lists = f"; lists only for the string/bytes fields {self._lists}" if self._lists else ""
+                raise bad(k, f"as {_kind(v)}, not a tensor (numpy arrays are converted{lists})")
+        return out
+
+    def _token_lengths(self, out: dict, given: dict) -> set[int]:
+        """Dimension 0 of the packed ragged fields' values (tokens, token rows), as given to the
+        transform and as returned: a value the transform adds may have one of these lengths."""
+        got = {given.get(k) for k in self._tokens} | {_dim0(out.get(k)) for k in self._tokens}
+        got.discard(None)
+        return got
+
+
+def _dim0(v: Any) -> int | None:
+    shape = getattr(v, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) else None
+
+
+def _on(t, device) -> bool:
+    d = t.device
+    return d.type == device.type and (device.index is None or d.index == device.index)
+
+
+def _short(v) -> str:
+    try:
+        return repr(v.item())
+    except Exception:  # pragma: no cover
+        return "a scalar"
+
+
+def _kind(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return f"a {type(v).__name__} of {len(v)} items"
+    return f"a {type(v).__module__}.{type(v).__qualname__}" if type(v).__module__ != "builtins" else \
+        f"a {type(v).__name__} ({v!r:.40})"
 
 
 def _name(what: str, fn: Callable) -> str:

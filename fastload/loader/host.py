@@ -21,6 +21,7 @@ class HostSource(RingFedSource):
                  prepare=None) -> None:
         super().__init__(ring, dataset, feeder, epoch, prepare)
         self._finish = None if finish is None or finish.trivial else finish
+        self.transforms = list(finish.names) if finish is not None else []  # named when one is stuck
 
     def get(self) -> Ready:
         req = self.next_request()
