@@ -180,7 +180,12 @@ class ImageFeeder:
             for t in self._threads:
                 t.join(timeout=0.01)
             if time.monotonic() > deadline:  # pragma: no cover - only if DALI hangs
-                logger.warning("fastload: feeder threads did not stop within 30 s")
+                from .threaded import stuck_at
+
+                stuck = "; ".join(f"{t.name} at {stuck_at(t) or 'an unknown place'}"
+                                  for t in self._threads if t.is_alive())
+                logger.warning("fastload: feeder threads did not stop within 30 s (%s); they are left running as "
+                               "daemon threads (they do not keep the process from exiting)", stuck)
                 break
         with self._done_lock:
             self._done.clear()
