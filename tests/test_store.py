@@ -388,7 +388,7 @@ def test_an_overwrite_killed_while_swapping_leaves_the_new_dataset_findable(tmp_
     with pytest.raises(KeyboardInterrupt):
         _write(d, {"y": "int8"}, [{"y": 5}, {"y": 6}], overwrite=True)
     monkeypatch.undo()
-    with pytest.raises(fastload.FormatError, match=r"interrupted while swapping .*`python -m fastload\.store\.recover") \
+    with pytest.raises(fastload.FormatError, match=r"interrupted while swapping .*`fastload recover") \
             as e:
         fastload.Dataset(d)
     staged = next(d.glob(".fastload-staging-*"))
