@@ -272,3 +272,31 @@ def test_the_process_exits_with_a_transform_blocked_forever(ds, tmp_path, how):
         closed = float(p.stdout.split("closed in ")[1].split()[0])
         assert closed < 1.0 + 3, closed
     assert "did not return within 1 s" in p.stderr and "stream position 16" in p.stderr, p.stderr
+
+
+def test_a_stuck_device_transform_on_cuda_does_not_block_close(fake, ds, monkeypatch, caplog):
+    monkeypatch.setattr(threaded, "CLOSE_TIMEOUT_S", 0.5)
+    release = threading.Event()
+
+    def stuck_on_gpu(b):
+        if b["index"].cpu()[0] >= 16:
+            release.wait()
+        return b
+
+    lo = fastload.Loader(ds, batch_size=16, shuffle=False, fields=["x"], device="cuda:1",
+                         device_transform=stuck_on_gpu)
+    try:
+        it = iter(lo)
+        assert next(it)["index"].cpu()[0] == 0
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="fastload"):
+            lo.close()
+        assert time.monotonic() - t0 < 0.5 + 3
+        msg = " ".join(r.getMessage() for r in caplog.records)
+        assert "device_transform" in msg and "stuck_on_gpu" in msg and "stream position 16" in msg, msg
+        stuck_threads = [t for t in threading.enumerate() if t.name == "fastload-transform"]
+    finally:
+        release.set()
+    for t in stuck_threads:
+        t.join(5)
+        assert not t.is_alive()
