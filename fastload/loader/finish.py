@@ -14,9 +14,10 @@ position), so random transforms give the same result after a resume; ``info.samp
 size regroups samples into other batches. An exception names the batch's samples
 (:class:`~fastload.errors.TransformError`).
 
-What a transform returns is checked (``Finish.transform``, for ``batch_transform`` and for
-``device_transform`` on the host and on CUDA alike), so a wrong batch fails at once, naming
-the batch and the key, instead of putting every later step out of line:
+What a transform returns is checked (``Finish._check``: ``batch_transform``, and
+``device_transform`` on the host and on CUDA alike, where it also gets ``info`` when it takes
+two arguments), so a wrong batch fails at once, naming the batch and the key, instead of
+putting every later batch out of line:
 
 * a ``dict`` (any ``Mapping``) of ``str`` keys; keys may be added and dropped;
 * every value a ``torch.Tensor``. A numpy array is converted with ``torch.from_numpy`` (no
