@@ -42,7 +42,9 @@ class Fault:
     ExpiredToken, only for requests signed with access key ``key_id``), ``"reset"`` (the
     connection closes without an answer), ``"status"`` (an answer with ``status``),
     ``"stall"`` (no answer for ``seconds``, or until :meth:`FaultProxy.release_stalls`; then
-    the connection closes)."""
+    the connection closes), ``"stall_body"`` (the headers and the first half of the body, then
+    silence on the open connection for ``seconds``, or until :meth:`FaultProxy.release_stalls`;
+    then the connection closes: a server that hangs mid-transfer)."""
 
     kind: str
     match: str = ""
@@ -128,7 +130,7 @@ class FaultProxy(Service):
     def release_stalls(self) -> None:
         """End every stalled request now (their connections close) and inject no more stalls."""
         with self._lock:
-            self.faults = [f for f in self.faults if f.kind != "stall"]
+            self.faults = [f for f in self.faults if f.kind not in ("stall", "stall_body")]
         self._unstall.set()
 
     def requests(self, method: str = "GET", match: str = "") -> list[RequestLog]:
@@ -239,6 +241,14 @@ class FaultProxy(Service):
                 if fault is not None and fault.kind == "cut" and len(data) > 1:
                     self.wfile.write(data[:len(data) // 2])
                     self.wfile.flush()
+                    self.close_connection = True
+                    with contextlib.suppress(OSError):
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if fault is not None and fault.kind == "stall_body" and len(data) > 1:
+                    self.wfile.write(data[:len(data) // 2])
+                    self.wfile.flush()
+                    proxy._unstall.wait(fault.seconds)
                     self.close_connection = True
                     with contextlib.suppress(OSError):
                         self.connection.shutdown(socket.SHUT_RDWR)
