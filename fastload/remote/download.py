@@ -13,6 +13,12 @@ Layers of fault handling, innermost first:
 5. a checksum mismatch is downloaded once more from scratch, then reported naming the file,
    its URL and both checksums; a deadline per file names the file.
 
+Every call to the server runs where the deadline can leave it behind
+(:mod:`fastload.remote.bounded`): the open (a HEAD) in a daemon thread, an http(s) body read
+by a daemon pump, byte ranges in the range threads; so a server that stalls mid-transfer ends
+the download at its deadline, and :meth:`Downloader.close` returns within its own deadline
+(an http(s) stream's socket is shut down; a thread blocked in pyarrow's read is left behind).
+
 The pacing shared by a process's downloads (:class:`RetryPolicy`, :class:`Concurrency`, the
 range thread pool, :class:`DownloadCounters`, :class:`Cancelled`) lives in
 :mod:`fastload.remote.pacing` and is re-exported here.
@@ -31,6 +37,7 @@ from typing import Callable
 import xxhash
 
 from ..errors import ChecksumMismatch, DownloadError, DownloadTimeout
+from .bounded import StreamPump, call_within
 from .pacing import Cancelled, Concurrency, DownloadCounters, RangePool, RetryPolicy
 from .url import FaultKind, Transport, classify
 
@@ -68,11 +75,29 @@ class Downloader:
         # object stores: a shard bigger than one chunk comes as byte ranges fetched in
         # parallel, the most urgent shard's first (RangePool); http(s): one streamed GET
         self.ranges = RangePool(threads, self.concurrency, self.stop) if getattr(transport, "ranged", False) else None
+        self._pumps: set[StreamPump] = set()  # http(s) bodies being read (aborted by close)
+        self._pumps_lock = threading.Lock()
+        self._finish_by: float | None = None  # once stopped: requests in flight may finish until then
 
-    def close(self) -> None:
-        """Join the range threads (they start again with the next download)."""
-        if self.ranges is not None:
-            self.ranges.close()
+    def finish_by(self, t: float) -> None:
+        """Once ``stop`` is set, requests already in flight may still finish until ``t``
+        (``time.monotonic()``): a healthy transfer completes (its bytes are not wasted); a
+        stalled one ends then. Nothing new starts after ``stop``."""
+        self._finish_by = float(t)
+
+    def _cancelled(self) -> bool:
+        return self.stop.is_set() and (self._finish_by is None or time.monotonic() >= self._finish_by)
+
+    def close(self, deadline: float | None = None) -> list[threading.Thread]:
+        """Cut the streams still in flight (``stop`` should be set first), join the range
+        threads until ``deadline`` (they start again with the next download). Returns the
+        threads still blocked in a read of the server then (left behind: daemon threads whose
+        download is over; they write nothing more)."""
+        with self._pumps_lock:
+            pumps = list(self._pumps)
+        for p in pumps:
+            p.abort()
+        return self.ranges.close(deadline) if self.ranges is not None else []
 
     def fetch(self, name: str, dest: Path, *, size: int, checksum: str | None, part: Path | None = None,
               label: str | None = None, deadline: float | None = None, priority: float = 0,
@@ -101,8 +126,8 @@ class Downloader:
                     f"({attempt} attempt(s); last error: {_short(last)}) from {url}; check the network and "
                     "the server, or raise download_timeout= (fastload.Dataset / Loader)", shard=label, url=url)
             generation = self.transport.generation
-            if not ranged:  # the range threads take a slot per request instead
-                self.concurrency.acquire(self.stop)
+            if not ranged and not self.concurrency.acquire(self.stop, deadline):  # (range threads: per request)
+                continue  # the deadline passed while waiting for a slot: raised above
             self.counters.start()
             try:
                 if ranged:
@@ -141,7 +166,12 @@ class Downloader:
                             f"credentials for {url} were refused ({_short(e)}), again after reloading them; "
                             "check the credentials (environment, credential files, role) for shard "
                             f"{label}", shard=label, url=url) from None
-                    if self.transport.rebuild(generation):
+                    try:  # a new client: pyarrow's waits for the S3 requests in flight (bounded here)
+                        again = call_within(lambda: self.transport.rebuild(generation), deadline,
+                                            what="reloading credentials", stop=self.stop)
+                    except TimeoutError:
+                        continue  # the deadline: raised at the loop's top
+                    if again:
                         self.counters.incr("rebuilds")
                         rebuilt_for = generation
                         continue  # at once: not a failed attempt
@@ -174,10 +204,14 @@ class Downloader:
         file, then hash it whole (page-cached: memory speed) and rename it into place. The
         deadline holds while ranges run: past it the attempt ends at once (ranges still in a
         request write nothing more; the file and the remote stream close after the last)."""
-        f, _ = self.transport.open_read(name, 0)
+        def open_file():
+            f, _ = self.transport.open_read(name, 0)
+            return f, f.size()
+
+        f, remote_size = call_within(open_file, deadline, what=f"opening {name}",
+                                     stop=self.stop, on_late=lambda r: r[0].close())
         shared = _Shared(f)
         try:
-            remote_size = f.size()
             if remote_size != size:
                 raise _Mismatch(f"(an object of {remote_size} bytes, the manifest says {size})")
             if not done or not part.exists():
@@ -208,6 +242,8 @@ class Downloader:
             error = None
             for job in jobs:
                 while not job.done.wait(0.05):
+                    if self._cancelled():
+                        raise Cancelled()
                     if time.monotonic() >= deadline:
                         raise socket.timeout("deadline reached while byte ranges were being fetched")
                 if job.error is not None and (error is None or isinstance(error, Cancelled)):
@@ -232,8 +268,14 @@ class Downloader:
         if have > size:
             _unlink(part)
             have = 0
-        stream, start = self.transport.open_read(name, have)
+        # the stream is opened and read by a pump thread: every wait for the server ends at
+        # the deadline (or when the cache stops), whatever the client's own timeouts are
+        pump = StreamPump(lambda: self.transport.open_read(name, have), size=size, block=self.chunk, depth=2,
+                          deadline=deadline, cancelled=self._cancelled, what=f"reading {name}")
+        with self._pumps_lock:
+            self._pumps.add(pump)
         try:
+            start = pump.opened()
             if start == 0 and have:
                 have = 0  # the server cannot resume: start over
             mode = "r+b" if have else "wb"
@@ -251,14 +293,14 @@ class Downloader:
                     out.seek(have)
                     out.truncate(have)
                 pos = have
-                while pos < size:
-                    if self.stop.is_set():
+                while True:
+                    if self._cancelled():
                         raise Cancelled()
-                    if time.monotonic() >= deadline:
-                        raise socket.timeout("deadline reached mid-download")
-                    b = stream.read(min(self.chunk, size - pos))
+                    b = pump.read()
                     if not b:
                         break
+                    if pos + len(b) > size:
+                        raise _Mismatch(f"(more than the manifest's {size} bytes)")
                     out.write(b)
                     h.update(b)
                     n = len(b)
@@ -266,18 +308,13 @@ class Downloader:
                     self.counters.add_bytes(n)
                     if on_progress is not None:
                         on_progress(n)
-                if pos == size:
-                    extra = stream.read(1)
-                    if extra:
-                        raise _Mismatch(f"(more than the manifest's {size} bytes)")
                 if self.fsync and pos == size:
                     out.flush()
                     os.fsync(out.fileno())
         finally:
-            try:
-                stream.close()
-            except Exception:
-                pass
+            pump.abort()  # the pump closes the stream (at once, unless a read of it is blocked)
+            with self._pumps_lock:
+                self._pumps.discard(pump)
         got = part.stat().st_size
         if got < size:
             raise _Truncated(f"body ended after {got} of {size} bytes")

@@ -30,10 +30,18 @@ class Cancelled(Exception):
 
 @dataclass(frozen=True)
 class RetryPolicy:
+    """Attempts and deadlines. ``timeout_s`` (``download_timeout``) bounds every wait for the
+    server: one file's download (all its attempts, its wait for room in the budget and for
+    another process downloading it), a manifest read (all its attempts), a shard's lengths.
+    ``close_s`` bounds how long ``stop()``/``close()`` wait for transfers to notice they were
+    cancelled; a thread still blocked in a read of the server then is left behind (a daemon
+    thread that writes nothing more), with a warning."""
+
     attempts: int = 6           # per file, on top of the transport's request retries
     backoff_s: float = 0.5      # first pause; doubled each attempt
     backoff_max_s: float = 30.0
     timeout_s: float = 600.0    # per file: the deadline that names the file
+    close_s: float = 2.0        # stop()/close(): the wait for transfers to end
 
     def pause(self, attempt: int) -> float:
         """Full jitter: uniform in [0.5, 1.5] x base * 2**attempt, capped."""
@@ -57,13 +65,18 @@ class Concurrency:
     def limit(self) -> int:
         return max(1, int(self._limit))
 
-    def acquire(self, stop: threading.Event | None = None) -> None:
+    def acquire(self, stop: threading.Event | None = None, deadline: float | None = None) -> bool:
+        """Take a slot; False when ``deadline`` (``time.monotonic()``) passed first,
+        :class:`Cancelled` once ``stop`` is set."""
         with self._cond:
             while self._active >= self.limit:
                 if stop is not None and stop.is_set():
                     raise Cancelled()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
                 self._cond.wait(0.05)
             self._active += 1
+            return True
 
     def release(self) -> None:
         with self._cond:
@@ -103,7 +116,10 @@ class _Job:
 class RangePool:
     """Threads that fetch byte ranges of shards, most urgent first (lowest priority value:
     the shard the reader waits for, then the order of first use), so the next shard needed
-    gets the bandwidth instead of sharing it with shards needed later."""
+    gets the bandwidth instead of sharing it with shards needed later.
+
+    :meth:`close` waits for the threads until a deadline; a thread still blocked in a read of
+    the server then is left behind (it ends when the read returns: its generation is over)."""
 
     def __init__(self, threads: int, concurrency: Concurrency, stop: threading.Event):
         self._n = max(1, int(threads))
@@ -113,27 +129,26 @@ class RangePool:
         self._cond = threading.Condition()
         self._seq = itertools.count()
         self._threads: list[threading.Thread] = []
-        self._closing = False
+        self._gen = 0  # close() ends a generation of threads; submit() starts the next
 
     def submit(self, priority, fn: Callable[[], None], after: Callable[[], None] | None = None) -> _Job:
         job = _Job(fn, after)
         with self._cond:
             if not self._threads:
-                self._closing = False
-                self._threads = [threading.Thread(target=self._run, name=f"fastload-range-{i}", daemon=True)
-                                 for i in range(self._n)]
+                self._threads = [threading.Thread(target=self._run, args=(self._gen,), name=f"fastload-range-{i}",
+                                                  daemon=True) for i in range(self._n)]
                 for t in self._threads:
                     t.start()
             heapq.heappush(self._heap, (priority, next(self._seq), job))
             self._cond.notify()
         return job
 
-    def _run(self) -> None:
+    def _run(self, gen: int) -> None:
         while True:
             with self._cond:
-                while not self._heap and not self._closing:
+                while not self._heap and self._gen == gen:
                     self._cond.wait()
-                if not self._heap:
+                if self._gen != gen:
                     return
                 _, _, job = heapq.heappop(self._heap)
             try:
@@ -148,19 +163,25 @@ class RangePool:
                 job.error = e
             job.finish()
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> list[threading.Thread]:
+        """End this generation of threads: queued jobs are dropped (:class:`Cancelled`), the
+        threads joined until ``deadline`` (``time.monotonic()``; None: no limit). Returns the
+        threads still running then (blocked in a read; left behind)."""
         with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        for t in self._threads:
-            t.join()
-        with self._cond:
-            self._threads = []
+            self._gen += 1
+            threads, self._threads = self._threads, []
             dropped = [job for _, _, job in self._heap]
             self._heap.clear()
+            self._cond.notify_all()
         for job in dropped:  # never run: their downloads are being cancelled
             job.error = Cancelled()
             job.finish()
+        left = []
+        for t in threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                left.append(t)
+        return left
 
 
 class DownloadCounters:

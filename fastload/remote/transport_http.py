@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -22,8 +23,24 @@ class _HttpStream:
     def read(self, n: int = -1) -> bytes:
         return self._resp.read(n)
 
+    def read1(self, n: int = -1) -> bytes:
+        """What has arrived, up to ``n`` bytes (one receive): bytes a stalled server sent
+        before it stalled reach the partial file (and a resume) instead of waiting for ``n``."""
+        return self._resp.read1(n)
+
     def close(self) -> None:
         self._resp.close()
+
+    def abort(self) -> None:
+        """Cut the connection under a read blocked in another thread (a stalled server): the
+        read returns at once. Thread-safe: only the socket is shut down; ``close()`` follows."""
+        raw = getattr(getattr(self._resp, "fp", None), "raw", None)
+        sock = getattr(raw, "_sock", None)  # http.client reads through sock.makefile(): SocketIO
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class _HttpRanged:
