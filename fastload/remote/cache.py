@@ -43,6 +43,7 @@ positions), :mod:`~fastload.remote.cache_timeline` (admission times, release, ev
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -62,6 +63,8 @@ from .manifest import RemoteDataset
 from .schedule import EpochUses, minimum_budget
 
 __all__ = ["ShardCache", "default_cache_dir", "parse_bytes", "format_bytes"]
+
+logger = logging.getLogger("fastload")
 
 
 class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
@@ -206,20 +209,41 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
 
     def stop(self) -> None:
         """Stop and join the download threads (a Loader closing); ``ensure()`` still works,
-        and the next :meth:`plan` starts them again."""
+        and the next :meth:`plan` starts them again.
+
+        Returns within ``retry.close_s`` (default 2 s) whatever the server does: nothing new
+        starts, requests already in flight may finish during the first 3/4 of it (a healthy
+        transfer is not wasted), then every download ends (each wait for the server is
+        bounded; an http(s) stream's socket is shut down), and a thread still blocked in a
+        read of the server is left behind with a warning (a daemon thread; its download is
+        over, it writes nothing more and ends when the read returns). The next pass gets a
+        new stop event and downloader, never shared with a thread left behind."""
         with self._cond:
             self._clear_timeline()
-        self._stop.set()
+        stop, downloader, workers = self._stop, self.downloader, self._workers
+        deadline = time.monotonic() + self.policy.close_s
+        downloader.finish_by(deadline - 0.25 * self.policy.close_s)  # requests in flight: then they end
+        stop.set()
         with self._cond:
             self._cond.notify_all()
-        for t in self._workers:
-            t.join()
+        left = []
+        for t in workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                left.append(t)
+        left += downloader.close(deadline)
         self._workers = []
-        self.downloader.close()
+        if left:
+            logger.warning("fastload: %d download thread(s) of %s were still blocked in a read from the server "
+                           "%.1fs after the cache was stopped; they were left behind (daemon threads that end when "
+                           "the read returns and write nothing more): %s", len(left), self.url, self.policy.close_s,
+                           ", ".join(t.name for t in left))
         if self.local_world_size > 1 and self._alive.fd is not None:
             _write_atomic(self._progress_path, "done\n")  # peers stop counting this rank
-        if not self._closed:
-            self._stop.clear()
+        if not self._closed:  # a new generation for the next pass
+            self._stop = threading.Event()
+            self.downloader = Downloader(self.remote.transport, stop=self._stop, counters=self.counters,
+                                         **{**self._downloader_kw, "chunk_bytes": downloader.chunk})
 
     def set_limit(self, limit: int) -> None:
         """A new byte budget (before a pass is planned: a mixture shares one budget out)."""

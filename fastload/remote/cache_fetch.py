@@ -10,17 +10,26 @@ Part of :mod:`fastload.remote.cache`. :class:`_Fetching` is the part of
 * downloads one shard under its own flock (another process downloading it: wait for it);
 * :meth:`ShardCache.ensure`: the local path of a shard, fetched now, or waited for while its
   owner rank fetches it (fetched here after ``owner_grace_s``, or at once if that rank died).
+
+Every wait here ends by the shard's deadline (``download_timeout``): for another process's
+download (its flock), for the admission flock (a stopped process may hold it), for room in
+the budget, for the server. Room held by partial downloads nobody writes any more (their
+process was killed) is taken back when a download needs it: their shard's flock is free.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from ..errors import DownloadError, DownloadTimeout, FastloadError, RemoteError, format_bytes
 from .cache_files import _Flock
 from .download import Cancelled
+
+if TYPE_CHECKING:
+    from .download import Downloader
 
 __all__: list[str] = []
 
@@ -45,6 +54,8 @@ class _Fetching:
             while True:
                 if path.exists():
                     return path
+                if self._closed:
+                    raise Cancelled()
                 take = False
                 with self._cond:
                     err = self._errors.get(shard)
@@ -66,7 +77,7 @@ class _Fetching:
                         self._cond.wait(self._poll)
                         continue
                 try:
-                    self._obtain(shard, deadline)
+                    self._obtain(shard, deadline, stop=self._stop, downloader=self.downloader)
                 finally:
                     with self._cond:
                         self._inflight.discard(shard)
@@ -80,13 +91,17 @@ class _Fetching:
     def _start_workers(self) -> None:
         if self._workers:
             return
+        # this generation's stop event and downloader: a thread left behind by stop() (blocked
+        # in a read) keeps the ones that told it to stop, never the next generation's
+        stop, downloader = self._stop, self.downloader
         for i in range(self._threads_n):
-            t = threading.Thread(target=self._worker, name=f"fastload-download-{i}", daemon=True)
+            t = threading.Thread(target=self._worker, args=(stop, downloader), name=f"fastload-download-{i}",
+                                 daemon=True)
             t.start()
             self._workers.append(t)
 
-    def _worker(self) -> None:
-        while not self._stop.is_set():
+    def _worker(self, stop: threading.Event, downloader: "Downloader") -> None:
+        while not stop.is_set():
             with self._cond:
                 j = self._next
                 if j >= len(self._u_shard):
@@ -110,7 +125,7 @@ class _Fetching:
                     continue  # the owner fetches it
                 self._inflight.add(s)
             try:
-                self._obtain(s, time.monotonic() + self.policy.timeout_s, priority=j)
+                self._obtain(s, time.monotonic() + self.policy.timeout_s, priority=j, stop=stop, downloader=downloader)
             except Cancelled:
                 return
             except BaseException as e:  # kept for the reader: ensure() raises it, naming the shard
@@ -124,16 +139,17 @@ class _Fetching:
                     self._inflight.discard(s)
                     self._cond.notify_all()
 
-    def _obtain(self, s: int, deadline: float, priority: float = -1) -> None:
+    def _obtain(self, s: int, deadline: float, priority: float = -1, *, stop: threading.Event,
+                downloader: "Downloader") -> None:
         """Download shard ``s`` unless it is (or gets) there: under its flock, after the
         budget admitted it. The caller has put ``s`` in ``_inflight``."""
         path = self.path(s)
         lock = _Flock(self.dir / ".locks" / f"{self.names[s]}.lock")
         try:
-            while not lock.try_lock():  # another process downloads it
+            while not lock.try_lock():  # another process (or a thread left behind) downloads it
                 if path.exists():
                     return
-                if self._stop.is_set():
+                if stop.is_set():
                     raise Cancelled()
                 if time.monotonic() >= deadline:
                     raise self._timeout(s, deadline - self.policy.timeout_s)
@@ -141,8 +157,8 @@ class _Fetching:
             if path.exists():
                 return
             part = self.dir / f".{self.names[s]}.part"
-            self._reserve(s, part, deadline)
-            self.downloader.fetch(self.names[s], path, size=int(self.sizes[s]), checksum=self.remote.checksums[s],
+            self._reserve(s, part, deadline, stop)
+            downloader.fetch(self.names[s], path, size=int(self.sizes[s]), checksum=self.remote.checksums[s],
                                   part=part, label=self.names[s], deadline=deadline, priority=priority)
             for fn in self._fetch_hooks:  # e.g. the reader remembers the shard as verified
                 try:
@@ -156,28 +172,54 @@ class _Fetching:
         finally:
             lock.close()
 
-    def _reserve(self, s: int, part: Path, deadline: float) -> None:
+    def _lock_admission(self, deadline: float) -> bool:
+        """Take the in-process and the node-wide admission locks, waiting until ``deadline``
+        at most (a process stopped while holding the flock must not hang this one)."""
+        if not self._admit_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        if self._admission.lock(deadline - time.monotonic()):
+            return True
+        self._admit_lock.release()
+        return False
+
+    def _unlock_admission(self) -> None:
+        self._admission.unlock()
+        self._admit_lock.release()
+
+    def _admission_stuck(self, waited: float) -> str:
+        return (f"the cache's admission lock {self._admission.path} was not free for {waited:.0f}s: another "
+                f"process using the cache {self.dir} holds it and is stopped or hung (suspended with Ctrl-Z, "
+                "a debugger); resume or end it, or use another cache_dir")
+
+    def _reserve(self, s: int, part: Path, deadline: float, stop: threading.Event) -> None:
         """Wait until shard ``s`` fits in the budget next to what is on disk, then create its
-        partial file (which counts at full size for every other process from then on)."""
+        partial file (which counts at full size for every other process from then on).
+        Partial files of downloads that nobody writes any more are taken back first."""
         size = int(self.sizes[s])
+        t0 = time.monotonic()
         while True:
-            with self._admit_lock:
-                self._admission.lock()
-                try:
-                    node_t = self._refresh_node_t(force=True)
+            if not self._lock_admission(deadline):
+                raise DownloadTimeout(f"shard {self.names[s]} could not be admitted: "
+                                      + self._admission_stuck(time.monotonic() - t0),
+                                      shard=self.names[s], url=self.remote.shard_url(s))
+            try:
+                node_t = self._refresh_node_t(force=True)
+                complete, partial = self._present()
+                own_part = size if part.exists() else 0
+                used = sum(complete.values()) + partial - own_part
+                if used + size > self.limit and self._reclaim_stale_parts(keep=s):
                     complete, partial = self._present()
-                    own_part = size if part.exists() else 0
                     used = sum(complete.values()) + partial - own_part
-                    if used + size > self.limit:
-                        self._evict(node_t, used + size - self.limit)
-                        complete, partial = self._present()
-                        used = sum(complete.values()) + partial - own_part
-                    if used + size <= self.limit:
-                        part.touch()
-                        return
-                finally:
-                    self._admission.unlock()
-            if self._stop.is_set():
+                if used + size > self.limit:
+                    self._evict(node_t, used + size - self.limit)
+                    complete, partial = self._present()
+                    used = sum(complete.values()) + partial - own_part
+                if used + size <= self.limit:
+                    part.touch()
+                    return
+            finally:
+                self._unlock_admission()
+            if stop.is_set():
                 raise Cancelled()
             if time.monotonic() >= deadline:
                 raise DownloadTimeout(

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 from ..errors import parse_bytes
@@ -58,8 +59,18 @@ class _Flock:
         except BlockingIOError:
             return False
 
-    def lock(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+    def lock(self, timeout: float) -> bool:
+        """Take the lock, waiting at most ``timeout`` seconds (never without a deadline: the
+        holder may be a stopped process); False when it was not free by then."""
+        deadline = time.monotonic() + max(0.0, float(timeout))
+        pause = 0.001
+        while not self.try_lock():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(0.02, pause * 2)
+        return True
 
     def unlock(self) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
@@ -121,6 +132,34 @@ class _CacheFiles:
                 except FileNotFoundError:
                     pass
         return total
+
+    def _reclaim_stale_parts(self, keep: int = -1) -> int:
+        """Delete the partial downloads nobody is writing: their shard's flock is free, so
+        the process that made them died (``kill -9``) or gave up. They hold no budget any
+        more. Shard ``keep`` and this process's downloads in flight keep theirs (resumed).
+        Called with the admission lock held; returns the bytes released (at full size)."""
+        freed = 0
+        for e in os.scandir(self.dir):
+            n = e.name
+            if not (n.startswith(".") and n.endswith(".part")):
+                continue
+            j = self._index.get(n[1:-5])
+            if j is None or j == keep or j in self._inflight:
+                continue
+            lock = _Flock(self.dir / ".locks" / f"{self.names[j]}.lock")
+            try:
+                if not lock.try_lock():
+                    continue  # a live process downloads it
+                try:
+                    os.unlink(e.path)
+                except FileNotFoundError:
+                    continue
+                freed += int(self.sizes[j])
+                logger.info("fastload: removed %s, a partial download no process is writing (its process died "
+                            "or gave up): its room in the cache budget is free again", e.path)
+            finally:
+                lock.close()
+        return freed
 
     def _present(self) -> tuple[dict[int, int], int]:
         """(complete shard -> bytes, bytes of partial downloads at their full size)."""

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import numpy as np
 
+from ..errors import RemoteError
 from .schedule import EpochUses, admission_times
 
 __all__: list[str] = []
@@ -66,12 +68,13 @@ class _Timeline:
         self._release_passed()
         self._next_event = self._event_after(self._my_t)
         node_t = self._refresh_node_t(force=True)
-        with self._admit_lock:
-            self._admission.lock()
-            try:
-                self._evict(node_t, need=0)
-            finally:
-                self._admission.unlock()
+        t0 = time.monotonic()
+        if not self._lock_admission(t0 + self.policy.timeout_s):  # never without a deadline
+            raise RemoteError(f"eviction in {self.dir} stopped: " + self._admission_stuck(time.monotonic() - t0))
+        try:
+            self._evict(node_t, need=0)
+        finally:
+            self._unlock_admission()
         with self._cond:
             self._cond.notify_all()
 
