@@ -20,8 +20,9 @@ from .url import REMOTE_SCHEMES, display_url, is_remote
 def open_cache(url: str, *, cache_dir=None, cache_limit=None, filesystem=None, storage_options=None,
                download_timeout: float | None = None, download_threads: int | None = None, **kw) -> ShardCache:
     """The manifest at ``url`` and this node's cache of its shards (no thread started yet).
-    ``download_timeout``: seconds a shard may take (its deadline, default 600);
-    ``download_threads``: downloads in flight at most (default 4)."""
+    ``download_timeout``: seconds a shard may take (its deadline, default 600), which also
+    bounds the manifest's read (all its attempts); ``download_threads``: downloads in flight
+    at most (default 4)."""
     if download_timeout is not None:
         if isinstance(download_timeout, bool) or not isinstance(download_timeout, (int, float)) \
                 or not 0 < download_timeout < float("inf"):
@@ -33,7 +34,7 @@ def open_cache(url: str, *, cache_dir=None, cache_limit=None, filesystem=None, s
         kw["threads"] = check_int("download_threads", download_threads, min=1)
     if cache_limit is not None:
         parse_bytes(cache_limit, "cache_limit")  # before any request
-    remote = RemoteDataset(url, filesystem=filesystem, storage_options=storage_options)
+    remote = RemoteDataset(url, filesystem=filesystem, storage_options=storage_options, timeout=download_timeout)
     return ShardCache(remote, cache_dir=cache_dir, limit=cache_limit, **kw)
 
 __all__ = [

@@ -13,9 +13,11 @@ import time
 from typing import Any, Mapping
 
 from .. import manifest_checksum
-from ..errors import FormatError, RemoteError
+from ..errors import DownloadTimeout, FormatError, RemoteError
+from .bounded import call_within
+from .pacing import RetryPolicy
 from .transports import open_transport
-from .url import SAFE_NAME, FaultKind, Transport, classify
+from .url import SAFE_NAME, FaultKind, Transport, classify, display_url
 
 __all__ = ["RemoteDataset", "manifest_fingerprint", "check_manifest"]
 
@@ -67,12 +69,30 @@ def check_manifest(m: Any, where: str) -> dict:
 class RemoteDataset:
     """The manifest of a dataset at a URL, and the transport to fetch its files.
 
-    Opening makes one request (the manifest, retried on transient faults). Holds no secret:
-    the transport keeps credentials inside its filesystem object, never in ``url``."""
+    Opening makes one request (the manifest, retried on transient faults), all of it within
+    ``timeout`` seconds (the ``download_timeout``; default 600): the attempts, their pauses and
+    the client's own request retries together, then :class:`~fastload.errors.DownloadTimeout`
+    naming the manifest. Holds no secret: the transport keeps credentials inside its
+    filesystem object, never in ``url``."""
 
     def __init__(self, url: str, *, filesystem: Any = None, storage_options: Mapping[str, Any] | None = None,
-                 transport: Transport | None = None, attempts: int = 5):
-        self.transport = transport or open_transport(url, filesystem=filesystem, storage_options=storage_options)
+                 transport: Transport | None = None, attempts: int = 5, timeout: float | None = None):
+        self.timeout_s = float(RetryPolicy.timeout_s if timeout is None else timeout)
+        self._deadline = time.monotonic() + self.timeout_s
+        if transport is None:
+            # bounded too: creating pyarrow's S3 client waits for every S3 request in flight in
+            # the process (Arrow's client lock), e.g. one an earlier deadline left behind
+            try:
+                transport = call_within(lambda: open_transport(url, filesystem=filesystem,
+                                                               storage_options=storage_options),
+                                        self._deadline, what="creating the filesystem client")
+            except TimeoutError:
+                raise DownloadTimeout(
+                    f"the client for {display_url(url)} could not be created within {self.timeout_s:g}s: pyarrow "
+                    "creates an S3 client only once no S3 request of this process is in flight, and one is still "
+                    "waiting for a server (left behind at an earlier deadline); check the network and the server, "
+                    "or raise download_timeout= (fastload.Dataset / Loader)", url=display_url(url)) from None
+        self.transport = transport
         self.url = self.transport.url
         data = self._fetch_manifest(attempts)
         where = self.transport.file_url(MANIFEST)
@@ -101,10 +121,15 @@ class RemoteDataset:
         where = self.transport.file_url(MANIFEST)
         last: BaseException | None = None
         rebuilt = False
+        deadline = self._deadline
+        tried = 0
         for k in range(max(1, attempts)):
+            if time.monotonic() >= deadline:
+                break
+            tried += 1
             gen = self.transport.generation
-            try:
-                return self.transport.read_bytes(MANIFEST)
+            try:  # in a daemon thread: the deadline holds whatever the client's timeouts are
+                return call_within(lambda: self.transport.read_bytes(MANIFEST), deadline, what=f"reading {MANIFEST}")
             except Exception as e:  # classified below; anything unknown is re-raised
                 if isinstance(e, RemoteError):
                     raise
@@ -113,16 +138,30 @@ class RemoteDataset:
                     raise RemoteError(f"{where} does not exist: {self.url} is not a fastload dataset (or its upload "
                                       "has not finished: the manifest is written last)") from None
                 if kind == FaultKind.AUTH:
-                    if not rebuilt and self.transport.rebuild(gen):
-                        rebuilt = True
-                        continue
+                    if not rebuilt:
+                        try:
+                            again = call_within(lambda: self.transport.rebuild(gen), deadline,
+                                                what="reloading credentials")
+                        except TimeoutError:  # the deadline: raised at the loop's top
+                            last = e
+                            continue
+                        if again:
+                            rebuilt = True
+                            continue
                     raise RemoteError(f"credentials for {where} were refused ({_first_line(e)}); check the "
                                       "credentials (environment, credential files, role) or pass filesystem=") from None
                 if not isinstance(e, (OSError, ValueError)) and kind == FaultKind.TRANSIENT \
                         and not type(e).__module__.startswith(("http", "urllib", "socket")):
                     raise
                 last = e
-            time.sleep(min(10.0, 0.25 * 2 ** k) * random.uniform(0.5, 1.5))
+            if k + 1 < max(1, attempts):
+                time.sleep(max(0.0, min(min(10.0, 0.25 * 2 ** k) * random.uniform(0.5, 1.5),
+                                        deadline - time.monotonic())))
+        if time.monotonic() >= deadline:
+            raise DownloadTimeout(
+                f"{where} was not read within {self.timeout_s:g}s ({tried} attempt(s); last error: "
+                f"{_first_line(last)}); check the URL, the network and the server, or raise download_timeout= "
+                "(fastload.Dataset / Loader)", url=where)
         raise RemoteError(f"cannot read {where} after {attempts} attempts (last error: {_first_line(last)}); "
                           "check the URL, the network and the server")
 
