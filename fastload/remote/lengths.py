@@ -29,6 +29,11 @@ the file and raises, before any batch from that shard (or after it in the stream
 
 A server that does not answer byte ranges (an http server replying 200): the shards are read
 through the cache instead, as for a local dataset.
+
+Every wait is bounded by ``download_timeout`` (the policy's ``timeout_s``): each shard's read
+(its attempts run in a daemon thread, left behind at the deadline whatever the client's own
+timeouts are), and the wait for the node's rank that reads them (past it, this rank reads
+them itself).
 """
 from __future__ import annotations
 
@@ -43,8 +48,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DownloadError, FormatError
+from ..errors import DownloadError, DownloadTimeout, FormatError
+from .bounded import call_within
 from .download import TRANSIENT_ERRORS
+from .pacing import Cancelled
 from .ipc_layout import LayoutError, footer_length, list_column, parse_footer
 from .url import FaultKind, RangesUnsupported, classify
 
@@ -121,8 +128,17 @@ def fetch_offsets(transport, name: str, *, size: int, rows: int, field: str, pol
     last: BaseException | None = None
     while True:
         generation = transport.generation
-        try:
-            return _attempt(transport, name, size, rows, field)
+        if time.monotonic() >= deadline:
+            raise DownloadTimeout(f"the offsets of ragged field {field!r} in shard {name} were not read from {url} "
+                                  f"within {policy.timeout_s:g}s ({attempt} attempt(s); last error: "
+                                  f"{type(last).__name__}: {last}); check the network and the server, or raise "
+                                  "download_timeout=", shard=name, url=url)
+        try:  # in a daemon thread: the deadline holds whatever the client's own timeouts are
+            return call_within(lambda: _attempt(transport, name, size, rows, field), deadline,
+                               what=f"reading the offsets of {name}", stop=stop)
+        except Cancelled:
+            raise DownloadError(f"reading the lengths of {field!r} from {url} was stopped", shard=name,
+                                url=url) from None
         except (RangesUnsupported, DownloadError):
             raise
         except LayoutError as e:
@@ -141,11 +157,20 @@ def fetch_offsets(transport, name: str, *, size: int, rows: int, field: str, pol
             if kind == FaultKind.MISSING:
                 raise DownloadError(f"shard {name} does not exist at {url} ({e}); the remote dataset is incomplete "
                                     "or was moved", shard=name, url=url) from None
-            if kind == FaultKind.AUTH and not rebuilt and transport.rebuild(generation):
-                rebuilt = True
-                continue
+            if kind == FaultKind.AUTH and not rebuilt:
+                try:  # a new client: pyarrow's waits for the S3 requests in flight (bounded here)
+                    again = call_within(lambda: transport.rebuild(generation), deadline, what="reloading credentials",
+                                        stop=stop)
+                except TimeoutError:
+                    continue  # the deadline: raised at the loop's top
+                except Cancelled:
+                    raise DownloadError(f"reading the lengths of {field!r} from {url} was stopped", shard=name,
+                                        url=url) from None
+                if again:
+                    rebuilt = True
+                    continue
         attempt += 1
-        if attempt >= policy.attempts or time.monotonic() >= deadline:
+        if attempt >= policy.attempts and time.monotonic() < deadline:
             raise DownloadError(f"the offsets of ragged field {field!r} in shard {name} could not be read from {url} "
                                 f"after {attempt} attempts (last error: {type(last).__name__}: {last}); check the "
                                 "network and the server", shard=name, url=url)
@@ -205,7 +230,9 @@ def remote_lengths(reader, field: str, open_shard) -> np.ndarray:
         return v
     lock = _Flock(cache.dir / ".locks" / f"{path.stem}.lock")  # one rank of the node reads them
     try:
-        lock.lock()
+        if not lock.lock(cache.policy.timeout_s):
+            logger.warning("fastload: another process of this node has been reading the lengths of %r of %s for "
+                           "%gs (download_timeout); this one reads them too", field, cache.url, cache.policy.timeout_s)
         v = _load(path, len(reader))
         if v is None:
             v = _gather(reader, field, open_shard)
