@@ -157,3 +157,23 @@ def test_a_finished_pass_stays_finished(raw):
     with pytest.raises(StopIteration):
         next(it)
     loader.close()
+
+
+def test_close_does_not_wait_forever_for_pipelines_being_built(images, monkeypatch, caplog):
+    """A DALI build that hangs (a stuck driver) is left to its daemon thread after a deadline."""
+    import threading
+    import time
+
+    from fastload.loader import parts
+    from fastload.pipeline.runner import Runner
+
+    release = threading.Event()
+    monkeypatch.setattr(Runner, "prepare", lambda self: release.wait(60))
+    monkeypatch.setattr(parts, "WARM_JOIN_S", 0.3)
+    loader = fastload.Loader(str(images), batch_size=4, device="cpu", transforms={"image": fastload.vision.eval(16)})
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="fastload"):
+        loader.close()
+    assert time.monotonic() - t0 < 5
+    assert "did not finish within" in caplog.text
+    release.set()

@@ -101,7 +101,13 @@ class Loader:
             :class:`~fastload.loader.finish.BatchInfo` with a per-batch seed) run on host
             tensors in a fastload thread, before the device copy; errors name the samples.
         device_transform: ``fn(batch) -> batch`` on the device, on fastload's copy stream
-            (on the CPU: right after ``batch_transform``).
+            (on the CPU: right after ``batch_transform``). Either transform must return a dict
+            of tensors with the batch's rows along dim 0 (numpy arrays are converted; lists only
+            for string fields; packed ragged keys exempt; ``index`` put back if left out; see
+            :mod:`fastload.loader.finish`), else :class:`~fastload.TransformError`. Either may
+            take ``(batch, info)``; on CUDA, ``device_transform``'s tensors must be on
+            ``loader.device``. ``close()`` waits at most 10 s for a transform that does not
+            return, then warns (its thread is a daemon: the process still exits).
         mix, epoch_size, stop_on: with a list (or dict) of datasets as ``dataset``: their
             proportions and how long an epoch is (see :class:`fastload.Mixture`, which may
             also be passed as ``dataset``). Each batch then has ``batch["source"]``.
@@ -402,7 +408,7 @@ class Loader:
 
     def close(self) -> None:
         """Stop and join every thread, release the ring and DALI pipelines. Idempotent. Every
-        wait has a deadline. In a child forked from the process that made this Loader, it
+        wait has a deadline (a stuck transform: 10 s, then a warning). In a child forked from the process that made this Loader, it
         only marks it closed (the threads belong to the parent)."""
         self._closed = True
         if self._parts is None:

@@ -32,6 +32,8 @@ from .stats import Stats
 
 __all__ = ["Parts"]
 
+WARM_JOIN_S = 30.0  # close() waits this long for the DALI pipelines being built ahead
+
 logger = logging.getLogger("fastload")
 
 
@@ -238,9 +240,12 @@ class Parts:
             feeder.close()  # and with it what a pass looking ahead had put (loader.py)
         warm, self._warm = self._warm, None
         if warm is not None:
-            warm.join()  # a pipeline being built: closed below once it exists
+            warm.join(WARM_JOIN_S)  # a pipeline being built: closed below once it exists
         decoders, self._decoders = self._decoders, None
-        if decoders is not None:
+        if warm is not None and warm.is_alive():  # a build that hangs (a stuck GPU): left to it
+            logger.warning("fastload: building the DALI pipelines did not finish within %.0f s; closing without "
+                           "them (the daemon thread is left behind and does not keep the process alive)", WARM_JOIN_S)
+        elif decoders is not None:
             decoders.close()
         delivery, self._delivery = self._delivery, None
         if delivery is not None:
