@@ -201,6 +201,15 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
         monitor_interval = 0  # no monitor thread left running after convert() returns
 
     t0 = time.perf_counter()
+    # before anything is made that must be closed (a Ctrl-C while thousands of files are
+    # stat'ed leaves no progress bar or DALI checker behind)
+    inputs = source.inputs()
+    before = stat_files(inputs)
+    if source.opened:  # the states of the files the source read when it opened
+        for i, p in enumerate(inputs):
+            if p in source.opened:
+                s = source.opened[p]
+                before[i] = (-1, -1) if s is None else s
     skipped: list[dict] = []
     dst = Path(dst)
     image_fields = [n for n, f in source.fields.items() if f.kind == "image"]
@@ -212,13 +221,6 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
     checker = DaliImageCheck(threads=check_threads) if image_fields else None
     pending: list[tuple[int, dict, dict, int]] = []  # read, waiting for the DALI check, in source order
     resized = [0]  # images written re-encoded (--max-size)
-    inputs = source.inputs()
-    before = stat_files(inputs)
-    if source.opened:  # the states of the files the source read when it opened
-        for i, p in enumerate(inputs):
-            if p in source.opened:
-                s = source.opened[p]
-                before[i] = (-1, -1) if s is None else s
     _SOURCE = source
     try:
         with writer:
