@@ -215,15 +215,18 @@ class RemoteShards:
         return out
 
     def close(self) -> None:
-        """The Loader closes: no more callbacks into its ring; the download threads stop."""
+        """The Loader closes: no more callbacks into its ring; the download threads of every
+        cache stop, all within one ``retry.close_s`` (a transfer stalled in a read of its
+        server is left behind, with a warning: see :meth:`ShardCache.stop`)."""
         for c, hook in self._hooks:
             c.remove_release_hook(hook)
         self._hooks = []
         with self._lock:
             self._ring = None
             self._installed.clear()
-        for c in self._caches:
-            c.stop()
+        from ..remote.cache import stop_caches
+
+        stop_caches(self._caches)  # within one retry.close_s (2 s), whatever the servers do
 
 
 def download_stats(out: dict) -> dict:

@@ -90,9 +90,11 @@ class Downloader:
 
     def close(self, deadline: float | None = None) -> list[threading.Thread]:
         """Cut the streams still in flight (``stop`` should be set first), join the range
-        threads until ``deadline`` (they start again with the next download). Returns the
-        threads still blocked in a read of the server then (left behind: daemon threads whose
-        download is over; they write nothing more)."""
+        threads until ``deadline`` (default: ``policy.close_s`` from now; they start again
+        with the next download). Returns the threads still blocked in a read of the server
+        then (left behind: daemon threads whose download is over; they write nothing more)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.policy.close_s
         with self._pumps_lock:
             pumps = list(self._pumps)
         for p in pumps:
