@@ -89,8 +89,9 @@ class RemoteDataset:
             except TimeoutError:
                 raise DownloadTimeout(
                     f"the client for {display_url(url)} could not be created within {self.timeout_s:g}s: pyarrow "
-                    "creates an S3 client only once no S3 request of this process is in flight, and one is still "
-                    "waiting for a server (left behind at an earlier deadline); check the network and the server, "
+                    "creates an S3 client only once no S3 request of this process is in flight, and one was in flight "
+                    "all that time (a server that does not answer, e.g. a request left behind at an earlier "
+                    "deadline); check the network and the server, "
                     "or raise download_timeout= (fastload.Dataset / Loader)", url=display_url(url)) from None
         self.transport = transport
         self.url = self.transport.url
