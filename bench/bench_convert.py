@@ -88,8 +88,8 @@ def main(argv=None) -> list:
         a.images, a.repeats = 60, 1
     from PIL import Image
 
-    from fastload.sample_data import make_image_folder
-    from fastload.system import usable_cores
+    from fastload.demo.photos import make_image_folder
+    from fastload.runtime.system import usable_cores
 
     tmp = Path(tempfile.mkdtemp(prefix="fastload-bench-convert-"))
     try:

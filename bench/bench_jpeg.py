@@ -6,7 +6,7 @@ from disk: the limit) and FFCV where it is installed.
     .venv/bin/python bench/bench_jpeg.py --smoke      # 128 photos, one repeat
     .venv/bin/python bench/bench_jpeg.py --images 5000 --batch-size 128 --repeats 5
 
-The images are JPEG crops of real photographs (fastload.sample_data, longer side 300-500 px,
+The images are JPEG crops of real photographs (fastload.demo.photos, longer side 300-500 px,
 quality 90) in an ImageFolder tree; fastload reads the same images converted to its store.
 Every row is one shuffled epoch of 224x224 crops in batches, run round-robin with the others
 (interleaved_times); each figure is the median with the min–max of the repeats, and ratios
@@ -55,8 +55,8 @@ import fastload
 from fastload.bench.baseline import EpochSampler, PILImageWork
 from fastload.bench.report import (Measurement, Spread, headline, interleaved_cold_starts, interleaved_times,
                                    print_table, system_info, wait_until_idle)
-from fastload.sample_data import make_image_folder
-from fastload.system import usable_cores
+from fastload.demo.photos import make_image_folder
+from fastload.runtime.system import usable_cores
 
 HERE = Path(__file__).resolve().parent
 MAX_SIZE = 256  # the pre-resized store's --max-size

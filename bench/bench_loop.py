@@ -11,7 +11,7 @@ and backward, with every system feeding the same batches:
 * **MLP on MNIST-like rows**: 60,000 x 784 float32 + int64 labels, batch 300, a 784-256-10
   MLP with SGD. Systems: the batches pre-gathered in memory (the limit: the loop alone),
   ``DataLoader(TensorDataset)`` with num_workers 0 and 2, and ``fastload.Loader``.
-* **Small CNN on photos**: real-photo JPEGs (``fastload.sample_data``), RandomResizedCrop 224
+* **Small CNN on photos**: real-photo JPEGs (``fastload.demo.photos``), RandomResizedCrop 224
   + flip + normalise (float32 CHW), batch 32, a small 3-layer CNN. Systems: the decoded
   batches held in memory (the limit), ``DataLoader`` + PIL doing the same crops
   (``fastload.bench.baseline``) with num_workers 0 and 2, and ``fastload.Loader`` with
@@ -60,8 +60,8 @@ from fastload.bench.models import mlp, sgd, small_cnn  # noqa: E402
 from fastload.bench.report import Measurement, Spread, headline, paired_ratios, print_table, system_info  # noqa: E402
 from fastload.loader.parts import images_checked  # noqa: E402
 from fastload.pipeline.host_tail import one_torch_thread  # noqa: E402
-from fastload.sample_data import make_image_folder  # noqa: E402
-from fastload.system import loader_nice, usable_cores  # noqa: E402
+from fastload.demo.photos import make_image_folder  # noqa: E402
+from fastload.runtime.system import loader_nice, usable_cores  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- the loops

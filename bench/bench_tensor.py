@@ -45,8 +45,8 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from fastload.bench.report import Measurement, headline, interleaved_medians, interleaved_times, print_table, system_info
 from fastload import _C
-from fastload.ring import Ring, default_slots, default_threads
-from fastload.system import loader_nice
+from fastload.ring.ring import Ring, default_slots, default_threads
+from fastload.runtime.system import loader_nice
 
 
 # ---------------------------------------------------------------------------- building blocks

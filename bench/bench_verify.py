@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
         print_rows(f"raw rows, {n:,} x 784 float32", res, "samples/s")
         out = {"raw": res}
         if a.images:
-            from fastload.sample_data import make_image_folder
+            from fastload.demo.photos import make_image_folder
             make_image_folder(tmp / "jpg", a.images, classes=4, min_side=200, max_side=320)
             fastload.convert("imagefolder", tmp / "jpg", tmp / "img", progress=False)
             _let_settle()

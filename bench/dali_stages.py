@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 from fastload.bench.report import Spread, interleaved_times, system_info
-from fastload.sample_data import make_image_folder
-from fastload.system import usable_cores
+from fastload.demo.photos import make_image_folder
+from fastload.runtime.system import usable_cores
 
 SIZE = 224
 

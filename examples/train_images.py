@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     rank = dist.get_rank() if distributed else 0
     data = Path(a.data)
     if a.make_data and rank == 0 and not (data / "manifest.json").exists():
-        from fastload.sample_data import make_image_folder
+        from fastload.demo.photos import make_image_folder
         make_image_folder(data.with_name(data.name + "-src"), a.make_data, seed=0)
         fastload.convert("imagefolder", data.with_name(data.name + "-src"), data, progress=False)
     if distributed:

@@ -51,7 +51,7 @@ _HOMES = {
     "FormatError": "fastload.errors",
     "Loader": "fastload.loader",
     "MissingFileError": "fastload.errors",
-    "Mixture": "fastload.mixture",
+    "Mixture": "fastload.store.mixture",
     "NoSpaceError": "fastload.errors",
     "Ragged": "fastload.store",
     "SampleError": "fastload.errors",

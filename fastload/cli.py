@@ -149,7 +149,7 @@ def cmd_verify(a, out: Output) -> int:
 
     try:
         if is_remote(a.path):  # every shard downloaded and checked, or the copy in --local DIR
-            from .remote.publish import verify_remote
+            from .convert.publish import verify_remote
 
             problems = verify_remote(a.path, local=a.local)
         elif a.local is not None:
@@ -186,7 +186,7 @@ def cmd_recover(a, out: Output) -> int:
 
 # -- prefetch ----------------------------------------------------------------------------
 def cmd_prefetch(a, out: Output) -> int:
-    from .remote.publish import prefetch
+    from .convert.publish import prefetch
     from .store.inspect import human_bytes
 
     def progress(done: int, total: int) -> None:

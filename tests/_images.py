@@ -20,7 +20,7 @@ def jpeg(a: np.ndarray, quality: int = 90) -> bytes:
 def write_photo_crops(path: Path, n: int, shard_size: str) -> Path:
     """``n`` JPEG crops of 80-199 px per side from four photos, labels ``i % 4``, keys
     ``img000.jpg``..., in shards of ``shard_size`` (seeded: the same bytes every run)."""
-    from fastload.sample_data import photos
+    from fastload.demo.photos import photos
 
     p = list(photos(["astronaut", "chelsea", "coffee", "rocket"]).values())
     rng = np.random.default_rng(1)

@@ -11,7 +11,7 @@ import pytest
 
 from _resume import as_numpy, assert_same  # noqa: F401  (assert_same: for the remote tests)
 from fastload.remote import RemoteDataset, RetryPolicy, ShardCache, epoch_uses
-from fastload.remote.testing import FaultProxy, MotoS3, upload_dir
+from _servers import FaultProxy, MotoS3, upload_dir
 
 BUCKET = "fastload-test"
 ROWS, DIM = 3000, 64  # float32 rows of 256 B + an int64: ~30 KB of data per shard at 32 KB shards

@@ -28,7 +28,7 @@ def sampler_epoch(n: int, batch_size: int, seed: int, epoch: int, stop_after: in
     """Each rank builds its Sampler from the process group; returns what the ranks read
     together (gathered collectively) and rank 0's state after `stop_after` steps."""
     from fastload import Sampler
-    from fastload.world import World
+    from fastload.runtime.world import World
 
     world = World.detect()
     assert world.source == "torch.distributed", world
@@ -76,7 +76,7 @@ def mixture_epoch(paths: dict, stop_after: int | None = None, state: dict | None
     `state`); returns the mixed samples' x (gathered over ranks, step by step) and the state."""
     import fastload
 
-    from fastload.mixture import Mixture
+    from fastload.store.mixture import Mixture
 
     mix = Mixture({n: fastload.Dataset(p) for n, p in paths.items()}, [0.5, 0.3, 0.2], epoch_size=333)
     with fastload.Loader(mix, batch_size=8, seed=11) as loader:

@@ -142,12 +142,12 @@ def test_a_batch_size_beyond_the_dataset_makes_slots_of_what_the_dataset_can_fil
 
 
 def test_slots_that_do_not_fit_in_memory_are_refused_before_allocating(ds_path, monkeypatch):
-    import fastload.system
-    monkeypatch.setattr(fastload.system, "available_memory", lambda: 8 << 10)
+    import fastload.runtime.system
+    monkeypatch.setattr(fastload.runtime.system, "available_memory", lambda: 8 << 10)
     with pytest.raises(ValueError, match=r"batch_size=50 \(50 rows per batch on this rank\) with prefetch=2 .* "
                                          r"needs .* of memory, but only .* is available; lower batch_size or prefetch"):
         fastload.Loader(ds_path, batch_size=50, prefetch=2, device="cpu")
-    from fastload.ring import Ring
+    from fastload.ring.ring import Ring
     with pytest.raises(ValueError, match="lower batch_size or the number of slots"):
         Ring({"x": (np.float32, (1024,))}, 1000, slots=4)
     monkeypatch.undo()

@@ -141,7 +141,7 @@ def test_closing_mid_epoch_with_a_slow_transform_joins_the_thread(ds):
 def test_with_image_fields_decoded_by_dali_and_an_early_close(tmp_path):
     from PIL import Image
 
-    from fastload.sample_data import photos
+    from fastload.demo.photos import photos
 
     p = photos(["chelsea"])["chelsea"]
     with fastload.ShardWriter(tmp_path / "img", {"image": "image", "label": "int64"}) as w:

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 import fastload
-from fastload.sample_data import make_image_folder
+from fastload.demo.photos import make_image_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -220,7 +220,7 @@ def test_pil_baseline_pixels_match_the_loader(tmp_path):
 # -- the report module shared with bench/*.py ----------------------------------------------------
 def test_report_timing_rows_and_tables():
     from fastload.bench import report
-    from fastload.system import usable_cores
+    from fastload.runtime.system import usable_cores
 
     calls = []
     med = report.interleaved_medians({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},

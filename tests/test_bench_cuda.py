@@ -39,7 +39,7 @@ def test_cuda_step_is_gpu_work_and_the_clock_waits_for_the_device(raw, monkeypat
 
 @pytest.fixture
 def images(tmp_path):
-    from fastload.sample_data import make_image_folder
+    from fastload.demo.photos import make_image_folder
 
     make_image_folder(tmp_path / "src", 24, seed=0, min_side=64, max_side=96)
     fastload.convert("imagefolder", tmp_path / "src", tmp_path / "ds", progress=False)

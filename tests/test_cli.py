@@ -276,10 +276,11 @@ def test_cycle_scan_sees_function_level_relative_and_lazy_imports(tmp_path):
 
 # -- one home for shared policies (in the CLI and benchmark code) -----------------------------------
 def test_bench_and_cli_code_have_no_own_core_count_or_crop():
-    files = [*sorted((PKG / "bench").glob("*.py")), PKG / "cli.py", PKG / "demo.py", *sorted((ROOT / "bench").glob("*.py"))]
+    files = [*sorted((PKG / "bench").glob("*.py")), PKG / "cli.py", *sorted((PKG / "demo").glob("*.py")),
+             *sorted((ROOT / "bench").glob("*.py"))]
     for f in files:
         text = f.read_text()
-        assert "sched_getaffinity" not in text and "cpu_count" not in text, f"{f}: use fastload.system.usable_cores()"
+        assert "sched_getaffinity" not in text and "cpu_count" not in text, f"{f}: use fastload.runtime.system.usable_cores()"
         tree = ast.parse(text)
         crops = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))
                  and "crop" in n.name.lower()]

@@ -14,7 +14,7 @@ from PIL import Image
 
 import fastload
 from fastload.convert import ConvertError, convert
-from fastload.sample_data import make_image_folder
+from fastload.demo.photos import make_image_folder
 
 
 def run_cli(*args, check=None):

@@ -19,7 +19,7 @@ from PIL import Image
 import fastload
 from fastload.convert import ConvertError, convert
 from fastload.errors import UsageError
-from fastload.sample_data import photos
+from fastload.demo.photos import photos
 
 N = 128
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,7 +220,7 @@ def test_table_paths_and_bytes_and_webdataset(tmp_path):
 @pytest.fixture(scope="module")
 def many(tmp_path_factory) -> Path:
     """60 photo crops, longer sides 64-300 px: about half above N."""
-    from fastload.sample_data import make_image_folder
+    from fastload.demo.photos import make_image_folder
 
     return make_image_folder(tmp_path_factory.mktemp("many") / "images", 60, seed=5, min_side=64, max_side=300)
 

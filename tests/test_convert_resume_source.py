@@ -31,7 +31,7 @@ from fastload.convert.plan import load_plan, make_plan
 from fastload.convert.sourcestate import SourceChanged
 from fastload.convert.task import run_group
 from _remote import _aws_sdk_event_loop, moto, s3_env  # noqa: F401 (fixtures)
-from fastload.sample_data import make_image_folder
+from fastload.demo.photos import make_image_folder
 
 PARTS = ".fastload-parts"
 HERE = Path(__file__).resolve().parent
@@ -349,7 +349,7 @@ def test_an_object_store_dst_resumes_changed_images_and_refuses_added_ones(folde
         plan_of("imagefolder", folder, url, resume=True)
     (files[0].parent / "late.jpg").unlink()
     commit(again)
-    from fastload.remote.publish import prefetch
+    from fastload.convert.publish import prefetch
 
     prefetch(url, tmp_path / "copy")
     convert("imagefolder", folder, tmp_path / "ref", workers=0, progress=False)

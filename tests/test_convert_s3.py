@@ -19,7 +19,7 @@ from fastload.convert import ConvertError, convert
 from fastload.convert.commit import commit
 from fastload.convert.plan import load_plan, make_plan
 from fastload.convert.task import run_group
-from fastload.remote.publish import prefetch
+from fastload.convert.publish import prefetch
 from test_convert_scale import (PARTS, SHARD, _npz, assert_same, corrupt_copy, dali_threads, have_ray,  # noqa: F401
                                 heavy_modules, images, inline, reference, run_engine)
 

@@ -26,7 +26,7 @@ from fastload.convert import ConvertError, convert
 from fastload.convert.commit import commit
 from fastload.convert.plan import PLAN, load_plan, make_plan
 from fastload.convert.task import run_group
-from fastload.sample_data import make_image_folder
+from fastload.demo.photos import make_image_folder
 from fastload.store import verify
 
 HERE = Path(__file__).resolve().parent
@@ -448,7 +448,7 @@ def test_a_ray_that_cannot_start_leaves_no_plan(images, tmp_path, monkeypatch):
 # -- Ray ---------------------------------------------------------------------------------------
 @have_ray
 def test_an_unreachable_ray_address_is_refused_at_once_and_leaves_no_plan(images, tmp_path):
-    from fastload.remote.testing import free_port
+    from _servers import free_port
 
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.monotonic()

@@ -18,7 +18,7 @@ from PIL import Image
 import fastload
 from fake_cuda import ERROR_MEMORY_ALLOCATION, FakeCuda, fake_dali_on_gpu
 from fastload import DecodeError, Loader, vision
-from fastload.sample_data import photos
+from fastload.demo.photos import photos
 
 
 @pytest.fixture
@@ -281,9 +281,9 @@ def test_cuda_image_prefetch_is_budgeted_in_device_bytes(fake, images):
 def test_a_slot_is_held_until_its_copy_has_run(fake):
     """The ring's slot stays leased while the GPU has not run the copy out of it, and only
     then goes back to the free list (review test B: leases held until their events complete)."""
-    from fastload.device import guard
+    from fastload.runtime.device import guard
     from fastload.loader.cuda import CudaDelivery
-    from fastload.ring import Ring
+    from fastload.ring.ring import Ring
 
     x = np.arange(64 * 4, dtype=np.int64).reshape(64, 4)
     with Ring({"x": (np.int64, (4,)), "index": (np.int64, ())}, 8, {"x": [x]}, index_field="index", threads=1,

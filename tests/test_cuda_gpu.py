@@ -25,7 +25,7 @@ from PIL import Image
 
 import fastload
 from fastload import Loader, vision
-from fastload.sample_data import photos
+from fastload.demo.photos import photos
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +68,7 @@ def raw_ds(tmp_path_factory):
 @pytest.fixture(scope="module")
 def photo_ds(tmp_path_factory):
     root = tmp_path_factory.mktemp("photos")
-    from fastload.sample_data import make_image_folder
+    from fastload.demo.photos import make_image_folder
 
     make_image_folder(root / "src", 512, seed=0)
     fastload.convert("imagefolder", root / "src", root / "ds", progress=False)
@@ -135,7 +135,7 @@ def test_a_failed_registration_leaves_no_error_behind():
     raise it from an unrelated operation."""
     import mmap
 
-    from fastload.device import clear_cuda_error
+    from fastload.runtime.device import clear_cuda_error
 
     mem = mmap.mmap(-1, 2 << 12)  # page-aligned, like a ring slot
     buf = np.frombuffer(mem, np.uint8)

@@ -26,7 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKED = sorted([*(ROOT / "fastload" / "loader").glob("*.py"), *(ROOT / "fastload" / "pipeline").glob("*.py"),
-                  *(ROOT / "fastload").glob("ring*.py"), ROOT / "fastload" / "device.py"])
+                  *(ROOT / "fastload" / "ring").glob("*.py"), ROOT / "fastload" / "runtime" / "device.py"])
 DTYPES = {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
 
 
@@ -116,7 +116,7 @@ def test_no_blocking_copy_or_spinning_wait(path):
 def test_the_checked_files_are_the_cuda_path():
     names = {str(p.relative_to(ROOT)) for p in CHECKED}
     assert {"fastload/loader/cuda.py", "fastload/pipeline/runner.py", "fastload/loader/feeder.py",
-            "fastload/loader/threaded.py", "fastload/ring.py"} <= names
+            "fastload/loader/threaded.py", "fastload/ring/ring.py"} <= names
 
 
 @pytest.mark.parametrize("code, found", [

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 import fastload
-from fastload.sample_data import photos
+from fastload.demo.photos import photos
 
 
 def _jpeg(arr, exif_orientation=None):

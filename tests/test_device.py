@@ -1,5 +1,5 @@
-"""fastload.device: which GPU a Loader uses (review test J, F11), the per-thread rules, the
-CUDA error a handled failure leaves behind (F7); fastload.system: threads per rank (F6)."""
+"""fastload.runtime.device: which GPU a Loader uses (review test J, F11), the per-thread rules, the
+CUDA error a handled failure leaves behind (F7); fastload.runtime.system: threads per rank (F6)."""
 from __future__ import annotations
 
 import threading
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fake_cuda import ERROR_MEMORY_ALLOCATION, FakeCuda
-from fastload import device as D
-from fastload import system
+from fastload.runtime import device as D
+from fastload.runtime import system
 
 
 @pytest.fixture

@@ -97,7 +97,7 @@ def test_a_forked_child_does_not_inherit_running_engines(datasets, kind):
 
 
 def test_a_drain_waits_for_a_batch_that_never_comes_only_until_its_deadline():
-    from fastload.ring import Ring
+    from fastload.ring.ring import Ring
     with Ring({"x": (np.int64, ())}, 4, threads=1) as ring:
         held = ring.acquire()  # filled by nobody
         t0 = time.perf_counter()

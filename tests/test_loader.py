@@ -13,7 +13,7 @@ import torch
 
 import fastload
 from fastload import DecodeError, Loader, Sampler, vision
-from fastload.sample_data import photos
+from fastload.demo.photos import photos
 from _images import jpeg, write_photo_crops
 
 
@@ -439,7 +439,7 @@ def test_cuda_batches(raw_ds, image_ds):  # pragma: no cover - no GPU here
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_delivery_pins_slots_and_copies_async():  # pragma: no cover - no GPU here
     from fastload.loader.cuda import CudaDelivery
-    from fastload.ring import Ring
+    from fastload.ring.ring import Ring
 
     rng = np.random.default_rng(8)
     x = rng.standard_normal((1000, 784), dtype=np.float32)
@@ -506,7 +506,7 @@ def test_state_at_the_end_of_an_epoch_with_drop_last_resumes_to_nothing(raw_ds):
 
 def test_default_cuda_device_follows_local_rank(monkeypatch):
     """Under torchrun every rank must not pile onto cuda:0 (logic only: no GPU here)."""
-    from fastload import device as L
+    from fastload.runtime import device as L
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     cur = {"d": 0}
@@ -558,7 +558,7 @@ def _thread_nices_now(prefix: str) -> list[int]:
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="per-thread nice is Linux's")
 def test_loader_threads_run_below_the_training_loop(raw_ds, image_ds, monkeypatch):
     from fastload.errors import UsageError
-    from fastload.system import LOADER_NICE
+    from fastload.runtime.system import LOADER_NICE
 
     ds, _ = raw_ds
     with Loader(ds, batch_size=64, threads=2) as lo:
@@ -587,7 +587,7 @@ def test_dali_pipelines_are_built_ahead_at_the_loaders_priority(image_ds, monkey
     """The image fields' DALI pipelines are built in a thread as the Loader is made (while a
     script builds its model), not when the first batch is asked for; DALI's threads inherit
     the loader's priority from it. Batches are those of a Loader that built nothing ahead."""
-    from fastload.system import LOADER_NICE
+    from fastload.runtime.system import LOADER_NICE
 
     tf = {"image": vision.train(32)}
     with Loader(image_ds, batch_size=8, transforms=tf, seed=4) as lo:

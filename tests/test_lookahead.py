@@ -13,7 +13,7 @@ import torch
 
 import fastload
 from fastload import DecodeError, Loader, Sampler, vision
-from fastload.sample_data import photos
+from fastload.demo.photos import photos
 from _images import jpeg, write_photo_crops
 
 KW = dict(batch_size=8, transforms={"image": vision.train(32)}, seed=3, prefetch=4)
@@ -110,7 +110,7 @@ def test_ctrl_c_inside_the_last_batchs_get_leaves_the_next_epoch_whole(image_ds,
     it is closed and drained, not kept for the next epoch (which would deliver this epoch's
     last batch first, or raw fields with another batch's images)."""
     from fastload.loader.feeder import ImageFeeder
-    from fastload.ring import Ring
+    from fastload.ring.ring import Ring
 
     cls, name = (Ring, "get_batch") if where == "get_batch" else (ImageFeeder, "wait_acquired")
     orig = getattr(cls, name)

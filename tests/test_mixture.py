@@ -6,7 +6,8 @@ import pytest
 
 import fastload
 from fastload.errors import FormatError
-from fastload.mixture import Mixture, MixtureSampler, batch_counts
+from fastload.store.mixture import Mixture
+from fastload.sampling.mixture import MixtureSampler, batch_counts
 from fastload.store import ShardWriter
 from _dist import run_ranks
 from _resume import check_resume, rows_read
@@ -158,13 +159,14 @@ def test_resume_packed_mixture(datasets):
 
 def test_resume_at_another_world_size_reads_every_position_once(datasets):
     make = _make(datasets, drop_last=False)
-    sampler = MixtureSampler(Mixture(datasets, [0.5, 0.3, 0.2], epoch_size=333), batch_size=8, seed=11)
+    mixture = Mixture(datasets, [0.5, 0.3, 0.2], epoch_size=333)
+    sampler = MixtureSampler(mixture, batch_size=8, seed=11)
     stream = sampler.stream(0)
     full, _ = rows_read(make, 1, key="x")
     head, state = rows_read(make, 3, stop_after=5, key="x")
     tail, _ = rows_read(make, 2, state=state, key="x")
     starts = np.array([OFFSET[n] for n in SIZES])
-    want = sampler.mixture.reader.split(stream)
+    want = mixture.reader.split(stream)
     want = starts[want[0]] + want[1]
     assert np.array_equal(full, want)
     got = np.concatenate([head, tail])

@@ -12,7 +12,7 @@ from PIL import Image
 from fastload import vision
 from fastload.pipeline import BadSamples
 from fastload.pipeline.crops import random_resized_crop, train_params, uniforms
-from fastload.sample_data import photos
+from fastload.demo.photos import photos
 
 
 def encode(img: np.ndarray, fmt: str = "JPEG", **kw) -> np.ndarray:

@@ -204,7 +204,7 @@ def test_images_with_ragged_captions_and_a_replaced_undecodable_image(tmp_path):
 
     from PIL import Image
 
-    from fastload.sample_data import photos
+    from fastload.demo.photos import photos
 
     p = photos(["coffee"])["coffee"]
     caps = [np.arange(i % 5 + i // 5, dtype=np.int32) + 100 * i for i in range(16)]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import fastload
-from fastload.packing import max_pieces, pack_bounds, pieces
+from fastload.sampling.packing import max_pieces, pack_bounds, pieces
 from fastload.store import ShardWriter
 from test_ragged_loader import pack_reference
 
@@ -48,7 +48,7 @@ def test_pack_to_longer_than_the_whole_corpus(tmp_path, world_size):
 
 
 def test_the_piece_bound_holds_in_any_order_and_the_epoch_pieces_equal_each_batch_s(tmp_path):
-    from fastload.packing import epoch_pieces
+    from fastload.sampling.packing import epoch_pieces
 
     rng = np.random.default_rng(7)
     for trial in range(400):

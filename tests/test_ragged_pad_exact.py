@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fastload
-from fastload.ringspec import RaggedField, pad_check
+from fastload.ring.spec import RaggedField, pad_check
 from fastload.store import ShardWriter
 
 FLOATS = {"float16": 11, "float32": 24, "float64": 53}  # significand bits
@@ -90,7 +90,7 @@ def test_integer_dtypes_still_refuse_what_they_cannot_hold(ds):
 
 
 def test_the_ring_refuses_the_same_pads(ds):
-    from fastload.ring import Ring
+    from fastload.ring.ring import Ring
 
     vals = np.arange(6, dtype=np.float32)
     off = np.array([0, 2, 6], dtype=np.int64)

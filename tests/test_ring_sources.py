@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from fastload.ring import Ring
+from fastload.ring.ring import Ring
 
 
 def _shards(n=3, rows=50, dim=4):
@@ -154,7 +154,7 @@ def _want(pairs, shard, row, start=None, count=None):
 
 
 def _ragged_ring(pairs, x, **kw):
-    from fastload.ring import RaggedField
+    from fastload.ring.ring import RaggedField
 
     return Ring({"x": (np.float32, (4,)), "tok": RaggedField(np.int32, capacity=kw.pop("capacity", 64))}, 8,
                 {"x": x, "tok": pairs}, shard_rows=[50] * len(x), **kw)
@@ -222,7 +222,7 @@ def test_ragged_swaps_while_batches_are_planned_and_gathered(padded):
     """Stress: shard 0's sources go A -> None -> B -> ... in one thread while another submits
     many batches (plans read the offsets) and producers gather them in parts. Every batch
     equals the batch gathered from A alone or from B alone, or fails naming shard 0."""
-    from fastload.ring import RaggedField
+    from fastload.ring.ring import RaggedField
 
     rng = np.random.default_rng(3)
     rows = 300

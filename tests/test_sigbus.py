@@ -87,7 +87,7 @@ print("CLOSED")
 """,
     # the Ring alone: the failed batch names its shard, later batches of other shards work
     "ring": """
-from fastload.ring import Ring
+from fastload.ring.ring import Ring
 ds = fastload.Dataset(path, verify="off")
 src = [ds.column(s, "x", verify=False) for s in range(ds.num_shards)]
 with Ring({"x": (np.float32, (%(ROW)d,))}, 8, {"x": src}, threads=2) as ring:

@@ -32,7 +32,7 @@ def test_every_field_kind_round_trips_bytes_equal(tmp_path):
     fields = {f"t_{d}": f"{d}[2,3]" for d in dtypes}
     fields.update({f"s_{d}": d for d in dtypes if not d.startswith("complex")})
     fields.update({"img": "image", "raw": "bytes", "txt": "string"})
-    from fastload.sample_data import photos, random_jpeg
+    from fastload.demo.photos import photos, random_jpeg
     jpeg = random_jpeg(next(iter(photos(["astronaut"]).values())), rng)
     samples = []
     for i in range(7):

@@ -130,7 +130,7 @@ def test_object_store_writers_seal_and_remote_readers_check(moto, s3_env, tmp_pa
     object store, prefetch; a remote manifest whose content was changed is refused by
     RemoteDataset, Dataset(url), prefetch and verify."""
     from fastload.remote import RemoteDataset
-    from fastload.remote.publish import prefetch, upload_dataset, verify_remote
+    from fastload.convert.publish import prefetch, upload_dataset, verify_remote
     from test_convert_scale import _npz, inline
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{moto.endpoint}")

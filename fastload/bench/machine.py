@@ -51,10 +51,10 @@ def _gpu_name() -> str | None:
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU, usable cores (:func:`fastload.system.usable_cores`), memory, GPU (if any, as torch
+    """CPU, usable cores (:func:`fastload.runtime.system.usable_cores`), memory, GPU (if any, as torch
     sees it) and library versions."""
     from fastload import __version__
-    from fastload.system import usable_cores
+    from fastload.runtime.system import usable_cores
 
     versions = {"numpy": _dist_version("numpy"), "torch": _dist_version("torch"),
                 "pyarrow": _dist_version("pyarrow"),

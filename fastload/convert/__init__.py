@@ -97,7 +97,7 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
         raise ConvertError(f"{dst} is inside the source {src}; choose a destination outside it "
                            "(the dataset would become part of its own source)")
     if remote and engine == "local":  # converted in a local staging directory, then uploaded, manifest last
-        from ..remote.publish import convert_to_remote
+        from .publish import convert_to_remote
 
         return convert_to_remote(convert, kind, src, dst, overwrite=overwrite, workers=workers,
                                  shard_size=shard_size, on_error=on_error, label=label, image_columns=image_columns,

@@ -25,7 +25,7 @@ from ..store.format import DEFAULT_SHARD_SIZE, MANIFEST, MIN_SHARD_SIZE, SKIPPED
 from ..store.geometry import DEFAULT_MAX_PIXELS
 from ..store.report import write_report
 from ..store.writer import ShardWriter
-from ..system import usable_cores
+from ..runtime.system import usable_cores
 from ..validate import check_bool, check_choice, check_int
 from .imagecheck import DaliImageCheck, MAX_BATCH as MAX_CHECK_BATCH
 from .images import DECODABLE_FORMATS, IMAGE_EXTENSIONS, check_image, prepare_image  # noqa: F401 (re-exported)

@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from ..pipeline.quiet import decoder_output_captured, messages_since
-from ..system import usable_cores
+from ..runtime.system import usable_cores
 
 __all__ = ["DaliImageCheck"]
 

@@ -286,12 +286,12 @@ def _run_remote_group(plan: Plan, g: int, on_error: str, t0: float) -> dict:
 
 def _scratch_root() -> Path:
     """Where an object-store task converts its group before uploading it: fastload's cache
-    directory (:func:`fastload.system.cache_root`: $FASTLOAD_CACHE, ~/.cache/fastload, or
+    directory (:func:`fastload.runtime.system.cache_root`: $FASTLOAD_CACHE, ~/.cache/fastload, or
     without a home directory $XDG_CACHE_HOME/fastload or a private temporary directory; the
     temporary directory itself when none of those is safely this user's)."""
     import tempfile
 
-    from ..system import cache_root
+    from ..runtime.system import cache_root
 
     root = cache_root()
     if root is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..system import IMAGE_FEEDERS, LOADER_NICE
+from ..runtime.system import IMAGE_FEEDERS, LOADER_NICE
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 NO_GPU_NOTE = "no GPU: nothing ran on a device"

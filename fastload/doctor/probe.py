@@ -73,7 +73,7 @@ def _thread_plan(f: Facts) -> None:
     from ..errors import UsageError
     from ..loader.options import default_gather_threads
     from ..pipeline import default_threads as dali_default
-    from ..system import loader_nice
+    from ..runtime.system import loader_nice
 
     f.gather_threads = default_gather_threads()
     f.dali_threads = DECODE_WORKERS * dali_default(f.device)
@@ -110,7 +110,7 @@ def _dataset(f: Facts, batch_size: int) -> None:
 def gather(device: str = "cuda", dataset: str | None = None, batch_size: int = 256) -> Facts:
     import torch
 
-    from ..system import local_world_size, usable_cores
+    from ..runtime.system import local_world_size, usable_cores
 
     f = Facts(device=device, dataset=dataset)
     f.driver, f.driver_cuda, f.gpus, f.driver_error = _nvml()
@@ -139,7 +139,7 @@ def gather(device: str = "cuda", dataset: str | None = None, batch_size: int = 2
     if f.dali_version is not None:
         dev_id = None
         if device == "cuda" and f.gpu_usable:
-            from ..device import resolve_device, select
+            from ..runtime.device import resolve_device, select
 
             dev_id = resolve_device("cuda").index  # the GPU a Loader of this rank would use
             select(dev_id)  # and nothing of this process on another one

@@ -13,7 +13,7 @@ ready events, which the consumer's stream waits on. Nothing is waited for on the
 batch.
 
 One CUDA context per rank: the workers select the loader's device before anything else, and
-the consumer side wraps its CUDA calls in a device guard (``fastload.device``), so no call
+the consumer side wraps its CUDA calls in a device guard (``fastload.runtime.device``), so no call
 lands on cuda:0 from a thread whose current device is still 0.
 
 Everything else (the sampler's plan, the ring, the bad-image policy, stats) is shared with
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..device import clear_cuda_error, guard
+from ..runtime.device import clear_cuda_error, guard
 from .feeder import ImageFeeder
 from .source import INDEX, Ready, RingFedSource
 

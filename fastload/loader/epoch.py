@@ -27,9 +27,9 @@ from time import perf_counter
 from dataclasses import dataclass
 from typing import Any
 
-from .. import lifecycle
+from ..runtime import lifecycle
 from ..errors import PassEnded
-from ..packing import PackPlan
+from ..sampling.packing import PackPlan
 from ..sampling import EpochPlan
 from .source import BatchSource
 from .stats import Stats

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..system import IMAGE_FEEDERS, lower_priority
+from ..runtime.system import IMAGE_FEEDERS, lower_priority
 from ..pipeline.host_tail import one_torch_thread
 from .decode import Decoders, decode_fields, runner_decoder
 
@@ -125,7 +125,7 @@ class ImageFeeder:
             lower_priority()  # before DALI starts its threads: they inherit it
             one_torch_thread()  # host_tail.py's torch work here runs on this thread alone
             if self._device is not None:
-                from ..device import select
+                from ..runtime.device import select
 
                 select(self._device)  # first: every CUDA call of this thread goes to the loader's GPU
         except BaseException as e:  # pragma: no cover - a device that vanished

@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..errors import TransformError
-from ..packing import Request
+from ..sampling.packing import Request
 from .ragged import shape_batch
 from .source import INDEX
 

@@ -22,10 +22,10 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from ..mixture import Mixture
-from ..packing import pack_plan
+from ..store.mixture import Mixture
+from ..sampling.packing import pack_plan
 from ..store import Dataset, DatasetReader
-from ..world import World
+from ..runtime.world import World
 from .epoch import Ahead, EpochIterator, Progress
 from ..store.integrity import DEFAULT_VERIFY
 from .options import Options, as_mixture, build_options, fit_to_epoch, make_sampler
@@ -95,7 +95,7 @@ class Loader:
             (truncation) and ``pad_to_multiple`` (static shapes) likewise.
         pack_to: ``N``: pack the ragged field's documents into rows of exactly ``N`` tokens
             (``batch_size`` rows per batch), with ``name + "_offsets"`` (piece boundaries,
-            cu_seqlens) and ``name + "_positions"``; see :mod:`fastload.packing`. The state
+            cu_seqlens) and ``name + "_positions"``; see :mod:`fastload.sampling.packing`. The state
             counts tokens, so a resume continues inside a document, at any world size.
         batch_transform: ``fn(batch) -> batch`` (or ``fn(batch, info)``, ``info`` a
             :class:`~fastload.loader.finish.BatchInfo` with a per-batch seed) run on host

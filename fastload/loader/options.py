@@ -14,12 +14,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..device import resolve_device
+from ..runtime.device import resolve_device
 from ..pipeline.presets import Transform
-from ..ring import default_threads
+from ..ring.ring import default_threads
 from ..sampling import Sampler
 from ..store.format import INDEX_KEY
-from ..system import check_fits_in_memory
+from ..runtime.system import check_fits_in_memory
 from ..validate import check_bool, check_choice, check_int, check_seed
 from .ragged import RaggedDelivery, resolve_ragged
 
@@ -225,7 +225,7 @@ def as_mixture(dataset: Any, *, mix: Any, epoch_size: Any, stop_on: Any, fields:
     """The Mixture a Loader reads: ``dataset`` itself, or one built from a list / dict of
     datasets with ``mix`` (weights; ``open_kw``: how its URLs are opened); None for a single
     dataset."""
-    from ..mixture import Mixture
+    from ..store.mixture import Mixture
 
     given = {k: v for k, v in (("mix", mix), ("epoch_size", epoch_size), ("stop_on", stop_on)) if v is not None}
     if isinstance(dataset, Mixture):
@@ -248,7 +248,7 @@ def make_sampler(ds, world, *, batch_size: int, seed: int, shuffle: bool, drop_l
     """The Sampler of a Loader: ``weights`` may name a scalar field, ``balance=True``
     balances the label field (or the named one); a mixture's is a MixtureSampler."""
     if mixture is not None:
-        from ..mixture import MixtureSampler
+        from ..sampling.mixture import MixtureSampler
 
         other = {"weights": weights is not None, "num_draws": num_draws is not None, "balance": bool(balance),
                  "shuffle_mode": shuffle_mode != "full", "window": window is not None}

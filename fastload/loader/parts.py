@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import lifecycle
-from ..packing import max_pieces
-from ..ring import Ring
-from ..system import IMAGE_FEEDERS, loader_nice, lower_priority
+from ..runtime import lifecycle
+from ..sampling.packing import max_pieces
+from ..ring.ring import Ring
+from ..runtime.system import IMAGE_FEEDERS, loader_nice, lower_priority
 from .decode import Decoders
 from .finish import Finish
 from .feeder import ImageFeeder
@@ -59,7 +59,7 @@ class Parts:
             stats.gauge("undecodable_samples", self.undecodable)
         stats.gauge("ring", self.ring_stats)
 
-    # -- process lifecycle (see fastload/lifecycle.py) ---------------------------------------
+    # -- process lifecycle (see fastload/runtime/lifecycle.py) ---------------------------------------
     def _after_fork_in_child(self) -> None:
         # None of the threads exist here and their locks may be held: never touch them. The
         # ring is inert by itself (C++), the DALI runners leak their pipelines (runner.py).
@@ -164,7 +164,7 @@ class Parts:
             try:
                 lower_priority()  # DALI's threads inherit it
                 if device is not None:
-                    from ..device import select
+                    from ..runtime.device import select
 
                     select(device)  # first: no CUDA call of this thread lands on cuda:0
                 for r in runners:

@@ -10,7 +10,7 @@ Per field, one of three forms (``RaggedDelivery.mode``):
   and ``batch[name + "_offsets"]`` (int32, ``B + 1``) where each sample starts: the
   ``cu_seqlens`` that variable-length attention kernels take.
 * ``"pack"`` (``pack_to=N``): ``batch[name]`` is ``(rows, N)``, documents concatenated and
-  cut into rows (see :mod:`fastload.packing`); ``batch[name + "_offsets"]`` (int32) are the
+  cut into rows (see :mod:`fastload.sampling.packing`); ``batch[name + "_offsets"]`` (int32) are the
   piece boundaries over the flattened batch (``cu_seqlens``: a document cut by a row end is
   two pieces) and ``batch[name + "_positions"]`` (int64, ``(rows, N)``) each token's position
   within its document. Every other field, ``"index"`` and ``"source"`` have one row per piece.
@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..ringspec import RaggedField, pad_check
+from ..ring.spec import RaggedField, pad_check
 from ..validate import check_choice, check_int
 
 __all__ = ["MODES", "RAGGED_SLOT_BUDGET", "RaggedDelivery", "resolve_ragged", "ring_field", "shape_batch"]

@@ -24,7 +24,7 @@ import logging
 from typing import Any, Callable
 
 from ..errors import FormatError
-from ..world import World
+from ..runtime.world import World
 
 __all__ = ["DatasetCheck"]
 

@@ -1,7 +1,7 @@
 """The contract between an epoch's iteration and whatever produces its batches.
 
 A *source of ready batches* takes the epoch's batch requests in order (``put``: a
-:class:`~fastload.packing.Request` holds the global sample indices, the batch's stream
+:class:`~fastload.sampling.packing.Request` holds the global sample indices, the batch's stream
 position and, when packing, each row's window of tokens) and hands back, in the same order,
 batches ready for the training loop (``get``):
 every delivered field as a tensor on the loader's device, ``"index"`` included (the global
@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from ..packing import Request
+from ..sampling.packing import Request
 
 __all__ = ["DRAIN_TIMEOUT_S", "INDEX", "BatchSource", "Ready", "Request", "RingFedSource", "submit_batches"]
 

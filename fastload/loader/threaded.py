@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Sequence
 
-from ..packing import Request
+from ..sampling.packing import Request
 from .source import Ready
 
 __all__ = ["CLOSE_TIMEOUT_S", "WAIT_WARN_S", "ThreadedSource", "stuck_at"]
@@ -98,7 +98,7 @@ class ThreadedSource:
 
     def _run(self) -> None:
         if self._handoff is not None:
-            from ..device import select
+            from ..runtime.device import select
 
             try:
                 select(self._handoff.device)  # first: the user's transforms run on the loader's GPU

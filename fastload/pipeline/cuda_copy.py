@@ -21,7 +21,7 @@ def copy_to_cuda(dali_tensor, shape: tuple, dtype_name: str, device_id: int, str
     import torch
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
-    from ..device import guard
+    from ..runtime.device import guard
 
     dt = _TORCH[dtype_name]
     with guard(device_id):

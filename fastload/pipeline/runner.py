@@ -32,9 +32,9 @@ import time
 
 import numpy as np
 
-from .. import lifecycle
+from ..runtime import lifecycle
 from ..errors import BadSamples
-from ..system import rank_cores
+from ..runtime.system import rank_cores
 from .badsamples import BadSampleSearch
 from .badsamples import reason as _reason
 from .badsamples import strip_tags as _strip_tags
@@ -176,7 +176,7 @@ class Runner(BadSampleSearch):
             return
         ev, self.ready_event = self.ready_event, None
         if ev is not None:  # CUDA: the last copy out of DALI's buffer must be done before it goes
-            from ..device import guard
+            from ..runtime.device import guard
 
             with guard(self.device_id):
                 ev.synchronize()

@@ -7,7 +7,7 @@
     cache.advance(consumed)                              # eviction after each shard's last use
 
 Nothing here imports torch. Test servers (SeaweedFS, moto, Range-capable HTTP, a fault
-injecting proxy, a latency proxy) live in :mod:`fastload.remote.testing`.
+injecting proxy, a latency proxy) live in :mod:`_servers`.
 """
 from .cache import ShardCache, default_cache_dir, format_bytes, parse_bytes
 from .download import Concurrency, Downloader, RetryPolicy

@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import lifecycle
+from ..runtime import lifecycle
 from ..errors import CacheTooSmall, RemoteError, format_bytes
 from .cache_fetch import _Fetching
 from .cache_files import CACHE_ENV, _CacheFiles, _Flock, _write_atomic, default_cache_dir, parse_bytes
@@ -90,7 +90,7 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
                  local_rank: int | None = None, local_world_size: int | None = None,
                  retry: RetryPolicy | None = None, chunk_bytes: int = 8 << 20, owner_grace_s: float = 30.0,
                  poll_s: float = 0.01, fsync: bool = True):
-        from ..system import local_world_size as _lws
+        from ..runtime.system import local_world_size as _lws
 
         self.remote = remote
         self.root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()

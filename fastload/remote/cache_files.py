@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ..errors import parse_bytes
-from ..system import CACHE_ENV, cache_root
+from ..runtime.system import CACHE_ENV, cache_root
 
 __all__ = ["CACHE_ENV", "REMOTE_JSON", "default_cache_dir", "parse_bytes"]
 
@@ -33,7 +33,7 @@ REMOTE_JSON = "remote.json"
 
 def default_cache_dir() -> Path:
     """``$FASTLOAD_CACHE``, else ``~/.cache/fastload``; without a home directory (an arbitrary
-    uid in a container) the fallbacks of :func:`fastload.system.cache_root`: then
+    uid in a container) the fallbacks of :func:`fastload.runtime.system.cache_root`: then
     ``$XDG_CACHE_HOME/fastload`` or a private ``<tmp>/fastload-<uid>``."""
     root = cache_root()
     if root is None:

@@ -143,7 +143,7 @@ def token_uses(stream: np.ndarray, cum: np.ndarray, shard_starts: np.ndarray, *,
 
 
 def pack_uses(plan, shard_starts: np.ndarray) -> EpochUses:
-    """:func:`token_uses` of a :class:`fastload.packing.PackPlan` (one rank's pass): the
+    """:func:`token_uses` of a :class:`fastload.sampling.packing.PackPlan` (one rank's pass): the
     tokens every rank of the job reads in it (all ranks step together)."""
     end = plan.bounds[-1][2] if plan.bounds else plan.start
     return token_uses(plan.stream, plan.cum, shard_starts, epoch=plan.epoch, start=plan.start, end=end)

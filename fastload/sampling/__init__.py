@@ -59,4 +59,3 @@ from .streams import permutation, window_permutation
 __all__ = ["EpochPlan", "Sampler", "SAMPLER_STATE_VERSION", "SHUFFLE_MODES", "balanced_draws", "epoch_stream",
            "per_rank_count", "permutation", "rank_batch_bounds", "weighted_draws", "window_permutation"]
 
-_seeds = streams._seeds  # the (seed, epoch, purpose) entropy, shared with fastload.mixture

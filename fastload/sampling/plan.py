@@ -96,8 +96,8 @@ class EpochPlan:
 
     def requests(self):
         """``(Request, consumed_after)`` per batch: the indices with the batch's stream
-        position (what a loader hands its source; see fastload.packing.Request)."""
-        from ..packing import Request
+        position (what a loader hands its source; see fastload.sampling.packing.Request)."""
+        from .packing import Request
 
         for k, (b, _, after) in enumerate(self.bounds):
             yield Request(self.indices(k), b), after

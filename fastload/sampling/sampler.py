@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..system import check_fits_in_memory
+from ..runtime.system import check_fits_in_memory
 from ..validate import check_bool, check_int, check_seed
 from .draws import check_balance_labels, check_weights
 from .plan import EpochPlan, epoch_stream, per_rank_count, rank_batch_bounds
@@ -292,7 +292,7 @@ class _Ahead:
         self._thread.start()
 
     def _run(self, compute) -> None:
-        from ..system import lower_priority
+        from ..runtime.system import lower_priority
 
         try:
             lower_priority()

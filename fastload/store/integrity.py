@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..system import CACHE_ENV, cache_root, usable_cores
+from ..runtime.system import CACHE_ENV, cache_root, usable_cores
 
 __all__ = ["DEFAULT_VERIFY", "LOCK_TIMEOUT_ENV", "RACY_WINDOW_S", "VERIFY_POLICIES", "VerifiedRecord", "cache_root",
            "hash_mapped", "lock_deadline"]

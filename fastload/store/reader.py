@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .. import lifecycle
+from ..runtime import lifecycle
 from ..errors import FormatError, MissingFileError
 from ..validate import check_choice, check_index_array
 from .format import MANIFEST, Field, arrow_schema

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import FormatError
-from ..system import lower_priority, usable_cores
+from ..runtime.system import lower_priority, usable_cores
 from .format import MANIFEST
 from .integrity import VerifiedRecord, hash_mapped
 

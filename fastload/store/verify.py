@@ -23,7 +23,7 @@ import pyarrow as pa
 from .. import manifest_checksum
 from ..errors import FormatError
 from ..files import printable
-from ..system import usable_cores
+from ..runtime.system import usable_cores
 from .format import MANIFEST, SHARD_FILE_RE, Field, field_of_arrow, schema_mismatch
 from .integrity import VerifiedRecord
 from .manifest import manifest_fields, read_manifest

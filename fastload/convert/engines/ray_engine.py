@@ -17,7 +17,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from ...system import usable_cores
+from ...runtime.system import usable_cores
 from ..common import ConvertError
 from ..plan import make_plan
 from .driver import commit_plan, drive, summary

@@ -17,9 +17,9 @@ from typing import Any, Callable, Mapping
 
 from ..errors import RemoteError
 from ..manifest_checksum import manifest_bytes
-from .download import Downloader, DownloadCounters, RetryPolicy
-from .manifest import MANIFEST, RemoteDataset
-from .transports import open_transport
+from ..remote.download import Downloader, DownloadCounters, RetryPolicy
+from ..remote.manifest import MANIFEST, RemoteDataset
+from ..remote.transports import open_transport
 
 __all__ = ["convert_to_remote", "prefetch", "upload_dataset", "verify_remote"]
 
@@ -75,7 +75,7 @@ def convert_to_remote(convert: Callable[..., dict], kind: str, src, url: str, *,
     """``convert(kind, src, <local staging dir>, **kw)``, then :func:`upload_dataset` to
     ``url``; the staging directory (under ``staging_dir``, default the fastload cache
     directory) is removed afterwards, also on failure."""
-    from .cache import default_cache_dir
+    from ..remote.cache import default_cache_dir
 
     t = open_transport(url)
     if not hasattr(t, "filesystem"):

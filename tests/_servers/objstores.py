@@ -1,7 +1,7 @@
 """Local servers for remote-dataset tests: real S3 (SeaweedFS), moto, plain HTTP.
 
-Part of :mod:`fastload.remote.testing` (which re-exports everything here); the proxies in
-front of these servers are in :mod:`fastload.remote.testing_proxies`.
+Part of :mod:`_servers` (which re-exports everything here); the proxies in
+front of these servers are in :mod:`_servers.proxies`.
 
 * the shared helpers: ``HOST`` (127.0.0.1, the only address anything binds), :func:`free_port`,
   waiting for a port, stopping a subprocess by its pid; :func:`s3_filesystem` and

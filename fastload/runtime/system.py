@@ -113,7 +113,7 @@ def loader_nice() -> int:
     if not v:
         return LOADER_NICE
     if not v.isdigit() or int(v) > 19:
-        from .errors import UsageError
+        from ..errors import UsageError
 
         raise UsageError(f"FASTLOAD_NICE={v!r}: expected a nice value 0..19 (0: the loader's threads run at "
                          f"the training loop's priority; unset: {LOADER_NICE})")

@@ -1,6 +1,6 @@
-"""The TCP delay line behind :class:`fastload.remote.testing.DelayProxy`, run as a script.
+"""The TCP delay line behind :class:`_servers.DelayProxy`, run as a script.
 
-    python fastload/remote/testing_delay.py delay PORT UPSTREAM_HOST:PORT DELAY_MS SECONDS [MBPS]
+    python tests/_servers/delay.py delay PORT UPSTREAM_HOST:PORT DELAY_MS SECONDS [MBPS]
 
 Every chunk is forwarded ``DELAY_MS`` after it arrived, in both directions (optionally capped
 at ``MBPS`` per direction per connection); it prints ``ready`` once listening on 127.0.0.1 and
@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-HOST = "127.0.0.1"  # as fastload.remote.testing_servers.HOST (not imported: a standalone script)
+HOST = "127.0.0.1"  # as _servers.objstores.HOST (not imported: a standalone script)
 
 
 async def _delay_line(port: int, upstream: str, delay_s: float, seconds: float, mbps: float | None) -> None:
@@ -85,7 +85,7 @@ def _main(argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
         asyncio.run(_delay_line(port, upstream, delay_ms / 1000.0, seconds, mbps))
         return 0
-    print("usage: python fastload/remote/testing_delay.py delay PORT UPSTREAM_HOST:PORT DELAY_MS SECONDS [MBPS]",
+    print("usage: python tests/_servers/delay.py delay PORT UPSTREAM_HOST:PORT DELAY_MS SECONDS [MBPS]",
           file=sys.stderr)
     return 2
 

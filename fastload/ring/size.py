@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .system import check_fits_in_memory, rank_cores
-from .validate import is_int as _is_int
+from ..runtime.system import check_fits_in_memory, rank_cores
+from ..validate import is_int as _is_int
 
 __all__ = ["MIN_PART_BYTES", "default_slots", "default_threads", "ring_sizes"]
 
@@ -25,7 +25,7 @@ _MAX_SLOT_BYTES = 1 << 40  # a slot this large is a mistake (batch_size or shape
 
 def default_threads() -> int:
     """Producer threads used when ``threads=None``: this rank's share of the usable cores
-    (:func:`fastload.system.rank_cores`), at most 8."""
+    (:func:`fastload.runtime.system.rank_cores`), at most 8."""
     return max(1, min(8, rank_cores()))
 
 

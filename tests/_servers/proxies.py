@@ -1,12 +1,12 @@
 """Proxies for remote-dataset tests, on 127.0.0.1 in front of a local server.
 
-Part of :mod:`fastload.remote.testing` (which re-exports everything here).
+Part of :mod:`_servers` (which re-exports everything here).
 
 * :class:`FaultProxy`: an HTTP proxy in this process (threads), injecting :class:`Fault`\\s
   per request (503 SlowDown, cut bodies, wrong bytes, expired credentials, resets, a server
   that disappears for a while) and logging every request (:class:`RequestLog`).
 * :class:`DelayProxy`: a TCP delay line in a subprocess (the standalone script
-  :mod:`fastload.remote.testing_delay`), stopped by its pid.
+  :mod:`_servers.delay`), stopped by its pid.
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from .testing_servers import HOST, ProcessService, Service, free_port
+from _servers.objstores import HOST, ProcessService, Service, free_port
 
 __all__ = ["Fault", "RequestLog", "FaultProxy", "DelayProxy"]
 
 # run as a script: it imports nothing of fastload (no torch in the proxy)
-_DELAY_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testing_delay.py")
+_DELAY_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delay.py")
 
 
 # -- fault injection -------------------------------------------------------------------------

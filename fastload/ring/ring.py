@@ -21,10 +21,9 @@ slots (``slot_memory()``) and copies batches to the device, holding each batch's
 tensors — and so its slot — until its copy has completed.
 
 Validation happens once, in Python: every argument is checked with a message naming the
-field and shard (:mod:`fastload.ringspec`); the C++ side only asserts its invariants. The sizing
-defaults (threads, slots, growth cap, split size) are :mod:`fastload.ringsize`; the slot
-of an external fill and the batch of ``get_batch()`` are :mod:`fastload.ringslot`. All are
-importable from here.
+field and shard (:mod:`fastload.ring.spec`); the C++ side only asserts its invariants. The
+sizing defaults (threads, slots, growth cap, split size) are :mod:`fastload.ring.size`; the
+slot of an external fill and the batch of ``get_batch()`` are :mod:`fastload.ring.slot`.
 """
 from __future__ import annotations
 
@@ -34,18 +33,18 @@ from typing import Any
 
 import numpy as np
 
-from . import _C
-from .ringsize import MIN_PART_BYTES, default_slots, default_threads, ring_sizes
-from .ringslot import FillSlot, RingBatch
-from .ringspec import RaggedField, as_index, batch_dict, parse_ragged, ragged_descs, row_args, shard_sources, window_args
-from .ringspec import parse_fields as _parse_fields
-from .ringspec import parse_sources as _parse_sources
-from .validate import check_int
-from .validate import is_int as _is_int
+from .. import _C
+from .size import MIN_PART_BYTES, default_slots, default_threads, ring_sizes
+from .slot import FillSlot, RingBatch
+from .spec import RaggedField, as_index, batch_dict, parse_ragged, ragged_descs, row_args, shard_sources, window_args
+from .spec import parse_fields as _parse_fields
+from .spec import parse_sources as _parse_sources
+from ..validate import check_int
+from ..validate import is_int as _is_int
 
 __all__ = ["FillSlot", "RaggedField", "Ring", "RingBatch", "default_slots", "default_threads"]
 
-_from_numpy = None  # torch.from_numpy, once torch is loaded (fastload.ring imports no torch)
+_from_numpy = None  # torch.from_numpy, once torch is loaded (fastload.ring.ring imports no torch)
 
 
 def _torch_from_numpy():
@@ -88,7 +87,7 @@ class Ring:
             ValueError naming the shard.
         nice: the producer threads' priority (a Linux nice value, 0..19; 0: unchanged).
             A Loader runs its producers below the training loop's threads
-            (:func:`fastload.system.loader_nice`).
+            (:func:`fastload.runtime.system.loader_nice`).
     """
 
     def __init__(

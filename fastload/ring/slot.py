@@ -1,8 +1,8 @@
-"""What a :class:`~fastload.ring.Ring` hands out besides plain batches: a :class:`FillSlot`
+"""What a :class:`~fastload.ring.ring.Ring` hands out besides plain batches: a :class:`FillSlot`
 reserved by ``Ring.acquire()`` for an external fill (e.g. DALI output), and the
 :class:`RingBatch` of ``Ring.get_batch()`` (a batch's tensors and the slot they view).
 
-Both follow the ring's lifetime rule (see :mod:`fastload.ring`): a slot is not reused while
+Both follow the ring's lifetime rule (see :mod:`fastload.ring.ring`): a slot is not reused while
 any view of it is alive.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .ringspec import row_args
-from .validate import is_int as _is_int
+from .spec import row_args
+from ..validate import is_int as _is_int
 
 __all__ = ["FillSlot", "RingBatch"]
 

@@ -16,14 +16,14 @@ from pathlib import Path
 def run_demo(out: Path, num_images: int = 512, quick: bool = False) -> int:
     import torch
 
-    from . import vision
-    from .bench.cli import BenchOptions
-    from .bench.report import machine_info, system_info
-    from .bench.runs import run_fastload, run_torch
-    from .convert import convert
-    from .loader import Loader
-    from .sample_data import make_image_folder
-    from .store.inspect import inspect_text
+    from .. import vision
+    from ..bench.cli import BenchOptions
+    from ..bench.report import machine_info, system_info
+    from ..bench.runs import run_fastload, run_torch
+    from ..convert import convert
+    from ..loader import Loader
+    from .photos import make_image_folder
+    from ..store.inspect import inspect_text
 
     if quick:
         num_images = min(num_images, 96)

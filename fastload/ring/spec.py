@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .validate import is_int as _is_int
+from ..validate import is_int as _is_int
 
 __all__ = ["RaggedField", "as_index", "batch_dict", "check_source", "pad_as", "pad_check", "parse_fields", "parse_ragged", "parse_sources", "ragged_descs",
            "row_args", "shard_sources", "window_args"]
