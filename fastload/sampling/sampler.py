@@ -15,7 +15,7 @@ from ..runtime.system import check_fits_in_memory
 from ..validate import check_bool, check_int, check_seed
 from .draws import check_balance_labels, check_weights
 from .plan import EpochPlan, epoch_stream, per_rank_count, rank_batch_bounds
-from .state import SAMPLER_STATE_VERSION, check_state, order_identity
+from .state import SAMPLER_STATE_VERSION, check_state, digest
 
 SHUFFLE_MODES = ("full", "window")
 
@@ -250,7 +250,16 @@ class Sampler:
         return self._identity_cache
 
     def _compute_identity(self) -> dict:
-        return order_identity(self)
+        """What defines this order (JSON-able; arrays as digests): a saved state must match it
+        to resume."""
+        return {
+            "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
+            "weights": digest(self.weights), "balance_labels": digest(self.labels),
+            "stream_len": self.stream_len, "replacement": self.replacement if self.weights is not None else None,
+            "shuffle_mode": self.shuffle_mode, "window": self.window if self.shuffle_mode == "window" else None,
+            "shard_sizes": digest(np.asarray(self.shard_sizes, np.int64)) if self.shard_sizes else None,
+            "balance_batch_size": self.batch_size if self.labels is not None else None,
+        }
 
     @property
     def consumed(self) -> int:

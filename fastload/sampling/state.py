@@ -4,37 +4,22 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..validate import check_int
 from .plan import per_rank_count
 
-if TYPE_CHECKING:
-    from .sampler import Sampler
-
 SAMPLER_STATE_VERSION = 2  # 2: plain permutations by fastload._C.permutation (1: numpy's)
 
 
-def _digest(a: np.ndarray | None) -> str | None:
+def digest(a: np.ndarray | None) -> str | None:
+    """A short digest of an array (its dtype and bytes) for an order's identity; None stays None."""
     if a is None:
         return None
     a = np.ascontiguousarray(a)
     return hashlib.blake2b(a.dtype.str.encode() + a.tobytes(), digest_size=8).hexdigest()
-
-
-def order_identity(s: Sampler) -> dict:
-    """What defines the order of ``s`` (JSON-able; arrays as digests): a saved state must
-    match it to resume."""
-    return {
-        "num_samples": s.num_samples, "seed": s.seed, "shuffle": s.shuffle,
-        "weights": _digest(s.weights), "balance_labels": _digest(s.labels),
-        "stream_len": s.stream_len, "replacement": s.replacement if s.weights is not None else None,
-        "shuffle_mode": s.shuffle_mode, "window": s.window if s.shuffle_mode == "window" else None,
-        "shard_sizes": _digest(np.asarray(s.shard_sizes, np.int64)) if s.shard_sizes else None,
-        "balance_batch_size": s.batch_size if s.labels is not None else None,
-    }
 
 
 def check_state(state: Mapping[str, Any], identity: dict, stream_len: int,
