@@ -11,6 +11,7 @@ injecting proxy, a latency proxy) live in :mod:`_servers`.
 """
 from .cache import ShardCache, default_cache_dir, format_bytes, parse_bytes
 from .download import Concurrency, Downloader, RetryPolicy
+from .options import RemoteOptions
 from .manifest import RemoteDataset, check_manifest, manifest_fingerprint
 from .schedule import EpochUses, admission_times, epoch_end, epoch_uses, minimum_budget, plan_uses, sampler_uses
 from .transports import open_transport
@@ -38,7 +39,7 @@ def open_cache(url: str, *, cache_dir=None, cache_limit=None, filesystem=None, s
     return ShardCache(remote, cache_dir=cache_dir, limit=cache_limit, **kw)
 
 __all__ = [
-    "Concurrency", "Downloader", "EpochUses", "REMOTE_SCHEMES", "RemoteDataset", "RetryPolicy", "ShardCache",
+    "Concurrency", "Downloader", "EpochUses", "REMOTE_SCHEMES", "RemoteDataset", "RemoteOptions", "RetryPolicy", "ShardCache",
     "admission_times", "check_manifest", "default_cache_dir", "display_url", "epoch_end", "epoch_uses",
     "format_bytes", "is_remote", "manifest_fingerprint", "minimum_budget", "open_cache", "open_transport",
     "parse_bytes", "plan_uses", "sampler_uses",
