@@ -48,7 +48,7 @@ class Facts:
     shm: tuple[int, int] | None = None  # /dev/shm (total, free) bytes; None when missing
     cores: int = 1
     local_world_size: int = 1
-    local_world_size_set: bool = False  # LOCAL_WORLD_SIZE is in the environment
+    local_world_size_set: bool = False  # LOCAL_WORLD_SIZE is set (a positive integer)
     local_rank: int | None = None
     torch_threads: int = 1
     gather_threads: int = 1  # fastload's plan for this rank

@@ -110,7 +110,8 @@ def _dataset(f: Facts, batch_size: int) -> None:
 def gather(device: str = "cuda", dataset: str | None = None, batch_size: int = 256) -> Facts:
     import torch
 
-    from ..runtime.system import local_world_size, usable_cores
+    from ..runtime.system import usable_cores
+    from ..runtime.world import local_env
 
     f = Facts(device=device, dataset=dataset)
     f.driver, f.driver_cuda, f.gpus, f.driver_error = _nvml()
@@ -128,10 +129,8 @@ def gather(device: str = "cuda", dataset: str | None = None, batch_size: int = 2
         f.dali_error = _first_line(e)
     f.memlock, f.nofile, f.shm = _rlimit("RLIMIT_MEMLOCK"), _rlimit("RLIMIT_NOFILE"), _shm()
     f.max_map_count = _max_map_count()
-    f.cores, f.local_world_size = usable_cores(), local_world_size()
-    f.local_world_size_set = bool(os.environ.get("LOCAL_WORLD_SIZE", "").strip())
-    lr = os.environ.get("LOCAL_RANK", "").strip()
-    f.local_rank = int(lr) if lr.isdigit() else None
+    f.local_rank, lws = local_env()
+    f.cores, f.local_world_size, f.local_world_size_set = usable_cores(), lws or 1, lws is not None
     f.torch_threads = torch.get_num_threads()
     _thread_plan(f)
     if dataset is not None:

@@ -23,6 +23,8 @@ import ctypes
 import os
 from typing import Any
 
+from .world import local_env
+
 __all__ = ["clear_cuda_error", "default_cuda_index", "guard", "resolve_device", "select"]
 
 
@@ -47,14 +49,13 @@ def default_cuda_index() -> int:
     cur = torch.cuda.current_device() if used else 0
     if cur != 0:
         return cur
-    local = os.environ.get("LOCAL_RANK", "").strip()
-    if not local.isdigit():
+    local, lws = local_env()
+    if local is None:
         return cur
     count = max(1, torch.cuda.device_count())
-    lws = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    one_gpu_per_rank = lws.isdigit() and int(lws) == count
+    one_gpu_per_rank = lws == count
     if one_gpu_per_rank or not used:
-        return int(local) % count
+        return local % count
     return cur
 
 

@@ -13,6 +13,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from .world import local_env
+
 __all__ = ["CACHE_ENV", "IMAGE_FEEDERS", "LOADER_NICE", "available_memory", "cache_root", "check_fits_in_memory",
            "loader_nice", "local_world_size", "lower_priority", "rank_cores", "usable_cores"]
 
@@ -42,10 +44,9 @@ def usable_cores() -> int:
 
 
 def local_world_size() -> int:
-    """Processes of this job on this node (torchrun's ``LOCAL_WORLD_SIZE``), at least 1.
-    A malformed value counts as 1."""
-    v = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    return int(v) if v.isdigit() and int(v) > 0 else 1
+    """Processes of this job on this node (torchrun's ``LOCAL_WORLD_SIZE``, read by
+    :func:`~fastload.runtime.world.local_env`), at least 1. A malformed value counts as 1."""
+    return local_env()[1] or 1
 
 
 def _read_int(path: str) -> int | None:
