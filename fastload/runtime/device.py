@@ -23,8 +23,6 @@ import ctypes
 import os
 from typing import Any
 
-from .world import local_env
-
 __all__ = ["clear_cuda_error", "default_cuda_index", "guard", "resolve_device", "select"]
 
 
@@ -49,6 +47,8 @@ def default_cuda_index() -> int:
     cur = torch.cuda.current_device() if used else 0
     if cur != 0:
         return cur
+    from .world import local_env
+
     local, lws = local_env()
     if local is None:
         return cur

@@ -13,8 +13,6 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .world import local_env
-
 __all__ = ["CACHE_ENV", "IMAGE_FEEDERS", "LOADER_NICE", "available_memory", "cache_root", "check_fits_in_memory",
            "loader_nice", "local_world_size", "lower_priority", "rank_cores", "usable_cores"]
 
@@ -46,6 +44,8 @@ def usable_cores() -> int:
 def local_world_size() -> int:
     """Processes of this job on this node (torchrun's ``LOCAL_WORLD_SIZE``, read by
     :func:`~fastload.runtime.world.local_env`), at least 1. A malformed value counts as 1."""
+    from .world import local_env  # lazily: world.py imports numpy, `fastload --help` does not
+
     return local_env()[1] or 1
 
 
