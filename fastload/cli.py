@@ -43,19 +43,14 @@ class Output:
         if self.json_dest in (None, STDOUT):
             sys.stdout.write(text)
             return
+        from .files import atomic_write
+
         dest = self.json_dest
-        tmp = f"{dest}.tmp-{os.getpid()}"
-        try:  # written whole, then renamed: an interrupted run never leaves a half-written file
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, dest)
+        try:  # an interrupted run never leaves a half-written file
+            atomic_write(dest, text)
         except OSError as e:
             from .errors import UsageError
 
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             raise UsageError(f"cannot write --json {dest}: {e.strerror or e}") from None
         self.print(f"wrote {dest}")
 

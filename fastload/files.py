@@ -1,4 +1,5 @@
-"""Reading files safely: only regular files, never more than a cap, names printable.
+"""Reading files safely (only regular files, never more than a cap, names printable) and writing
+them atomically.
 
 Every file fastload reads on a user's behalf (source images, tables, arrays, tar shards,
 manifests) goes through here, so a FIFO among the sources cannot block a conversion, a
@@ -11,15 +12,29 @@ the same rule.
 ``printable(name)`` turns any file name (undecodable bytes carried as surrogates by
 ``os.fsdecode``, newlines, control characters) into one line of valid UTF-8, so keys, reports
 and error messages can always be written and read.
+
+Writing files atomically: every file fastload writes whole (a shard, a manifest, a journal,
+a report, a plan, a cache entry, a ``--json`` output) goes through :func:`atomic_write` /
+:func:`atomic_file`, the one rule: written under a temporary name in the same directory
+(:func:`temp_path`: ``.NAME.PID.THREAD.tmp``, unique per writer, so ranks and threads writing
+the same file never share one), flushed, fsynced (``fsync=True``), renamed over ``path``, and
+the directory fsynced (``fsync=True``) so that the rename survives a power cut. If anything
+fails the temporary file is removed and ``path`` keeps its old content (or stays absent): a
+reader never sees half a file. ``fsync=False`` is for caches, where a write lost in a crash
+is only redone.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
-from typing import Any
+import threading
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator
 
-__all__ = ["MAX_SAMPLE_BYTES", "NotRegularFile", "check_regular", "open_regular", "printable", "read_regular"]
+__all__ = ["MAX_SAMPLE_BYTES", "NotRegularFile", "atomic_file", "atomic_write", "check_regular", "fsync_dir",
+           "open_regular", "printable", "read_regular", "temp_path", "temp_pattern"]
 
 # A single sample file larger than this is refused: a shard's binary column holds at most
 # 2 GiB (32-bit offsets), and a 1 GiB image is far beyond any decoder's max_pixels.
@@ -117,3 +132,67 @@ def printable(name: str | bytes | os.PathLike) -> str:
     text = raw.decode("utf-8", "backslashreplace")
     return _CONTROL.sub(lambda m: {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(m.group(), repr(m.group())[1:-1]),
                         text)
+
+
+# -- writing files atomically --------------------------------------------------------------
+def temp_path(path: str | os.PathLike) -> Path:
+    """The temporary name :func:`atomic_file` writes ``path`` under: ``.NAME.PID.THREAD.tmp``
+    beside it (same directory, so the rename is atomic; unique per process and thread)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
+def temp_pattern(name_pattern: str) -> str:
+    """A regular expression matching the temporary names of files named ``name_pattern`` (a
+    regular expression): this module's ``.NAME.PID.THREAD.tmp``, and the ``.NAME.tmp`` that
+    fastload wrote before, so leftovers of either are recognised as fastload's own."""
+    return rf"\.(?:{name_pattern})(?:\.[0-9]+\.[0-9]+)?\.tmp"
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make the renames in directory ``path`` durable (where the platform allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[BinaryIO]:
+    """A binary file to write ``path``'s new content into; when the block ends without an
+    exception it is flushed, fsynced (``fsync``), renamed over ``path`` and the directory
+    fsynced (``fsync``). On any exception (Ctrl-C included) the temporary file is removed and
+    ``path`` is untouched. See the module docstring."""
+    path = Path(path)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[BinaryIO], Any], *,
+                 fsync: bool = True) -> None:
+    """Write ``path`` atomically (see :func:`atomic_file`): ``data`` is its whole content
+    (``str`` is written as UTF-8), or a callable that writes it into the binary file it is
+    given (``lambda f: np.save(f, v)``)."""
+    with atomic_file(path, fsync=fsync) as f:
+        if callable(data):
+            data(f)
+        else:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)

@@ -39,6 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..files import atomic_write
 from ..remote.url import display_url
 from ._store import MAX_SHARD_SIZE, PARTS, check_destination, remove_tree, write_json
 from .common import ConvertError, Source
@@ -224,9 +225,7 @@ def _plan_imagefolder(src: Path, parts: Path, options: dict) -> tuple[Source, di
     # paths as bytes: a file name need not be UTF-8 (os.fsencode / os.fsdecode carry it exactly)
     table = pa.table({"path": pa.array([os.fsencode(p) for p in source.paths.tolist()], pa.binary()),
                       "label": pa.array(source.labels)})
-    tmp = parts / ("." + LISTING + ".tmp")
-    pq.write_table(table, tmp, row_group_size=_LISTING_ROW_GROUP)
-    os.replace(tmp, parts / LISTING)
+    atomic_write(parts / LISTING, lambda f: pq.write_table(table, f, row_group_size=_LISTING_ROW_GROUP))
     spec = {"root": str(src), "listing": LISTING, "classes": source.class_names, "ignored": source.ignored,
             "repeated_dirs": source.repeated_dirs}
     return source, spec, [], estimate_bytes_per_sample(source)

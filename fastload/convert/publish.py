@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..errors import RemoteError
+from ..files import atomic_write
 from ..manifest_checksum import manifest_bytes
 from ..remote.download import Downloader, DownloadCounters, RetryPolicy
 from ..remote.manifest import MANIFEST, RemoteDataset
@@ -148,9 +149,8 @@ def prefetch(url: str, dest: str | os.PathLike, *, threads: int = 8, filesystem:
         dl.close()
     if problems:
         raise RemoteError(f"prefetch of {remote.url} into {dest}: " + "; ".join(problems[:5]))
-    tmp = dest / f".{MANIFEST}.tmp"
-    tmp.write_bytes(manifest_bytes(remote.manifest))  # checked on fetching; sealed (also an old one)
-    os.replace(tmp, dest / MANIFEST)  # last: dest is a complete dataset from now on
+    # last: dest is a complete dataset from now on (checked on fetching; sealed, also an old one)
+    atomic_write(dest / MANIFEST, manifest_bytes(remote.manifest))
     return {"dst": str(dest), "bytes_downloaded": counters.bytes, "shards": len(remote.shard_files)}
 
 

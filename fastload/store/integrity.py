@@ -41,12 +41,12 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from ..files import atomic_write
 from ..runtime.system import CACHE_ENV, cache_root, usable_cores
 
 __all__ = ["DEFAULT_VERIFY", "LOCK_TIMEOUT_ENV", "RACY_WINDOW_S", "VERIFY_POLICIES", "VerifiedRecord", "cache_root",
@@ -132,11 +132,9 @@ class VerifiedRecord:
         p = self._path(key)
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"path": os.fsdecode(os.path.realpath(mapped.path)), "checksum": checksum,
-                           "size": mapped.size, "verified_at": time.time()}, f, ensure_ascii=True)
-            os.replace(tmp, p)
+            entry = {"path": os.fsdecode(os.path.realpath(mapped.path)), "checksum": checksum,
+                     "size": mapped.size, "verified_at": time.time()}
+            atomic_write(p, json.dumps(entry, ensure_ascii=True), fsync=False)  # a cache: a lost entry is a rehash
         except OSError as e:
             self._warn(e)
             return False

@@ -2,33 +2,24 @@
 
 ``fastload convert --on-error skip`` leaves out samples it cannot convert and lists them
 here, one JSON object per line (``{"index", "key", "reason"}``). The report is written
-atomically (a temporary name, then a rename), so a reader never sees half of it.
+atomically (:func:`fastload.files.atomic_write`), so a reader never sees half of it.
 """
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from ..files import atomic_write
 
 __all__ = ["read_report", "write_report"]
 
 
 def write_report(path: Path, records: Iterable[Mapping[str, Any]]) -> int:
-    """Write the skipped-sample report (JSON lines) atomically; return the count."""
+    """Write the skipped-sample report (JSON lines) atomically and durably
+    (:func:`fastload.files.atomic_write`); return the count."""
     records = list(records)
-    tmp = path.with_name("." + path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(dict(r)) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, "".join(json.dumps(dict(r)) + "\n" for r in records))
     return len(records)
 
 

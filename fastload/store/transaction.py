@@ -46,6 +46,7 @@ from typing import Any, Iterable, Iterator
 
 import xxhash
 
+from ..files import atomic_file, atomic_write, fsync_dir, temp_pattern
 from ..manifest_checksum import sealed
 from .format import MANIFEST, SHARD_FILE_RE, SKIPPED_REPORT
 
@@ -66,7 +67,7 @@ PARTS_DIR = ".fastload-parts"
 # parts directory, the directories a swap moves an old dataset into.
 _OWN_DIR = re.compile(rf"(?:{re.escape(STAGING_PREFIX)}|{re.escape(ASIDE_PREFIX)})[0-9a-f]{{12}}|{re.escape(PARTS_DIR)}")
 _OWN_FILE = re.compile(rf"{re.escape(MANIFEST)}|{re.escape(SKIPPED_REPORT)}|{SHARD_FILE_RE}"
-                       rf"|\.(?:{SHARD_FILE_RE}|{re.escape(MANIFEST)}|{re.escape(SKIPPED_REPORT)})\.tmp"
+                       rf"|{temp_pattern(f'{SHARD_FILE_RE}|{re.escape(MANIFEST)}|{re.escape(SKIPPED_REPORT)}')}"
                        rf"|{_OWN_DIR.pattern}")
 
 
@@ -126,20 +127,6 @@ def remove_own(path: Path, keep: Iterable[str] = (), staging: bool = True, files
             pass
 
 
-def fsync_dir(path: Path) -> None:
-    """Make the renames in ``path`` durable (where the platform allows it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class HashingFile(io.RawIOBase):
     """A write-only file that hashes (xxh3-128) and counts what passes through it."""
 
@@ -161,39 +148,16 @@ class HashingFile(io.RawIOBase):
 
 @contextlib.contextmanager
 def write_atomic(path: Path) -> Iterator[HashingFile]:
-    """Write ``path`` under a temporary name (``.NAME.tmp``), hashing on the fly; fsync and
-    rename it into place only when the block ends without an exception (else the temporary
-    file is removed). The yielded file's ``hash`` and ``nbytes`` describe what was written."""
-    tmp = path.with_name("." + path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as raw:
-            hf = HashingFile(raw)
-            yield hf
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Write ``path`` atomically and durably (:func:`fastload.files.atomic_file`), hashing on
+    the fly: the yielded file's ``hash`` and ``nbytes`` describe what was written."""
+    with atomic_file(path) as raw:
+        yield HashingFile(raw)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically and durably (temporary name, fsync, rename;
-    the temporary file is removed if anything fails)."""
-    tmp = path.with_name("." + path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
+    """Write ``obj`` as JSON (indented, a newline at the end) to ``path`` atomically and
+    durably (:func:`fastload.files.atomic_write`)."""
+    atomic_write(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
 
 
 def new_generation(existing_names: Iterable[str]) -> str:
