@@ -114,7 +114,7 @@ def test_the_runtime_torch_links_is_found_in_the_process_maps():
     (16, "x", 7, 16, 4),  # malformed: one rank
 ])
 def test_threads_are_sized_per_local_rank(monkeypatch, cores, lws, gather, dali_cpu, dali_gpu):
-    from fastload.loader.options import default_gather_threads
+    from fastload.ring.size import default_gather_threads
     from fastload.pipeline import default_threads
 
     monkeypatch.setattr(system, "usable_cores", lambda: cores)

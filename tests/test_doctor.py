@@ -185,7 +185,7 @@ def test_the_ring_s_page_locked_bytes_follow_the_loader_s_prefetch(tmp_path):
     and the index, for prefetch + 2 slots; with image fields on CUDA the prefetch is at most
     3 (decoded images live on the device), not the host default of up to 8."""
     from fastload.doctor import probe
-    from fastload.loader.options import default_prefetch
+    from fastload.ring.size import default_prefetch
 
     with fastload.ShardWriter(tmp_path / "raw", {"x": "float32[64]"}) as wr:
         wr.write_batch({"x": np.zeros((10, 64), np.float32)})

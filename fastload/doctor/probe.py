@@ -71,8 +71,8 @@ def _shm() -> tuple[int, int] | None:
 def _thread_plan(f: Facts) -> None:
     """fastload's per-rank threads, from the functions the Loader sizes them with."""
     from ..errors import UsageError
-    from ..loader.options import default_gather_threads
     from ..pipeline import default_threads as dali_default
+    from ..ring.size import default_gather_threads
     from ..runtime.system import loader_nice
 
     f.gather_threads = default_gather_threads()
@@ -97,11 +97,10 @@ def _dataset(f: Facts, batch_size: int) -> None:
         f.dataset_error = _first_line(e)
         return
     f.shards, f.samples = ds.num_shards, len(ds)
-    raw = [fl for fl in ds.fields.values() if fl.fixed]
-    row = sum(fl.np_dtype.itemsize * int(np.prod(fl.shape)) for fl in raw) + 8  # + the int64 index
-    from ..loader.options import default_cuda_image_prefetch, default_prefetch, ring_slots
+    from ..ring.size import batch_bytes, default_cuda_image_prefetch, default_prefetch, ring_slots
 
-    batch = batch_size * row
+    raw = [fl for fl in ds.fields.values() if fl.fixed]
+    batch = batch_bytes(batch_size, sum(fl.np_dtype.itemsize * int(np.prod(fl.shape)) for fl in raw))  # + the index
     images = any(fl.kind == "image" for fl in ds.fields.values())
     prefetch = default_cuda_image_prefetch(1) if images else default_prefetch(f.gather_threads, batch)  # 1: the most
     f.pinned_bytes = ring_slots(prefetch) * batch
