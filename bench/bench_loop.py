@@ -58,7 +58,7 @@ import fastload  # noqa: E402
 from fastload.bench.baseline import EpochSampler, ImageCollate, PILImageWork, TaggedDataset  # noqa: E402
 from fastload.bench.models import mlp, sgd, small_cnn  # noqa: E402
 from fastload.bench.report import Measurement, Spread, headline, paired_ratios, print_table, system_info  # noqa: E402
-from fastload.loader.parts import images_checked  # noqa: E402
+from fastload.loader.machinery import images_checked  # noqa: E402
 from fastload.pipeline.host_tail import one_torch_thread  # noqa: E402
 from fastload.demo.photos import make_image_folder  # noqa: E402
 from fastload.runtime.system import loader_nice, usable_cores  # noqa: E402

@@ -153,7 +153,7 @@ def test_every_slot_is_pinned_once_when_created_and_unpinned_at_close(fake, raw)
     try:
         it = iter(lo)
         next(it)
-        ring = lo._parts._ring
+        ring = lo._machinery._ring
         initial = {ring.slot_memory(s).ctypes.data: ring.slot_memory(s).nbytes for s in range(ring.num_slots)}
         regs = list(fake.registrations)
         assert len(regs) == len(initial), "slots are pinned lazily, on first delivery (F8)"
@@ -265,7 +265,7 @@ def test_epochs_on_cuda_through_one_feeder_are_exact(fake, images, monkeypatch):
             for b, r in zip(got, refs[e], strict=True):
                 assert b["index"].cpu().tolist() == r["index"].tolist()
                 assert torch.equal(b["image"].cpu(), r["image"]) and torch.equal(b["label"].cpu(), r["label"])
-            feeders.append(lo._parts.feeder())  # noqa: SLF001
+            feeders.append(lo._machinery.feeder())  # noqa: SLF001
         assert feeders[0] is feeders[1] and fake.contexts == {1}
 
 

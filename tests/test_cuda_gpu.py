@@ -124,8 +124,8 @@ def test_slots_are_page_locked(raw_ds):
     ds, _ = raw_ds
     with Loader(ds, batch_size=256, device="cuda") as lo:
         next(iter(lo))
-        ring = lo._parts._ring
-        assert lo._parts._delivery.pinned == ring.num_slots
+        ring = lo._machinery._ring
+        assert lo._machinery._delivery.pinned == ring.num_slots
         assert all(torch.from_numpy(ring.slot_memory(s)).is_pinned() for s in range(ring.num_slots))
 
 
@@ -171,7 +171,7 @@ def test_a_bad_image_costs_one_gpu_rebuild(tmp_path, photo_ds):
         b = next(iter(lo))
         dt = time.perf_counter() - t0
         assert 40 not in b["index"].cpu().tolist() and lo.stats()["replaced_samples"] == 1
-        gpu = [r for r in lo._parts._decoders._runners.values()]
+        gpu = [r for r in lo._machinery._decoders._runners.values()]
         assert sum(r.rebuilds for r in gpu) == 1, [r.rebuilds for r in gpu]
     print(f"first batch with one bad image: {dt:.2f} s")
 

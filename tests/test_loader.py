@@ -314,7 +314,7 @@ def test_held_image_batches_never_change(image_ds):
         lo.set_epoch(1)
         later = collect(lo)
         slots = lo.stats()["ring"]["slots"]
-        assert "image" in lo._parts.ring().fields  # noqa: SLF001 - decoded into the slot
+        assert "image" in lo._machinery.ring().fields  # noqa: SLF001 - decoded into the slot
     assert len(held) == len(ref) == 8 and slots > len(held)  # the ring grew: every held batch kept its slot
     for b, r in zip(held, ref):
         assert torch.equal(b["index"], r["index"]) and torch.equal(b["image"], r["image"])
@@ -395,7 +395,7 @@ def test_large_batches_of_unchecked_images_are_decoded_in_safe_runs(corrupt_ds, 
     t = {"image": vision.eval(32)}
     with Loader(corrupt_ds, batch_size=12, shuffle=False, transforms=t, on_error="skip") as lo:
         batches = collect(lo)
-        runners = list(lo._parts.decoders()._runners.values())
+        runners = list(lo._machinery.decoders()._runners.values())
     assert [len(b["index"]) for b in batches] == [12] and runners and not any(r.whole_batches for r in runners)
     # a converted store: the manifest says its images were checked with DALI
     p = photos(["chelsea"])["chelsea"]
@@ -408,7 +408,7 @@ def test_large_batches_of_unchecked_images_are_decoded_in_safe_runs(corrupt_ds, 
     assert ds.manifest["metadata"]["images_checked"] == "dali"
     with Loader(ds, batch_size=CPU_RUN + 4, shuffle=False, transforms=t) as lo:
         whole = collect(lo)[0]["image"]
-        runners = list(lo._parts.decoders()._runners.values())
+        runners = list(lo._machinery.decoders()._runners.values())
     assert runners and all(r.whole_batches for r in runners)
     with Loader(ds, batch_size=1, shuffle=False, transforms=t) as lo:
         one = torch.cat([b["image"] for b in collect(lo)])
@@ -591,18 +591,18 @@ def test_dali_pipelines_are_built_ahead_at_the_loaders_priority(image_ds, monkey
 
     tf = {"image": vision.train(32)}
     with Loader(image_ds, batch_size=8, transforms=tf, seed=4) as lo:
-        warm = lo._parts._warm
+        warm = lo._machinery._warm
         assert warm is not None and warm.name == "fastload-warmup"
         warm.join(timeout=60)
-        runners = lo._parts.decoders()._runners
+        runners = lo._machinery.decoders()._runners
         assert runners and all(r._pipe is not None for r in runners.values())  # built before any iteration
         dali = _thread_nices("[DALI")
         assert dali and set(dali) == {LOADER_NICE}
         got = [b["image"].clone() for b in lo]
-    from fastload.loader.parts import Parts
+    from fastload.loader.machinery import Machinery
 
-    monkeypatch.setattr(Parts, "warm", lambda self: None)  # built by the feeders on first use
+    monkeypatch.setattr(Machinery, "warm", lambda self: None)  # built by the feeders on first use
     with Loader(image_ds, batch_size=8, transforms=tf, seed=4) as lo:
-        assert lo._parts._warm is None
+        assert lo._machinery._warm is None
         want = [b["image"] for b in lo]
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))

@@ -119,10 +119,10 @@ def test_balance_with_pack_to_is_refused(tmp_path):
 def test_a_batch_with_more_pieces_than_the_ring_holds_is_named_in_user_terms(tmp_path, monkeypatch):
     """Should the bound ever be short, the error names pack_to, batch_size, the epoch and
     the field (never the ring's internal row count as if the user had passed it)."""
-    from fastload.loader import parts
+    from fastload.loader import machinery
 
     ds = _write(tmp_path / "ds", [np.arange(3, dtype=np.int32)] * 12)
-    monkeypatch.setattr(parts, "max_pieces", lambda *a, **k: 2)
+    monkeypatch.setattr(machinery, "max_pieces", lambda *a, **k: 2)
     with fastload.Loader(ds, batch_size=2, pack_to=8, seed=0) as loader:
         with pytest.raises(RuntimeError, match=r"pack_to=8 with batch_size=2: a batch of epoch 0 holds \d+ pieces "
                                                r"of documents of 'tokens', more than the 2 .*a bug in fastload"):

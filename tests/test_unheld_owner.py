@@ -164,12 +164,12 @@ def test_close_does_not_wait_forever_for_pipelines_being_built(images, monkeypat
     import threading
     import time
 
-    from fastload.loader import parts
+    from fastload.loader import machinery
     from fastload.pipeline.runner import Runner
 
     release = threading.Event()
     monkeypatch.setattr(Runner, "prepare", lambda self: release.wait(60))
-    monkeypatch.setattr(parts, "WARM_JOIN_S", 0.3)
+    monkeypatch.setattr(machinery, "WARM_JOIN_S", 0.3)
     loader = fastload.Loader(str(images), batch_size=4, device="cpu", transforms={"image": fastload.vision.eval(16)})
     t0 = time.monotonic()
     with caplog.at_level("WARNING", logger="fastload"):

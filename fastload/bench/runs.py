@@ -298,7 +298,7 @@ def run_limit(path, o, device: str, nbytes_per_sample: float, samples: int,
         name = images[0]
         if device == "cuda" and device_id is None:
             raise ValueError("run_limit: device='cuda' needs the device_id of the GPU to run DALI on")
-        from ..loader.parts import images_checked
+        from ..loader.machinery import images_checked
 
         # the transform's whole graph in DALI (on the CPU the Loader resizes in torch instead)
         runner = transform_for(o.transform).runner(device=device, batch_size=o.batch_size, seed=0,

@@ -7,11 +7,13 @@ position after it in ``Progress`` — the one value it shares with the Loader, s
 ``state_dict()`` taken between two steps resumes exactly at the next one. It knows nothing
 of rings, DALI or devices.
 
-Look-ahead: once a pass has requested its last batch, it asks ``lookahead()`` (the Loader's)
-for the next pass, an ``Ahead``, and requests that pass's first batches as its own are taken,
-keeping ``prefetch`` in flight in all: the next pass's first batch is then ready when it
-begins, instead of waiting for a decode. The next pass's iterator takes the ``Ahead`` over
-(its requests, its source); a pass that does not match is closed unused.
+Look-ahead: once a pass has requested its last batch, it asks ``lookahead()`` (a bound
+:meth:`LookAhead.request`) for the next pass, an ``Ahead``, and requests that pass's first
+batches as its own are taken, keeping ``prefetch`` in flight in all: the next pass's first
+batch is then ready when it begins, instead of waiting for a decode. ``LookAhead`` holds the
+one Ahead slot (built by the Loader with its sampler and its machinery's ``source``); the next
+pass's iterator takes the ``Ahead`` over (its requests, its source) when its plan is the same
+pass (``EpochPlan.same_pass``); one that does not match is closed unused.
 
 Never silently nothing: the iterator holds its ``owner`` (the Loader), so
 ``for batch in Loader(path, ...)`` — a Loader nobody else holds — delivers its whole epoch.
@@ -22,10 +24,11 @@ earlier ``next()``) raises ``PassEnded`` from every later ``next()``, saying why
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from time import perf_counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..runtime import lifecycle
 from ..errors import PassEnded
@@ -34,7 +37,7 @@ from ..sampling import EpochPlan
 from .source import BatchSource
 from .stats import Stats
 
-__all__ = ["EpochIterator", "PassEnded", "Progress"]
+__all__ = ["Ahead", "EpochIterator", "LookAhead", "PassEnded", "Progress"]
 
 logger = logging.getLogger("fastload")
 
@@ -98,6 +101,79 @@ class Ahead:
 
     def close(self) -> None:
         self.source.close()
+
+
+class LookAhead:
+    """The Ahead slot of a Loader: at most one next pass requested ahead, built from the
+    sampler's plan (``sampler.plan(epoch)``) and a source for its epoch (``source(epoch)``).
+
+    The next pass is guessed when a pass begins (:meth:`after`): ``epoch + 1`` when
+    ``set_epoch`` was called before it (a training loop's habit), else ``epoch`` again (as a
+    loop that never calls it iterates). A wrong guess costs the batches decoded for it
+    (``prefetch`` at most). ``enabled`` is False where nothing is worth requesting ahead (see
+    :func:`look_ahead_pays`); the slot then stays empty."""
+
+    def __init__(self, sampler, source: Callable[[int], BatchSource], *, enabled: bool) -> None:
+        self._sampler = sampler
+        self._source = source
+        self.enabled = enabled
+        self._ahead: Ahead | None = None
+        self._epoch_set = False  # set_epoch called since the last pass began
+        self._closed = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """``set_epoch(epoch)`` was called: the next pass follows the epoch; an Ahead requested
+        for another epoch stops now."""
+        self._epoch_set = True
+        if self._ahead is not None and self._ahead.plan.epoch != epoch:
+            self.drop()
+
+    def after(self, epoch: int) -> Callable[[], Ahead | None] | None:
+        """For the pass over ``epoch`` just begun: what its iterator calls once its last batch
+        is requested (None: nothing is requested ahead)."""
+        nxt = epoch + 1 if self._epoch_set else epoch
+        self._epoch_set = False
+        return functools.partial(self.request, nxt) if self.enabled else None
+
+    def request(self, epoch: int) -> Ahead | None:
+        """Begin the pass over ``epoch`` ahead (None when one is held already, or closed)."""
+        if self._closed or self._ahead is not None:
+            return None
+        self._ahead = Ahead(self._sampler.plan(epoch), self._source(epoch))
+        return self._ahead
+
+    def take(self, plan) -> Ahead | None:
+        """The Ahead requested for this very pass, if any and still fed; any other is closed."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if not ahead.failed and ahead.source.feeder_alive and ahead.plan.same_pass(plan):
+            return ahead
+        ahead.close()
+        return None
+
+    def drop(self) -> None:
+        """Close the Ahead held, if any (its source drops what it was asked for)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.close()
+
+    def close(self) -> None:
+        """Drop the Ahead held; nothing is requested ahead any more."""
+        self._closed = True
+        self.drop()
+
+
+def look_ahead_pays(options, remote: bool) -> bool:
+    """Whether a Loader requests its next pass ahead: only where a pass's first batch waits for
+    real work (a decode on the CPU) and the next pass is a pure function of the epoch: image
+    fields decoded on the host, fed by the shared feeder in order. Not on a GPU (nvJPEG's first
+    batch is quick, and batches decoded ahead would hold device memory through the script's
+    evaluation between epochs), a packed pass, a remote dataset (its cache plans by pass) or a
+    user's transform thread (it would take the next pass's batches early)."""
+    o = options
+    return (bool(o.image_fields) and o.device.type == "cpu" and o.pack is None and not remote
+            and o.batch_transform is None and o.device_transform is None)
 
 
 class EpochIterator:
@@ -219,6 +295,7 @@ class EpochIterator:
             return
         self.closed = True
         self._owner = None
+        self._lookahead = None
         if lifecycle.generation != self._generation:
             return
         self._stats.end_epoch()

@@ -1,6 +1,6 @@
 """ImageFeeder: worker threads that decode each batch's image fields, in request order.
 
-The one protocol of both deliveries. A feeder belongs to the Loader's parts and serves pass
+The one protocol of both deliveries. A feeder belongs to the Loader's machinery and serves pass
 after pass: each batch is put with its epoch (the crops are a function of seed, epoch and
 sample), so the next pass's first batches can follow this pass's last ones in the same queue
 (the Loader's look-ahead, epoch.py); a pass ended early closes it, and the next gets a new

@@ -111,7 +111,7 @@ def takes_info(fn: Callable) -> bool:
 
 
 class Finish:
-    """See the module docstring. Built once per epoch by the Loader's parts."""
+    """See the module docstring. Built once per epoch by the Loader's machinery (machinery.py)."""
 
     def __init__(self, *, dataset, options, epoch: int, on_host_device: bool) -> None:
         self._dataset = dataset

@@ -2,7 +2,7 @@
 
 Raw fields (tensors, scalars) and ``"index"`` are gathered by the ring's C++ threads
 straight into a slot and delivered as zero-copy views of it. With image fields, the
-``ImageFeeder`` (``feeder.py``, the Loader's parts own it) fills the slots instead and
+``ImageFeeder`` (``feeder.py``, the Loader's machinery owns it) fills the slots instead and
 decodes the images with DALI on the CPU: the presets' images are finished in the slot itself,
 other image fields are delivered as DALI's own output buffers (DLPack, no copy).
 """

@@ -1,11 +1,13 @@
 """Loader: the public face. It builds its parts and hands them down; none reaches back up.
 
-    options   (options.py)  the keyword arguments, checked once and frozen
-    sampler   (sampling/) the order; each pass is an EpochPlan value
-    parts     (parts.py)    the ring, the DALI decoders, the device delivery
-    source    (host.py / cuda.py)  an epoch's source of ready batches
-    stats     (stats.py)    the one object every part reports into
-    progress  (epoch.py)    the position after the last batch handed over (for state_dict)
+    options    (options.py)    every keyword, checked once and frozen; the sampler they define
+    sampler    (sampling/)     the order; each pass is an EpochPlan value
+    machinery  (machinery.py)  the ring, the DALI decoders, the feeders, the device delivery:
+                               what holds threads and memory, closed as one
+    source     (host.py / cuda.py)  an epoch's source of ready batches (machinery.source)
+    lookahead  (epoch.py)      the next pass's first batches, requested while this one ends
+    stats      (stats.py)      the one object every part reports into
+    progress   (epoch.py)      the position after the last batch handed over (for state_dict)
 
 Resume: the position is the sampler's after every batch *handed to the user* (not after the
 ones merely prefetched), so ``state_dict()`` taken between steps continues at exactly the next
@@ -20,16 +22,14 @@ import os
 import weakref
 from typing import Any, Iterator, Mapping, Sequence
 
-import numpy as np
-
 from ..store.mixture import Mixture
 from ..sampling.packing import pack_plan
 from ..store import Dataset, DatasetReader
 from ..runtime.world import World
-from .epoch import Ahead, EpochIterator, Progress
+from .epoch import EpochIterator, LookAhead, Progress, look_ahead_pays
 from ..store.integrity import DEFAULT_VERIFY
-from .options import Options, as_mixture, build_options, fit_to_epoch, make_sampler
-from .parts import Parts
+from .machinery import Machinery
+from .options import Options, as_mixture, build_options
 from .ranks import DatasetCheck
 from .stats import Stats
 
@@ -145,10 +145,11 @@ class Loader:
                  cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
                  filesystem: Any = None, verify: str | None = None, download_timeout: float | None = None,
                  download_threads: int | None = None):
+        keywords = dict(locals())  # every keyword above, as named there: build_options checks and freezes them
+        del keywords["self"], keywords["dataset"]
         self._closed = True  # until fully built (__del__ / close() of a half-built Loader)
-        self._parts = None
-        self._ahead: Ahead | None = None  # the next pass's first batches, requested ahead (epoch.py)
-        self._epoch_set = False  # set_epoch called since the last pass began
+        self._machinery = None
+        self._lookahead: LookAhead | None = None
         self._remote = None
         remote_kw = {k: v for k, v in (("cache_dir", cache_dir), ("cache_limit", cache_limit),
                                        ("filesystem", filesystem), ("download_timeout", download_timeout),
@@ -179,43 +180,23 @@ class Loader:
                              "whole batches: pass batch_transform= (or a DALI graph in transforms=) instead")
         self._dataset = ds
         try:
-            self._build(ds, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, device=device,
-                        rank=rank, world_size=world_size, fields=fields, transforms=transforms, threads=threads,
-                        prefetch=prefetch, weights=weights, replacement=replacement, num_draws=num_draws,
-                        balance=balance, shuffle_mode=shuffle_mode, window=window, on_error=on_error,
-                        log_every=log_every, ragged=ragged, pad_value=pad_value, max_length=max_length,
-                        pad_to_multiple=pad_to_multiple, pack_to=pack_to, batch_transform=batch_transform,
-                        device_transform=device_transform, owned=owned)
+            self._world = World.detect(rank, world_size)
+            self._ranks = DatasetCheck(self._world, lambda: dataset_fingerprint(ds), ds.path)  # under torch.distributed
+            self._ranks.check()
+            self._options, self._sampler = build_options(ds, self._world, mixture=self._mixture, **keywords)
+            self._make_machinery(ds, owned)
         except BaseException:
-            if self._remote is not None and self._parts is None:  # its downloads started at construction
+            if self._remote is not None and self._machinery is None:  # its downloads started at construction
                 self._remote.close()
             if owned is not None:
                 owned.close()
             raise
 
-    def _build(self, ds, *, batch_size, shuffle, seed, drop_last, device, rank, world_size, fields, transforms,
-               threads, prefetch, weights, replacement, num_draws, balance, shuffle_mode, window, on_error,
-               log_every, ragged, pad_value, max_length, pad_to_multiple, pack_to, batch_transform,
-               device_transform, owned) -> None:
-        self._world = World.detect(rank, world_size)
-        self._ranks = DatasetCheck(self._world, lambda: dataset_fingerprint(ds), ds.path)  # under torch.distributed
-        self._ranks.check()
-        self._options = build_options(ds, batch_size=batch_size, seed=seed, device=device, fields=fields,
-                                      transforms=transforms, threads=threads, prefetch=prefetch, on_error=on_error,
-                                      log_every=log_every, ragged=ragged, pad_value=pad_value,
-                                      max_length=max_length, pad_to_multiple=pad_to_multiple, pack_to=pack_to,
-                                      batch_transform=batch_transform, device_transform=device_transform)
-        if self._options.pack is not None and balance:
-            raise ValueError(f"balance={balance!r} makes class-balanced batches of samples, and pack_to= cuts "
-                             "documents into rows of tokens, so a packed batch is not class-balanced; use "
-                             "weights= (per-document draw weights, e.g. 1 / the frequency of its class) with pack_to")
-        self._sampler = make_sampler(ds, self._world, batch_size=self._options.batch_size, seed=self._options.seed,
-                                     shuffle=shuffle, drop_last=drop_last, weights=weights, replacement=replacement,
-                                     num_draws=num_draws, balance=balance, shuffle_mode=shuffle_mode, window=window,
-                                     mixture=self._mixture)
-        self._options = fit_to_epoch(self._options, ds, self._sampler)
+    def _make_machinery(self, ds, owned) -> None:
+        """The stats, a remote dataset's downloads, the machinery and the look-ahead, from the
+        options and the sampler: values handed down, none holding the Loader."""
         self._stats = Stats()
-        sampler = self._sampler  # a closure over the sampler, not the Loader: Parts hold the stats
+        sampler = self._sampler  # a closure over the sampler, not the Loader: the machinery holds the stats
         self._stats.gauge("epoch", lambda: sampler.epoch)
         self._progress = Progress()
         from .remote import RemoteShards, remote_members
@@ -228,13 +209,14 @@ class Loader:
                                         pack=None if pack is None else functools.partial(
                                             packed_pass, ds, self._sampler, self._options),
                                         pack_to=1 if pack is None else pack[1].pack_to)
-        # Threads, the ring and DALI pipelines live in Parts, which holds no reference to
-        # the Loader: the finalizer can then run when the Loader is garbage collected.
-        self._parts = Parts(ds, self._options, self._stats, remote=self._remote,
-                            owned=owned)
-        self._finalizer = weakref.finalize(self, self._parts.close)
+        # Threads, the ring and DALI pipelines live in the Machinery, which holds no reference
+        # to the Loader: the finalizer can then run when the Loader is garbage collected.
+        self._machinery = Machinery(ds, self._options, self._stats, remote=self._remote, owned=owned)
+        self._finalizer = weakref.finalize(self, self._machinery.close)
+        self._lookahead = LookAhead(self._sampler, self._machinery.source,
+                                    enabled=look_ahead_pays(self._options, self._remote is not None))
         self._closed = False
-        self._parts.warm()  # DALI pipelines built while the script sets up its model
+        self._machinery.warm()  # DALI pipelines built while the script sets up its model
 
     # -- the configuration (read-only) ------------------------------------------------------
     dataset = property(lambda self: self._dataset)
@@ -272,85 +254,35 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order (call before iterating, like DistributedSampler). After
         ``load_state_dict``, setting the loaded epoch keeps the loaded mid-epoch position."""
-        self._parts.stop_iter(f"set_epoch({epoch}) was called during this pass")
+        self._machinery.stop_iter(f"set_epoch({epoch}) was called during this pass")
         if epoch != self._sampler.epoch:
             self._progress.position = None
         self._sampler.set_epoch(epoch)
-        self._epoch_set = True
-        if self._ahead is not None and self._ahead.plan.epoch != self._sampler.epoch:
-            self._drop_ahead()  # requested for another epoch: its work stops now
-
-    # -- looking ahead (epoch.py): the next pass's first batches, decoded while this one ends --
-    def _can_look_ahead(self) -> bool:
-        """Only where a pass's first batch waits for real work (a decode on the CPU) and the next
-        pass is a pure function of the epoch: image fields decoded on the host, fed by the shared
-        feeder in order. Not on a GPU (nvJPEG's first batch is quick, and batches decoded ahead
-        would hold device memory through the script's evaluation between epochs), a packed
-        pass, a remote dataset (its cache plans by pass) or a user's transform thread (it would
-        take the next pass's batches early)."""
-        o = self._options
-        return (bool(o.image_fields) and o.device.type == "cpu" and o.pack is None and self._remote is None
-                and o.batch_transform is None and o.device_transform is None)
-
-    def _lookahead(self, epoch: int):
-        """For the pass over ``epoch`` just begun: what its iterator calls once its last batch is
-        requested. The next pass is guessed: ``epoch + 1`` when ``set_epoch`` was called before
-        this pass (a training loop's habit), else ``epoch`` again (as a loop that never calls it
-        iterates). A wrong guess costs the batches decoded for it (``prefetch`` at most)."""
-        nxt = epoch + 1 if self._epoch_set else epoch
-        self._epoch_set = False
-        if not self._can_look_ahead():
-            return None
-        loader = weakref.ref(self)  # the iterator does not keep the Loader alive for this
-
-        def ahead() -> Ahead | None:
-            me = loader()
-            if me is None or me._closed or me._ahead is not None:
-                return None
-            me._ahead = Ahead(me._sampler.plan(nxt), me._parts.source(nxt))
-            return me._ahead
-        return ahead
-
-    def _take_ahead(self, plan) -> Ahead | None:
-        """The Ahead requested for this very pass, if any and still fed; any other is closed."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
-        if (not ahead.failed and ahead.source.feeder_alive and ahead.plan.epoch == plan.epoch
-                and ahead.plan.start == plan.start and ahead.plan.bounds == plan.bounds
-                and (ahead.plan.stream is plan.stream or np.array_equal(ahead.plan.stream, plan.stream))):
-            return ahead
-        ahead.close()
-        return None
-
-    def _drop_ahead(self) -> None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead.close()
+        self._lookahead.set_epoch(self._sampler.epoch)  # an Ahead of another epoch stops now
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._closed:
             raise RuntimeError("this Loader is closed")
-        self._parts.check_process()
+        self._machinery.check_process()
         self._ranks.check()  # every rank built its Loader by now, usually: compare once
-        self._parts.stop_iter("a new pass over this Loader began (iter(loader)); each Loader runs one pass at "
+        self._machinery.stop_iter("a new pass over this Loader began (iter(loader)); each Loader runs one pass at "
                               "a time: iterate the new one")
         o = self._options
         if o.pack is None:
             plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
         else:  # the same stream of samples, read as tokens (the position counts tokens)
             plan = self._pack_plan(*self._sampler.begin_pass())
-            self._parts.check_pieces(plan)
+            self._machinery.check_pieces(plan)
         if self._remote is not None:
             self._remote.begin(plan)
         fixed = o.fixed_size and o.batch_transform is None and o.device_transform is None
-        ahead = self._take_ahead(plan)  # before any new request: a stale one is closed first
-        it = EpochIterator(plan, ahead.source if ahead is not None else self._parts.source(plan.epoch),
+        ahead = self._lookahead.take(plan)  # before any new request: a stale one is closed first
+        it = EpochIterator(plan, ahead.source if ahead is not None else self._machinery.source(plan.epoch),
                            prefetch=o.prefetch, stats=self._stats, progress=self._progress, fixed_size=fixed,
-                           log_every=o.log_every, ahead=ahead, lookahead=self._lookahead(plan.epoch),
+                           log_every=o.log_every, ahead=ahead, lookahead=self._lookahead.after(plan.epoch),
                            on_position=self._remote.advance if self._remote is not None else None,
                            owner=self)  # the pass keeps its Loader alive: `for b in Loader(...)` works
-        self._parts.track(it)
+        self._machinery.track(it)
         self._sampler.prepare(plan.epoch + 1)  # the next epoch's order, in the background while this one runs
         return it
 
@@ -380,7 +312,7 @@ class Loader:
             if state.get(key, {} if key == "ragged" else None) != mine[key]:
                 raise ValueError(f"Loader state mismatch in {key}: saved {state.get(key)!r}, "
                                  f"this loader has {mine[key]!r}")
-        self._parts.stop_iter("load_state_dict() was called during this pass")
+        self._machinery.stop_iter("load_state_dict() was called during this pass")
         self._sampler.load_state_dict(state["sampler"], epoch_end=self._token_epoch_end())  # validates seed, size, version, position
         self._progress.position = None
 
@@ -411,13 +343,13 @@ class Loader:
         wait has a deadline (a stuck transform: 10 s, then a warning). In a child forked from the process that made this Loader, it
         only marks it closed (the threads belong to the parent)."""
         self._closed = True
-        if self._parts is None:
+        if self._machinery is None:
             return
-        if self._parts.forked:
-            self._parts.close()
+        if self._machinery.forked:
+            self._machinery.close()
             return
-        self._parts.stop_iter("the Loader was closed during this pass")
-        self._drop_ahead()
+        self._machinery.stop_iter("the Loader was closed during this pass")
+        self._lookahead.close()
         self._sampler.join_ahead()
         self._stats.detach_all()  # stats() stays complete after close()
         self._finalizer()
@@ -430,7 +362,7 @@ class Loader:
 
     def __del__(self):
         try:
-            if self._parts is not None:
-                self._parts.stop_iter()
+            if self._machinery is not None:
+                self._machinery.stop_iter()
         except Exception:
             pass

@@ -1,10 +1,13 @@
-"""What a Loader builds and owns: the ring, the DALI decoders and the device delivery.
+"""A Loader's machinery: everything of it that holds threads, memory or files.
 
-Each is built on first use and handed down to the epoch's source as a value; ``source()``
-is the one place that chooses between host and CUDA delivery. ``Parts`` holds no reference
-to the Loader, so the Loader's finalizer can close it when the Loader is garbage collected:
-``close()`` ends a live epoch, stops the DALI pipelines, waits for device copies, and joins
-the ring's threads.
+The ring (and its gather threads), the DALI decoders (and the thread building them ahead),
+the image feeder, the CUDA delivery, a remote dataset's downloads and a dataset the Loader
+opened itself. Each is built on first use and handed down to the epoch's source as a value;
+``source()`` is the one place that chooses between host and CUDA delivery (and the threaded
+wrapper for the user's transforms). The Loader keeps its values elsewhere (options, sampler,
+stats); this is the part it must close. ``Machinery`` holds no reference to the Loader, so
+the Loader's finalizer can close it when the Loader is garbage collected: ``close()`` ends a
+live epoch, stops the DALI pipelines, waits for device copies, and joins the ring's threads.
 """
 from __future__ import annotations
 
@@ -26,22 +29,22 @@ from .feeder import ImageFeeder
 from .host import HostSource
 from .ragged import ring_field
 from .threaded import ThreadedSource
-from .options import Options, ring_slots
+from .options import Options
 from .source import INDEX, BatchSource
 from .stats import Stats
 
-__all__ = ["Parts"]
+__all__ = ["Machinery", "images_checked", "slot_images"]
 
 WARM_JOIN_S = 30.0  # close() waits this long for the DALI pipelines being built ahead
 
 logger = logging.getLogger("fastload")
 
 
-class Parts:
+class Machinery:
     def __init__(self, dataset, options: Options, stats: Stats, *, remote=None, owned=None) -> None:
         self._dataset = dataset
         self._remote = remote  # RemoteShards for a remote dataset (remote.py), else None
-        self._owned = owned  # a dataset the Loader opened from a URL: closed with the parts
+        self._owned = owned  # a dataset the Loader opened (a path, a URL, a mixture): closed with it
         self._opts = options
         self._stats = stats
         self._ring: Ring | None = None
@@ -51,9 +54,9 @@ class Parts:
         self._iter_ref: weakref.ref | None = None
         self._warm: threading.Thread | None = None  # builds the DALI pipelines ahead (warm())
         self._pid = os.getpid()
-        self.forked = False  # True in a child forked from the process that built these parts
+        self.forked = False  # True in a child forked from the process that built this machinery
         lifecycle.track(self)
-        # what the parts report as they are (stats.py: gauges), after the per-epoch counters
+        # what the machinery reports as it is (stats.py: gauges), after the per-epoch counters
         stats.gauge("verify", dataset.verify_stats)
         if options.image_fields:
             stats.gauge("undecodable_samples", self.undecodable)
@@ -70,7 +73,7 @@ class Parts:
             self.close()
 
     def check_process(self) -> None:
-        """RuntimeError in a child forked after these parts were built (they are inert there)."""
+        """RuntimeError in a child forked after this machinery was built (it is inert there)."""
         if self.forked or lifecycle.forked(self._pid):
             raise RuntimeError(
                 f"this Loader was created in process {self._pid}, before os.fork(); its threads do not exist in "
@@ -96,12 +99,12 @@ class Parts:
                 # a remote dataset's shards become sources as they arrive (RemoteShards.prepare);
                 # views of every shard, each verified before a batch reads it (locate)
                 sources[n] = [None if remote else ds.column(s, n, verify=False) for s in range(ds.num_shards)]
-            rows = o.slot_rows or o.batch_size
+            rows = o.slot_rows
             pack = o.pack
             if pack is not None:  # one row per piece: at most this many pieces per batch
                 rows = max_pieces(ds.lengths(pack[0]), o.batch_size, pack[1].pack_to, pack[1].max_length)
             for n, d in o.ragged.items():
-                specs[n] = ring_field(ds, n, d, o.slot_rows or o.batch_size)
+                specs[n] = ring_field(ds, n, d, o.slot_rows)
                 sources[n] = [None if remote else _values_offsets(ds.ragged_column(s, n, verify=False))
                               for s in range(ds.num_shards)]
             for n in slot_images(o):  # written by the feeders, no source
@@ -109,7 +112,7 @@ class Parts:
                 specs[n] = (np.dtype(t.out_dtype), tuple(t.out_shape))
             specs[INDEX] = (np.int64, ())
             ring = Ring(specs, rows, sources, index_field=INDEX, threads=o.threads,
-                        slots=o.slots or ring_slots(o.prefetch), shard_rows=ds.shard_sizes.tolist(),
+                        slots=o.slots, shard_rows=ds.shard_sizes.tolist(),
                         nice=loader_nice())
             self._ring = ring
             if self._remote is not None:
@@ -144,7 +147,7 @@ class Parts:
             o = self._opts
             self._decoders = Decoders(o.transforms, device=o.device.type,
                                       device_id=o.device.index if self.cuda else None,
-                                      batch_size=o.slot_rows or o.batch_size, seed=o.seed,
+                                      batch_size=o.slot_rows, seed=o.seed,
                                       checked=images_checked(self._dataset))
         return self._decoders
 
@@ -237,7 +240,7 @@ class Parts:
         self.stop_iter("the Loader was closed during this pass (close(), or the interpreter exiting)")
         feeder, self._feeder = self._feeder, None
         if feeder is not None:
-            feeder.close()  # and with it what a pass looking ahead had put (loader.py)
+            feeder.close()  # and with it what a pass looking ahead had put (epoch.py: LookAhead)
         warm, self._warm = self._warm, None
         if warm is not None:
             warm.join(WARM_JOIN_S)  # a pipeline being built: closed below once it exists

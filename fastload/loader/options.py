@@ -1,9 +1,15 @@
-"""A Loader's configuration: checked once, then frozen (``Options``), and its sampler.
+"""A Loader's configuration: every keyword checked once, then frozen (``Options``), and the
+sampler those values define.
 
-``build_options`` turns the Loader's keyword arguments into an immutable ``Options``: which
-fields are delivered and how (raw fields through the ring, image fields through their DALI
-transform, string/bytes fields as lists), the device, and the thread and prefetch defaults.
-``make_sampler`` turns the sampling arguments into a :class:`fastload.Sampler`.
+``build_options`` turns the Loader's keyword arguments (all of them, passed once) into an
+immutable ``Options``: which fields are delivered and how (raw fields through the ring, image
+fields through their DALI transform, string/bytes fields as lists), the device, the sampler's
+settings, the threads, the prefetch and the ring's size (the sizing policy itself is
+:mod:`fastload.ring.size`). It returns the :class:`fastload.Sampler` made from them too: the
+ring is sized from what an epoch of it holds.
+
+Adding a Loader keyword: the Loader's signature and docstring, a field of ``Options`` and its
+check in ``build_options`` — nothing else.
 """
 from __future__ import annotations
 
@@ -16,25 +22,24 @@ import numpy as np
 
 from ..runtime.device import resolve_device
 from ..pipeline.presets import Transform
-from ..ring.ring import default_threads
+from ..ring.size import (batch_bytes, default_cuda_image_prefetch, default_gather_threads, default_prefetch,
+                         ring_slots, slot_bytes)
 from ..sampling import Sampler
 from ..store.format import INDEX_KEY
 from ..runtime.system import check_fits_in_memory
 from ..validate import check_bool, check_choice, check_int, check_seed
 from .ragged import RaggedDelivery, resolve_ragged
 
-__all__ = ["ON_ERROR", "Options", "build_options", "default_cuda_image_prefetch", "default_gather_threads",
-           "default_prefetch", "fit_to_epoch", "make_sampler", "ring_slots"]
+__all__ = ["ON_ERROR", "Options", "as_mixture", "build_options", "make_sampler"]
 
 logger = logging.getLogger("fastload")
 
 ON_ERROR = ("raise", "skip")
-PREFETCH_BUDGET = 256 << 20  # host memory the default prefetch may use for batches in flight
-DEVICE_PREFETCH_BUDGET = 512 << 20  # GPU memory decoded images in flight may use (per rank)
 
 
 @dataclass(frozen=True)
 class Options:
+    # what a batch holds
     batch_size: int
     seed: int
     device: Any  # torch.device
@@ -43,16 +48,25 @@ class Options:
     image_fields: tuple[str, ...]  # decoded by their transform
     list_fields: tuple[str, ...]  # string / bytes fields, delivered as lists
     transforms: Mapping[str, Transform]  # read-only
-    threads: int  # gather threads
-    prefetch: int  # batches in flight
     on_error: str
     log_every: int | None
     ragged: Mapping[str, RaggedDelivery] = field(default_factory=lambda: MappingProxyType({}))  # ragged fields
     batch_transform: Callable | None = None  # host, in a fastload thread, before the device copy
     device_transform: Callable | None = None  # on the device, on fastload's stream
-    verify: str = "off"  # the dataset's shard verification policy
-    slot_rows: int = 0  # rows a ring slot / DALI batch holds: min(batch_size, samples per rank)
-    slots: int = 0  # ring slots: for min(prefetch, batches per epoch) in flight
+    # the order: the Sampler's settings, as given (make_sampler)
+    shuffle: bool = True
+    drop_last: bool = False
+    weights: Any = field(default=None, repr=False, compare=False)  # per-sample weights, or a field's name
+    replacement: bool = True
+    num_draws: int | None = None
+    balance: bool | str = False
+    shuffle_mode: str = "full"
+    window: int | None = None
+    # the machinery's size (fastload.ring.size)
+    threads: int = 1  # gather threads
+    prefetch: int = 2  # batches in flight
+    slot_rows: int = 1  # rows a ring slot / DALI batch holds: min(batch_size, samples per rank)
+    slots: int = 3  # ring slots: for min(prefetch, batches per epoch) in flight
 
     @property
     def pack(self) -> tuple[str, RaggedDelivery] | None:
@@ -65,29 +79,6 @@ class Options:
         no ragged field but the one packed with ``pack_to`` (rows of N tokens; one row of
         the other keys per piece)."""
         return not self.list_fields and all(d.mode == "pack" for d in self.ragged.values())
-
-
-def default_prefetch(threads: int, batch_bytes: int) -> int:
-    """Batches in flight: enough to keep every gather thread busy with one to spare, more
-    when batches are small (MNIST: 8 in flight reach ~80% of memcpy instead of ~55% with 3,
-    bench/bench_tensor.py), capped so the slots stay within PREFETCH_BUDGET."""
-    fit = PREFETCH_BUDGET // max(1, batch_bytes)
-    return int(max(2, min(8, max(threads + 1, fit))))
-
-
-def default_gather_threads() -> int:
-    """Gather threads: this rank's share of the cores (``ring.default_threads``) minus one
-    core left to the training loop's own Python thread. On 2 cores, 1 gather thread beat 2
-    on both MNIST rows (54% vs 47% of memcpy) and 3x224x224 rows (106% vs 101%),
-    interleaved A/B in one process."""
-    return max(1, default_threads() - 1)
-
-
-def default_cuda_image_prefetch(image_batch_bytes: int) -> int:
-    """Batches in flight when DALI decodes on the GPU: each one holds its decoded images in
-    device memory, so 2 (one decoding while one is consumed) or 3 when a batch's images fit
-    DEVICE_PREFETCH_BUDGET three times (256x3x224x224 float32: 154 MB, so 3)."""
-    return int(max(2, min(3, DEVICE_PREFETCH_BUDGET // max(1, image_batch_bytes))))
 
 
 def _resolve_fields(ds, fields: Sequence[str] | None, transforms: Any) -> tuple[list[str], dict]:
@@ -132,10 +123,16 @@ def _resolve_fields(ds, fields: Sequence[str] | None, transforms: Any) -> tuple[
     return fields, transforms
 
 
-def build_options(ds, *, batch_size: Any, seed: Any, device: Any, fields: Sequence[str] | None, transforms: Any,
-                  threads: Any, prefetch: Any, on_error: Any, log_every: Any, ragged: Any = None,
-                  pad_value: Any = None, max_length: Any = None, pad_to_multiple: Any = None, pack_to: Any = None,
-                  batch_transform: Any = None, device_transform: Any = None) -> Options:
+def build_options(ds, world, *, mixture: Any = None, batch_size: Any, seed: Any, device: Any,
+                  fields: Sequence[str] | None, transforms: Any, threads: Any, prefetch: Any, on_error: Any,
+                  log_every: Any, ragged: Any, pad_value: Any, max_length: Any, pad_to_multiple: Any, pack_to: Any,
+                  batch_transform: Any, device_transform: Any, shuffle: Any, drop_last: Any, weights: Any,
+                  replacement: Any, num_draws: Any, balance: Any, shuffle_mode: Any, window: Any,
+                  **opening: Any) -> tuple[Options, Sampler]:
+    """The Loader's keywords for ``ds`` (opened) on ``world``, checked and frozen, and the
+    sampler they define (a MixtureSampler for ``mixture``). ``opening``: the keywords the
+    Loader used to open the data and find the ranks (``verify``, ``mix``, the remote settings,
+    ``rank``, ...); they are no option."""
     batch_size = check_int("batch_size", batch_size, min=1)
     seed = check_seed("seed", seed)
     check_choice("on_error", on_error, ON_ERROR)
@@ -149,33 +146,43 @@ def build_options(ds, *, batch_size: Any, seed: Any, device: Any, fields: Sequen
     deliveries = resolve_ragged(ds, ragged_names, ragged=ragged, pad_value=pad_value, max_length=max_length,
                                 pad_to_multiple=pad_to_multiple, pack_to=pack_to)
     _check_keys(ds, fields, deliveries)
+    if balance and any(d.mode == "pack" for d in deliveries.values()):
+        raise ValueError(f"balance={balance!r} makes class-balanced batches of samples, and pack_to= cuts "
+                         "documents into rows of tokens, so a packed batch is not class-balanced; use "
+                         "weights= (per-document draw weights, e.g. 1 / the frequency of its class) with pack_to")
     raw = tuple(n for n in fields if ds.fields[n].fixed)
     images = tuple(n for n in fields if ds.fields[n].kind == "image")
     lists = tuple(n for n in fields if ds.fields[n].kind in ("string", "bytes"))
     transforms = {n: transforms[n] for n in images}
     threads = default_gather_threads() if threads is None else check_int("threads", threads, min=1, max=256)
     device = resolve_device(device)
-    batch_bytes = batch_size * (sum(ds.fields[n].row_nbytes for n in raw) + 8)  # + the index
+    host_bytes = batch_bytes(batch_size, sum(ds.fields[n].row_nbytes for n in raw))
     for n, d in deliveries.items():  # a typical batch: the mean length (rows of N when packing)
         mean = d.pack_to if d.pack_to else float(np.mean(ds.lengths(n))) if len(ds) else 0.0
-        batch_bytes += int(batch_size * mean * ds.fields[n].item_nbytes)
-    image_bytes = batch_size * sum(np.dtype(t.out_dtype).itemsize * int(np.prod(t.out_shape))
-                                   for t in transforms.values())
+        host_bytes += int(batch_size * mean * ds.fields[n].item_nbytes)
+    image_bytes = batch_size * sum(_image_row_bytes(t) for t in transforms.values())
     if prefetch is not None:
         prefetch = check_int("prefetch", prefetch, min=1)
     elif device.type == "cuda" and images:
         prefetch = default_cuda_image_prefetch(image_bytes)
     else:
-        prefetch = default_prefetch(threads, batch_bytes + image_bytes)
-    return Options(batch_size=batch_size, seed=seed, device=device,
-                   fields=tuple(fields), raw_fields=raw, image_fields=images, list_fields=lists,
-                   transforms=MappingProxyType(transforms), threads=threads, prefetch=prefetch,
-                   on_error=on_error, log_every=log_every, ragged=MappingProxyType(deliveries),
-                   batch_transform=batch_transform, device_transform=device_transform,
-                   verify=getattr(ds, "verify_policy", "off"), slot_rows=batch_size)
+        prefetch = default_prefetch(threads, host_bytes + image_bytes)
+    o = Options(batch_size=batch_size, seed=seed, device=device,
+                fields=tuple(fields), raw_fields=raw, image_fields=images, list_fields=lists,
+                transforms=MappingProxyType(transforms), on_error=on_error, log_every=log_every,
+                ragged=MappingProxyType(deliveries), batch_transform=batch_transform,
+                device_transform=device_transform, shuffle=shuffle, drop_last=drop_last, weights=weights,
+                replacement=replacement, num_draws=num_draws, balance=balance, shuffle_mode=shuffle_mode,
+                window=window, threads=threads, prefetch=prefetch)
+    sampler = make_sampler(ds, world, o, mixture=mixture)
+    return _fit_to_epoch(o, ds, sampler), sampler
 
 
-def fit_to_epoch(o: Options, ds, sampler) -> Options:
+def _image_row_bytes(t: Transform) -> int:
+    return np.dtype(t.out_dtype).itemsize * int(np.prod(t.out_shape))
+
+
+def _fit_to_epoch(o: Options, ds, sampler) -> Options:
     """Size the ring from what the dataset can fill, not from the nominal arguments: a batch
     never holds more rows than this rank reads per epoch (``batch_size=10**7`` on a 60,000-sample
     dataset makes 60,000-row slots), there are no more slots than an epoch has batches to put
@@ -185,23 +192,17 @@ def fit_to_epoch(o: Options, ds, sampler) -> Options:
     rows = max(1, min(o.batch_size, sampler.num_samples_per_rank))
     if o.pack is not None:  # packed rows are not samples: the plan decides their number
         rows = o.batch_size
-    row_bytes = sum(ds.fields[n].row_nbytes for n in o.raw_fields) + 8  # + the index
-    if o.device.type != "cuda":
-        row_bytes += sum(np.dtype(t.out_dtype).itemsize * int(np.prod(t.out_shape)) for t in o.transforms.values())
+    row_bytes = sum(ds.fields[n].row_nbytes for n in o.raw_fields)
+    if o.device.type != "cuda":  # images decoded on the host may be finished into the slot
+        row_bytes += sum(_image_row_bytes(t) for t in o.transforms.values())
     slots = ring_slots(max(1, min(o.prefetch, sampler.batches_per_epoch)))  # prefetch itself stays as asked
-    slot_bytes = -(-(rows * row_bytes + 256 * (len(o.raw_fields) + len(o.image_fields) + 1)) // 4096) * 4096  # pages
+    size = slot_bytes(rows, row_bytes, len(o.raw_fields) + len(o.image_fields))
     check_fits_in_memory(
-        slots * slot_bytes,
+        slots * size,
         f"batch_size={o.batch_size} ({rows:,} rows per batch on this rank) with prefetch={o.prefetch} "
-        f"({slots} ring slots of {slot_bytes:,} bytes)",
+        f"({slots} ring slots of {size:,} bytes)",
         "lower batch_size or prefetch")
     return replace(o, slot_rows=rows, slots=slots)
-
-
-def ring_slots(prefetch: int) -> int:
-    """Ring slots for ``prefetch`` batches in flight: one held by the training loop, one in
-    the hand-off, at least three."""
-    return max(prefetch + 2, 3)
 
 
 def _check_keys(ds, fields: Sequence[str], deliveries: Mapping[str, RaggedDelivery]) -> None:
@@ -242,21 +243,21 @@ def as_mixture(dataset: Any, *, mix: Any, epoch_size: Any, stop_on: Any, fields:
     return None
 
 
-def make_sampler(ds, world, *, batch_size: int, seed: int, shuffle: bool, drop_last: bool, weights: Any,
-                 replacement: bool, num_draws: int | None, balance: bool | str, shuffle_mode: str,
-                 window: int | None, mixture: Any = None) -> Sampler:
-    """The Sampler of a Loader: ``weights`` may name a scalar field, ``balance=True``
-    balances the label field (or the named one); a mixture's is a MixtureSampler."""
+def make_sampler(ds, world, o: Options, *, mixture: Any = None) -> Sampler:
+    """The Sampler of a Loader from its options: ``weights`` may name a scalar field,
+    ``balance=True`` balances the label field (or the named one); a mixture's is a
+    MixtureSampler."""
+    weights, balance = o.weights, o.balance
     if mixture is not None:
         from ..sampling.mixture import MixtureSampler
 
-        other = {"weights": weights is not None, "num_draws": num_draws is not None, "balance": bool(balance),
-                 "shuffle_mode": shuffle_mode != "full", "window": window is not None}
+        other = {"weights": weights is not None, "num_draws": o.num_draws is not None, "balance": bool(balance),
+                 "shuffle_mode": o.shuffle_mode != "full", "window": o.window is not None}
         bad = [k for k, v in other.items() if v]
         if bad:
             raise ValueError(f"{bad[0]}= does not apply to a mixture (its proportions are the mixture's weights)")
-        return MixtureSampler(mixture, batch_size=batch_size, world_size=world.world_size, rank=world.rank,
-                              seed=seed, shuffle=shuffle, drop_last=drop_last)
+        return MixtureSampler(mixture, batch_size=o.batch_size, world_size=world.world_size, rank=world.rank,
+                              seed=o.seed, shuffle=o.shuffle, drop_last=o.drop_last)
     if isinstance(weights, str):
         wf = ds.fields.get(weights)
         if wf is None or wf.kind != "scalar":
@@ -271,7 +272,8 @@ def make_sampler(ds, world, *, batch_size: int, seed: int, shuffle: bool, drop_l
             raise ValueError(f"balance={balance!r} needs a label field; {ds.path} has "
                              f"{'no label field' if ds.label_field is None else 'label ' + repr(ds.label_field)}")
         labels = ds.get_batch(np.arange(len(ds)), fields=[lf])[lf]
-    return Sampler(len(ds), batch_size=batch_size, world_size=world.world_size, rank=world.rank, shuffle=shuffle,
-                   seed=seed, drop_last=drop_last, weights=weights, replacement=replacement, num_draws=num_draws,
-                   balance_labels=labels, shuffle_mode=shuffle_mode,
-                   shard_sizes=ds.shard_sizes if shuffle_mode != "full" else None, window=window)
+    return Sampler(len(ds), batch_size=o.batch_size, world_size=world.world_size, rank=world.rank,
+                   shuffle=o.shuffle, seed=o.seed, drop_last=o.drop_last, weights=weights,
+                   replacement=o.replacement, num_draws=o.num_draws, balance_labels=labels,
+                   shuffle_mode=o.shuffle_mode, shard_sizes=ds.shard_sizes if o.shuffle_mode != "full" else None,
+                   window=o.window)

@@ -8,9 +8,11 @@ every delivered field as a tensor on the loader's device, ``"index"`` included (
 indices actually delivered, after any replacement of undecodable images). ``close()`` ends
 the epoch's work: threads started for it are joined, batches still in flight are drained.
 
-Two implementations, chosen once by the Loader from its device: ``HostSource``
-(``host.py``: batches in host memory, zero-copy views of ring slots) and ``CudaSource``
-(``cuda.py``: batches on a CUDA device). Neither branches on the other's case.
+Two implementations, one per device: ``HostSource`` (``host.py``: batches in host memory,
+zero-copy views of ring slots) and ``CudaSource`` (``cuda.py``: batches on a CUDA device).
+Neither branches on the other's case. ``ThreadedSource`` (``threaded.py``) wraps either one to
+run the user's transforms in a fastload thread. ``Machinery.source`` (``machinery.py``) is the
+one place that chooses, once per pass.
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ class RingFedSource:
     """What both sources share: batches go to the image feeder when there is one (it fills
     the ring or hands over device batches), else straight to the ring in runs.
 
-    The feeder outlives an epoch (the Loader's parts own it): its requests carry their epoch,
+    The feeder outlives an epoch (the Loader's machinery owns it): its requests carry their epoch,
     so the next pass's first batches can be put while this pass's last ones are consumed
     (``Loader``'s look-ahead). ``close()`` after every request was delivered, none half way
     (``get`` calls ``taken()`` once its batch is off the ring and the feeder: a Ctrl-C or an

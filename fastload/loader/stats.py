@@ -17,7 +17,7 @@ Parts report in three ways:
   counters, the samples found undecodable): ``read()`` returns the value of ``name``, or
   None to leave it out. Gauges appear after the counters, in the order registered.
 
-Probes and gauges are registered where their part is built (loader/parts.py: the ring, the
+Probes and gauges are registered where their part is built (loader/machinery.py: the ring, the
 device delivery, verification, undecodable samples; loader/remote.py: the shard cache; the
 Loader: the epoch), so a new stat touches the reporting part and at most that registration.
 ``snapshot()`` is the per-epoch counters alone (the ``log_every`` line); ``report()`` adds

@@ -81,6 +81,14 @@ class EpochPlan:
         last = self.bounds[-1][2] if self.bounds else self.start
         return max(last, len(self.stream))
 
+    def same_pass(self, other: object) -> bool:
+        """True when ``other`` is a plan of the very same pass: the same epoch, start, batches
+        and stream (the same array, or equal values)."""
+        if not isinstance(other, EpochPlan):
+            return False
+        return (self.epoch == other.epoch and self.start == other.start and self.bounds == other.bounds
+                and (self.stream is other.stream or np.array_equal(self.stream, other.stream)))
+
     def indices(self, k: int) -> np.ndarray:
         """Global sample indices (int64) of this rank's ``k``-th batch."""
         b, e, _ = self.bounds[k]
