@@ -50,15 +50,15 @@ GPU_PIPELINE_THREADS = 4  # CPU threads of a GPU pipeline: parsing and nvJPEG's 
 # of more than ~24 images fails on a bad image while the cores are busy: its thread pool
 # still decodes the rest after the run raised (SIGSEGV in ImageDecoder<CPUBackend>::RunImplImpl,
 # either executor; 10 of 20 processes at 32 images, 0 of 20 at 16, 20 and 24). Larger batches
-# are decoded in runs of this size and concatenated (one copy; ~30% fewer images/s in
-# bench_jpeg), unless every image was decoded by DALI at convert time (``whole_batches``,
+# are decoded in runs of this size and concatenated (one copy, and slower: see
+# bench/bench_jpeg.py), unless every image was decoded by DALI at convert time (``whole_batches``,
 # set for stores ``fastload convert`` wrote: their manifest metadata says images_checked).
 CPU_RUN = 16
 
 
 def default_threads(device: str = "cpu") -> int:
     """DALI worker threads of one pipeline: this rank's share of the cores on the CPU
-    (measured: bench/bench_jpeg.py --sweep-threads); on the GPU, where the CPU only parses
+    (see bench/bench_jpeg.py); on the GPU, where the CPU only parses
     and feeds the decoder, at most :data:`GPU_PIPELINE_THREADS`."""
     cores = rank_cores()
     return min(GPU_PIPELINE_THREADS, cores) if device == "cuda" else cores
@@ -306,7 +306,7 @@ class Runner(BadSampleSearch):
             return t
         if out is None:
             # DALI's own buffer, zero-copy: the dynamic executor never reuses a buffer that a
-            # DLPack capsule still references (measured: +18% img/s over a copy into a slot)
+            # DLPack capsule still references (faster than a copy into a slot: see bench/bench_jpeg.py)
             return torch.from_dlpack(res.as_tensor())
         feed_ndarray(res.as_tensor(), out)
         return out

@@ -20,15 +20,12 @@ __all__ = ["CACHE_ENV", "IMAGE_FEEDERS", "LOADER_NICE", "available_memory", "cac
 # start), as a Linux nice value: below the training loop's threads, so that when both want a
 # core the loop's (torch's OpenMP team, which spins at its barriers) wins, and loading fills
 # the gaps. Nothing starves: the consumer gathers late batches itself (the ring's "help"
-# path), and DALI's threads still get the cores whenever the loop waits. Measured on 2 cores
-# with bench/bench_loop.py, torch's default threads, epoch time against the batches held in
-# memory: MLP on MNIST rows 1.20x at nice 0, 1.27x at 10, 1.10x at 19 (FASTLOAD_NICE=N
-# bench/bench_loop.py --only mlp --repeats 5; +-15% noise); small CNN on JPEGs 1.174 s/epoch
-# at nice 0, 1.058 s at 19.
+# path), and DALI's threads still get the cores whenever the loop waits. The measurement:
+# ``FASTLOAD_NICE=N bench/bench_loop.py`` (its figures are in the README).
 LOADER_NICE = 19
 
 # Image feeder threads per Loader (host and CUDA), each with its own DALI pipelines: while one
-# runs its Python glue the other's DALI threads keep the cores busy (bench_jpeg: +~10%).
+# runs its Python glue the other's DALI threads keep the cores busy (see bench/bench_jpeg.py).
 IMAGE_FEEDERS = 2
 
 
