@@ -82,7 +82,7 @@ def cmd_convert(a, out: Output) -> int:
     from .convert import convert
     from .errors import FastloadError, UsageError
     from .files import printable
-    from .store.inspect import human_bytes
+    from .errors import format_bytes
 
     kw = dict(workers=a.workers, shard_size=a.shard_size, on_error=a.on_error, label=a.label,
               image_columns=a.image_column or (), max_pixels=a.max_pixels, progress=not a.quiet,
@@ -95,7 +95,7 @@ def cmd_convert(a, out: Output) -> int:
     if r.get("rank", 0) != 0:  # torchrun: rank 0 reports for all
         return 0
     rate = r["num_samples"] / r["seconds"] if r["seconds"] else float("inf")
-    out.print(f"wrote {r['num_samples']} samples in {r['num_shards']} shard(s), {human_bytes(r['bytes'])}, "
+    out.print(f"wrote {r['num_samples']} samples in {r['num_shards']} shard(s), {format_bytes(r['bytes'])}, "
               f"to {r['dst']} in {r['seconds']:.1f} s ({rate:,.0f} samples/s)")
     if r.get("max_pixels"):
         out.print(f"images were checked with PIL and DALI (the Loader's decoder) and limited to {r['max_pixels']:,} "
@@ -182,14 +182,14 @@ def cmd_recover(a, out: Output) -> int:
 # -- prefetch ----------------------------------------------------------------------------
 def cmd_prefetch(a, out: Output) -> int:
     from .convert.publish import prefetch
-    from .store.inspect import human_bytes
+    from .errors import format_bytes
 
     def progress(done: int, total: int) -> None:
         if not a.quiet:
             print(f"\r{done}/{total} shards", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     r = prefetch(a.url, a.dir, threads=a.threads, progress=progress)
-    out.print(f"mirrored {r['shards']} shard(s) of {a.url} into {r['dst']} ({human_bytes(r['bytes_downloaded'])} "
+    out.print(f"mirrored {r['shards']} shard(s) of {a.url} into {r['dst']} ({format_bytes(r['bytes_downloaded'])} "
               "downloaded); checksums and Arrow validation passed")
     return 0
 

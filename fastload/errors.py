@@ -111,13 +111,22 @@ class NoSpaceError(FastloadError, OSError):
                 f"{has}. Nothing of it was kept; free space or choose another destination")
 
 
-def format_bytes(n: float) -> str:
-    """A byte count for a message: ``"812 B"``, ``"1.5 MB"`` (decimal units, as ``--shard-size``)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"  # pragma: no cover
+# -- byte counts: the one formatter and the one parser ---------------------------------------
+# Here, at the bottom of the layers, because every layer names sizes in its messages
+# (NoSpaceError above, cache limits, memory checks, inspect, doctor).
+def format_bytes(n: float, *, binary: bool = False) -> str:
+    """A byte count for a message: decimal units, as ``--shard-size`` and ``cache_limit`` take
+    them (``"812 B"``, ``"1.5 KB"``, ``"3.0 GB"``); with ``binary``, powers of 1024 as
+    ``ulimit`` and ``df -h`` count (``"64 KiB"``, ``"1.5 GiB"``, a whole number without ``.0``)."""
+    base, units = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if binary else (1000, ("B", "KB", "MB", "GB", "TB"))
+    for unit in units:
+        if abs(n) < base or unit == units[-1]:
+            break
+        n /= base
+    if unit == "B":
+        return f"{n:.0f} B"
+    text = f"{n:.1f} {unit}"
+    return text.replace(".0 ", " ") if binary else text
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)\s*$", re.I)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import format_bytes
 from ..runtime.system import IMAGE_FEEDERS, LOADER_NICE
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -72,12 +73,8 @@ def _cuda_str(v: int) -> str:
 
 
 def _bytes(n: int) -> str:
-    if n < 0:
-        return "unlimited"
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}".replace(".0 ", " ")
-    return f"{n} B"
+    """A limit as ``ulimit`` shows it: powers of 1024, or "unlimited" (RLIM_INFINITY, -1)."""
+    return "unlimited" if n < 0 else format_bytes(n, binary=True)
 
 
 def _first_line(e: BaseException) -> str:

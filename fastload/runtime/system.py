@@ -13,6 +13,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from ..errors import format_bytes
+
 __all__ = ["CACHE_ENV", "IMAGE_FEEDERS", "LOADER_NICE", "available_memory", "cache_root", "check_fits_in_memory",
            "loader_nice", "local_world_size", "lower_priority", "rank_cores", "usable_cores"]
 
@@ -89,11 +91,8 @@ def check_fits_in_memory(nbytes: int, what: str, hint: str) -> None:
     N bytes, M are available; ``hint`` says what to lower."""
     avail = available_memory()
     if avail is not None and nbytes > avail:
-        raise ValueError(f"{what} needs {_gb(nbytes)} of memory, but only {_gb(avail)} is available; {hint}")
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+        raise ValueError(f"{what} needs {format_bytes(nbytes)} of memory, but only {format_bytes(avail)} is "
+                         f"available; {hint}")
 
 
 def rank_cores() -> int:

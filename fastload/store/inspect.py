@@ -6,21 +6,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..errors import format_bytes
 from .format import SKIPPED_REPORT
 from .reader import DatasetReader
 
-__all__ = ["human_bytes", "inspect_json", "inspect_text"]
+__all__ = ["inspect_json", "inspect_text"]
 
 _MAX_CLASSES = 20  # classes listed one per line; the rest are counted
-
-
-def human_bytes(n: float) -> str:
-    """``1234567`` -> ``"1.2 MB"`` (decimal units, as ``--shard-size`` takes them)."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n}"  # pragma: no cover - the loop always returns
 
 
 def _open(path: str | os.PathLike) -> DatasetReader:
@@ -52,7 +44,7 @@ def _text(ds: DatasetReader) -> str:
     lines = [f"dataset   {ds.path}",
              f"format    fastload v{m['format_version']}",
              f"samples   {len(ds):,}",
-             f"shards    {ds.num_shards} ({human_bytes(_total_bytes(m))}; "
+             f"shards    {ds.num_shards} ({format_bytes(_total_bytes(m))}; "
              f"{min(sizes, default=0):,}..{max(sizes, default=0):,} samples each)",
              "fields"]
     for name, f in ds.fields.items():
