@@ -46,6 +46,7 @@ import numpy as np
 
 from ..errors import TransformError
 from ..sampling.packing import Request
+from ..sampling.streams import splitmix64 as _mix64
 from .ragged import shape_batch
 from .source import INDEX
 
@@ -53,13 +54,6 @@ __all__ = ["SOURCE", "BatchInfo", "Finish", "takes_info"]
 
 SOURCE = "source"  # a mixture's batch key: which dataset each row came from
 _MASK = (1 << 64) - 1
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, vectorised (uint64 arithmetic wraps)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 def derive_seeds(seed: int, epoch: int, positions: np.ndarray) -> np.ndarray:

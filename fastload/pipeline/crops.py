@@ -1,7 +1,8 @@
 """Per-sample augmentation parameters as pure functions of (seed, epoch, global index).
 
-Random numbers come from a counter-based hash (SplitMix64's finaliser over a 64-bit counter
-built from seed, epoch, sample index and draw number), vectorised in numpy: the crop window
+Random numbers come from a counter-based hash (SplitMix64's finaliser,
+:func:`fastload.sampling.streams.splitmix64`, over a 64-bit counter built from seed, epoch,
+sample index and draw number), vectorised in numpy: the crop window
 and flip of a sample do not depend on the batch it lands in, the rank, the world size or the
 thread, so a run resumed on another number of GPUs sees the same pixels.
 """
@@ -11,17 +12,7 @@ import math
 
 import numpy as np
 
-_M = np.uint64(0xFFFFFFFFFFFFFFFF)
-_GOLD = np.uint64(0x9E3779B97F4A7C15)
-_C1 = np.uint64(0xBF58476D1CE4E5B9)
-_C2 = np.uint64(0x94D049BB133111EB)
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser (a bijection on uint64 with full avalanche)."""
-    z = (z ^ (z >> np.uint64(30))) * _C1
-    z = (z ^ (z >> np.uint64(27))) * _C2
-    return z ^ (z >> np.uint64(31))
+from ..sampling.streams import GOLDEN_GAMMA, MIX_C2, splitmix64
 
 
 def uniforms(seed: int, epoch: int, index: np.ndarray, draws: int, stream: int = 0) -> np.ndarray:
@@ -29,11 +20,11 @@ def uniforms(seed: int, epoch: int, index: np.ndarray, draws: int, stream: int =
     (seed, epoch, stream, index, draw number)."""
     idx = np.asarray(index, dtype=np.int64).astype(np.uint64)
     with np.errstate(over="ignore"):
-        key = _mix(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * _GOLD + np.uint64(stream))
-        key = _mix(key ^ (np.uint64(epoch & 0xFFFFFFFFFFFFFFFF) * _C2))
-        base = _mix(key ^ _mix(idx * _GOLD))  # one key per sample
-        ctr = base[:, None] + (np.arange(1, draws + 1, dtype=np.uint64) * _GOLD)[None, :]
-        bits = _mix(ctr)
+        key = splitmix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * GOLDEN_GAMMA + np.uint64(stream))
+        key = splitmix64(key ^ (np.uint64(epoch & 0xFFFFFFFFFFFFFFFF) * MIX_C2))
+        base = splitmix64(key ^ splitmix64(idx * GOLDEN_GAMMA))  # one key per sample
+        ctr = base[:, None] + (np.arange(1, draws + 1, dtype=np.uint64) * GOLDEN_GAMMA)[None, :]
+        bits = splitmix64(ctr)
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .streams import _index_dtype, _rng
+from .streams import BALANCED, WEIGHTED, _index_dtype, generator
 
 
 def weighted_draws(weights: np.ndarray, num_draws: int, replacement: bool, seed: int, epoch: int) -> np.ndarray:
@@ -16,7 +16,7 @@ def weighted_draws(weights: np.ndarray, num_draws: int, replacement: bool, seed:
     With replacement: inverse CDF (float64 cumulative sum + binary search), exact for any
     number of samples (``torch.multinomial`` stops at 2^24). Without: Efraimidis–Spirakis (the ``num_draws`` smallest
     ``Exp(1) / w`` keys), which is sequential sampling without replacement."""
-    rng = _rng(seed, epoch, 2)
+    rng = generator(seed, epoch, WEIGHTED)
     n = len(weights)
     if replacement:
         cdf = np.cumsum(weights, dtype=np.float64)
@@ -47,7 +47,7 @@ def balanced_draws(labels: np.ndarray, num_draws: int, batch_size: int, seed: in
     in random order (so over the epoch every class is drawn equally often). Each class's
     samples are read in reshuffled passes (minority classes repeat, majority classes are
     subsampled)."""
-    rng = _rng(seed, epoch, 3)
+    rng = generator(seed, epoch, BALANCED)
     classes, inverse = np.unique(labels, return_inverse=True)
     c = len(classes)
     nchunks = -(-num_draws // batch_size)

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from .sampler import Sampler
-from .streams import _seeds, permutation
+from .streams import DATASET_PASSES, MIXTURE_BATCHES, MIXTURE_EPOCH, generator, permutation, seed_sequence
 
 __all__ = ["MixtureOrder", "MixtureSampler", "batch_counts", "dataset_draws", "mixture_layout"]
 
@@ -98,9 +98,9 @@ def mixture_layout(weights: np.ndarray, sizes: np.ndarray, *, batch_size: int, p
         else:
             counts = _apportion(epoch_size, weights)
         ids = np.repeat(np.arange(n, dtype=dt), counts)
-        np.random.Generator(np.random.PCG64(_seeds(seed, epoch, 6))).shuffle(ids)
+        generator(seed, epoch, MIXTURE_EPOCH).shuffle(ids)
         return ids
-    rng = np.random.Generator(np.random.PCG64(_seeds(seed, 0, 5)))  # the same every epoch
+    rng = generator(seed, 0, MIXTURE_BATCHES)  # the same every epoch
     if stop_on is None:
         chunks = -(-epoch_size // batch_size)
         counts = batch_counts(weights, batch_size, chunks)
@@ -137,7 +137,7 @@ def dataset_draws(size: int, seed: int, dataset: int, first: int, count: int, sh
     the other, each a fresh permutation keyed by (seed, dataset, pass)."""
     if count == 0:
         return np.empty(0, np.int64)
-    key = int(np.random.SeedSequence([seed & (2**64 - 1), dataset, 4]).generate_state(1, np.uint64)[0] >> 1)
+    key = int(seed_sequence(seed, dataset, DATASET_PASSES).generate_state(1, np.uint64)[0] >> 1)
     out = []
     p0, p1 = first // size, (first + count - 1) // size
     for p in range(p0, p1 + 1):
