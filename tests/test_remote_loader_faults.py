@@ -74,7 +74,7 @@ def test_download_timeout_names_the_stalled_shard(remote_url, proxy, tmp_path):
     try:
         with fastload.Loader(remote_url, cache_dir=tmp_path / "c", download_timeout=1.5, download_threads=2,
                              batch_size=50, shuffle=False, device="cpu", prefetch=1) as lo:
-            assert lo.dataset.cache.policy.timeout_s == 1.5 and lo.dataset.cache._threads_n == 2
+            assert lo.dataset.cache.policy.timeout_s == 1.5 and lo.dataset.cache.fetcher.threads == 2
             t0 = time.monotonic()
             with pytest.raises(DownloadTimeout, match=r"shard shard-00003\.arrow .*download_timeout") as e:
                 for _ in lo:

@@ -103,7 +103,7 @@ def test_a_pickle_reopens_the_same_endpoint_with_the_same_settings(remote_url, p
         blob = pickle.dumps(ds)
     proxy.log.clear()
     with pickle.loads(blob) as again:
-        assert again.cache.policy.timeout_s == 33 and again.cache._threads_n == 2
+        assert again.cache.policy.timeout_s == 33 and again.cache.fetcher.threads == 2
         assert again.cache.limit == 10_000_000 and again.cache.root == tmp_path / "c"
         assert again.verify_policy == "always" and again[17]["y"] == 17
     assert proxy.requests("GET", "manifest.json"), "reopened through the same endpoint"

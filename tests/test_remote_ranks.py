@@ -102,7 +102,7 @@ def test_a_dead_owner_shard_is_fetched_by_whoever_needs_it(proxy, remote_url, tm
         assert p.stdout.readline().strip() == "ready"
         with make_cache(r, tmp_path / "c", local_world_size=2, local_rank=0, owner_grace_s=60) as c:
             c.plan(uses)
-            assert c._is_alive(1)
+            assert c.ranks.is_alive(1)
             done = threading.Event()
             result = {}
 

@@ -18,25 +18,19 @@ from .transports import open_transport
 from .url import REMOTE_SCHEMES, display_url, is_remote
 
 
-def open_cache(url: str, *, cache_dir=None, cache_limit=None, filesystem=None, storage_options=None,
-               download_timeout: float | None = None, download_threads: int | None = None, **kw) -> ShardCache:
-    """The manifest at ``url`` and this node's cache of its shards (no thread started yet).
-    ``download_timeout``: seconds a shard may take (its deadline, default 600), which also
-    bounds the manifest's read (all its attempts); ``download_threads``: downloads in flight
-    at most (default 4)."""
-    if download_timeout is not None:
-        if isinstance(download_timeout, bool) or not isinstance(download_timeout, (int, float)) \
-                or not 0 < download_timeout < float("inf"):
-            raise ValueError(f"download_timeout={download_timeout!r} must be a number of seconds > 0")
-        kw["retry"] = RetryPolicy(timeout_s=float(download_timeout))
-    if download_threads is not None:
-        from ..validate import check_int
-
-        kw["threads"] = check_int("download_threads", download_threads, min=1)
-    if cache_limit is not None:
-        parse_bytes(cache_limit, "cache_limit")  # before any request
-    remote = RemoteDataset(url, filesystem=filesystem, storage_options=storage_options, timeout=download_timeout)
-    return ShardCache(remote, cache_dir=cache_dir, limit=cache_limit, **kw)
+def open_cache(url: str, options: RemoteOptions | None = None, *, cache_dir=None, cache_limit=None,
+               filesystem=None, storage_options=None, download_timeout: float | None = None,
+               download_threads: int | None = None, **kw) -> ShardCache:
+    """The manifest at ``url`` and this node's cache of its shards (no thread started yet),
+    opened as ``options`` say (a :class:`RemoteOptions`; or its settings as keywords, not
+    both): ``download_timeout`` (seconds a shard may take, its deadline, default 600) also
+    bounds the manifest's read (all its attempts). ``kw`` go to :class:`ShardCache`."""
+    options = RemoteOptions.from_keywords(options, cache_dir=cache_dir, cache_limit=cache_limit,
+                                          filesystem=filesystem, storage_options=storage_options,
+                                          download_timeout=download_timeout, download_threads=download_threads)
+    remote = RemoteDataset(url, filesystem=options.filesystem, storage_options=options.storage_options,
+                           timeout=options.download_timeout)
+    return ShardCache(remote, options, **kw)
 
 __all__ = [
     "Concurrency", "Downloader", "EpochUses", "REMOTE_SCHEMES", "RemoteDataset", "RemoteOptions", "RetryPolicy", "ShardCache",

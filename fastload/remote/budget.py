@@ -11,11 +11,12 @@ its whole dataset.
 """
 from __future__ import annotations
 
+import numbers
 import os
 import shutil
 from typing import Sequence
 
-from ..errors import CacheTooSmall, format_bytes, parse_bytes
+from ..errors import CacheTooSmall, format_bytes
 
 __all__ = ["share_budget", "split_budget"]
 
@@ -45,13 +46,16 @@ def _default_total(caches: Sequence) -> int:
     return total
 
 
-def share_budget(caches: Sequence, total=None, needs: Sequence[int] | None = None, *,
+def share_budget(caches: Sequence, total: int | None = None, needs: Sequence[int] | None = None, *,
                  hint: str | None = None) -> int:
-    """Set the limits of ``caches`` so that together they hold at most ``total`` bytes (a
-    size or None: the default above), each at least ``needs[i]`` (default: its largest
-    shard). Returns the total. :class:`CacheTooSmall` names each dataset's need when the
-    total cannot hold them."""
-    total = _default_total(caches) if total is None else parse_bytes(total, "cache_limit")
+    """Set the limits of ``caches`` so that together they hold at most ``total`` bytes (the
+    ``cache_limit`` of a :class:`~fastload.remote.options.RemoteOptions`, parsed there; None:
+    the default above), each at least ``needs[i]`` (default: its largest shard). Returns the
+    total. :class:`CacheTooSmall` names each dataset's need when the total cannot hold them."""
+    if total is not None and (isinstance(total, bool) or not isinstance(total, numbers.Integral)):
+        raise TypeError(f"share_budget takes the budget in bytes (cache_limit as RemoteOptions parsed it), got "
+                        f"{total!r}")
+    total = _default_total(caches) if total is None else int(total)
     biggest = [int(c.sizes.max()) if c.num_shards else 0 for c in caches]
     needs = biggest if needs is None else [max(int(n), b) for n, b in zip(needs, biggest)]
     if sum(needs) > total:

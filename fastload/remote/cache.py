@@ -33,13 +33,16 @@ Before any download starts, the process holding the admission lock counts the by
 on disk (complete shards plus in-progress downloads at their full size) and starts only if
 the new shard fits: the budget holds even while ranks disagree for a moment.
 
-Where it lives: this module has :class:`ShardCache`'s construction and its pass lifecycle
-(:meth:`~ShardCache.plan`, :meth:`~ShardCache.advance`, :meth:`~ShardCache.stop`,
-:meth:`~ShardCache.close`, stats); the rest of the class comes from mixins, one per concern:
-:mod:`~fastload.remote.cache_files` (the directory, sizes, flocks; :func:`default_cache_dir`,
-:func:`parse_bytes`), :mod:`~fastload.remote.cache_ranks` (the node's ranks and their
-positions), :mod:`~fastload.remote.cache_timeline` (admission times, release, eviction) and
-:mod:`~fastload.remote.cache_fetch` (download threads, the budget check, :meth:`~ShardCache.ensure`).
+Where it lives: :class:`ShardCache` composes four collaborators, each owning its state:
+:class:`~fastload.remote.cache_files.CacheFiles` (the directory, its byte budget, sizes,
+flocks, the admission lock; :func:`default_cache_dir`, :func:`parse_bytes`),
+:class:`~fastload.remote.cache_ranks.NodeRanks` (the node's ranks and their positions),
+:class:`~fastload.remote.cache_timeline.Timeline` (admission times, release, which shards
+may be evicted) and :class:`~fastload.remote.cache_fetch.Fetcher` (download threads, the
+budget check, :meth:`~ShardCache.ensure`). This module has the construction, the pass
+lifecycle (:meth:`~ShardCache.plan`, :meth:`~ShardCache.advance`, :meth:`~ShardCache.stop`,
+:meth:`~ShardCache.close`) and stats; :class:`~fastload.remote.cache_timeline.Eviction`
+carries the timeline's choice out on the files. One condition (``ShardCache._cond``) guards what the download threads share.
 """
 from __future__ import annotations
 
@@ -50,16 +53,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
 from ..runtime import lifecycle
 from ..errors import CacheTooSmall, RemoteError, format_bytes
-from .cache_fetch import _Fetching
-from .cache_files import CACHE_ENV, _CacheFiles, _Flock, _write_atomic, default_cache_dir, parse_bytes
-from .cache_ranks import _NodeRanks
-from .cache_timeline import _Timeline
-from .download import Downloader, DownloadCounters, RetryPolicy
+from .cache_fetch import Fetcher
+from .cache_files import CacheFiles, default_cache_dir, parse_bytes
+from .cache_ranks import NodeRanks
+from .cache_timeline import Eviction, Timeline
+from .download import RetryPolicy
 from .manifest import RemoteDataset
+from .options import RemoteOptions
 from .schedule import EpochUses, minimum_budget
 
 __all__ = ["ShardCache", "default_cache_dir", "parse_bytes", "format_bytes", "stop_caches"]
@@ -67,145 +69,172 @@ __all__ = ["ShardCache", "default_cache_dir", "parse_bytes", "format_bytes", "st
 logger = logging.getLogger("fastload")
 
 
-class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
+class ShardCache:
     """The node-local cache of one remote dataset (see the module docstring).
 
     Args:
         remote: the dataset (manifest + transport).
-        cache_dir: the root shared by the node's ranks (default :func:`default_cache_dir`).
-        limit: byte budget for shards on disk (int or '200GB'); default: the whole dataset
-            when it fits in 80% of the free disk, else 80% of the free disk.
+        options: how it is cached (:class:`~fastload.remote.options.RemoteOptions`): its
+            ``cache_dir`` (default :func:`default_cache_dir`), ``cache_limit`` (the byte budget
+            for shards on disk; default: the whole dataset when it fits in 80% of the free
+            disk, else 80% of the free disk), ``download_timeout`` (the per-shard deadline)
+            and ``download_threads`` (downloads in flight at most, default 4; adapted down
+            on throttling). Its ``filesystem`` / ``storage_options`` made ``remote`` already.
+        cache_dir, limit, threads: the same as ``options``' ``cache_dir``, ``cache_limit``
+            and ``download_threads`` (kept keywords; not together with ``options``).
         ahead: how many positions before reporting them consumed the reader asks for shards
             (its prefetch; the Loader passes ``(prefetch + 2) * batch_size * world_size``).
-        threads: downloads in flight at most (adapted down on throttling).
         local_rank, local_world_size: this process among the node's ranks (default: the
             ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` environment variables, else 0 / 1).
-        retry: attempts, backoff and the per-shard deadline (:class:`RetryPolicy`).
+        retry: attempts, backoff and the per-shard deadline (:class:`RetryPolicy`; default:
+            ``options``' ``download_timeout`` as the deadline); given, it is the whole policy.
         owner_grace_s: how long to wait for another live rank to download a shard this rank
             needs before fetching it itself.
     """
 
-    def __init__(self, remote: RemoteDataset, *, cache_dir: str | os.PathLike | None = None,
-                 limit: int | str | None = None, ahead: int = 0, threads: int = 4,
-                 local_rank: int | None = None, local_world_size: int | None = None,
-                 retry: RetryPolicy | None = None, chunk_bytes: int = 8 << 20, owner_grace_s: float = 30.0,
-                 poll_s: float = 0.01, fsync: bool = True):
-        from ..runtime.system import local_world_size as _lws
-
+    def __init__(self, remote: RemoteDataset, options: RemoteOptions | None = None, *,
+                 cache_dir: str | os.PathLike | None = None, limit: int | str | None = None,
+                 threads: int | None = None, ahead: int = 0, local_rank: int | None = None,
+                 local_world_size: int | None = None, retry: RetryPolicy | None = None, chunk_bytes: int = 8 << 20,
+                 owner_grace_s: float = 30.0, poll_s: float = 0.01, fsync: bool = True):
+        options = RemoteOptions.from_keywords(options, cache_dir=cache_dir, cache_limit=limit, download_threads=threads)
+        lr, lws = _local_rank(local_rank, local_world_size)
         self.remote = remote
-        self.root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        self.dir = self.root / remote.fingerprint
-        self.sizes = np.asarray(remote.shard_bytes, dtype=np.int64)
-        self.names = list(remote.shard_files)
-        self._index = {n: i for i, n in enumerate(self.names)}
-        self.num_shards = len(self.names)
-        lws = _lws() if local_world_size is None else int(local_world_size)
-        if lws < 1:
-            raise ValueError(f"local_world_size={local_world_size!r} must be >= 1")
-        if local_rank is None:
-            v = os.environ.get("LOCAL_RANK", "").strip()
-            local_rank = int(v) if v.isdigit() else 0
-        if not 0 <= int(local_rank) < lws:
-            raise ValueError(f"local_rank={local_rank!r} must be in [0, local_world_size={lws})")
-        self.local_rank, self.local_world_size = int(local_rank), lws
-        self.ahead = max(0, int(ahead))
-        self.policy = retry or RetryPolicy()
-        self.owner_grace_s = float(owner_grace_s)
-        self._poll = float(poll_s)
-
-        try:
-            for d in (self.dir, self.dir / ".locks", self.dir / ".progress"):
-                d.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise RemoteError(f"cannot create the cache directory {self.dir} ({e}); pass cache_dir= "
-                              f"(or set ${CACHE_ENV}) to a writable local directory") from None
-        self._write_remote_json()
-        self._check_present()
-        self.set_limit(self._resolve_limit(limit))
-
-        self._stop = threading.Event()
-        self.counters = DownloadCounters()
-        self._downloader_kw = dict(threads=threads, policy=self.policy, chunk_bytes=chunk_bytes, fsync=fsync)
-        self.downloader = Downloader(remote.transport, stop=self._stop, counters=self.counters, **self._downloader_kw)
-        self._threads_n = max(1, int(threads))
-        self._cond = threading.Condition()
-        self._admit_lock = threading.Lock()
-        self._admission = _Flock(self.dir / ".locks" / "admission.lock")
-        self._alive = _Flock(self.dir / ".locks" / f"alive-{self.local_rank}")
-        self._claim_alive()
-        self._peer_alive = {r: _Flock(self.dir / ".locks" / f"alive-{r}")
-                            for r in range(lws) if r != self.local_rank}
-        self._progress_path = self.dir / ".progress" / f"rank-{self.local_rank}"
-        self._t_open, self._t_open_mono = time.time(), time.monotonic()
-
-        self._clear_timeline()
-        self._pass = 0
-        self._base_next = 0
-        self._my_t = 0
-        self._cur_base = self._cur_start = self._cur_len = 0
-        self._rank_t: list[int] = [0]  # timeline positions of the live local ranks (this one first)
-        self._node_t = 0
-        self._node_t_at = 0.0
-        self._release_ptr = 0
-        self._inflight: set[int] = set()
-        self._fetched: set[int] = set()  # downloaded by this process, not yet counted by the prefetcher
-        self._errors: dict[int, BaseException] = {}
-        self._released: set[int] = set()
-        self._release_hooks: list[Callable[[int], None]] = []
-        self._fetch_hooks: list[Callable[[int, Path], None]] = []
-        self._workers: list[threading.Thread] = []
+        self.policy = retry or options.retry_policy()
         self._closed = False
-        # counters
-        self.cache_hits = 0
-        self.evictions = 0
-        self.downloads = 0
-        self.wait_s = 0.0
-        self.self_fetches = 0
+        self.files = CacheFiles(remote, options.cache_dir or default_cache_dir(), options.cache_limit)
+        self.ranks = NodeRanks(self.files, lr, lws, owner_grace_s=owner_grace_s, poll_s=poll_s)
+        self.timeline = Timeline(self.files.sizes, ahead)
+        self.eviction = Eviction(self.files, self.timeline, self.ranks)
+        self._cond = threading.Condition()  # guards what the download threads share (timeline, fetcher)
+        self.fetcher = Fetcher(remote, self.files, self.ranks, self.timeline, self.eviction, self._cond,
+                               policy=self.policy, threads=options.download_threads or 4, chunk_bytes=chunk_bytes,
+                               fsync=fsync, poll_s=poll_s)
+        # (no collaborator refers back to the cache: a dropped Dataset frees it at once, and
+        # its finalizer joins the download threads)
         lifecycle.track(self)
 
-    # -- public ----------------------------------------------------------------------------
+    # -- what it is ------------------------------------------------------------------------
     @property
     def url(self) -> str:
         return self.remote.url
 
+    @property
+    def root(self) -> Path:
+        return self.files.root
+
+    @property
+    def dir(self) -> Path:
+        return self.files.dir
+
+    @property
+    def sizes(self):
+        return self.files.sizes
+
+    @property
+    def names(self) -> list[str]:
+        return self.files.names
+
+    @property
+    def num_shards(self) -> int:
+        return self.files.num_shards
+
+    @property
+    def limit(self) -> int:
+        return self.files.limit
+
+    @property
+    def mirror(self) -> bool:
+        return self.files.mirror
+
+    @property
+    def local_rank(self) -> int:
+        return self.ranks.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self.ranks.local_world_size
+
+    @property
+    def owner_grace_s(self) -> float:
+        return self.ranks.owner_grace_s
+
+    @property
+    def ahead(self) -> int:
+        return self.timeline.ahead
+
+    @ahead.setter
+    def ahead(self, value: int) -> None:
+        self.timeline.ahead = max(0, int(value))
+
+    @property
+    def downloader(self):
+        return self.fetcher.downloader
+
+    @property
+    def counters(self):
+        return self.fetcher.counters
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # counters
+    @property
+    def evictions(self) -> int:
+        return self.eviction.evictions
+
+    @property
+    def cache_hits(self) -> int:
+        return self.fetcher.cache_hits
+
+    @property
+    def downloads(self) -> int:
+        return self.fetcher.downloads
+
+    @property
+    def wait_s(self) -> float:
+        return self.fetcher.wait_s
+
+    @property
+    def self_fetches(self) -> int:
+        return self.fetcher.self_fetches
+
+    # -- public ----------------------------------------------------------------------------
     def path(self, shard: int) -> Path:
-        return self.dir / self.names[shard]
+        return self.files.path(shard)
 
     def owner(self, shard: int) -> int:
-        return int(shard) % self.local_world_size
+        return self.ranks.owner(shard)
+
+    def disk_usage(self) -> int:
+        """Bytes of shards and partial downloads in this dataset's cache directory."""
+        return self.files.disk_usage()
+
+    def ensure(self, shard: int, timeout: float | None = None) -> Path:
+        """The local path of ``shard``, downloading it (or waiting for the rank that does)
+        first. Raises :class:`DownloadError` / :class:`DownloadTimeout` naming the shard."""
+        return self.fetcher.ensure(shard, timeout)
 
     def on_release(self, fn: Callable[[int], None]) -> None:
         """Call ``fn(shard)`` when this process no longer needs a shard (its last use is
         behind the reader) and before this process deletes one: drop mappings there."""
-        self._release_hooks.append(fn)
+        self.eviction.on_release(fn)
 
     def on_fetched(self, fn: Callable[[int, Path], None]) -> None:
         """Call ``fn(shard, path)`` (in a download thread) after this process downloaded a
         shard and found it equal to the manifest's checksum, before anything reads it."""
-        self._fetch_hooks.append(fn)
+        self.fetcher.on_fetched(fn)
 
     def remove_release_hook(self, fn: Callable[[int], None]) -> None:
-        try:
-            self._release_hooks.remove(fn)
-        except ValueError:
-            pass
+        self.eviction.remove_release_hook(fn)
 
     def probe(self) -> dict[str, float]:
         """Cumulative counters (for a Loader's per-epoch stats)."""
-        c = self.counters
-        return {"bytes_downloaded": c.bytes, "download_wait_s": self.wait_s, "download_busy_s": c.busy_s,
-                "cache_hits": self.cache_hits, "evictions": self.evictions, "retries": c.retries,
-                "downloads": self.downloads}
-
-    def _clear_timeline(self) -> None:
-        """No pass planned: the timeline (see schedule.py: the uses of the kept passes, in
-        first-use order, and the events and releases along it) is empty."""
-        self._passes: list[dict] = []  # {"k", "base", "uses"} of the kept passes
-        self._u_shard = self._u_first = self._u_last = self._u_admit = np.zeros(0, np.int64)
-        self._by_shard: dict[int, np.ndarray] = {}
-        self._by_last = np.zeros(0, np.int64)
-        self._events, self._next_event = np.zeros(0, np.int64), np.iinfo(np.int64).max
-        self._next = 0  # next use for the prefetch threads
+        c, f = self.counters, self.fetcher
+        return {"bytes_downloaded": c.bytes, "download_wait_s": f.wait_s, "download_busy_s": c.busy_s,
+                "cache_hits": f.cache_hits, "evictions": self.eviction.evictions, "retries": c.retries,
+                "downloads": f.downloads}
 
     def stop(self) -> None:
         """Stop and join the download threads (a Loader closing); ``ensure()`` still works,
@@ -223,46 +252,19 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
     def _begin_stop(self) -> tuple:
         """Tell this generation's threads to stop (nothing waits here)."""
         with self._cond:
-            self._clear_timeline()
-        stop, downloader, workers = self._stop, self.downloader, self._workers
-        deadline = time.monotonic() + self.policy.close_s
-        downloader.finish_by(deadline - 0.25 * self.policy.close_s)  # requests in flight: then they end
-        stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        return stop, downloader, workers, deadline
+            self.timeline.clear()
+        return self.fetcher.begin_stop()
 
     def _end_stop(self, begun: tuple) -> None:
         """Join what :meth:`_begin_stop` stopped, until its deadline; start a new generation."""
-        stop, downloader, workers, deadline = begun
-        left = []
-        for t in workers:
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                left.append(t)
-        left += downloader.close(deadline)
-        self._workers = []
-        if left:
-            logger.warning("fastload: %d download thread(s) of %s were still blocked in a read from the server "
-                           "%.1fs after the cache was stopped; they were left behind (daemon threads that end when "
-                           "the read returns and write nothing more): %s", len(left), self.url, self.policy.close_s,
-                           ", ".join(t.name for t in left))
-        if self.local_world_size > 1 and self._alive.fd is not None:
-            _write_atomic(self._progress_path, "done\n")  # peers stop counting this rank
+        self.fetcher.end_stop(begun)
+        self.ranks.write_done()  # peers stop counting this rank
         if not self._closed:  # a new generation for the next pass
-            self._stop = threading.Event()
-            self.downloader = Downloader(self.remote.transport, stop=self._stop, counters=self.counters,
-                                         **{**self._downloader_kw, "chunk_bytes": downloader.chunk})
+            self.fetcher.new_generation()
 
     def set_limit(self, limit: int) -> None:
-        """A new byte budget (before a pass is planned: a mixture shares one budget out)."""
-        biggest = int(self.sizes.max()) if self.num_shards else 0
-        if int(limit) < biggest:
-            raise CacheTooSmall(f"cache_limit={format_bytes(limit)} is smaller than the largest shard of {self.url} "
-                                f"({format_bytes(biggest)}); raise cache_limit", minimum=biggest)
-        self.limit = int(limit)
-        # the whole dataset fits: a mirror, nothing is deleted (a rerun reads it all locally)
-        self.mirror = self.limit >= int(self.sizes.sum())
+        """A new byte budget (bytes; before a pass is planned: a mixture shares one budget out)."""
+        self.files.set_limit(limit)
 
     def minimum_limit(self, uses: EpochUses) -> int:
         """The smallest ``limit`` that lets ``uses`` be read (see schedule.minimum_budget)."""
@@ -277,36 +279,15 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         if need > self.limit:
             raise CacheTooSmall(self._too_small_message(uses, need), minimum=need)
         with self._cond:
-            self._pass += 1
-            base = self._base_next
-            length = uses.end - uses.start
-            cur = {"k": self._pass, "base": base, "uses": uses}
-            nxt = None
-            if next_uses is not None:
-                nxt = {"k": self._pass + 1, "base": base + length, "uses": next_uses}
-            prev = [p for p in self._passes if p["k"] == self._pass - 1]
-            self._passes = prev + [cur] + ([nxt] if nxt else [])
-            self._base_next = base + length
-            self._cur_base, self._cur_start, self._cur_len = base, uses.start, length
-            self._rebuild_timeline(len(prev), base)
-            self._my_t = base
-            self._release_ptr = 0
-            self._released.clear()
-            self._write_progress()
+            self.timeline.plan(uses, next_uses, self.limit)
+            self.ranks.write_progress(self.timeline.my_t, self.timeline.pass_no)
             self._cond.notify_all()
-        self._start_workers()
+        self.fetcher.start()
 
     def advance(self, consumed: int) -> None:
         """The global position consumed in the current pass (every position below it is
         done on this rank; the Loader passes what it has delivered)."""
-        if not self._passes:
-            return
-        base, start = self._cur_base, self._cur_start
-        t = base + min(self._cur_len, max(0, int(consumed) - start))
-        if t <= self._my_t:
-            return
-        self._my_t = t
-        if t >= self._next_event:
+        if self.timeline.advance(consumed):
             self._on_event()
 
     def reopen_state(self) -> dict[str, Any]:
@@ -314,36 +295,48 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         Dataset): the transport's secret-free description, the fingerprint and the settings."""
         return {"remote": self.remote.transport.describe(), "fingerprint": self.remote.fingerprint,
                 "cache_dir": str(self.root), "cache_limit": self.limit, "download_timeout": self.policy.timeout_s,
-                "download_threads": self._threads_n}
+                "download_threads": self.fetcher.threads}
 
     def stats(self) -> dict[str, Any]:
-        c = self.counters
-        return {"bytes_downloaded": c.bytes, "download_wait_s": self.wait_s, "download_MBps": c.mbps(),
-                "cache_hits": self.cache_hits, "evictions": self.evictions, "retries": c.retries,
-                "downloads": self.downloads, "throttled": c.throttled, "credential_reloads": c.rebuilds,
-                "checksum_failures": c.checksum_failures, "downloads_in_flight_limit": self.downloader.concurrency.limit,
-                "self_fetches": self.self_fetches, "cache_limit": self.limit}
+        c, f = self.counters, self.fetcher
+        return {"bytes_downloaded": c.bytes, "download_wait_s": f.wait_s, "download_MBps": c.mbps(),
+                "cache_hits": f.cache_hits, "evictions": self.eviction.evictions, "retries": c.retries,
+                "downloads": f.downloads, "throttled": c.throttled, "credential_reloads": c.rebuilds,
+                "checksum_failures": c.checksum_failures, "downloads_in_flight_limit": f.downloader.concurrency.limit,
+                "self_fetches": f.self_fetches, "cache_limit": self.limit}
 
+    # -- events and eviction -----------------------------------------------------------------
+    def _on_event(self) -> None:
+        """This rank passed an event of the timeline: release what it no longer needs, then
+        evict what no local rank needs any more (under the admission lock)."""
+        timeline = self.timeline
+        self.ranks.write_progress(timeline.my_t, timeline.pass_no)
+        self.eviction.release_passed()
+        timeline.event_handled()
+        node_t = self.ranks.refresh(timeline.my_t, timeline.hold, force=True)
+        t0 = time.monotonic()
+        if not self.files.lock_admission(t0 + self.policy.timeout_s):  # never without a deadline
+            raise RemoteError(f"eviction in {self.dir} stopped: "
+                              + self.files.admission_stuck(time.monotonic() - t0))
+        try:
+            self.eviction.evict(node_t, need=0, busy=self.fetcher.busy)
+        finally:
+            self.files.unlock_admission()
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- process lifecycle -----------------------------------------------------------------
     def _after_fork_in_child(self) -> None:
         """In a process forked from this cache's (a DataLoader worker): none of the download
         or range threads exist here, and their locks may be held. Start afresh as an
         on-demand cache of the same directory (no plan: the parent's pass is the parent's):
         new locks, new downloader, and the cross-process flocks opened again (a flock is
         shared with the parent through an inherited descriptor, so it would not exclude it)."""
-        self._stop = threading.Event()
         self._cond = threading.Condition()
-        self._admit_lock = threading.Lock()
-        self._workers, self._inflight, self._fetched, self._errors = [], set(), set(), {}
-        self._clear_timeline()
-        self.counters = DownloadCounters()
-        self.downloader = Downloader(self.remote.transport, stop=self._stop, counters=self.counters,
-                                     **{**self._downloader_kw, "chunk_bytes": self.downloader.chunk})
-        self._alive.close()  # the parent's: this copy neither holds nor releases it
-        for f in (self._admission, *self._peer_alive.values()):
-            f.close()
-        if not self._closed:
-            self._admission = _Flock(self.dir / ".locks" / "admission.lock")
-            self._peer_alive = {r: _Flock(f.path) for r, f in self._peer_alive.items()}
+        self.timeline.clear()
+        self.fetcher.after_fork(self._cond)
+        self.ranks.after_fork(self._closed)
+        self.files.after_fork(self._closed)
 
     def close(self) -> None:
         """Stop and join the download threads, leave the node (peers stop counting this
@@ -351,10 +344,11 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
         if self._closed:
             return
         self._closed = True
+        self.fetcher.closed = True
         lifecycle.untrack(self)
         self.stop()
-        for f in (self._alive, self._admission, *self._peer_alive.values()):
-            f.close()
+        self.ranks.close()
+        self.files.close()
 
     def __enter__(self) -> "ShardCache":
         return self
@@ -379,6 +373,22 @@ class ShardCache(_CacheFiles, _NodeRanks, _Timeline, _Fetching):
     def _check_open(self) -> None:
         if self._closed:
             raise RemoteError(f"the cache of {self.url} is closed")
+
+
+def _local_rank(local_rank: int | None, local_world_size: int | None) -> tuple[int, int]:
+    """(local rank, local world size): the arguments, else ``LOCAL_RANK`` /
+    ``LOCAL_WORLD_SIZE``, else 0 / 1; checked."""
+    from ..runtime.system import local_world_size as _lws
+
+    lws = _lws() if local_world_size is None else int(local_world_size)
+    if lws < 1:
+        raise ValueError(f"local_world_size={local_world_size!r} must be >= 1")
+    if local_rank is None:
+        v = os.environ.get("LOCAL_RANK", "").strip()
+        local_rank = int(v) if v.isdigit() else 0
+    if not 0 <= int(local_rank) < lws:
+        raise ValueError(f"local_rank={local_rank!r} must be in [0, local_world_size={lws})")
+    return int(local_rank), lws
 
 
 def stop_caches(caches) -> None:
