@@ -37,11 +37,13 @@ class Mixture:
         per: ``"batch"`` (each batch holds floor/ceil of ``B * p`` of each dataset) or
             ``"epoch"`` (exact totals per epoch, random per batch).
         fields: fields to read (default: every dataset must have the same fields).
+        remote: how the datasets given as URLs are opened (a
+            :class:`~fastload.remote.options.RemoteOptions`; see :class:`fastload.Dataset`);
+            its ``cache_limit`` is the budget of all of them together, shared out by what
+            each one's order needs (default: what fits in 80% of the free disk, shared the
+            same way).
         cache_dir, cache_limit, filesystem, storage_options, download_timeout,
-            download_threads: how the datasets given as URLs are opened (see
-            :class:`fastload.Dataset`); ``cache_limit`` is the budget of all of them together,
-            shared out by what each one's order needs (default: what fits in 80% of the free
-            disk, shared the same way).
+            download_threads: the same settings as keywords (not together with ``remote``).
 
     The Loader's ``shuffle`` decides whether each dataset's passes are in random or natural
     order (the mixture's layout is always random). ``close()`` closes the datasets the
@@ -52,9 +54,14 @@ class Mixture:
                  *, epoch_size: int | None = None, stop_on: str | int | None = None, per: str = "batch",
                  fields: Sequence[str] | None = None, cache_dir: Any = None, cache_limit: Any = None,
                  filesystem: Any = None, storage_options: Any = None, download_timeout: Any = None,
-                 download_threads: Any = None):
+                 download_threads: Any = None, remote: Any = None):
+        from ..remote.options import RemoteOptions
         from . import DatasetReader
         from .concat import ConcatReader
+
+        remote = RemoteOptions.from_keywords(remote, cache_dir=cache_dir, cache_limit=cache_limit,
+                                             filesystem=filesystem, storage_options=storage_options,
+                                             download_timeout=download_timeout, download_threads=download_threads)
 
         if isinstance(datasets, Mapping):
             names, items = [str(k) for k in datasets], list(datasets.values())
@@ -67,15 +74,11 @@ class Mixture:
             raise ValueError("a Mixture needs at least one dataset")
         if len(set(names)) != len(names):
             names = [f"{n}#{i}" for i, n in enumerate(names)]
-        remote_kw = {k: v for k, v in (("cache_dir", cache_dir), ("cache_limit", cache_limit),
-                                       ("filesystem", filesystem), ("storage_options", storage_options),
-                                       ("download_timeout", download_timeout),
-                                       ("download_threads", download_threads)) if v is not None}
         self.cache_limit = None  # the budget shared by the caches of the URLs this mixture opened
         self.shared_caches: list = []  # those caches (a Loader shares the budget again by their needs)
         self._opened: list = []  # readers opened here (closed by close())
         try:
-            readers = self._open(items, remote_kw, DatasetReader)
+            readers = self._open(items, remote, DatasetReader)
         except BaseException:
             self.close()
             raise
@@ -101,14 +104,14 @@ class Mixture:
             self.close()
             raise
 
-    def _open(self, items: list, remote_kw: dict, reader_type) -> list:
+    def _open(self, items: list, remote, reader_type) -> list:
         from ..remote.url import is_remote
 
         urls = [d for d in items if is_remote(d)]
-        if remote_kw and not urls:
-            raise ValueError(f"{sorted(remote_kw)} go with datasets given as URLs (s3://, gs://, az://, https://); "
-                             "this mixture has none")
-        shared = {k: v for k, v in remote_kw.items() if k != "cache_limit"}
+        if remote.given() and not urls:
+            raise ValueError(f"{sorted(remote.given())} go with datasets given as URLs (s3://, gs://, az://, "
+                             "https://); this mixture has none")
+        each = remote.replace(cache_limit=None)  # the one budget is shared out below
         readers = []
         for d in items:
             if isinstance(d, reader_type):
@@ -116,7 +119,7 @@ class Mixture:
             elif isinstance(d, (str, os.PathLike)):
                 from . import Dataset
 
-                readers.append(Dataset(d, **shared) if is_remote(d) else Dataset(d))
+                readers.append(Dataset(d, remote=each) if is_remote(d) else Dataset(d))
                 self._opened.append(readers[-1])
             else:
                 raise ValueError(f"a mixture's dataset must be a fastload Dataset or a path, got {type(d).__name__}")
@@ -124,7 +127,7 @@ class Mixture:
         if caches:
             from ..remote.budget import share_budget
 
-            self.cache_limit = share_budget(caches, remote_kw.get("cache_limit"))
+            self.cache_limit = share_budget(caches, remote.cache_limit)
             self.shared_caches = caches
         return readers
 

@@ -20,7 +20,7 @@ import os
 import weakref
 import threading
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from .integrity import DEFAULT_VERIFY, VERIFY_POLICIES
 from .manifest import check_manifest, manifest_fields, read_manifest
 from .shard import MappedShard
 from .verifier import ShardVerifier
+
+if TYPE_CHECKING:
+    from ..remote.options import RemoteOptions
 
 __all__ = ["DatasetReader", "check_manifest", "manifest_fields", "read_manifest"]
 
@@ -53,6 +56,12 @@ class DatasetReader(Gathering):
     ``verify`` ("first-use", the default; "always"; "off"): whether each shard's bytes are
     checked against the manifest's checksum before any of its rows is delivered, and whether
     that is remembered for the node (see :mod:`fastload.store.integrity`).
+
+    A URL (``s3://``, ``gs://``, ``az://``, ``https://``) is opened as ``remote`` says (a
+    :class:`~fastload.remote.options.RemoteOptions`: cache directory and budget, filesystem
+    and its options, download deadline and threads), or as the same settings given as
+    keywords (``cache_dir=``, ``cache_limit=``, ``filesystem=``, ``storage_options=``,
+    ``download_timeout=``, ``download_threads=``; not together with ``remote=``).
     """
 
     _repr_name = "fastload.store.DatasetReader"
@@ -60,7 +69,14 @@ class DatasetReader(Gathering):
     def __init__(self, path: str | os.PathLike, *, transform: Callable[[dict], Any] | None = None,
                  cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
                  filesystem: Any = None, storage_options: dict | None = None, verify: str = DEFAULT_VERIFY,
-                 download_timeout: float | None = None, download_threads: int | None = None):
+                 download_timeout: float | None = None, download_threads: int | None = None,
+                 remote: RemoteOptions | None = None):
+        from ..remote.options import RemoteOptions  # (the remote package is imported when needed)
+
+        # every remote setting, checked once (bad values: ValueError naming them, before any request)
+        remote = RemoteOptions.from_keywords(remote, cache_dir=cache_dir, cache_limit=cache_limit,
+                                             filesystem=filesystem, storage_options=storage_options,
+                                             download_timeout=download_timeout, download_threads=download_threads)
         self.verify_policy: str = check_choice("verify", verify, VERIFY_POLICIES)
         if transform is not None and not callable(transform):
             raise ValueError(f"transform={transform!r} must be a function sample -> sample")
@@ -71,12 +87,10 @@ class DatasetReader(Gathering):
         self.cache = None
         from ..remote.url import is_remote
 
-        if is_remote(path) or filesystem is not None:
+        if is_remote(path) or remote.filesystem is not None:
             from ..remote import open_cache
 
-            self.cache = open_cache(path, cache_dir=cache_dir, cache_limit=cache_limit, filesystem=filesystem,
-                                    storage_options=storage_options, download_timeout=download_timeout,
-                                    download_threads=download_threads)
+            self.cache = open_cache(path, remote)
             self.url = self.path = self.cache.url
             try:
                 self.manifest = check_manifest(self.cache.remote.manifest, f"{self.url}/{MANIFEST}")
@@ -92,10 +106,9 @@ class DatasetReader(Gathering):
                 checksums = [s["checksum"] for s in self.manifest["shards"]]
                 self.cache.on_fetched(lambda i, p: remember_verified(p, checksums[i]))
         else:
-            if (cache_dir, cache_limit, storage_options, download_timeout, download_threads) != (None,) * 5:
-                raise ValueError(f"cache_dir / cache_limit / storage_options / download_timeout / download_threads "
-                                 f"apply to remote datasets (s3://, gs://, az://, https://); {str(path)!r} is a "
-                                 "local path")
+            if remote.given():
+                raise ValueError(f"{' / '.join(remote.given())} apply to remote datasets (s3://, gs://, az://, "
+                                 f"https://); {str(path)!r} is a local path")
             self.path = Path(path)
             self.manifest = read_manifest(self.path)
             base = self.path
@@ -125,11 +138,14 @@ class DatasetReader(Gathering):
         return {"path": str(self.path), "transform": self.transform, "verify": self.verify_policy}
 
     def __setstate__(self, state):
-        remote = state.get("remote") or {}
-        self.__init__(remote.get("url", state["path"]), transform=state.get("transform"),
-                      cache_dir=state.get("cache_dir"), cache_limit=state.get("cache_limit"),
-                      filesystem=remote.get("filesystem"), storage_options=remote.get("storage_options"),
-                      download_timeout=state.get("download_timeout"), download_threads=state.get("download_threads"),
+        from ..remote.options import RemoteOptions
+
+        where = state.get("remote") or {}  # the transport's secret-free description
+        options = RemoteOptions(cache_dir=state.get("cache_dir"), cache_limit=state.get("cache_limit"),
+                                filesystem=where.get("filesystem"), storage_options=where.get("storage_options"),
+                                download_timeout=state.get("download_timeout"),
+                                download_threads=state.get("download_threads"))
+        self.__init__(where.get("url", state["path"]), transform=state.get("transform"), remote=options,
                       verify=state.get("verify", DEFAULT_VERIFY))
         if self.cache is not None and state.get("fingerprint") not in (None, self.cache.remote.fingerprint):
             self.close()
