@@ -58,43 +58,38 @@ def remote_shard_name(g: int, j: int, token: str) -> str:
 
 
 class Store:
-    """The files of one object-store directory (DST), through ``pyarrow.fs`` (the remote
-    package's URL -> filesystem function: the same URLs, options and credentials as reading)."""
+    """The files of one object-store directory (DST), as a conversion reads and writes them.
+
+    The client is the remote package's :class:`~fastload.remote.transport_arrow.ArrowTransport`
+    (the one object-store client of fastload: the same URLs, options, credentials, upload loop
+    and fork rule as reading and ``upload_dataset``); this class adds what a conversion needs
+    on top: JSON documents, the sealed manifest, the parts prefix and its records, missing
+    files that are not errors."""
 
     def __init__(self, url: str):
-        from ..remote.transport_arrow import arrow_filesystem  # the remote package's URL -> filesystem
+        from ..remote.transport_arrow import ArrowTransport
 
         if not is_remote(url) or scheme_of(url) in ("http", "https"):
             raise ConvertError(f"{display_url(url) if is_remote(url) else url}: fastload writes datasets to "
                                "object stores (s3://, gs://, az://) or local directories, not over http(s)")
         self.url = url  # the full URL (no secret: a URL holding one is refused)
         self.display = display_url(url)
-        self.fs, self.base = arrow_filesystem(url, {})
-
-    def path(self, name: str) -> str:
-        return f"{self.base}/{name}" if self.base else name
+        self.transport = ArrowTransport(url)
 
     def where(self, name: str) -> str:
         return f"{self.display}/{name}"
 
     def sizes(self, prefix: str = "") -> dict[str, int]:
         """{name: size} of the files directly under DST (or DST/prefix)."""
-        import pyarrow.fs as pafs
-
-        sel = pafs.FileSelector(self.path(prefix) if prefix else self.base, allow_not_found=True, recursive=False)
-        return {i.base_name: i.size for i in self.fs.get_file_info(sel) if i.type == pafs.FileType.File}
+        return self.transport.sizes(prefix)
 
     def size(self, name: str) -> int | None:
-        import pyarrow.fs as pafs
-
-        info = self.fs.get_file_info(self.path(name))
-        return info.size if info.type == pafs.FileType.File else None
+        return self.transport.size(name)
 
     def get_json(self, name: str) -> Any:
         """The JSON object ``name`` holds, or None when it does not exist."""
         try:
-            with self.fs.open_input_stream(self.path(name), compression=None) as f:
-                data = f.read()
+            data = self.transport.read_bytes(name)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -107,38 +102,31 @@ class Store:
             raise ConvertError(f"{self.where(name)}: not readable JSON ({e})") from None
 
     def put_json(self, name: str, obj: Any) -> None:
-        with self.fs.open_output_stream(self.path(name), compression=None) as f:
-            f.write((json.dumps(obj, indent=1) + "\n").encode())
+        self.transport.write_bytes((json.dumps(obj, indent=1) + "\n").encode(), name)
 
     def put_manifest(self, manifest: dict) -> None:
         """PUT ``manifest.json``, sealed with its checksum (the store's one manifest serialiser)."""
         from ..manifest_checksum import manifest_bytes
 
-        with self.fs.open_output_stream(self.path(MANIFEST), compression=None) as f:
-            f.write(manifest_bytes(manifest))
+        self.transport.write_bytes(manifest_bytes(manifest), MANIFEST)
 
     def put_file(self, local: str | os.PathLike, name: str) -> None:
-        with open(local, "rb") as src, self.fs.open_output_stream(self.path(name), compression=None) as dst:
-            while True:
-                b = src.read(16 << 20)
-                if not b:
-                    break
-                dst.write(b)
+        self.transport.write_file(local, name)
 
     def open_input(self, name: str):
         """A random-access file (for Parquet: only the row groups a task needs are read)."""
-        return self.fs.open_input_file(self.path(name))
+        return self.transport.open_ranged(name)
 
     def delete(self, name: str) -> None:
         try:
-            self.fs.delete_file(self.path(name))
+            self.transport.delete(name)
         except FileNotFoundError:
             pass
 
     def remove_parts(self) -> None:
         """Delete the parts prefix and everything under it."""
         try:
-            self.fs.delete_dir(self.path(PARTS))
+            self.transport.delete_dir(PARTS)
         except FileNotFoundError:
             pass
 

@@ -181,14 +181,29 @@ class ArrowTransport(Transport):
 
         return self.filesystem.get_file_info(self._path(name)).type != pafs.FileType.NotFound
 
+    def size(self, name: str) -> int | None:
+        """The size of the file ``name``; None when there is no such file."""
+        import pyarrow.fs as pafs
+
+        info = self.filesystem.get_file_info(self._path(name))
+        return info.size if info.type == pafs.FileType.File else None
+
     def delete(self, name: str) -> None:
         self.filesystem.delete_file(self._path(name))
 
-    def list_names(self) -> list[str]:
+    def delete_dir(self, name: str) -> None:
+        """Delete the prefix ``name`` and everything under it."""
+        self.filesystem.delete_dir(self._path(name))
+
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        """{name: size} of the files directly under the base (or under ``base/prefix``), one listing."""
         import pyarrow.fs as pafs
 
-        sel = pafs.FileSelector(self._base, allow_not_found=True, recursive=False)
-        return sorted(i.base_name for i in self.filesystem.get_file_info(sel) if i.type == pafs.FileType.File)
+        sel = pafs.FileSelector(self._path(prefix) if prefix else self._base, allow_not_found=True, recursive=False)
+        return {i.base_name: i.size for i in self.filesystem.get_file_info(sel) if i.type == pafs.FileType.File}
+
+    def list_names(self) -> list[str]:
+        return sorted(self.sizes())
 
     @property
     def generation(self) -> int:
