@@ -19,25 +19,32 @@ from .pacing import RetryPolicy
 from .transports import open_transport
 from .url import SAFE_NAME, FaultKind, Transport, classify, display_url
 
-__all__ = ["RemoteDataset", "manifest_fingerprint", "check_manifest"]
+__all__ = ["RemoteDataset", "check_manifest", "dataset_fingerprint", "manifest_fingerprint"]
 
 MANIFEST = "manifest.json"
 
 
 def manifest_fingerprint(m: Mapping[str, Any]) -> str:
-    """A short hash of what defines the data: sample counts, fields and shard checksums
-    (equal to ``fastload.loader.dataset_fingerprint`` of the same dataset)."""
+    """A short hash of what defines the data: sample counts, fields and shard checksums. The
+    one fingerprint of a dataset, local or remote (:func:`dataset_fingerprint`)."""
     desc = json.dumps({"n": m["num_samples"], "fields": m["fields"],
                        "shards": [(s["num_samples"], s.get("checksum")) for s in m["shards"]]}, sort_keys=True)
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
+def dataset_fingerprint(ds: Any) -> str:
+    """The fingerprint of an open dataset (anything with a ``manifest``: a local or remote
+    ``Dataset``, a reader): :func:`manifest_fingerprint` of its manifest. A Loader's state and
+    its ranks' check use it."""
+    return manifest_fingerprint(ds.manifest)
 
 
 def check_manifest(m: Any, where: str) -> dict:
     """The checks a *remote* manifest needs to be cached safely: every shard has a byte size
     and a checksum (the cache verifies every download), and its file name is a plain name (it
     becomes a file name in the cache directory). The format and its version are checked by
-    the reader (``fastload.store.reader.check_manifest``): this package sits below the store
-    and does not import it. Last, the manifest's own checksum (``manifest_checksum``, when it
+    the store's reader (its own ``check_manifest``): this package sits below the store and
+    does not import it. Last, the manifest's own checksum (``manifest_checksum``, when it
     has one): a manifest damaged on the way or in the store is refused before it keys a cache."""
     if not isinstance(m, dict):
         raise FormatError(f"{where} is not a fastload manifest (not a JSON object)")
