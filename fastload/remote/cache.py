@@ -376,16 +376,19 @@ class ShardCache:
 
 
 def _local_rank(local_rank: int | None, local_world_size: int | None) -> tuple[int, int]:
-    """(local rank, local world size): the arguments, else ``LOCAL_RANK`` /
-    ``LOCAL_WORLD_SIZE``, else 0 / 1; checked."""
-    from ..runtime.system import local_world_size as _lws
+    """(local rank, local world size): the arguments, else what the launcher said
+    (:func:`fastload.runtime.world.local_env`, the one reader of ``LOCAL_RANK`` /
+    ``LOCAL_WORLD_SIZE``, as ``World.detect`` reads them; not ``World.detect`` itself, which
+    asks ``torch.distributed`` for the global rank: this package does not import torch), else
+    0 / 1; checked."""
+    from ..runtime.world import local_env
 
-    lws = _lws() if local_world_size is None else int(local_world_size)
+    env_rank, env_size = local_env()
+    lws = (env_size or 1) if local_world_size is None else int(local_world_size)
     if lws < 1:
         raise ValueError(f"local_world_size={local_world_size!r} must be >= 1")
     if local_rank is None:
-        v = os.environ.get("LOCAL_RANK", "").strip()
-        local_rank = int(v) if v.isdigit() else 0
+        local_rank = env_rank or 0
     if not 0 <= int(local_rank) < lws:
         raise ValueError(f"local_rank={local_rank!r} must be in [0, local_world_size={lws})")
     return int(local_rank), lws
