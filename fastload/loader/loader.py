@@ -16,7 +16,6 @@ step.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import weakref
@@ -25,6 +24,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from ..store.mixture import Mixture
 from ..sampling.packing import pack_plan
 from ..store import Dataset, DatasetReader
+from ..remote.manifest import dataset_fingerprint
 from ..runtime.world import World
 from .epoch import EpochIterator, LookAhead, Progress, look_ahead_pays
 from ..store.integrity import DEFAULT_VERIFY
@@ -36,14 +36,6 @@ from .stats import Stats
 __all__ = ["LOADER_STATE_VERSION", "Loader", "dataset_fingerprint"]
 
 LOADER_STATE_VERSION = 1
-
-
-def dataset_fingerprint(ds) -> str:
-    """A short hash of what defines the data: sample counts, fields and shard checksums."""
-    m = ds.manifest
-    desc = json.dumps({"n": m["num_samples"], "fields": m["fields"],
-                       "shards": [(s["num_samples"], s.get("checksum")) for s in m["shards"]]}, sort_keys=True)
-    return hashlib.sha256(desc.encode()).hexdigest()[:16]
 
 
 def packed_pass(ds, sampler, options: Options, epoch: int, start: int, stream=None):
