@@ -16,7 +16,6 @@ step.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import weakref
 from typing import Any, Iterator, Mapping, Sequence
