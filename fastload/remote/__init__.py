@@ -1,11 +1,13 @@
 """Remote datasets: URL -> filesystem, and the node-local shard cache.
 
     remote = RemoteDataset("s3://bucket/ds")            # fetches and checks the manifest
-    cache = ShardCache(remote, cache_dir="/nvme/cache", limit="200GB", ahead=4096)
+    cache = ShardCache(remote, RemoteOptions(cache_dir="/nvme/cache", cache_limit="200GB"), ahead=4096)
     cache.plan(sampler_uses(sampler, shard_starts))     # the pass's first-use order
     path = cache.ensure(shard)                           # blocks until the shard is local
     cache.advance(consumed)                              # eviction after each shard's last use
 
+How a dataset is opened (cache directory and budget, filesystem and its options, download
+deadline and threads) is one :class:`RemoteOptions` value (:mod:`.options`), checked once.
 Nothing here imports torch. Test servers (SeaweedFS, moto, Range-capable HTTP, a fault
 injecting proxy, a latency proxy) live in :mod:`_servers`.
 """
