@@ -14,9 +14,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["SEED_MAX", "check_bool", "check_choice", "check_index_array", "check_int", "check_seed", "is_int"]
+__all__ = ["ON_ERROR", "SEED_MAX", "check_bool", "check_choice", "check_index_array", "check_int", "check_seed",
+           "is_int"]
 
 SEED_MAX = 2**64 - 1  # seeds key numpy's SeedSequence as one 64-bit word
+# on_error= of the Loader and of convert: a bad sample raises (naming it), or is skipped
+# (counted in stats() / listed in the skipped report)
+ON_ERROR = ("raise", "skip")
 
 
 def is_int(value: Any) -> bool:

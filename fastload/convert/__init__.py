@@ -105,7 +105,7 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
                                  max_size=max_size, quality=quality)
     if engine != "local":
         from ..store.format import parse_size
-        from .common import ON_ERROR
+        from ..validate import ON_ERROR
         from .engines import run_engine
 
         if on_error not in ON_ERROR:

@@ -26,14 +26,11 @@ from ..store.geometry import DEFAULT_MAX_PIXELS
 from ..store.report import write_report
 from ..store.writer import ShardWriter
 from ..runtime.system import usable_cores
-from ..validate import check_bool, check_choice, check_int
+from ..validate import ON_ERROR, check_bool, check_choice, check_int
 from .imagecheck import DaliImageCheck, MAX_BATCH as MAX_CHECK_BATCH
 from .images import DECODABLE_FORMATS, IMAGE_EXTENSIONS, check_image, prepare_image  # noqa: F401 (re-exported)
 from ..store.keys import escape_key
 from .resize import DEFAULT_QUALITY
-
-ON_ERROR = ("raise", "skip")
-
 
 IMAGES_CHECKED = "images_checked"  # manifest metadata: the images were decoded by DALI at convert time
 RESIZED_IMAGES = "resized_images"  # manifest metadata: images re-encoded for --max-size (a count)

@@ -27,14 +27,12 @@ from ..ring.size import (batch_bytes, default_cuda_image_prefetch, default_gathe
 from ..sampling import Sampler
 from ..store.format import INDEX_KEY
 from ..runtime.system import check_fits_in_memory
-from ..validate import check_bool, check_choice, check_int, check_seed
+from ..validate import ON_ERROR, check_bool, check_choice, check_int, check_seed
 from .ragged import RaggedDelivery, resolve_ragged
 
 __all__ = ["ON_ERROR", "Options", "as_mixture", "build_options", "make_sampler"]
 
 logger = logging.getLogger("fastload")
-
-ON_ERROR = ("raise", "skip")
 
 
 @dataclass(frozen=True)
