@@ -2,6 +2,7 @@
 in fastload/validate.py."""
 from __future__ import annotations
 
+
 def test_one_on_error_for_the_loader_and_convert():
     import fastload.convert.common as common
     import fastload.loader.options as options
