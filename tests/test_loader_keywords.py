@@ -74,3 +74,35 @@ def test_the_sampler_settings_are_frozen_in_the_options_and_build_the_sampler(ds
         assert sorted(got.tolist()) == list(range(40))
     with fastload.Loader(ds, batch_size=4, balance=True) as lo:
         assert lo.options.balance is True
+
+
+def test_the_remote_keywords_become_one_remote_options_handed_down(ds, tmp_path, monkeypatch):
+    """cache_dir / cache_limit / filesystem / download_timeout / download_threads are checked
+    once, into one RemoteOptions, which the Dataset (or the Mixture) the Loader opens gets as
+    ``remote=`` (no dict of keywords rebuilt on the way)."""
+    from fastload.loader import loader as lm
+    from fastload.remote.options import RemoteOptions
+    from fastload.store import mixture as mm
+
+    opened = []
+    real_dataset, real_mixture = lm.Dataset, mm.Mixture.__init__
+
+    def dataset(path, **kw):
+        opened.append(kw)
+        return real_dataset(path, **kw)
+
+    def mixture(self, *a, **kw):
+        opened.append(kw)
+        real_mixture(self, *a, **kw)
+    monkeypatch.setattr(lm, "Dataset", dataset)
+    monkeypatch.setattr(mm.Mixture, "__init__", mixture)
+    with fastload.Loader(ds, batch_size=4):
+        pass
+    with fastload.Loader([ds, ds], mix=[1, 1], epoch_size=8, batch_size=4, fields=["x"]):
+        pass
+    assert [type(kw.get("remote")) for kw in opened] == [RemoteOptions, RemoteOptions]
+    assert [kw["remote"].given() for kw in opened] == [[], []]
+    assert not any(k in kw for kw in opened for k in ("cache_dir", "cache_limit", "filesystem"))
+    with pytest.raises(ValueError, match="cache_limit"):  # checked before anything is opened
+        fastload.Loader("s3://bucket/never-opened", batch_size=4, cache_limit="12 parsecs")
+    assert len(opened) == 2

@@ -23,10 +23,11 @@ from typing import Any, Iterator, Mapping, Sequence
 from ..store.mixture import Mixture
 from ..sampling.packing import pack_plan
 from ..store import Dataset, DatasetReader
+from ..remote.options import REMOTE_KEYWORDS, RemoteOptions
 from ..remote.manifest import dataset_fingerprint
 from ..runtime.world import World
 from .epoch import EpochIterator, LookAhead, Progress, look_ahead_pays
-from ..store.integrity import DEFAULT_VERIFY
+from ..store.verified_record import DEFAULT_VERIFY
 from .machinery import Machinery
 from .options import Options, as_mixture, build_options
 from .ranks import DatasetCheck
@@ -108,7 +109,8 @@ class Loader:
             default: the whole dataset if it fits in 80% of the free disk), and a
             ``pyarrow.fs.FileSystem`` (or a callable making one) instead of the URL's default.
             ``download_timeout`` (seconds a shard may take, default 600) and
-            ``download_threads`` (downloads in flight, default 4). For a mixture of URLs, the
+            ``download_threads`` (downloads in flight, default 4); checked at once, as one
+            :class:`~fastload.remote.options.RemoteOptions`. For a mixture of URLs, the
             settings of all of them (``cache_limit``: their one budget, shared out).
             Shards are downloaded in the sampler's first-use order and deleted after their
             last use; ``stats()`` then also reports ``bytes_downloaded``, ``download_wait_s``,
@@ -142,18 +144,17 @@ class Loader:
         self._machinery = None
         self._lookahead: LookAhead | None = None
         self._remote = None
-        remote_kw = {k: v for k, v in (("cache_dir", cache_dir), ("cache_limit", cache_limit),
-                                       ("filesystem", filesystem), ("download_timeout", download_timeout),
-                                       ("download_threads", download_threads)) if v is not None}
-        mixed = isinstance(dataset, (list, tuple, Mapping))  # a mixture opened here (with remote_kw for its URLs)
+        # the remote keywords (cache_dir, cache_limit, ...): one frozen value, checked here once
+        remote = RemoteOptions.from_keywords(**{k: v for k, v in keywords.items() if k in REMOTE_KEYWORDS})
+        mixed = isinstance(dataset, (list, tuple, Mapping))  # a mixture opened here (remote= for its URLs)
         self._mixture = as_mixture(dataset, mix=mix, epoch_size=epoch_size, stop_on=stop_on, fields=fields,
-                                   open_kw=remote_kw if mixed else None)
+                                   remote=remote if mixed else None)
         self._owns_dataset = (self._mixture is None and not isinstance(dataset, DatasetReader)) or mixed
-        if remote_kw and not self._owns_dataset:
+        if remote.given() and not self._owns_dataset:
             if isinstance(self._mixture, Mixture) and self._mixture is dataset:
-                raise ValueError(f"{' / '.join(remote_kw)} go with the URLs of a mixture: pass them to "
+                raise ValueError(f"{' / '.join(remote.given())} go with the URLs of a mixture: pass them to "
                                  "fastload.Mixture(...) (or a list of URLs and mix= to the Loader)")
-            raise ValueError(f"{' / '.join(remote_kw)} go with a URL; a Dataset passed in has its own "
+            raise ValueError(f"{' / '.join(remote.given())} go with a URL; a Dataset passed in has its own "
                              "(fastload.Dataset(url, cache_dir=..., cache_limit=..., filesystem=...))")
         if self._mixture is not None or isinstance(dataset, DatasetReader):
             ds = self._mixture.reader if self._mixture is not None else dataset
@@ -161,8 +162,7 @@ class Loader:
                 raise ValueError(f"verify={verify!r}: the dataset was opened with verify={ds.verify_policy!r}; open it "
                                  f"with fastload.Dataset(path, verify={verify!r}) or pass the path")
         else:
-            ds = Dataset(dataset, **remote_kw,
-                         verify=DEFAULT_VERIFY if verify is None else verify)
+            ds = Dataset(dataset, remote=remote, verify=DEFAULT_VERIFY if verify is None else verify)
         owned = (self._mixture if mixed else ds) if self._owns_dataset else None  # closed with the Loader
         if self._mixture is None and getattr(ds, "transform", None) is not None:
             if owned is not None:

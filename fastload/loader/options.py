@@ -220,10 +220,10 @@ def _check_keys(ds, fields: Sequence[str], deliveries: Mapping[str, RaggedDelive
                          f"field(s) {images} out with fields=[...]")
 
 
-def as_mixture(dataset: Any, *, mix: Any, epoch_size: Any, stop_on: Any, fields: Any, open_kw: Any = None):
+def as_mixture(dataset: Any, *, mix: Any, epoch_size: Any, stop_on: Any, fields: Any, remote: Any = None):
     """The Mixture a Loader reads: ``dataset`` itself, or one built from a list / dict of
-    datasets with ``mix`` (weights; ``open_kw``: how its URLs are opened); None for a single
-    dataset."""
+    datasets with ``mix`` (weights; ``remote``: a RemoteOptions, how its URLs are opened);
+    None for a single dataset."""
     from ..store.mixture import Mixture
 
     given = {k: v for k, v in (("mix", mix), ("epoch_size", epoch_size), ("stop_on", stop_on)) if v is not None}
@@ -235,7 +235,7 @@ def as_mixture(dataset: Any, *, mix: Any, epoch_size: Any, stop_on: Any, fields:
         if mix is None:
             raise ValueError("a list of datasets is a mixture: pass mix=[weights] (and epoch_size= or stop_on=), "
                              "or a fastload.Mixture")
-        return Mixture(dataset, mix, epoch_size=epoch_size, stop_on=stop_on, fields=fields, **(open_kw or {}))
+        return Mixture(dataset, mix, epoch_size=epoch_size, stop_on=stop_on, fields=fields, remote=remote)
     if given:
         raise ValueError(f"{next(iter(given))}= mixes several datasets; pass a list of datasets (or a fastload.Mixture)")
     return None
