@@ -41,7 +41,7 @@ def _let_settle() -> None:
     """A shard hashed within RACY_WINDOW_S of its last change is not remembered (it may still
     be being written), so a dataset measured right after it was written would be hashed again
     at every restart; a user's dataset is older than that. Wait the window out."""
-    from fastload.store.integrity import RACY_WINDOW_S
+    from fastload.store.verified_record import RACY_WINDOW_S
 
     time.sleep(RACY_WINDOW_S + 0.1)
 

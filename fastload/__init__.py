@@ -8,7 +8,6 @@ torch is imported when a ``Loader`` or a ``Dataset`` is first asked for.
 from __future__ import annotations
 
 import importlib
-import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -73,10 +72,7 @@ def _resolve(name: str) -> Any:
     module = importlib.import_module(_HOMES[name])
     if name in _MODULES:
         return module
-    value = getattr(module, name)
-    if isinstance(value, types.ModuleType):  # a submodule of the same name shadows it (store.verify)
-        value = getattr(value, name)
-    return value
+    return getattr(module, name)
 
 
 def __getattr__(name: str) -> Any:

@@ -19,8 +19,8 @@ import pytest
 
 import fastload
 from fastload.errors import FastloadError, FormatError, MissingFileError
-from fastload.store import integrity
-from fastload.store.integrity import VerifiedRecord
+from fastload.store import verified_record
+from fastload.store.verified_record import VerifiedRecord
 
 N = 300
 
@@ -93,7 +93,7 @@ def test_a_flipped_byte_is_refused_before_any_row_of_its_shard_is_delivered(tmp_
 def test_shards_are_hashed_once_per_node_and_again_when_the_file_changes(tmp_path, monkeypatch):
     # (the shards were written just now: the racy-clean window would keep them out of the
     # record; test_a_shard_changed_just_before_it_was_hashed_is_not_remembered tests it)
-    monkeypatch.setattr(integrity, "RACY_WINDOW_S", 0.0)
+    monkeypatch.setattr(verified_record, "RACY_WINDOW_S", 0.0)
     d = _raw(tmp_path / "ds")
     ds = fastload.Dataset(d)
     ds.get_batch(np.arange(N))
@@ -134,7 +134,7 @@ def test_a_loaders_first_batch_waits_only_for_its_own_shards_the_rest_are_hashed
     order the requested batches need them, then the rest of the dataset in index order."""
     import threading
 
-    from fastload.store import verifier
+    from fastload.store import first_use
 
     d = tmp_path / "ds"
     with fastload.ShardWriter(d, {"x": "int64"}, shard_size=80) as w:  # 10 samples a shard
@@ -142,16 +142,16 @@ def test_a_loaders_first_batch_waits_only_for_its_own_shards_the_rest_are_hashed
     with fastload.Loader(d, batch_size=4, device="cpu", verify="off") as loader:
         ref = [b["x"].numpy().copy() for b in loader]
     gate = threading.Event()
-    monkeypatch.setattr(verifier, "lower_priority", lambda: gate.wait(30))  # background threads start held
+    monkeypatch.setattr(first_use, "lower_priority", lambda: gate.wait(30))  # background threads start held
     order = []
-    check = verifier.ShardVerifier._check
+    check = first_use.ShardVerifier._check
 
     def recording(self, ids, map_shard, **kw):
         if threading.current_thread().name == "fastload-verify-ahead":
             order.extend(ids)
         return check(self, ids, map_shard, **kw)
 
-    monkeypatch.setattr(verifier.ShardVerifier, "_check", recording)
+    monkeypatch.setattr(first_use.ShardVerifier, "_check", recording)
     ds = fastload.Dataset(d, verify="always")
     ds._verifier.ahead_workers = 1  # one background thread: its order is the order asked for
     with fastload.Loader(ds, batch_size=4, device="cpu") as loader:
@@ -178,10 +178,10 @@ def test_a_loaders_first_batch_waits_only_for_its_own_shards_the_rest_are_hashed
 
 
 def test_hashing_many_bytes_says_so_once_with_how_to_avoid_it(tmp_path, monkeypatch, caplog):
-    from fastload.store import verifier
+    from fastload.store import first_use
 
     d = _raw(tmp_path / "ds")
-    monkeypatch.setattr(verifier, "ANNOUNCE_BYTES", 1000)  # "many" bytes for this small dataset
+    monkeypatch.setattr(first_use, "ANNOUNCE_BYTES", 1000)  # "many" bytes for this small dataset
     n = len(_manifest(d)["shards"])
     total = sum(s["bytes"] for s in _manifest(d)["shards"])
     with caplog.at_level("INFO", logger="fastload"):
@@ -193,7 +193,7 @@ def test_hashing_many_bytes_says_so_once_with_how_to_avoid_it(tmp_path, monkeypa
     assert f"fastload verify {d}" in lines[0] and 'verify="off"' in lines[0]
     assert all(r.levelname == "WARNING" for r in caplog.records if "before first use" in r.getMessage())
     caplog.clear()
-    monkeypatch.setattr(verifier, "ANNOUNCE_BYTES", 10 * total)
+    monkeypatch.setattr(first_use, "ANNOUNCE_BYTES", 10 * total)
     with caplog.at_level("INFO", logger="fastload"):
         _batches(d, verify="always")
     assert not [r for r in caplog.records if "before first use" in r.getMessage()]
@@ -286,13 +286,13 @@ NO_HOME = """
         raise RuntimeError("Could not determine home directory")
     pathlib.Path.home = classmethod(no_home)  # HOME unset and no passwd entry (an arbitrary container UID)
     import fastload
-    from fastload.store import integrity
-    integrity.RACY_WINDOW_S = 0.0  # (the dataset was written just now)
+    from fastload.store import verified_record
+    verified_record.RACY_WINDOW_S = 0.0  # (the dataset was written just now)
     for _ in range(2):
         ds = fastload.Dataset(sys.argv[1])
         assert ds.get_batch(list(range(300)))["label"].tolist()[::299] == [0, 2]
         print(ds.verify_stats()["shards_hashed"], ds.verify_stats()["shards_remembered"])
-    print(integrity.cache_root())
+    print(verified_record.cache_root())
 """
 
 
@@ -327,7 +327,7 @@ def test_a_shard_changed_just_before_it_was_hashed_is_not_remembered(tmp_path, m
     """git's racy-clean rule: where timestamps are coarse (no multigrain timestamps before
     Linux 6.13, 1-2 s on some file systems), a second write in the same tick keeps the file's
     identity, so a record made within that tick could vouch for bytes it never hashed."""
-    monkeypatch.setattr(integrity, "RACY_WINDOW_S", 1.0)
+    monkeypatch.setattr(verified_record, "RACY_WINDOW_S", 1.0)
     d = _raw(tmp_path / "ds")
     n = len(_manifest(d)["shards"])
     for _ in range(2):  # hashed within the window of the shards' writes: not remembered
@@ -345,7 +345,7 @@ def test_a_shard_changed_just_before_it_was_hashed_is_not_remembered(tmp_path, m
 
 
 def test_the_record_prunes_entries_of_gone_or_changed_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(integrity, "RACY_WINDOW_S", 0.0)
+    monkeypatch.setattr(verified_record, "RACY_WINDOW_S", 0.0)
     monkeypatch.setenv("FASTLOAD_CACHE", str(tmp_path / "cache"))
     rec = VerifiedRecord()
     keep, gone, changed = (_raw(tmp_path / name) for name in ("keep", "gone", "changed"))

@@ -14,7 +14,7 @@ from _remote import (  # noqa: F401  (fixtures)
 )
 from fastload.errors import CacheTooSmall, DownloadError, FormatError, RemoteError
 from fastload.remote import RemoteDataset, epoch_uses, manifest_fingerprint
-from fastload.store.verify import file_checksum
+from fastload.store.full_check import file_checksum
 from _servers import FaultProxy
 
 

@@ -28,7 +28,7 @@ from _remote import (  # noqa: F401  (fixtures)
 from fastload.errors import CacheTooSmall, DownloadTimeout, RemoteError
 from fastload.remote import RemoteDataset, RetryPolicy, epoch_uses
 from _servers import FaultProxy, HttpFileServer
-from fastload.store.verify import file_checksum
+from fastload.store.full_check import file_checksum
 
 CLOSE_S = 1.0  # RetryPolicy.close_s in these tests
 MARGIN_S = 2.0  # scheduling slack on a busy 2-core machine

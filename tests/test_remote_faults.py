@@ -16,7 +16,7 @@ from _remote import (  # noqa: F401  (fixtures)
 )
 from fastload.errors import ChecksumMismatch, DownloadError, DownloadTimeout, RemoteError
 from fastload.remote import RemoteDataset, RetryPolicy, epoch_uses
-from fastload.store.verify import file_checksum
+from fastload.store.full_check import file_checksum
 from _servers import FaultProxy, HttpFileServer, s3_filesystem, upload_dir
 
 

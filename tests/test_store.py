@@ -531,7 +531,7 @@ def test_store_convert_and_verify_never_import_torch_or_dali(tmp_path):
         pkg.__path__ = [{pkg_dir!r}]
         sys.modules["fastload"] = pkg
         import numpy as np
-        import fastload.store, fastload.convert, fastload.store.verify
+        import fastload.store, fastload.convert, fastload.store.full_check
         from fastload.store import DatasetReader, ShardWriter, verify
         from fastload.convert import convert
 
@@ -558,7 +558,7 @@ def test_store_convert_and_verify_never_import_torch_or_dali(tmp_path):
 def test_importing_the_store_and_convert_through_the_package_imports_no_torch():
     p = _run_python("""
         import sys
-        import fastload.store, fastload.convert, fastload.store.verify
+        import fastload.store, fastload.convert, fastload.store.full_check
         assert not [m for m in sys.modules if m.split(".")[0] == "torch" or "dali" in m], "torch/DALI imported"
     """)
     assert p.returncode == 0, p.stderr

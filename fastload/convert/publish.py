@@ -108,7 +108,7 @@ def prefetch(url: str, dest: str | os.PathLike, *, threads: int = 8, filesystem:
     are checked, not downloaded again). Returns ``{"dst", "bytes_downloaded", "shards"}``."""
     from ..store.format import arrow_schema
     from ..store.reader import manifest_fields
-    from ..store.verify import check_shard
+    from ..store.full_check import check_shard
 
     from ..store.reader import check_manifest
 
@@ -163,7 +163,7 @@ def verify_remote(url: str, *, local: str | os.PathLike | None = None, threads: 
     missing there are listed."""
     from ..store.format import arrow_schema
     from ..store.reader import manifest_fields
-    from ..store.verify import check_shard
+    from ..store.full_check import check_shard
 
     from ..store.reader import check_manifest
 

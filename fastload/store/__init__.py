@@ -12,7 +12,7 @@ from ..errors import FormatError, SampleError
 from .format import FORMAT_VERSION, Field, parse_field, parse_size
 from .reader import DatasetReader, read_manifest
 from .values import Ragged
-from .verify import verify
+from .full_check import verify
 from .writer import ShardWriter
 
 if TYPE_CHECKING:

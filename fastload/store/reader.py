@@ -4,7 +4,7 @@ Opening reads ``manifest.json`` only (:mod:`fastload.store.manifest`). Shards ar
 memory-mapped on first use, one record batch each (:mod:`fastload.store.shard`), so every
 tensor or scalar column of a shard is a single zero-copy numpy view of shape
 ``(rows, *shape)``; each shard is verified against the manifest's checksum before any of
-its rows is delivered (:mod:`fastload.store.verifier`). The global index -> (shard, row)
+its rows is delivered (:mod:`fastload.store.first_use`). The global index -> (shard, row)
 map is one cumulative-count numpy array: no per-sample Python object exists, so forked
 DataLoader workers do not grow by copy-on-write. A remote dataset's shards come from a
 node-local cache (:mod:`fastload.remote`), mapped when they arrive and dropped when the
@@ -29,10 +29,10 @@ from ..errors import FormatError, MissingFileError
 from ..validate import check_choice, check_index_array
 from .format import MANIFEST, Field, arrow_schema
 from .gather import Gathering
-from .integrity import DEFAULT_VERIFY, VERIFY_POLICIES
+from .verified_record import DEFAULT_VERIFY, VERIFY_POLICIES
 from .manifest import check_manifest, manifest_fields, read_manifest
 from .shard import MappedShard
-from .verifier import ShardVerifier
+from .first_use import ShardVerifier
 
 if TYPE_CHECKING:
     from ..remote.options import RemoteOptions
@@ -55,7 +55,7 @@ class DatasetReader(Gathering):
 
     ``verify`` ("first-use", the default; "always"; "off"): whether each shard's bytes are
     checked against the manifest's checksum before any of its rows is delivered, and whether
-    that is remembered for the node (see :mod:`fastload.store.integrity`).
+    that is remembered for the node (see :mod:`fastload.store.verified_record`).
 
     A URL (``s3://``, ``gs://``, ``az://``, ``https://``) is opened as ``remote`` says (a
     :class:`~fastload.remote.options.RemoteOptions`: cache directory and budget, filesystem
@@ -217,7 +217,7 @@ class DatasetReader(Gathering):
     def verify_ahead(self, shards: Any) -> None:
         """Hash these shards (then the others) in background threads, in this order, ahead
         of the reads that need them; returns at once (see
-        :meth:`~fastload.store.verifier.ShardVerifier.ahead`). A Loader calls it with the
+        :meth:`~fastload.store.first_use.ShardVerifier.ahead`). A Loader calls it with the
         shards of the batches it requests; reads still verify every shard they touch, so
         this only moves the work earlier. Nothing for a remote dataset (its shards are
         verified as they arrive) or once every shard is verified."""
@@ -354,7 +354,7 @@ def remember_verified(path: Path, checksum: str) -> None:
     not hash it a second time."""
     from types import SimpleNamespace
 
-    from .integrity import VerifiedRecord
+    from .verified_record import VerifiedRecord
 
     st = os.stat(path)
     ident = SimpleNamespace(path=os.fspath(path), st_dev=st.st_dev, st_ino=st.st_ino, size=st.st_size,

@@ -3,7 +3,7 @@
 A shard is an Arrow IPC file holding exactly one record batch. :class:`MappedShard` maps it
 with ``_C.map_file`` (regular files only, no file descriptor kept), checks it against its
 manifest entry (the manifest's size, schema and row count; the bytes' checksum is the
-verifier's job, :mod:`fastload.store.verifier`) and caches one numpy view per column, built
+verifier's job, :mod:`fastload.store.first_use`) and caches one numpy view per column, built
 on first use: ``(rows, *shape)`` for a tensor or scalar field, ``(offsets, values)`` for a
 ragged or binary one. The views are read-only and share the mapping's memory, which stays
 alive while any of them does.

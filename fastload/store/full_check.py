@@ -6,7 +6,7 @@ FormatError naming the bad key); a manifest whose content does not match its own
 (``manifest_checksum``) is reported as the first problem, naming it and what to do. Each shard is mapped like a reader maps it (regular files
 only, no descriptor kept), hashed in C++ with the GIL released, several shards at once.
 Shards that pass are added to the node's verified record (see
-:mod:`fastload.store.integrity`), so a Loader with ``verify="first-use"`` on this node does not
+:mod:`fastload.store.verified_record`), so a Loader with ``verify="first-use"`` on this node does not
 hash them again.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..errors import FormatError
 from ..files import printable
 from ..runtime.system import usable_cores
 from .format import MANIFEST, SHARD_FILE_RE, Field, field_of_arrow, schema_mismatch
-from .integrity import VerifiedRecord
+from .verified_record import VerifiedRecord
 from .manifest import manifest_fields, read_manifest
 from .transaction import ASIDE_PREFIX, is_own_file
 

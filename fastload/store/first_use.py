@@ -2,11 +2,11 @@
 before any of their rows is delivered.
 
 :class:`ShardVerifier` is the reader's bookkeeping for the policy of
-:mod:`fastload.store.integrity` (``"first-use"``, ``"always"``, ``"off"``): which shards are
+:mod:`fastload.store.verified_record` (``"first-use"``, ``"always"``, ``"off"``): which shards are
 verified, which are being hashed (by which thread does not matter: a reader that needs a
 shard another thread is hashing waits for it), which failed (and why: a failed shard fails
 the same way on every later read), and what the checks cost. With ``"first-use"``, shards
-the node's :class:`~fastload.store.integrity.VerifiedRecord` vouches for are not hashed
+the node's :class:`~fastload.store.verified_record.VerifiedRecord` vouches for are not hashed
 again, and the shards still to hash are hashed one per lock, several at once, so ranks on a
 node share the work.
 
@@ -16,7 +16,7 @@ left of them in the calling thread and a pool, and returns when they are verifie
 the order the batches will need them, and background threads hash them ahead of use, then
 the dataset's other shards in index order, so a Loader's first batch waits only for its own
 shards and later batches seldom wait at all. Whole-dataset verification (``fastload
-verify``) is :mod:`fastload.store.verify`.
+verify``) is :mod:`fastload.store.full_check`.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import FormatError
 from ..runtime.system import lower_priority, usable_cores
 from .format import MANIFEST
-from .integrity import VerifiedRecord, hash_mapped
+from .verified_record import VerifiedRecord, hash_mapped
 
 __all__ = ["ANNOUNCE_BYTES", "ShardVerifier"]
 
