@@ -1,4 +1,5 @@
-"""Image datasets the loader tests share: crops of scikit-image's real photos, as JPEG."""
+"""Image files and datasets the tests share: crops of scikit-image's real photos as JPEG, and
+folders of files written from a dict."""
 from __future__ import annotations
 
 import io
@@ -31,3 +32,12 @@ def write_photo_crops(path: Path, n: int, shard_size: str) -> Path:
             y, x = rng.integers(0, src.shape[0] - h), rng.integers(0, src.shape[1] - w)
             wr.write({"image": jpeg(src[y:y + h, x:x + w]), "label": i % 4}, key=f"img{i:03d}.jpg")
     return path
+
+
+def write_folder(root: Path, files: dict[str, bytes]) -> Path:
+    """Write ``{relative path: bytes}`` under ``root`` (parents created); returns ``root``."""
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    return root

@@ -14,6 +14,11 @@ Mark a test ``@pytest.mark.allow_thread_leak`` to opt out, and say why.
 
 ``cpu_unless_marked_cuda`` (autouse) hides any GPU from tests not marked ``cuda``, so the
 suite means the same on a GPU host as here; ``cuda`` tests run only where there is a GPU.
+
+Fixtures several test files share (a file may define its own of the same name instead):
+``fake`` (a fake ``torch.cuda`` with two GPUs, tests/fake_cuda.py, this process outside
+torchrun) and ``image_ds`` (60 real photo crops as JPEG with labels, in several shards; one
+per test module).
 """
 from __future__ import annotations
 
@@ -193,3 +198,21 @@ def no_leaked_threads(request: pytest.FixtureRequest):
         f"{_GRACE_S}s after it ended — close()/join what it started. " + "; ".join(parts),
         pytrace=False,
     )
+
+
+# -- fixtures several test files share ---------------------------------------------------------
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch):
+    """A fake torch.cuda with two GPUs (tests/fake_cuda.py), this process outside torchrun."""
+    from fake_cuda import FakeCuda
+
+    return FakeCuda.install(monkeypatch, device_count=2, outside_torchrun=True)
+
+
+@pytest.fixture(scope="module")
+def image_ds(tmp_path_factory: pytest.TempPathFactory):
+    """60 real photo crops (JPEG) of 80-199 px with labels ``i % 4``, in several shards (200KB)."""
+    import fastload
+    from _images import write_photo_crops
+
+    return fastload.Dataset(write_photo_crops(tmp_path_factory.mktemp("img") / "ds", 60, "200KB"))

@@ -144,14 +144,7 @@ def test_a_mixture_s_source_is_put_back_and_errors_name_dataset_and_index(ds, tm
         next(iter(lo))
 
 
-# -- the CUDA delivery (fake CUDA) ------------------------------------------------------------
-@pytest.fixture
-def fake(monkeypatch):
-    from fake_cuda import FakeCuda
-
-    return FakeCuda.install(monkeypatch, device_count=2, outside_torchrun=True)
-
-
+# -- the CUDA delivery (fake CUDA: the ``fake`` fixture of conftest.py) ------------------------
 def test_cuda_device_transform_is_checked_and_its_errors_name_the_batch(fake, ds):
     kw = dict(fields=["x", "label"], device="cuda:1")
     b = first(ds, device_transform=lambda b: {"x": b["x"]}, **kw)

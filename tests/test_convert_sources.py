@@ -15,20 +15,13 @@ from PIL import Image
 import fastload
 from fastload.convert import ConvertError, convert
 from fastload.store.keys import escape_key, unescape_key
+from _images import write_folder
 
 
 def _jpeg(seed=0, w=48, h=40) -> bytes:
     b = io.BytesIO()
     Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)).save(b, "JPEG")
     return b.getvalue()
-
-
-def _folder(root, files: dict):
-    for rel, data in files.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-    return root
 
 
 def _keys(path) -> list[str]:
@@ -38,7 +31,7 @@ def _keys(path) -> list[str]:
 
 # -- links -----------------------------------------------------------------------------------
 def test_a_link_to_src_or_above_it_is_never_followed(tmp_path):
-    src = _folder(tmp_path / "src", {"cat/1.jpg": _jpeg(1), "dog/2.jpg": _jpeg(2), "dog/deep/3.jpg": _jpeg(3)})
+    src = write_folder(tmp_path / "src", {"cat/1.jpg": _jpeg(1), "dog/2.jpg": _jpeg(2), "dog/deep/3.jpg": _jpeg(3)})
     (src / "cat" / "up").symlink_to("..")  # SRC itself: would read dog's images as cats
     (src / "dog" / "deep" / "top").symlink_to(tmp_path)  # a folder holding SRC
     r = convert("imagefolder", src, tmp_path / "o", progress=False, workers=0)
@@ -49,7 +42,7 @@ def test_a_link_to_src_or_above_it_is_never_followed(tmp_path):
 
 
 def test_a_class_folder_linked_to_another_class_is_an_error_naming_the_link(tmp_path):
-    src = _folder(tmp_path / "src", {"cat/1.jpg": _jpeg(1), "dog/2.jpg": _jpeg(2)})
+    src = write_folder(tmp_path / "src", {"cat/1.jpg": _jpeg(1), "dog/2.jpg": _jpeg(2)})
     (src / "kitty").symlink_to("cat")
     with pytest.raises(ConvertError, match=r"class folder 'kitty' is a link to 'cat', another class folder"):
         convert("imagefolder", src, tmp_path / "o", progress=False, workers=0)
@@ -63,7 +56,7 @@ def test_a_class_folder_linked_to_another_class_is_an_error_naming_the_link(tmp_
         convert("imagefolder", src, tmp_path / "o", progress=False, workers=0)
     (src / "all").unlink()
     # a class folder that is a link to a folder of its own (outside SRC) is a class like any other
-    _folder(tmp_path / "birds", {"4.jpg": _jpeg(4)})
+    write_folder(tmp_path / "birds", {"4.jpg": _jpeg(4)})
     (src / "bird").symlink_to(tmp_path / "birds")
     assert convert("imagefolder", src, tmp_path / "o", progress=False, workers=0)["num_samples"] == 3
     assert _keys(tmp_path / "o") == ["bird/4.jpg", "cat/1.jpg", "dog/2.jpg"]
@@ -85,7 +78,7 @@ def test_max_pixels_above_pils_own_limit_takes_a_big_image_without_pil_warnings(
     assert w * h > 2 * Image.MAX_IMAGE_PIXELS
     b = io.BytesIO()
     Image.new("1", (w, h), 1).save(b, "PNG")  # a flat 1-bit PNG: a few KB on disk
-    src = _folder(tmp_path / "src", {"big/flat.png": b.getvalue(), "small/a.jpg": _jpeg()})
+    src = write_folder(tmp_path / "src", {"big/flat.png": b.getvalue(), "small/a.jpg": _jpeg()})
     p = _cli("imagefolder", src, tmp_path / "o", "--max-pixels", 200_000_000, "--workers", 1, "-q")
     assert p.returncode == 0, p.stderr
     assert not _pil_lines(p.stderr), p.stderr  # no DecompressionBombWarning
@@ -102,7 +95,7 @@ def test_max_pixels_above_pils_own_limit_takes_a_big_image_without_pil_warnings(
 
 def test_pils_limit_is_restored_after_a_conversion_in_this_process(tmp_path):
     before = Image.MAX_IMAGE_PIXELS
-    src = _folder(tmp_path / "src", {"a/1.jpg": _jpeg()})
+    src = write_folder(tmp_path / "src", {"a/1.jpg": _jpeg()})
     convert("imagefolder", src, tmp_path / "o", progress=False, workers=0, max_pixels=10**9)
     assert Image.MAX_IMAGE_PIXELS == before
 

@@ -21,11 +21,6 @@ from fastload import DecodeError, Loader, vision
 from fastload.demo.photos import photos
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    return FakeCuda.install(monkeypatch, device_count=2, outside_torchrun=True)
-
-
 @pytest.fixture(scope="module")
 def raw(tmp_path_factory):
     path = tmp_path_factory.mktemp("raw") / "ds"

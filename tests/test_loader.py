@@ -14,7 +14,7 @@ import torch
 import fastload
 from fastload import DecodeError, Loader, Sampler, vision
 from fastload.demo.photos import photos
-from _images import jpeg, write_photo_crops
+from _images import jpeg
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +31,6 @@ def raw_ds(tmp_path_factory):
     ds = fastload.Dataset(path)
     assert ds.num_shards > 5
     return ds, x
-
-
-@pytest.fixture(scope="module")
-def image_ds(tmp_path_factory):
-    """60 real photo crops (JPEG) of varied sizes with labels, in several shards."""
-    return fastload.Dataset(write_photo_crops(tmp_path_factory.mktemp("img") / "ds", 60, "200KB"))
 
 
 def collect(loader, limit=None):

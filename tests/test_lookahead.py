@@ -14,15 +14,9 @@ import torch
 import fastload
 from fastload import DecodeError, Loader, Sampler, vision
 from fastload.demo.photos import photos
-from _images import jpeg, write_photo_crops
+from _images import jpeg
 
 KW = dict(batch_size=8, transforms={"image": vision.train(32)}, seed=3, prefetch=4)
-
-
-@pytest.fixture(scope="module")
-def image_ds(tmp_path_factory):
-    """60 real photo crops (JPEG) with labels, several shards: 8 batches of 8 (the last of 4)."""
-    return fastload.Dataset(write_photo_crops(tmp_path_factory.mktemp("img") / "ds", 60, "200KB"))
 
 
 def _take(loader, limit=None):

@@ -10,14 +10,8 @@ import pytest
 import torch
 
 import fastload
-from fake_cuda import FakeCuda
 from fastload import Loader
 from fastload.store import Ragged
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    return FakeCuda.install(monkeypatch, device_count=2, outside_torchrun=True)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from PIL import Image
 
 import fastload
 from fastload.errors import ConvertError
+from _images import write_folder
 
 
 def _jpeg(w=48, h=40, seed=0) -> bytes:
@@ -47,15 +48,6 @@ def _mpo() -> bytes:
     return b.getvalue()
 
 
-def _folder(root, files: dict):
-    for rel, data in files.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(data, bytes):
-            p.write_bytes(data)
-    return root
-
-
 def _keys(ds):
     return ds.keys(np.arange(len(ds)))
 
@@ -66,7 +58,7 @@ def _report(d):
 
 @pytest.mark.timeout(120)
 def test_fifos_devices_and_oversized_files_among_the_sources_are_named_not_hung_on(tmp_path):
-    src = _folder(tmp_path / "src", {"a/ok.jpg": _jpeg(), "b/ok.jpg": _jpeg(seed=1)})
+    src = write_folder(tmp_path / "src", {"a/ok.jpg": _jpeg(), "b/ok.jpg": _jpeg(seed=1)})
     os.mkfifo(src / "a" / "pipe.jpg")
     (src / "b" / "zero.jpg").symlink_to("/dev/zero")
     t0 = time.perf_counter()
@@ -94,18 +86,18 @@ def test_fifos_devices_and_oversized_files_among_the_sources_are_named_not_hung_
 
 def test_an_oversized_source_file_is_refused_by_size_not_read(tmp_path, monkeypatch):
     import fastload.files
-    src = _folder(tmp_path / "src", {"a/ok.jpg": _jpeg(), "a/big.jpg": _jpeg(seed=2) + b"\0" * 5000})
+    src = write_folder(tmp_path / "src", {"a/ok.jpg": _jpeg(), "a/big.jpg": _jpeg(seed=2) + b"\0" * 5000})
     monkeypatch.setattr(fastload.files, "MAX_SAMPLE_BYTES", 4000)
     r = fastload.convert("imagefolder", src, tmp_path / "o", progress=False, on_error="skip", workers=0)
     assert r["skipped"] == 1 and "more than the limit of 4,000" in _report(tmp_path / "o")[0]["reason"]
 
 
 def test_directory_links_are_followed_once_per_real_directory(tmp_path):
-    src = _folder(tmp_path / "src", {"a/x/1.jpg": _jpeg(), "a/2.jpg": _jpeg(seed=1), "b/3.jpg": _jpeg(seed=2)})
+    src = write_folder(tmp_path / "src", {"a/x/1.jpg": _jpeg(), "a/2.jpg": _jpeg(seed=1), "b/3.jpg": _jpeg(seed=2)})
     (src / "a" / "x" / "loop").symlink_to(src / "a")  # a link back to an ancestor
     (src / "a" / "again").symlink_to(src / "a" / "x")  # a second way into one directory
     (src / "b" / "linked").symlink_to(tmp_path / "elsewhere")  # a link outside SRC: followed
-    _folder(tmp_path / "elsewhere", {"4.jpg": _jpeg(seed=3)})
+    write_folder(tmp_path / "elsewhere", {"4.jpg": _jpeg(seed=3)})
     r = fastload.convert("imagefolder", src, tmp_path / "o", progress=False)
     ds = fastload.Dataset(tmp_path / "o")
     assert r["num_samples"] == 4 and sorted(_keys(ds)) == ["a/2.jpg", "a/x/1.jpg", "b/3.jpg", "b/linked/4.jpg"]
@@ -113,7 +105,7 @@ def test_directory_links_are_followed_once_per_real_directory(tmp_path):
 
 
 def test_images_the_loaders_decoder_cannot_decode_are_refused_at_convert_time(tmp_path):
-    src = _folder(tmp_path / "src", {"a/ok.jpg": _jpeg(), "a/short.png": _png_short_idat(),
+    src = write_folder(tmp_path / "src", {"a/ok.jpg": _jpeg(), "a/short.png": _png_short_idat(),
                                      "b/ok.jpg": _jpeg(seed=1), "b/huge.jpg": _jpeg_declaring(9000, 8000),
                                      "b/phone.jpg": _mpo()})
     with Image.open(src / "a" / "short.png") as im:
