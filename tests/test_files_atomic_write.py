@@ -119,3 +119,17 @@ def test_the_cli_json_output_is_durable_and_a_failure_names_it(tmp_path, fsyncs)
     with pytest.raises(UsageError, match=re.escape(f"cannot write --json {tmp_path / 'no' / 'r.json'}")):
         Output(str(tmp_path / "no" / "r.json")).json({})
     assert sorted(x.name for x in tmp_path.iterdir()) == ["r.json"]
+
+
+def test_a_cache_write_that_fails_leaves_no_temporary_file(tmp_path, fsyncs):
+    """The remote cache's lengths (and remote.json, the ranks' progress) use the one write:
+    without fsync (a cache), and nothing left behind when the write fails."""
+    from fastload.remote.lengths import _save
+
+    p = tmp_path / "lengths-tokens.npy"
+    _save(p, np.arange(5, dtype=np.int64))
+    assert np.load(p).tolist() == [0, 1, 2, 3, 4] and fsyncs == []
+    with pytest.raises(ValueError):
+        _save(p, np.array([object()]))  # np.save refuses objects without pickle, after opening the file
+    assert np.load(p).tolist() == [0, 1, 2, 3, 4]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["lengths-tokens.npy"]

@@ -5,7 +5,7 @@ Part of :mod:`fastload.remote.cache` (which re-exports the public names):
 * :func:`default_cache_dir` (``$FASTLOAD_CACHE``, else ``~/.cache/fastload``) and
   :func:`~fastload.errors.parse_bytes` ('200GB' -> bytes, re-exported);
 * :class:`_Flock`, the kernel advisory lock every cross-process lock of the cache is made of
-  (per shard download, admission, a rank being alive), and :func:`_write_atomic`;
+  (per shard download, admission, a rank being alive);
 * :class:`CacheFiles`, one dataset's cache directory and its budget: ``remote.json``, shards
   left by an earlier run, the byte budget (``limit``; its default from the free disk), the
   bytes on disk (complete shards, partial downloads at full size), deleting a shard and
@@ -26,6 +26,7 @@ from typing import Collection
 import numpy as np
 
 from ..errors import CacheTooSmall, RemoteError, format_bytes, parse_bytes
+from ..files import atomic_write
 from ..runtime.system import CACHE_ENV, cache_root
 
 __all__ = ["CACHE_ENV", "REMOTE_JSON", "CacheFiles", "default_cache_dir", "parse_bytes"]
@@ -83,13 +84,6 @@ class _Flock:
         if self.fd is not None:
             os.close(self.fd)  # releases the lock
             self.fd = None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 class CacheFiles:
@@ -204,7 +198,7 @@ class CacheFiles:
                 return
         except OSError:
             pass
-        _write_atomic(p, text)
+        atomic_write(p, text, fsync=False)  # a cache: a file lost in a crash is written again
 
     def _check_present(self) -> None:
         """Complete shards left by an earlier run are trusted by size; a wrong size is a

@@ -19,7 +19,8 @@ from __future__ import annotations
 import socket
 import time
 
-from .cache_files import CacheFiles, _Flock, _write_atomic
+from ..files import atomic_write
+from .cache_files import CacheFiles, _Flock
 
 __all__ = ["NodeRanks"]
 
@@ -84,12 +85,12 @@ class NodeRanks:
     def write_progress(self, t: int, pass_no: int) -> None:
         """This rank is at timeline position ``t`` of its pass ``pass_no`` (for the peers)."""
         if self.local_world_size > 1:
-            _write_atomic(self._progress_path, f"{t} {pass_no} {socket.gethostname()}\n")
+            atomic_write(self._progress_path, f"{t} {pass_no} {socket.gethostname()}\n", fsync=False)
 
     def write_done(self) -> None:
         """This rank reads no more (its cache stopped): peers stop counting it."""
         if self.local_world_size > 1 and self._alive.fd is not None:
-            _write_atomic(self._progress_path, "done\n")
+            atomic_write(self._progress_path, "done\n", fsync=False)
 
     def refresh(self, my_t: int, hold: int, force: bool = False) -> int:
         """The node's position: min over the live local ranks of their timeline positions,

@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DownloadError, DownloadTimeout, FormatError
+from ..files import atomic_write
 from .bounded import call_within
 from .download import TRANSIENT_ERRORS
 from .pacing import Cancelled
@@ -199,10 +200,7 @@ def _load(path: Path, n: int) -> np.ndarray | None:
 
 
 def _save(path: Path, v: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, v, allow_pickle=False)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: np.save(f, v, allow_pickle=False), fsync=False)  # a cache: lost, read again
 
 
 def _local_offsets(reader, s: int, field: str, open_shard) -> np.ndarray | None:
