@@ -238,30 +238,22 @@ class Machinery:
             return
         lifecycle.untrack(self)
         self.stop_iter("the Loader was closed during this pass (close(), or the interpreter exiting)")
-        feeder, self._feeder = self._feeder, None
-        if feeder is not None:
-            feeder.close()  # and with it what a pass looking ahead had put (epoch.py: LookAhead)
-        warm, self._warm = self._warm, None
-        if warm is not None:
-            warm.join(WARM_JOIN_S)  # a pipeline being built: closed below once it exists
-        decoders, self._decoders = self._decoders, None
+        self._take("_feeder", "close")  # and with it what a pass looking ahead had put (epoch.py: LookAhead)
+        warm = self._take("_warm", "join", WARM_JOIN_S)  # a pipeline being built: closed below once it exists
         if warm is not None and warm.is_alive():  # a build that hangs (a stuck GPU): left to it
+            self._decoders = None
             logger.warning("fastload: building the DALI pipelines did not finish within %.0f s; closing without "
                            "them (the daemon thread is left behind and does not keep the process alive)", WARM_JOIN_S)
-        elif decoders is not None:
-            decoders.close()
-        delivery, self._delivery = self._delivery, None
-        if delivery is not None:
-            delivery.close()
-        remote, self._remote = self._remote, None
-        if remote is not None:
-            remote.close()
-        ring, self._ring = self._ring, None
-        if ring is not None:
-            ring.close()
-        owned, self._owned = self._owned, None
-        if owned is not None:
-            owned.close()
+        for name in ("_decoders", "_delivery", "_remote", "_ring", "_owned"):  # in this order: users first
+            self._take(name, "close")
+
+    def _take(self, name: str, method: str, *args):
+        """Detach the part ``name`` (None from now on) and call its ``method``; returns the part."""
+        part = getattr(self, name)
+        setattr(self, name, None)
+        if part is not None:
+            getattr(part, method)(*args)
+        return part
 
 
 def _values_offsets(column: tuple) -> tuple:
