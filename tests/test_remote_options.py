@@ -167,7 +167,7 @@ def test_the_conversion_store_writes_through_the_remote_transport(moto, s3_env, 
     monkeypatch.setattr(ArrowTransport, "write_file", lambda self, p, n: (writes.append(n), orig_file(self, p, n))[1])
     monkeypatch.setattr(ArrowTransport, "write_bytes",
                         lambda self, d, n: (writes.append(n), orig_bytes(self, d, n))[1])
-    st = Store(f"s3://{BUCKET}/conv")
+    st = Store(f"s3://{BUCKET}/options-store")
     (tmp_path / "a.bin").write_bytes(b"abc" * 1000)
     st.put_file(tmp_path / "a.bin", "shard-00000.arrow")
     st.put_json(".fastload-parts/g-00000003.json", {"n": 1})
