@@ -170,17 +170,18 @@ class DiskSampler:
 
     def _run(self):
         while not self._stop.is_set():
-            total = 0
-            try:
+            sizes: dict[int, int] = {}  # by inode: a scan is no snapshot, and a download renamed
+            try:                        # from .part to .arrow during it may be listed under both names
                 for e in os.scandir(self.directory):
                     if e.name.endswith((".arrow", ".part")):
                         try:
-                            total += e.stat().st_size
+                            st = e.stat()
                         except FileNotFoundError:
-                            pass
+                            continue
+                        sizes[st.st_ino] = st.st_size
             except FileNotFoundError:
                 pass
-            self.samples.append(total)
+            self.samples.append(sum(sizes.values()))
             time.sleep(self.every)
 
     def __enter__(self):
