@@ -11,7 +11,6 @@ engine (one rank); the Ray engine once, as the issue ran it.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -30,32 +29,16 @@ from fastload.convert.commit import commit
 from fastload.convert.plan import load_plan, make_plan
 from fastload.convert.sourcestate import SourceChanged
 from fastload.convert.task import run_group
-from _remote import _aws_sdk_event_loop, moto, s3_env  # noqa: F401 (fixtures)
 from fastload.demo.photos import make_image_folder
+
+from _convert import assert_same_rows
+from _remote import _aws_sdk_event_loop, moto, s3_env  # noqa: F401 (fixtures)
 
 PARTS = ".fastload-parts"
 HERE = Path(__file__).resolve().parent
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def rows(path: Path) -> tuple[dict, pa.Table]:
-    """(manifest less the shard cut and its own checksum, every row in order)."""
-    m = json.loads((path / "manifest.json").read_text())
-    t = pa.concat_tables([pa.ipc.open_file(pa.memory_map(str(path / s["file"]))).read_all() for s in m["shards"]])
-    for k in ("shards", "total_bytes", "manifest_checksum"):
-        m.pop(k, None)
-    return m, t
-
-
-def assert_same(a: Path, b: Path) -> None:
-    ma, ta = rows(a)
-    mb, tb = rows(b)
-    assert ma == mb
-    assert ta.schema == tb.schema and ta.num_rows == tb.num_rows
-    for name in ta.column_names:
-        assert ta.column(name).equals(tb.column(name)), name
-
-
 def plan_of(kind, src, dst, shard_size=50_000, **kw):
     return make_plan(kind, src, dst, shard_size=shard_size, overwrite=kw.pop("overwrite", False),
                      resume=kw.pop("resume", False), **kw)
@@ -119,7 +102,7 @@ def test_resume_refuses_an_image_folder_with_files_added_or_removed(folder, othe
     run_all(dst, load_plan(dst))
     commit(load_plan(dst))
     convert("imagefolder", folder, tmp_path / "ref", workers=0, progress=False)
-    assert_same(tmp_path / "ref", dst)
+    assert_same_rows(tmp_path / "ref", dst)
 
 
 def test_resume_reconverts_the_finished_groups_whose_images_changed_in_place(folder, other, tmp_path):
@@ -140,7 +123,7 @@ def test_resume_reconverts_the_finished_groups_whose_images_changed_in_place(fol
     assert [r["reused"] for r in results] == [g not in (0, 2, plan.num_groups - 1) for g in range(plan.num_groups)]
     commit(again)
     convert("imagefolder", folder, tmp_path / "ref", workers=0, progress=False)
-    assert_same(tmp_path / "ref", dst)  # the source as it is now, sample for sample
+    assert_same_rows(tmp_path / "ref", dst)  # the source as it is now, sample for sample
 
 
 def test_the_commit_refuses_a_file_changed_after_its_group_read_it(folder, other, tmp_path):
@@ -160,7 +143,7 @@ def test_the_commit_refuses_a_file_changed_after_its_group_read_it(folder, other
     assert [r["reused"] for r in run_all(dst, again)] == [g != 0 for g in range(plan.num_groups)]
     commit(again)
     convert("imagefolder", folder, tmp_path / "ref", workers=0, progress=False)
-    assert_same(tmp_path / "ref", dst)
+    assert_same_rows(tmp_path / "ref", dst)
 
 
 def test_the_commit_refuses_an_image_added_while_the_run_went_on(folder, other, tmp_path):
@@ -353,7 +336,7 @@ def test_an_object_store_dst_resumes_changed_images_and_refuses_added_ones(folde
 
     prefetch(url, tmp_path / "copy")
     convert("imagefolder", folder, tmp_path / "ref", workers=0, progress=False)
-    assert_same(tmp_path / "ref", tmp_path / "copy")
+    assert_same_rows(tmp_path / "ref", tmp_path / "copy")
 
 
 # -- the CLI ------------------------------------------------------------------------------------------
@@ -381,7 +364,7 @@ def test_cli_resume_says_what_it_reconverts_and_what_it_refuses(folder, other, t
            "again" in p.stdout, p.stdout
     assert f"{plan.num_groups} group(s); {plan.num_groups} converted by this run, 0 reused" in p.stdout, p.stdout
     convert("imagefolder", folder, tmp_path / "ref", workers=0, progress=False)
-    assert_same(tmp_path / "ref", dst)
+    assert_same_rows(tmp_path / "ref", dst)
 
 
 # -- Ray, as the issue ran it ------------------------------------------------------------------------------
@@ -417,5 +400,5 @@ def test_ray_resume_after_an_image_was_rewritten_and_one_added(folder, other, tm
     p = _cli(*base, "--overwrite", env=env)  # as the message says
     assert p.returncode == 0, p.stderr
     convert("imagefolder", folder, tmp_path / "ref", workers=0, progress=False)
-    assert_same(tmp_path / "ref", dst)
+    assert_same_rows(tmp_path / "ref", dst)
     assert len(rows(dst)[1]) == 73

@@ -29,6 +29,8 @@ from fastload.convert.task import run_group
 from fastload.demo.photos import make_image_folder
 from fastload.store import verify
 
+from _convert import assert_same_rows
+
 HERE = Path(__file__).resolve().parent
 PARTS = ".fastload-parts"
 SHARD = "200KB"  # ~1.7 MB of JPEGs -> 6 groups of about 55 images
@@ -39,24 +41,9 @@ have_ray = pytest.mark.skipif(
 
 
 # -- helpers -------------------------------------------------------------------------------
-def load(path: Path) -> tuple[dict, pa.Table]:
-    """(manifest without the shard cut, every row of every shard in order)."""
-    m = json.loads((path / "manifest.json").read_text())
-    t = pa.concat_tables([pa.ipc.open_file(pa.memory_map(str(path / s["file"]))).read_all() for s in m["shards"]])
-    for k in ("shards", "total_bytes", "manifest_checksum"):  # (the checksum covers the shard cut)
-        m.pop(k, None)
-    return m, t
-
-
 def assert_same(a: Path, b: Path) -> None:
-    """Same manifest (fields, counts, labels, class names, metadata) and the same rows:
-    every field, key, label and recorded image size, in the same order."""
-    ma, ta = load(a)
-    mb, tb = load(b)
-    assert ma == mb
-    assert ta.schema == tb.schema and ta.num_rows == tb.num_rows
-    for name in ta.column_names:
-        assert ta.column(name).equals(tb.column(name)), name
+    """The same content (``_convert.assert_same_rows``), both datasets verified, no parts left."""
+    assert_same_rows(a, b)
     assert verify(a) == [] and verify(b) == []
     assert not (b / PARTS).exists()
 

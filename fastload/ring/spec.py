@@ -224,16 +224,21 @@ def parse_ragged(fields: Mapping[str, Any], names: list[str], dtypes: list[np.dt
     return out
 
 
+def _per_shard(name: str, shards: Any, shard_rows: Any) -> list:
+    """A field's sources as a list, one entry per shard (as many as ``shard_rows`` has, if given)."""
+    shards = list(shards)
+    if shard_rows is not None and len(shards) != len(shard_rows):
+        raise ValueError(f"field {name!r} has {len(shards)} shard sources for {len(shard_rows)} shards")
+    return shards
+
+
 def ragged_sources(name: str, shards: Any, dt: np.dtype, shape: tuple[int, ...],
                    shard_rows: Any = None, base: int = 0) -> list[tuple[np.ndarray, np.ndarray] | int]:
     """Checked ``(values, offsets)`` per shard of a ragged field (named ``base + s`` in
     messages). With ``shard_rows``, a shard's entry may be None: not loaded yet (its row count
     takes its place)."""
-    if isinstance(shards, tuple) and len(shards) == 2 and isinstance(shards[0], np.ndarray):
-        shards = [shards]
-    shards = list(shards)
-    if shard_rows is not None and len(shards) != len(shard_rows):
-        raise ValueError(f"field {name!r} has {len(shards)} shard sources for {len(shard_rows)} shards")
+    one = isinstance(shards, tuple) and len(shards) == 2 and isinstance(shards[0], np.ndarray)
+    shards = _per_shard(name, [shards] if one else shards, shard_rows)
     out: list = []
     for s, pair in enumerate(shards):
         sid = base + s
@@ -293,30 +298,21 @@ def parse_sources(
             continue
         shards = sources[name]
         if rag is not None:
-            pairs = ragged_sources(name, shards, dt, shape, shard_rows)
-            rows = [p if isinstance(p, int) else len(p[1]) - 1 for p in pairs]
-            if ref_rows is None:
-                ref_name, ref_rows = name, rows
-            elif rows != ref_rows:
-                raise ValueError(f"field {name!r} has shard sizes {rows[:8]} but field {ref_name!r} has "
-                                 f"{ref_rows[:8]}; every field must have the same shards")
-            out.append(pairs)
-            continue
-        if isinstance(shards, np.ndarray):
-            shards = [shards]
-        shards = list(shards)
-        if shard_rows is not None and len(shards) != len(shard_rows):
-            raise ValueError(f"field {name!r} has {len(shards)} shard sources for {len(shard_rows)} shards")
-        checked: list = []
-        for s, a in enumerate(shards):
-            if a is None and shard_rows is not None:
-                checked.append(int(shard_rows[s]))  # not loaded yet: its row count
-                continue
-            a = check_source(name, s, a, dt, shape)
-            if shard_rows is not None and a.shape[0] != int(shard_rows[s]):
-                raise ValueError(f"field {name!r} shard {s}: source has {a.shape[0]} rows, the shard {shard_rows[s]}")
-            checked.append(a)
-        rows = [a if isinstance(a, int) else a.shape[0] for a in checked]
+            checked = ragged_sources(name, shards, dt, shape, shard_rows)
+            rows = [p if isinstance(p, int) else len(p[1]) - 1 for p in checked]
+        else:
+            checked = []
+            for s, a in enumerate(_per_shard(name, [shards] if isinstance(shards, np.ndarray) else shards,
+                                             shard_rows)):
+                if a is None and shard_rows is not None:
+                    checked.append(int(shard_rows[s]))  # not loaded yet: its row count
+                    continue
+                a = check_source(name, s, a, dt, shape)
+                if shard_rows is not None and a.shape[0] != int(shard_rows[s]):
+                    raise ValueError(f"field {name!r} shard {s}: source has {a.shape[0]} rows, "
+                                     f"the shard {shard_rows[s]}")
+                checked.append(a)
+            rows = [a if isinstance(a, int) else a.shape[0] for a in checked]
         if ref_rows is None:
             ref_name, ref_rows = name, rows
         elif rows != ref_rows:
