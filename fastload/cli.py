@@ -278,8 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_json_option(i, "the manifest")
     i.set_defaults(func=cmd_inspect, json_check=lambda a: check_json_dest(a, i))
 
-    v = sub.add_parser("verify", help="recompute checksums and validate every shard; exit 1 if any is damaged")
-    v.add_argument("path", help="a dataset directory, or a URL (every shard is downloaded and checked)")
+    v = sub.add_parser("verify", help="recompute checksums and validate every shard; exit 1 if any is damaged",
+                       usage="%(prog)s [-h] [--local DIR] [--json [FILE]] PATH")
+    # PATH is optional to argparse only: ``verify --json DS`` hands DS to --json, and
+    # check_json_dest moves it back (a missing PATH is still a usage error there)
+    v.add_argument("path", nargs="?", metavar="PATH",
+                   help="a dataset directory, or a URL (every shard is downloaded and checked) (required)")
     v.add_argument("--local", metavar="DIR", default=None,
                    help="with a URL: check the shards in DIR (a prefetched copy, a cache directory) against "
                         "the URL's manifest instead of downloading")
