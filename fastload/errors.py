@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Sequence
 
 __all__ = ["BadSamples", "CacheTooSmall", "ChecksumMismatch", "ConvertError", "DecodeError", "DownloadError",
-           "DownloadTimeout", "FastloadError", "FormatError", "MissingFileError", "NoSpaceError", "PassEnded",
+           "DownloadTimeout", "FastloadError", "FormatError", "HostUnreachable", "MissingFileError", "NoSpaceError", "PassEnded",
            "RemoteError", "SampleError", "ShardReadError", "TransformError", "UsageError"]
 
 
@@ -208,3 +208,13 @@ class CacheTooSmall(FastloadError, ValueError):
     def __init__(self, msg: str, *, minimum: int | None = None):
         super().__init__(msg)
         self.minimum = minimum
+
+
+class HostUnreachable(RemoteError):
+    """The server of a remote dataset cannot be reached at all: its host name does not resolve
+    or it refuses connections. Not retried (retrying cannot fix a wrong endpoint); raised at
+    once, naming the URL and what to check (the endpoint, the network)."""
+
+    def __init__(self, msg: str, *, url: str | None = None):
+        super().__init__(msg)
+        self.url = url

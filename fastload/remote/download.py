@@ -36,10 +36,10 @@ from typing import Callable
 
 import xxhash
 
-from ..errors import ChecksumMismatch, DownloadError, DownloadTimeout
+from ..errors import ChecksumMismatch, DownloadError, DownloadTimeout, HostUnreachable
 from .bounded import StreamPump, call_within
 from .pacing import Cancelled, Concurrency, DownloadCounters, RangePool, RetryPolicy
-from .url import FaultKind, Transport, classify
+from .url import FaultKind, Transport, classify, unreachable_message
 
 __all__ = ["Concurrency", "DownloadCounters", "Downloader", "RetryPolicy", "Cancelled"]
 
@@ -153,6 +153,9 @@ class Downloader:
             except TRANSIENT_ERRORS as e:
                 last = e
                 kind = classify(e)
+                if kind == FaultKind.UNREACHABLE and not self.transport.reached:  # a wrong endpoint
+                    msg = str(e) if isinstance(e, HostUnreachable) else unreachable_message(url, e)
+                    raise DownloadError(f"shard {label} ({url}): {msg}", shard=label, url=url) from None
                 if kind == FaultKind.MISSING:
                     _unlink(part)
                     raise DownloadError(

@@ -13,11 +13,11 @@ import time
 from typing import Any, Mapping
 
 from .. import manifest_checksum
-from ..errors import DownloadTimeout, FormatError, RemoteError
+from ..errors import DownloadTimeout, FormatError, HostUnreachable, RemoteError
 from .bounded import call_within
 from .pacing import RetryPolicy
 from .transports import open_transport
-from .url import SAFE_NAME, FaultKind, Transport, classify, display_url
+from .url import SAFE_NAME, FaultKind, Transport, classify, display_url, unreachable_message
 
 __all__ = ["RemoteDataset", "check_manifest", "dataset_fingerprint", "manifest_fingerprint"]
 
@@ -142,6 +142,8 @@ class RemoteDataset:
                 if isinstance(e, RemoteError):
                     raise
                 kind = classify(e)
+                if kind == FaultKind.UNREACHABLE and not self.transport.reached:  # a wrong endpoint
+                    raise HostUnreachable(unreachable_message(where, e), url=where) from None
                 if kind == FaultKind.MISSING:
                     raise RemoteError(f"{where} does not exist: {self.url} is not a fastload dataset (or its upload "
                                       "has not finished: the manifest is written last)") from None

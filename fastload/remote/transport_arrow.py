@@ -13,9 +13,10 @@ import threading
 import urllib.parse
 from typing import Any, Callable, Mapping
 
-from ..errors import RemoteError
+from ..errors import HostUnreachable, RemoteError
 from .privacy import picklable_filesystem, safe_options
-from .url import _S3_QUERY_OK, REMOTE_SCHEMES, Transport, _refuse_secrets, display_url, scheme_of
+from .url import (_S3_QUERY_OK, REMOTE_SCHEMES, FaultKind, Transport, _refuse_secrets, classify, display_url,
+                  scheme_of, unreachable_message)
 
 __all__ = ["ArrowTransport", "arrow_filesystem"]
 
@@ -56,6 +57,8 @@ def arrow_filesystem(url: str, options: Mapping[str, Any]):
             elif "endpoint_override" in opts:
                 opts["region"] = "us-east-1"  # S3-compatible servers; avoids a region lookup
         retries = int(opts.pop("max_attempts", 5))
+        if opts.pop("_first_contact", False):  # one request, no client retries: see ArrowTransport._contact
+            opts["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=1)
         opts.setdefault("retry_strategy", pafs.AwsStandardS3RetryStrategy(max_attempts=retries))
         opts.setdefault("connect_timeout", 10)
         fs = pafs.S3FileSystem(**opts)
@@ -106,8 +109,16 @@ class ArrowTransport(Transport):
         self._pid = os.getpid()
         # How to build the filesystem again (reloading credentials); None: a user's instance.
         self._rebuild_fn: Callable[[], tuple[Any, str]] | None = None
+        # Until a first request succeeds, requests go through a client without its own retries
+        # (s3:// built here): a host that does not resolve or refuses connections fails in
+        # milliseconds (HostUnreachable), not after the client's backoff (seconds per request)
+        self.reached = False
+        self._quick_fn: Callable[[], Any] | None = None
+        self._quick_fs = None
         if filesystem is None:
             self._rebuild_fn = lambda: arrow_filesystem(url, self._options)
+            if scheme_of(url) == "s3":
+                self._quick_fn = lambda: arrow_filesystem(url, {**self._options, "_first_contact": True})[0]
             self._fs, self._base = self._rebuild_fn()
             return
         import pyarrow.fs as pafs
@@ -144,24 +155,59 @@ class ArrowTransport(Transport):
             self._after_fork()
         return self._fs
 
+    def _contact(self, fn: Callable[[Any], Any]):
+        """``fn(filesystem)``. Until one succeeds (:attr:`reached`), through the quick client
+        (see ``__init__``): a server that cannot be reached raises :class:`HostUnreachable`
+        naming the URL; another transient fault of the quick client is tried again with the
+        real one (its own retries)."""
+        if self.reached:
+            return fn(self.filesystem)
+        try:
+            if self._quick_fn is None:
+                out = fn(self.filesystem)
+                self.reached = True
+                return out
+            with self._lock:
+                if self._quick_fs is None:
+                    self._quick_fs = self._quick_fn()
+                quick = self._quick_fs
+            try:
+                out = fn(quick)
+            except OSError as e:
+                if classify(e) not in (FaultKind.TRANSIENT, FaultKind.THROTTLE):
+                    raise
+                out = fn(self.filesystem)  # the client's own retries for what retrying can fix
+            self.reached = True
+            return out
+        except OSError as e:
+            kind = classify(e)
+            if kind in (FaultKind.MISSING, FaultKind.AUTH, FaultKind.THROTTLE):
+                self.reached = True  # the server answered
+            elif not isinstance(e, RemoteError) and kind == FaultKind.UNREACHABLE:
+                raise HostUnreachable(unreachable_message(self.url, e), url=self.url) from None
+            raise
+
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._quick_fs = None
         if self._rebuild_fn is not None:
             self._fs, self._base = self._rebuild_fn()
 
     def open_read(self, name: str, offset: int = 0):
-        f = self.filesystem.open_input_file(self._path(name))
+        f = self._contact(lambda fs: fs.open_input_file(self._path(name)))
         if offset:
             f.seek(offset)
         return f, offset
 
     def open_ranged(self, name: str):
-        return self.filesystem.open_input_file(self._path(name))  # one HEAD; read_at: one ranged GET
+        return self._contact(lambda fs: fs.open_input_file(self._path(name)))  # one HEAD; read_at: one ranged GET
 
     def read_bytes(self, name: str) -> bytes:
-        with self.filesystem.open_input_stream(self._path(name), compression=None) as f:
-            return f.read()
+        def read(fs):
+            with fs.open_input_stream(self._path(name), compression=None) as f:
+                return f.read()
+        return self._contact(read)
 
     def write_file(self, local_path, name: str) -> None:
         fs = self.filesystem
@@ -179,13 +225,13 @@ class ArrowTransport(Transport):
     def exists(self, name: str) -> bool:
         import pyarrow.fs as pafs
 
-        return self.filesystem.get_file_info(self._path(name)).type != pafs.FileType.NotFound
+        return self._contact(lambda fs: fs.get_file_info(self._path(name))).type != pafs.FileType.NotFound
 
     def size(self, name: str) -> int | None:
         """The size of the file ``name``; None when there is no such file."""
         import pyarrow.fs as pafs
 
-        info = self.filesystem.get_file_info(self._path(name))
+        info = self._contact(lambda fs: fs.get_file_info(self._path(name)))
         return info.size if info.type == pafs.FileType.File else None
 
     def delete(self, name: str) -> None:
@@ -200,7 +246,7 @@ class ArrowTransport(Transport):
         import pyarrow.fs as pafs
 
         sel = pafs.FileSelector(self._path(prefix) if prefix else self._base, allow_not_found=True, recursive=False)
-        return {i.base_name: i.size for i in self.filesystem.get_file_info(sel) if i.type == pafs.FileType.File}
+        return {i.base_name: i.size for i in self._contact(lambda fs: fs.get_file_info(sel)) if i.type == pafs.FileType.File}
 
     def list_names(self) -> list[str]:
         return sorted(self.sizes())

@@ -99,7 +99,13 @@ class HttpTransport(Transport):
     def _request(self, name: str, headers: Mapping[str, str] | None = None, method: str = "GET"):
         req = urllib.request.Request(self.file_url(urllib.parse.quote(name)), method=method,
                                      headers={**self._headers, **(headers or {})})
-        return self._opener.open(req, timeout=self._timeout)
+        try:
+            resp = self._opener.open(req, timeout=self._timeout)
+        except urllib.error.HTTPError:
+            self.reached = True  # the server answered (see Transport.reached)
+            raise
+        self.reached = True
+        return resp
 
     def open_read(self, name: str, offset: int = 0):
         resp = self._request(name, {"Range": f"bytes={offset}-"} if offset else None)

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import urllib.error
 import urllib.parse
 from typing import Any
 
-from ..errors import RemoteError
+from ..errors import HostUnreachable, RemoteError
 
 __all__ = ["REMOTE_SCHEMES", "RangesUnsupported", "Transport", "is_remote", "display_url", "FaultKind", "classify",
            "scheme_of"]
@@ -90,6 +91,25 @@ class FaultKind:
     AUTH = "auth"            # expired or refused credentials: rebuild the filesystem once
     MISSING = "missing"      # the object does not exist: no point retrying (much)
     TRANSIENT = "transient"  # connection reset, truncated body, timeout, 5xx: retry (resume)
+    UNREACHABLE = "unreachable"  # the host does not resolve / refuses connections: fail at once
+
+
+# curl (pyarrow's S3 client) and the standard library: the host name does not resolve, or
+# nothing listens there (codes 6 and 7; connect *timeouts* are code 28 and stay transient)
+_UNREACHABLE_RE = re.compile(r"curlCode: (6|7)\b|Could not resolve host|Couldn't resolve host|"
+                             r"Could not connect to server|Couldn't connect to server|Connection refused|"
+                             r"Name or service not known|nodename nor servname|No address associated with hostname|"
+                             r"Temporary failure in name resolution", re.I)
+
+
+def unreachable_message(where: str, exc: BaseException) -> str:
+    """The one message for a server that cannot be reached (what :class:`HostUnreachable` says)."""
+    detail = str(getattr(exc, "reason", None) or exc).strip().splitlines()
+    detail = detail[0][:300] if detail else type(exc).__name__
+    return (f"cannot reach the server of {where}: its host name does not resolve or it refuses connections "
+            f"({detail}). Not retried: check the endpoint (an s3:// URL goes to AWS unless endpoint_override= "
+            "in the URL or storage_options, or AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3, names another server), "
+            "its host name and port, that the server runs, and the network (DNS, proxy, firewall)")
 
 
 _THROTTLE_RE = re.compile(r"SLOW_DOWN|SlowDown|SERVICE_UNAVAILABLE|ServiceUnavailable|\b503\b|Service Unavailable|\b429\b|Too Many Requests|"
@@ -104,6 +124,12 @@ _MISSING_RE = re.compile(r"NoSuchKey|NO_SUCH_KEY|NoSuchBucket|NO_SUCH_BUCKET|Pat
 
 def classify(exc: BaseException) -> str:
     """Map an exception from a transport to a :class:`FaultKind`."""
+    if isinstance(exc, HostUnreachable):
+        return FaultKind.UNREACHABLE
+    reason = getattr(exc, "reason", None) if isinstance(exc, urllib.error.URLError) else None
+    if isinstance(exc, (socket.gaierror, ConnectionRefusedError)) \
+            or isinstance(reason, (socket.gaierror, ConnectionRefusedError)):
+        return FaultKind.UNREACHABLE
     if isinstance(exc, urllib.error.HTTPError):
         if exc.code in (429, 503):
             return FaultKind.THROTTLE
@@ -123,6 +149,8 @@ def classify(exc: BaseException) -> str:
         return FaultKind.AUTH
     if _MISSING_RE.search(msg) and "NETWORK" not in msg:
         return FaultKind.MISSING
+    if _UNREACHABLE_RE.search(msg):
+        return FaultKind.UNREACHABLE
     return FaultKind.TRANSIENT
 
 
@@ -134,6 +162,10 @@ class Transport:
     """Reads the files of one remote directory. Thread-safe; no secret in its state."""
 
     url: str  # display URL of the directory
+    # A request has succeeded: the endpoint is right. Until then a host that does not resolve
+    # or refuses connections is a wrong endpoint (HostUnreachable, at once); after, a server
+    # down for a while (retried within the deadline, like any transient fault).
+    reached: bool = False
 
     def file_url(self, name: str) -> str:
         return f"{self.url}/{name}"
