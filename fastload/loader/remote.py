@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import CacheTooSmall
+from ..errors import CacheTooSmall, format_bytes
 from ..remote.schedule import EpochUses, pack_uses, plan_uses, sampler_uses
 
 __all__ = ["RemoteShards", "download_stats", "remote_members"]
@@ -37,6 +37,20 @@ def remote_members(dataset) -> list[tuple[Any, int, Any]]:
     readers = getattr(dataset, "readers", None) or []
     bases = getattr(dataset, "shard_bases", None)
     return [(r.cache, int(bases[d]), r) for d, r in enumerate(readers) if getattr(r, "cache", None) is not None]
+
+
+def _largest(lo: int, hi: int, ok) -> int | None:
+    """The largest ``x`` in ``lo..hi`` with ``ok(x)`` (``ok`` taken as monotone: true up to
+    some point), or None; a binary search (each ``ok`` may compute an epoch's order)."""
+    if hi < lo or not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _part(uses: EpochUses, base: int, n: int) -> EpochUses:
@@ -128,11 +142,29 @@ class RemoteShards:
                 raise CacheTooSmall(c._too_small_message(uses[i], need, hint), minimum=need)
 
     def _hint(self, prefetch: int) -> str:
-        """What else to change: the window's minimum for a full shuffle, else smaller windows."""
+        """What else to change, computed from what would fit ``cache_limit``: the largest
+        window (window mode), else the most batches in flight with window=1, else what
+        window=1 needs; for a full shuffle, what window=1 needs."""
         s = self._sampler
         if s.shuffle_mode == "window":
-            return (f"use a smaller window (window={s.window}), fewer batches in flight (prefetch={prefetch}) "
-                    f"or smaller batches: the shards a window and the batches in flight touch must fit")
+            if self._pack is not None:  # positions count tokens: no per-window estimate here
+                return (f"use a window smaller than window={s.window}, fewer batches in flight than "
+                        f"prefetch={prefetch}, or smaller batches: the shards a window and the batches in flight "
+                        "touch must fit")
+            cache = self._caches[0]
+            limit, unit = cache.limit, cache.ahead // (prefetch + 2)  # ahead = (prefetch + 2) * unit
+            w = _largest(1, s.window - 1, lambda w: self._window_need(w, cache.ahead) <= limit)
+            if w is not None:
+                return (f"read with window={w}, the largest window that fits cache_limit={format_bytes(limit)} "
+                        f"(it needs {format_bytes(self._window_need(w, cache.ahead))} here)")
+            p = _largest(1, prefetch - 1, lambda p: self._window_need(1, (p + 2) * unit) <= limit)
+            if p is not None:
+                return (f"read with window=1 and prefetch={p}, the most batches in flight that fit "
+                        f"cache_limit={format_bytes(limit)} (it needs "
+                        f"{format_bytes(self._window_need(1, (p + 2) * unit))} here)")
+            least = self._window_need(1, 3 * unit)
+            return (f"use smaller batches: even window=1 with prefetch=1 needs {format_bytes(least)} "
+                    f"({least} bytes) of cache here")
         if s.weights is not None or s.labels is not None or not s.shuffle:
             return "read in shard windows with shuffle_mode=\"window\""
         from ..remote.schedule import epoch_uses
@@ -141,6 +173,23 @@ class RemoteShards:
         w1 = epoch_uses(window_permutation(self._ds.shard_sizes, 1, s.seed, s.epoch), self._ds.shard_starts)
         return (f"read in shard windows with shuffle_mode=\"window\" (window=1 needs "
                 f"{self._caches[0].minimum_limit(w1)} bytes here; each shard of window w is in use at once)")
+
+    def _window_need(self, window: int, ahead: int) -> int:
+        """The cache bytes this pass would need in windows of ``window`` shards, with the
+        reader asking ``ahead`` positions early (:func:`~fastload.remote.schedule.minimum_budget`)."""
+        from ..remote.schedule import epoch_end, epoch_uses, minimum_budget
+        from ..sampling import epoch_stream
+
+        s, cache = self._sampler, self._caches[0]
+        stream = epoch_stream(s.num_samples, seed=s.seed, epoch=s.epoch, shuffle=s.shuffle, weights=s.weights,
+                              replacement=s.replacement, num_draws=s.num_draws, balance_labels=s.labels,
+                              batch_size=s.batch_size, shuffle_mode="window", shard_sizes=s.shard_sizes,
+                              window=window)
+        start = s.start_position()
+        end = epoch_end(s.stream_len, world_size=s.world_size, batch_size=s.batch_size, drop_last=s.drop_last,
+                        drop_last_batch=s.drop_last_batch, start=start)
+        u = epoch_uses(stream, self._ds.shard_starts, epoch=s.epoch, start=start, end=end)
+        return minimum_budget(u.shards, u.first, u.last, cache.sizes, ahead)[0]
 
     # -- the schedule --------------------------------------------------------------------
     def begin(self, plan) -> None:
