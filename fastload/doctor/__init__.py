@@ -1,4 +1,6 @@
 """``fastload doctor [DATASET] [--device cuda|cpu]``: is this machine ready for a long job?
+Without ``--device`` it checks the device ``Loader(device=None)`` would use (CUDA when torch
+can use a GPU, else the CPU path); ``--device cuda`` on a machine without a GPU says so plainly.
 
 One line per check, each ``ok``, ``warn`` or ``fail``: the GPUs and their driver, the CUDA
 builds of torch and DALI and whether they fit the driver and each other, the pinned-memory
@@ -38,11 +40,17 @@ __all__ = ["CHECKS", "DECODE_WORKERS", "FAIL", "FD_RESERVE", "MAP_RESERVE", "NO_
 _nvml = probe._nvml  # is there an NVIDIA driver (tests ask doctor._nvml())
 
 
-def run(device: str = "cuda", dataset: str | None = None, batch_size: int = 256, out=None) -> int:
-    """Print the report; 1 if any check failed, else 0."""
+def run(device: str | None = None, dataset: str | None = None, batch_size: int = 256, out=None) -> int:
+    """Print the report; 1 if any check failed, else 0. ``device=None`` checks the device a
+    ``Loader(device=None)`` would use here: CUDA when torch can use a GPU, else the CPU."""
     out = out or sys.stdout
-    checks = assess(gather(device, dataset, batch_size))
-    print(f"fastload doctor: --device {device}" + (f", dataset {dataset}" if dataset else ""), file=out)
+    facts = gather(device, dataset, batch_size)
+    checks = assess(facts)
+    head = f"--device {facts.device}"
+    if facts.device_chosen:
+        head += " (no --device: a GPU is usable)" if facts.device == "cuda" else \
+            " (no --device and no usable GPU: the CPU path; --device cuda checks the GPU path)"
+    print(f"fastload doctor: {head}" + (f", dataset {dataset}" if dataset else ""), file=out)
     for c in checks:
         print(c.line(), file=out)
     fails = sum(c.status == FAIL for c in checks)
@@ -54,8 +62,8 @@ def run(device: str = "cuda", dataset: str | None = None, batch_size: int = 256,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The command's arguments (standard library only: ``fastload --help`` loads no torch)."""
     p.add_argument("dataset", nargs="?", default=None, help="a dataset to check the limits against")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device the job will use "
-                   "(default cuda)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="the device the job will use "
+                   "(default: the one Loader(device=None) picks, cuda when torch can use a GPU, else cpu)")
     p.add_argument("--batch-size", type=int, default=256, help="batch size of the job (default 256), for the "
                    "ring's pinned memory")
 

@@ -32,6 +32,7 @@ class Facts:
     """What the checks look at. ``gather()`` fills it from this machine; tests build it."""
 
     device: str = "cuda"  # what the job will ask for: "cuda" or "cpu"
+    device_chosen: bool = False  # no --device: doctor chose it as Loader(device=None) does (cuda if usable)
     driver: str | None = None  # NVIDIA driver version, None when there is none
     driver_cuda: int | None = None  # the CUDA version the driver supports, e.g. 12040
     gpus: list[str] = field(default_factory=list)  # names NVML reports

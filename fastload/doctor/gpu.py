@@ -6,12 +6,21 @@ from .facts import FAIL, NO_GPU_NOTE, OK, WARN, Check, Facts, _cuda_str
 
 
 def check_gpu(f: Facts) -> Check:
+    if f.device == "cpu" and f.device_chosen:  # no --device, and torch cannot use a GPU here
+        if f.gpus:
+            return Check(WARN, "gpu", f"the driver sees {len(f.gpus)} GPU(s) but torch {f.torch_version} cannot use "
+                         "CUDA" + (" (a CPU-only build)" if f.torch_cuda is None else " (CUDA_VISIBLE_DEVICES?)")
+                         + ": checking the CPU path; fastload doctor --device cuda says what to fix")
+        return Check(OK, "gpu", "no GPU on this machine: checking the CPU path, which Loader(device=None) uses "
+                     "here (--device cuda checks the GPU path)")
     if f.device == "cpu":
         seen = f"{len(f.gpus)} GPU(s) present, unused" if f.gpus else "none needed"
         return Check(OK, "gpu", f"{seen} (--device cpu)")
     if f.driver is None and not f.gpu_usable:
         why = f" ({f.driver_error})" if f.driver_error else ""
-        return Check(WARN, "gpu", f"no NVIDIA GPU or driver found{why}; {NO_GPU_NOTE}")
+        return Check(WARN, "gpu", f"no GPU on this machine: no NVIDIA GPU or driver found{why}, so a job with "
+                     "device='cuda' cannot run here (fastload doctor without --device checks the CPU path); "
+                     f"{NO_GPU_NOTE}")
     if not f.gpu_usable:
         what = ", ".join(f.gpus) or "no GPU"
         return Check(FAIL, "gpu", f"driver {f.driver} sees {what}, but torch {f.torch_version} cannot use CUDA"

@@ -106,13 +106,18 @@ def _dataset(f: Facts, batch_size: int) -> None:
     f.pinned_bytes = ring_slots(prefetch) * batch
 
 
-def gather(device: str = "cuda", dataset: str | None = None, batch_size: int = 256) -> Facts:
+def gather(device: str | None = None, dataset: str | None = None, batch_size: int = 256) -> Facts:
+    """The facts of this machine for a job on ``device``; ``None`` (no ``--device``) picks the
+    device as ``Loader(device=None)`` does: CUDA when torch can use a GPU, else the CPU."""
     import torch
 
     from ..runtime.system import usable_cores
     from ..runtime.world import local_env
 
-    f = Facts(device=device, dataset=dataset)
+    chosen = device is None
+    if chosen:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    f = Facts(device=device, dataset=dataset, device_chosen=chosen)
     f.driver, f.driver_cuda, f.gpus, f.driver_error = _nvml()
     f.torch_version, f.torch_cuda = torch.__version__, torch.version.cuda
     f.torch_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
