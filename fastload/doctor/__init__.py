@@ -16,7 +16,7 @@ verdict is unit-tested without the machine it describes.
 
 The package: ``facts`` (:class:`Facts`, :class:`Check`, the thresholds), ``gpu`` and
 ``limits`` (the verdicts), ``graphs`` (the preset DALI graphs), ``probe`` (:func:`gather`),
-``report`` (:func:`assess`); the command's entry points are here.
+``imports`` (a clone that shadows the package), ``report`` (:func:`assess`); the command's entry points are here.
 """
 from __future__ import annotations
 

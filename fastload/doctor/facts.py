@@ -58,6 +58,8 @@ class Facts:
     loader_nice: int = LOADER_NICE  # the nice value of fastload's threads (FASTLOAD_NICE)
     loader_nice_error: str | None = None  # FASTLOAD_NICE is malformed
     dataset: str | None = None
+    import_shadow: list[str] = field(default_factory=list)  # a namespace 'fastload' python in cwd would import
+    cwd: str | None = None
     dataset_error: str | None = None
     shards: int | None = None
     samples: int | None = None

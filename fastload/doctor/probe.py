@@ -7,6 +7,7 @@ import os
 
 from .facts import DECODE_WORKERS, Facts, _first_line
 from .graphs import check_graphs
+from .imports import probe_shadow
 
 
 def _nvml() -> tuple[str | None, int | None, list[str], str | None]:
@@ -118,6 +119,8 @@ def gather(device: str | None = None, dataset: str | None = None, batch_size: in
     if chosen:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     f = Facts(device=device, dataset=dataset, device_chosen=chosen)
+    f.cwd = os.getcwd()
+    f.import_shadow = probe_shadow(f.cwd) or []
     f.driver, f.driver_cuda, f.gpus, f.driver_error = _nvml()
     f.torch_version, f.torch_cuda = torch.__version__, torch.version.cuda
     f.torch_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -6,11 +6,12 @@ from typing import Callable
 
 from .facts import NO_GPU_NOTE, WARN, Check, Facts
 from .gpu import check_dali, check_gpu, check_torch
+from .imports import check_import_path
 from .limits import check_dataset, check_memlock, check_nofile, check_shm, check_threads, check_torch_threads
 
 CHECKS: tuple[Callable[[Facts], Check | None], ...] = (
-    check_gpu, check_torch, check_dali, check_dataset, check_memlock, check_nofile, check_shm, check_threads,
-    check_torch_threads)
+    check_import_path, check_gpu, check_torch, check_dali, check_dataset, check_memlock, check_nofile, check_shm,
+    check_threads, check_torch_threads)
 
 
 def assess(f: Facts) -> list[Check]:
