@@ -164,6 +164,12 @@ def run_command(a: argparse.Namespace, out) -> int:
         parent = os.path.dirname(os.path.abspath(a.plot))
         if not os.path.isdir(parent):
             raise UsageError(f"cannot write {a.plot}: directory {parent} does not exist")
+        try:  # before any work: a missing matplotlib must not cost a whole benchmark run
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError(f"--plot={a.plot} needs matplotlib, which is not installed: "
+                             "pip install 'fastload[bench]' (or pip install matplotlib), "
+                             "or leave out --plot") from None
     from .runs import run
 
     try:

@@ -215,10 +215,14 @@ def plot(rows: Sequence[Measurement], path: str | os.PathLike, title: str) -> No
     ax1.barh(y, rates, color=[colors.get(r.kind, "#999") for r in rows], xerr=err, capsize=3)
     ax1.set_yticks(y, names)
     ax1.set_xlabel("samples / s (higher is better)")
-    for yi, v in zip(y, rates):
-        ax1.text(v, yi, f" {v:,.0f}", va="center", fontsize=9)
     top = max(sp.hi for sp in spreads) if spreads else 0
-    ax1.set_xlim(0, top * 1.25 if top > 0 else 1)
+    xmax = top * 1.3 if top > 0 else 1
+    for yi, v, sp in zip(y, rates, spreads):
+        # the label starts past the error bar's right cap (not at the bar's end, where the cap
+        # would run into its first digit: "2,873" read as "12,873"), on a white box
+        ax1.text(max(v, sp.hi) + 0.015 * xmax, yi, f"{v:,.0f}", va="center", ha="left", fontsize=9,
+                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0})
+    ax1.set_xlim(0, xmax)
     ax2.barh(y, [100 * (r.wait_fraction or 0.0) for r in rows], color="#d62728")
     ax2.set_yticks(y, [""] * len(y))
     ax2.set_xlim(0, 100)
