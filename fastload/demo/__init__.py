@@ -1,6 +1,7 @@
 """``fastload demo``: the whole job, end to end, on a small dataset made from real photos.
 
-1. generate an image folder of JPEG crops of scikit-image's sample photos (no download);
+1. generate an image folder of JPEG crops of scikit-image's sample photos (no download), or of
+   synthetic textured images when scikit-image is not installed (the line says which);
 2. ``fastload convert imagefolder`` it into Arrow shards and print ``inspect``;
 3. iterate it with ``fastload.Loader`` and the ImageNet training preset (DALI);
 4. a short benchmark against ``torch.utils.data.DataLoader`` doing the same work.
@@ -14,6 +15,27 @@ from pathlib import Path
 
 
 def run_demo(out: Path, num_images: int = 512, quick: bool = False) -> int:
+    """Run the demo into ``out``. On any failure (an exception, Ctrl-C) what this run made is
+    removed again: ``out`` itself if it did not exist before, else the parts written into it."""
+    out = Path(out)
+    made_out = not out.exists()
+    parts = [out / "images", out / "dataset", out / "demo-results.json"]
+    fresh = [p for p in parts if not p.exists()]
+    try:
+        return _run_demo(out, num_images, quick)
+    except BaseException:
+        if made_out:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for p in fresh:
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                elif p.exists():
+                    p.unlink()
+        raise
+
+
+def _run_demo(out: Path, num_images: int, quick: bool) -> int:
     import torch
 
     from .. import vision
@@ -22,7 +44,7 @@ def run_demo(out: Path, num_images: int = 512, quick: bool = False) -> int:
     from ..bench.runs import run_fastload, run_torch
     from ..convert import convert
     from ..loader import Loader
-    from .photos import make_image_folder
+    from .photos import make_image_folder, photo_source
     from ..store.inspect import inspect_text
 
     if quick:
@@ -33,8 +55,11 @@ def run_demo(out: Path, num_images: int = 512, quick: bool = False) -> int:
     t0 = time.perf_counter()
     if src.exists():
         shutil.rmtree(src)
+    source = photo_source()
     make_image_folder(src, num_images, seed=0)
-    print(f"[1/4] generated {num_images} JPEGs from scikit-image's photos in {src} "
+    what = ("scikit-image's photos" if source == "scikit-image" else
+            "synthetic textured images (scikit-image is not installed; pip install scikit-image for real photos)")
+    print(f"[1/4] generated {num_images} JPEGs from {what} in {src} "
           f"({time.perf_counter() - t0:.1f} s)")
     r = convert("imagefolder", src, dst, overwrite=True, progress=False)
     print(f"[2/4] converted to {dst}: {r['num_samples']} samples, {r['num_shards']} shard(s) "

@@ -3,6 +3,11 @@
 The photos are the ones that ship inside scikit-image (``skimage.data``); random crops of
 them, resized so the longer side is 300-500 px and saved as JPEG (quality 90), make an
 ImageFolder tree whose classes are the source photos. Deterministic for a given seed.
+
+scikit-image is an optional (test/bench) dependency: without it ``make_image_folder`` falls
+back to ``synthetic_photos`` (textured, varied images drawn with numpy, the same crops and
+JPEG encoding), so ``fastload demo`` works after a plain ``pip install fastload``.
+``photo_source()`` says which of the two is in use.
 """
 from __future__ import annotations
 
@@ -43,6 +48,59 @@ def photos(names=PHOTOS) -> dict[str, np.ndarray]:
     return out
 
 
+SYNTHETIC = ("bricks", "waves", "rings", "checker", "gradient", "noise", "stripes", "blobs")
+
+
+def synthetic_photos(names=SYNTHETIC, *, size: tuple[int, int] = (512, 640)) -> dict[str, np.ndarray]:
+    """Deterministic RGB uint8 images, one per class name, made with numpy alone: each class has
+    its own structure (bricks, waves, rings, ...) plus smooth colour and fine noise, so the JPEGs
+    made from them are textured like photos (not flat colour, which compresses to nothing)."""
+    h, w = size
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    out = {}
+    for k, n in enumerate(names):
+        rng = np.random.default_rng(1000 + k)
+        f = rng.uniform(0.02, 0.09, 3)
+        phase = rng.uniform(0, 2 * np.pi, 3)
+        kind = SYNTHETIC[k % len(SYNTHETIC)] if n not in SYNTHETIC else n
+        if kind == "bricks":
+            base = ((yy // 24 % 2 * 20 + xx) // 48 + yy // 24) % 2 + 0.15 * ((yy % 24 < 2) | (xx % 48 < 2))
+        elif kind == "waves":
+            base = np.sin(f[0] * xx + 3 * np.sin(f[1] * yy)) * 0.5 + 0.5
+        elif kind == "rings":
+            r = np.hypot(yy - h * rng.uniform(0.3, 0.7), xx - w * rng.uniform(0.3, 0.7))
+            base = np.sin(f[2] * r * 1.5) * 0.5 + 0.5
+        elif kind == "checker":
+            base = ((yy // 32 + xx // 32) % 2).astype(np.float32)
+        elif kind == "gradient":
+            base = (yy / h + xx / w) / 2
+        elif kind == "stripes":
+            base = (np.sin(f[0] * (xx + 0.7 * yy)) > 0).astype(np.float32)
+        elif kind == "blobs":
+            base = np.zeros((h, w), np.float32)
+            for cy, cx, rad in zip(rng.uniform(0, h, 12), rng.uniform(0, w, 12), rng.uniform(20, 90, 12)):
+                base += np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * rad ** 2))
+            base = np.clip(base, 0, 1)
+        else:  # noise: low-frequency noise, upsampled
+            small = rng.random((h // 16 + 1, w // 16 + 1)).astype(np.float32)
+            base = np.kron(small, np.ones((16, 16), np.float32))[:h, :w]
+        tint = np.stack([np.sin(f[i] * 0.3 * (xx + yy) + phase[i]) * 0.5 + 0.5 for i in range(3)], -1)
+        c0, c1 = rng.uniform(0, 1, 3), rng.uniform(0, 1, 3)
+        img = base[..., None] * c0 + (1 - base[..., None]) * c1
+        img = 0.7 * img + 0.3 * tint + rng.normal(0, 0.04, (h, w, 3))
+        out[n] = (np.clip(img, 0, 1) * 255).astype(np.uint8)
+    return out
+
+
+def photo_source() -> str:
+    """'scikit-image' when its bundled photographs can be used, else 'synthetic'."""
+    try:
+        import skimage.data  # noqa: F401
+    except ImportError:
+        return "synthetic"
+    return "scikit-image"
+
+
 def random_jpeg(img: np.ndarray, rng: np.random.Generator, *, min_side: int = 300, max_side: int = 500,
                 quality: int = 90) -> bytes:
     """A random crop of ``img``, resized so its longer side is in [min_side, max_side], as JPEG."""
@@ -64,9 +122,10 @@ def random_jpeg(img: np.ndarray, rng: np.random.Generator, *, min_side: int = 30
 
 def make_image_folder(dst: str | Path, num_images: int = 256, *, seed: int = 0, classes: int | None = None,
                       min_side: int = 300, max_side: int = 500, quality: int = 90) -> Path:
-    """Write ``num_images`` JPEGs into ``dst/<class>/<n>.jpg``; class = source photo."""
+    """Write ``num_images`` JPEGs into ``dst/<class>/<n>.jpg``; class = source photo (scikit-image's
+    photographs, or ``synthetic_photos`` without scikit-image: see ``photo_source``)."""
     dst = Path(dst)
-    src = photos()
+    src = photos() if photo_source() == "scikit-image" else synthetic_photos()
     names = sorted(src)[: classes or len(src)]
     rng = np.random.default_rng(seed)
     for i in range(num_images):
