@@ -31,7 +31,7 @@ from fastload.convert.sourcestate import SourceChanged
 from fastload.convert.task import run_group
 from fastload.demo.photos import make_image_folder
 
-from _convert import assert_same_rows
+from _convert import assert_same_rows, load
 from _remote import _aws_sdk_event_loop, moto, s3_env  # noqa: F401 (fixtures)
 
 PARTS = ".fastload-parts"
@@ -401,4 +401,4 @@ def test_ray_resume_after_an_image_was_rewritten_and_one_added(folder, other, tm
     assert p.returncode == 0, p.stderr
     convert("imagefolder", folder, tmp_path / "ref", workers=0, progress=False)
     assert_same_rows(tmp_path / "ref", dst)
-    assert len(rows(dst)[1]) == 73
+    assert len(load(dst)[1]) == 73
