@@ -18,6 +18,8 @@ import pytest
 import fastload
 import fastload.errors
 
+from _damage import damaged_copy
+
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "fastload"
 
@@ -313,18 +315,12 @@ def test_inspect_json_goes_to_stdout_or_to_a_file(raw_ds, tmp_path):
 
 
 def test_verify_json_says_ok_or_names_the_damaged_shards(raw_ds, tmp_path):
-    import shutil
-
     p = fl("verify", raw_ds, "--json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == {"path": str(raw_ds), "ok": True, "problems": []}
     assert "OK" in p.stderr  # the human line goes to stderr when stdout holds the JSON
     bad = tmp_path / "bad"
-    shutil.copytree(raw_ds, bad)
-    shard = sorted(bad.glob("shard-*.arrow"))[0]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    shard = damaged_copy(raw_ds, bad)
     p = fl("verify", bad, "--json", tmp_path / "v.json")
     assert p.returncode == 1
     doc = json.loads((tmp_path / "v.json").read_text())

@@ -5,13 +5,14 @@ reads it back as the dataset, with the JSON on stdout, and keeps the ``--json FI
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 
 import fastload
 from fastload import cli
+
+from _damage import damaged_copy
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +47,7 @@ def test_verify_json_file_before_the_dataset_writes_the_file(ds, capsys, tmp_pat
 
 def test_verify_json_ds_names_the_damaged_shard_and_exits_1(ds, capsys, tmp_path):
     bad = tmp_path / "bad"
-    shutil.copytree(ds, bad)
-    shard = sorted(bad.glob("shard-*.arrow"))[0]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    shard = damaged_copy(ds, bad)
     code, out, err = run(capsys, "verify", "--json", bad)
     assert code == 1
     doc = json.loads(out)
