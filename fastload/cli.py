@@ -88,6 +88,7 @@ def cmd_convert(a, out: Output) -> int:
               image_columns=a.image_column or (), max_pixels=a.max_pixels, progress=not a.quiet,
               engine=a.engine, ray_address=a.ray_address, resume=a.resume,
               allow_small_shards=a.force_small_shards, max_size=a.max_size, quality=a.quality)
+    kw.update({k: v for k, v in (("min_frames", a.min_frames), ("video_codec", a.video_codec)) if v is not None})
     try:  # (an object-store DST: see convert(); every engine writes there, the manifest last)
         r = convert(a.kind, a.src, a.dst, overwrite=a.overwrite, **kw)
     except (FastloadError, OSError, ValueError) as e:  # ENOSPC, a FIFO, a bad option: one line
@@ -233,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     c = sub.add_parser("convert", help="turn a source (image folder, arrays, table, tar shards) into a dataset")
-    c.add_argument("kind", choices=["imagefolder", "arrays", "table", "webdataset"], help="source kind")
+    c.add_argument("kind", choices=["imagefolder", "arrays", "table", "webdataset", "videofolder", "audiofolder"],
+                   help="source kind")
     c.add_argument("src", help="source file or directory")
     c.add_argument("dst", help="dataset directory to create (must be new or empty), or an object-store URL "
                                "(s3://, gs://, az://): shards uploaded (by the tasks with ray/torch), the manifest last")
@@ -255,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "stays PNG, other formats become JPEG); the others are stored unchanged (N >= 16)")
     c.add_argument("--quality", type=int, default=None, metavar="Q",
                    help="JPEG quality of the images --max-size re-encodes (1-100, default 90)")
+    c.add_argument("--min-frames", type=int, default=None, metavar="N",
+                   help="videofolder: refuse (or with --on-error skip, leave out) videos of fewer than N frames "
+                        "(by default a short video is padded with its last frame when a clip is cut)")
+    c.add_argument("--video-codec", choices=["keep", "vp9"], default=None,
+                   help="videofolder: vp9 re-encodes the videos DALI's CPU decoder cannot read (H.264, HEVC, "
+                        "MPEG-4, AV1) as VP9, so the dataset decodes without a GPU; keep (default) stores them as is")
     c.add_argument("--force-small-shards", action="store_true",
                    help="allow --shard-size below 1 MB (one shard per few samples)")
     c.add_argument("--engine", choices=["local", "ray", "torch"], default="local",

@@ -28,12 +28,15 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
             label: str | None = None, image_columns: Sequence[str] = (), max_pixels: int | None = None,
             progress: bool = True, engine: str = "local", ray_address: str | None = None,
             resume: bool = False, allow_small_shards: bool = False, max_size: int | None = None,
-            quality: int | None = None) -> dict:
+            quality: int | None = None, min_frames: int | None = None, video_codec: str | None = None) -> dict:
     """Convert a source into a fastload dataset at ``dst``; return a summary dict.
 
     kind: "imagefolder" (SRC/<class>/<images>), "arrays" (.npz / .npy / folder of .npy, or
     a dict of arrays; ragged fields as NAME + NAME_offsets pairs or object arrays),
-    "table" (Parquet, CSV, JSON lines) or "webdataset" (.tar shards). Refuses a non-empty
+    "table" (Parquet, CSV, JSON lines), "webdataset" (.tar shards), "videofolder" or
+    "audiofolder" (SRC/<class>/<video or audio files>, probed with PyAV: see
+    ``fastload.convert.media``; ``min_frames`` refuses shorter videos, ``video_codec="vp9"``
+    re-encodes those DALI's CPU decoder cannot read). Refuses a non-empty
     ``dst`` unless ``overwrite`` (which swaps the new dataset in only once it is complete: a
     failed overwrite leaves the old one untouched); on failure nothing that opens is left
     behind. Samples the writer refuses (wrong shape, a value out of the field's range) are
@@ -74,7 +77,8 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
     if kind not in KINDS:
         raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(KINDS)}")
     check_options(kind, label=label, image_columns=image_columns, max_pixels=max_pixels, max_size=max_size,
-                  quality=quality)
+                  quality=quality, min_frames=min_frames, video_codec=video_codec)
+    media = {k: v for k, v in (("min_frames", min_frames), ("video_codec", video_codec)) if v is not None}
     check_shard_size(shard_size, check_bool("allow_small_shards", allow_small_shards))
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} must be one of {', '.join(ENGINES)}")
@@ -102,7 +106,7 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
         return convert_to_remote(convert, kind, src, dst, overwrite=overwrite, workers=workers,
                                  shard_size=shard_size, on_error=on_error, label=label, image_columns=image_columns,
                                  max_pixels=max_pixels, progress=progress, allow_small_shards=allow_small_shards,
-                                 max_size=max_size, quality=quality)
+                                 max_size=max_size, quality=quality, **media)
     if engine != "local":
         from ..store.format import parse_size
         from ..validate import ON_ERROR
@@ -113,9 +117,9 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
         return run_engine(engine, kind, src, dst, workers=workers, shard_size=parse_size(shard_size),
                           on_error=on_error, overwrite=overwrite, resume=resume, progress=progress,
                           ray_address=ray_address, label=label, image_columns=image_columns, max_pixels=max_pixels,
-                          max_size=max_size, quality=quality)
+                          max_size=max_size, quality=quality, **media)
     source = make_source(kind, src, label=label, image_columns=image_columns, max_pixels=max_pixels,
-                         max_size=max_size, quality=quality)
+                         max_size=max_size, quality=quality, **media)
     try:
         return run_convert(source, dst, workers=workers, shard_size=shard_size, on_error=on_error,
                            overwrite=overwrite, progress=progress, desc=f"convert {kind}")

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from ..errors import NO_SPACE_ERRNOS, ConvertError, NoSpaceError, SampleError
 from ..files import printable
-from ..store.format import DEFAULT_SHARD_SIZE, MANIFEST, MIN_SHARD_SIZE, SKIPPED_REPORT, Field, parse_size
+from ..store.format import MEDIA_KINDS, DEFAULT_SHARD_SIZE, MANIFEST, MIN_SHARD_SIZE, SKIPPED_REPORT, Field, parse_size
 from ..store.geometry import DEFAULT_MAX_PIXELS
 from ..store.report import write_report
 from ..store.writer import ShardWriter
@@ -97,7 +97,7 @@ class Source:
 
     @property
     def needs_validation(self) -> bool:
-        return any(f.kind == "image" for f in self.fields.values())
+        return any(f.kind in ("image", *MEDIA_KINDS) for f in self.fields.values())
 
     def fast_chunks(self) -> Iterator[tuple[int, int, dict[str, Any]]] | None:
         """``(start, stop, {field: rows start..stop})`` chunks to write in bulk when the source
@@ -210,6 +210,7 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
     skipped: list[dict] = []
     dst = Path(dst)
     image_fields = [n for n, f in source.fields.items() if f.kind == "image"]
+    media_fields = [n for n, f in source.fields.items() if f.kind in MEDIA_KINDS]  # sizes[n]: what was probed
     metadata = dict(source.metadata)
     writer = ShardWriter(dst, source.fields, shard_size=shard_size, label=source.label,
                          class_names=source.class_names, overwrite=overwrite, metadata=metadata)
@@ -232,7 +233,9 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
 
             def write(i: int, sample: dict, sizes: dict, new: int = 0) -> None:
                 try:  # the writer checks shapes, dtypes and value ranges
-                    writer.write(sample, key=key_of(i), image_sizes=sizes)
+                    media = {n: sizes[n] for n in media_fields if n in sizes}
+                    writer.write(sample, key=key_of(i), image_sizes={n: v for n, v in sizes.items() if n not in media},
+                                 media_info=media or None)
                     resized[0] += new
                 except SampleError as e:  # refused before buffering: the writer goes on
                     bad(i, str(e))
@@ -347,6 +350,7 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
             "max_pixels": source.max_pixels if image_fields else None,
             "max_size": source.max_size if image_fields else None,
             "resized_images": resized[0] if image_fields and source.max_size is not None else None,
+            **({"transcoded_videos": resized[0]} if media_fields and "video_codec" in source.metadata else {}),
             **({"inputs": as_records(inputs, before)} if record_inputs else {})}
 
 

@@ -79,17 +79,21 @@ class Files(Sequence):
 
 
 class ImageFolderSource(Source):
+    EXTENSIONS = IMAGE_EXTENSIONS  # the files taken (a media folder takes others, see media.py)
+    WHAT = "image"
+
     def __init__(self, src: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS, *,
                  max_size: int | None = None, quality: int | None = None):
         root = Path(src)
         if not root.is_dir():
-            raise ConvertError(f"{root}: not a directory; imagefolder expects SRC/<class>/<image files>")
+            raise ConvertError(f"{root}: not a directory; {self.WHAT}folder expects SRC/<class>/<{self.WHAT} files>")
         try:
             classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
         except PermissionError as e:
             raise ConvertError(f"{root}: cannot be read ({e})") from None
         if not classes:
-            raise ConvertError(f"{root}: has no class sub-folders; imagefolder expects SRC/<class>/<image files>")
+            raise ConvertError(f"{root}: has no class sub-folders; {self.WHAT}folder expects SRC/<class>/<{self.WHAT} "
+                               "files>")
         root_real = os.path.realpath(root)
         _check_class_links(root, root_real, classes)
         paths: list[str] = []
@@ -123,7 +127,7 @@ class ImageFolderSource(Source):
                     keep.append(dn)
                 dirnames[:] = keep
                 for fn in sorted(filenames):
-                    if fn.lower().endswith(IMAGE_EXTENSIONS):
+                    if fn.lower().endswith(self.EXTENSIONS):
                         paths.append(os.path.relpath(os.path.join(dirpath, fn), root))
                         labels.append(ci)
                     elif not fn.startswith("."):
@@ -131,11 +135,12 @@ class ImageFolderSource(Source):
             if len(paths) == before:
                 empty.append(c)
         if not paths:
-            raise ConvertError(f"{root}: no image files (extensions {', '.join(IMAGE_EXTENSIONS)}) in its class folders")
+            raise ConvertError(f"{root}: no {self.WHAT} files (extensions {', '.join(self.EXTENSIONS)}) in its class "
+                               "folders")
         if empty:  # as torchvision's ImageFolder: an empty class would still take a class id
             shown = ", ".join(repr(c) for c in empty[:5]) + (", …" if len(empty) > 5 else "")
-            raise ConvertError(f"{root}: class folder(s) {shown} hold no image files; remove them or add "
-                               "images (class ids are the sorted folder names, so an empty folder "
+            raise ConvertError(f"{root}: class folder(s) {shown} hold no {self.WHAT} files; remove them or add "
+                               f"{self.WHAT} files (class ids are the sorted folder names, so an empty folder "
                                "would still be a class)")
         self._init(root, classes, np.array(paths), np.array(labels, dtype=np.int64), ignored, max_pixels, repeated,
                    max_size, quality)

@@ -297,16 +297,25 @@ def _plan_whole(kind: str, src: Path, options: dict) -> tuple[Source, dict, list
     from .kinds import make_source
 
     source = make_source(kind, src, label=options["label"], image_columns=options["image_columns"],
-                         max_pixels=options["max_pixels"], max_size=options["max_size"], quality=options["quality"])
+                         max_pixels=options["max_pixels"], max_size=options["max_size"], quality=options["quality"],
+                         **_media_options(options))
     return source, {"label": source.label}, _fingerprint(source), estimate_bytes_per_sample(source)
+
+
+def _media_options(options: dict) -> dict:
+    """A videofolder's options among a plan's (absent from other plans)."""
+    return {k: options[k] for k in ("min_frames", "video_codec") if options.get(k) is not None}
 
 
 def make_plan(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, shard_size: int, overwrite: bool,
               resume: bool, label: str | None = None, image_columns: Sequence[str] = (),
-              max_pixels: int | None = None, max_size: int | None = None, quality: int | None = None) -> Plan:
-    """Check DST, then reuse the plan of an interrupted conversion (``resume``) or write a new one."""
+              max_pixels: int | None = None, max_size: int | None = None, quality: int | None = None,
+              **media) -> Plan:
+    """Check DST, then reuse the plan of an interrupted conversion (``resume``) or write a new one.
+    ``media``: a videofolder's ``min_frames`` / ``video_codec`` (kept in the options when given)."""
     options = {"label": label, "image_columns": sorted(image_columns or ()), "max_pixels": max_pixels,
-               "max_size": max_size, "quality": quality, "shard_size": int(shard_size)}
+               "max_size": max_size, "quality": quality, "shard_size": int(shard_size),
+               **{k: v for k, v in media.items() if v is not None}}
     if is_remote(dst):
         return _make_remote_plan(kind, Path(src).resolve(), str(dst), options, overwrite, resume)
     src, dst = Path(src).resolve(), Path(dst).absolute()

@@ -121,6 +121,10 @@ def open_group(plan: Plan, g: int) -> Source:
 
     if plan.kind == "arrays":  # (the only kind left that takes --label; a webdataset's label is its .cls)
         return RangeSource(make_source("arrays", plan.src, label=spec.get("label")), a, b)
+    if plan.kind in ("videofolder", "audiofolder"):
+        from .plan import _media_options
+
+        return RangeSource(make_source(plan.kind, plan.src, **_media_options(opts)), a, b)
     return RangeSource(make_source(plan.kind, plan.src, max_pixels=opts["max_pixels"], **resize), a, b)
 
 

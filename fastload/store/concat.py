@@ -177,6 +177,20 @@ class ConcatReader:
             w[sel], h[sel] = self.readers[d].image_sizes(field, local)
         return w, h
 
+    def media_info(self, field: str, indices: Any, names: Any = None) -> dict:
+        n = len(np.asarray(indices))
+        out: dict = {}
+        for d, sel, local in self._by_dataset(indices):
+            for k, v in self.readers[d].media_info(field, local, names).items():
+                if k not in out:
+                    out[k] = [None] * n if isinstance(v, list) else np.empty(n, dtype=v.dtype)
+                if isinstance(v, list):
+                    for p, x in zip(sel.tolist(), v):
+                        out[k][p] = x
+                else:
+                    out[k][sel] = v
+        return out
+
     def keys(self, indices: Any) -> list[str]:
         out: list = [None] * len(np.asarray(indices))
         for d, sel, local in self._by_dataset(indices):

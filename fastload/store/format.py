@@ -21,8 +21,9 @@ FORMAT_NAME = "fastload"
 # The newest version this fastload reads and writes. A dataset records the lowest version
 # that describes it: 2 only when it has a ragged field, so datasets without one still open
 # with readers of version 1 (see docs/FORMAT.md, "Compatibility").
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3 only when it has a video or audio field.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 SKIPPED_REPORT = "skipped.jsonl"
 KEY_COLUMN = "__key__"
@@ -42,8 +43,9 @@ def stale_files(names, keep: set[str]) -> list[str]:
     return sorted(n for n in names if n not in keep and (re.fullmatch(SHARD_FILE_RE, n) or n == SKIPPED_REPORT))
 
 
-KINDS = ("tensor", "scalar", "ragged", "image", "bytes", "string")
+KINDS = ("tensor", "scalar", "ragged", "image", "bytes", "string", "video", "audio")
 NUMERIC_KINDS = ("tensor", "scalar", "ragged")
+MEDIA_KINDS = ("video", "audio")  # encoded files, with what convert probed in hidden columns
 
 # numpy dtypes with a native, zero-copy Arrow primitive type.
 _NATIVE = {
@@ -87,7 +89,8 @@ class Field:
     kind: "tensor" (fixed shape, any numeric numpy dtype), "scalar" (int/float/bool),
     "ragged" (a variable number of items per sample, each of the fixed ``shape``: ``int32[]``
     token sequences, ``float32[*,4]`` boxes), "image" (encoded image bytes), "bytes" (opaque
-    binary) or "string" (UTF-8). For a ragged field ``shape`` is the shape of one *item*
+    binary), "string" (UTF-8), "video" or "audio" (an encoded media file; what was probed
+    at write time is kept beside it, see :func:`media_columns`). For a ragged field ``shape`` is the shape of one *item*
     (``()`` for ``int32[]``, ``(4,)`` for ``float32[*,4]``); the first dimension varies.
     """
 
@@ -194,7 +197,7 @@ class Field:
         return base, mult * int(math.prod(self.shape))
 
     def arrow_type(self) -> pa.DataType:
-        if self.kind == "image" or self.kind == "bytes":
+        if self.kind in ("image", "bytes", *MEDIA_KINDS):
             return pa.binary()
         if self.kind == "string":
             return pa.string()
@@ -221,7 +224,7 @@ def parse_field(spec: Any, name: str = "?") -> Field:
         raise ValueError(f"field {name!r}: cannot parse spec {spec!r}; expected e.g. 'image', 'string', "
                          "'int64', 'float32[3,32,32]', 'int32[]' (ragged) or 'float32[*,4]' (ragged rows of 4)")
     base, dims = m.group(1), m.group(2)
-    if base in ("image", "bytes", "string"):
+    if base in ("image", "bytes", "string", *MEDIA_KINDS):
         if dims is not None:
             raise ValueError(f"field {name!r}: a {base} field takes no shape ({spec!r})")
         return Field(base)
@@ -243,6 +246,8 @@ def parse_field(spec: Any, name: str = "?") -> Field:
 
 def format_version_for(fields: Mapping[str, Field]) -> int:
     """The lowest format version that describes a dataset with these fields."""
+    if any(f.kind in MEDIA_KINDS for f in fields.values()):
+        return 3
     return 2 if any(f.ragged for f in fields.values()) else 1
 
 
@@ -256,6 +261,20 @@ def image_size_columns(name: str) -> tuple[str, str]:
     return f"{name}_width", f"{name}_height"
 
 
+# What is probed of each media file at write time, as hidden columns ``<field>_<name>``.
+VIDEO_INFO = {"width": pa.int32(), "height": pa.int32(), "frames": pa.int32(), "fps": pa.float64(),
+              "codec": pa.string()}
+AUDIO_INFO = {"sample_rate": pa.int32(), "channels": pa.int32(), "length": pa.int64(), "codec": pa.string()}
+
+
+def media_columns(name: str, kind: str) -> dict[str, tuple[str, pa.DataType]]:
+    """``{info: (hidden column, Arrow type)}`` of a video or audio field ``name``: a video's
+    width, height, frame count, frame rate and codec; an audio file's sample rate, channel
+    count, length (samples per channel) and codec. Empty for other kinds."""
+    info = VIDEO_INFO if kind == "video" else AUDIO_INFO if kind == "audio" else {}
+    return {k: (f"{name}_{k}", t) for k, t in info.items()}
+
+
 # The Loader adds each batch's global sample indices as batch["index"]; a field of that name
 # would be shadowed, so it is refused at write time.
 INDEX_KEY = "index"
@@ -266,6 +285,7 @@ def check_field_names(fields: Mapping[str, Field]) -> None:
     for name, f in fields.items():
         if f.kind == "image":
             reserved.update(image_size_columns(name))
+        reserved.update(c for c, _ in media_columns(name, f.kind).values())
     for name in fields:
         if not isinstance(name, str) or not name:
             raise ValueError(f"field name {name!r} must be a non-empty string")
@@ -274,7 +294,7 @@ def check_field_names(fields: Mapping[str, Field]) -> None:
                              f"sample indices as batch['index']; rename the field/column (e.g. 'source_index')")
         if name in reserved:
             raise ValueError(f"field name {name!r} is reserved by fastload "
-                             f"(it stores image sizes or sample keys); rename the field")
+                             f"(it stores image sizes, media information or sample keys); rename the field")
 
 
 def arrow_schema(fields: Mapping[str, Field]) -> pa.Schema:
@@ -285,6 +305,7 @@ def arrow_schema(fields: Mapping[str, Field]) -> pa.Schema:
         if f.kind == "image":
             w, h = image_size_columns(name)
             cols += [pa.field(w, pa.int32(), nullable=False), pa.field(h, pa.int32(), nullable=False)]
+        cols += [pa.field(c, t, nullable=False) for c, t in media_columns(name, f.kind).values()]
     cols.append(pa.field(KEY_COLUMN, pa.string(), nullable=False))
     version = format_version_for(fields)
     return pa.schema(cols, metadata={b"fastload_format_version": str(version).encode()})

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..validate import is_int
-from .format import KEY_COLUMN, image_size_columns
+from .format import KEY_COLUMN, image_size_columns, media_columns
 
 __all__ = ["Gathering"]
 
@@ -133,6 +133,31 @@ class Gathering:
             w[sel] = _take(self._int_column(s, wcol), row[sel])
             h[sel] = _take(self._int_column(s, hcol), row[sel])
         return w, h
+
+    def media_info(self, field: str, indices: np.ndarray | Sequence[int],
+                   names: Sequence[str] | None = None) -> dict[str, Any]:
+        """What convert probed of each video/audio file (``format.media_columns``): ``{info:
+        array}`` (a list of str for ``codec``), for ``names`` (default: all)."""
+        f = self._field(field)
+        cols = media_columns(field, f.kind)
+        if not cols:
+            raise TypeError(f"field {field!r} is a {f.kind} field, not a video or audio field")
+        names = list(cols) if names is None else list(names)
+        unknown = [k for k in names if k not in cols]
+        if unknown:
+            raise ValueError(f"{field!r} records {sorted(cols)}, not {unknown}")
+        shard, row = self.locate(indices)
+        out: dict[str, Any] = {}
+        for k in names:
+            col, t = cols[k]
+            if k == "codec":
+                out[k] = self._gather_binary(col, shard, row)
+                continue
+            a = np.empty(len(row), dtype=t.to_pandas_dtype())
+            for s, sel in self._groups(shard):
+                a[sel] = _take(self._int_column(s, col), row[sel])
+            out[k] = a
+        return out
 
     def keys(self, indices: np.ndarray | Sequence[int]) -> list[str]:
         """The source key (e.g. the relative path of the original file) of each sample."""

@@ -83,7 +83,8 @@ def validate_manifest(m: Any, where: str | Path) -> dict[str, Field]:
             c.fail(f"fields[{name!r}]", f"is not a valid field description ({e})")
     need = format_version_for(fields)
     if v < need:
-        c.fail("format_version", f"is {v}, which cannot hold ragged fields (version {need} or later)")
+        what = "video or audio" if need == 3 else "ragged"
+        c.fail("format_version", f"is {v}, which cannot hold {what} fields (version {need} or later)")
 
     shards = c.typed("shards", m["shards"], list, "a list of shard entries")
     seen: set[str] = set()

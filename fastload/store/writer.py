@@ -21,7 +21,7 @@ from ..errors import NO_SPACE_ERRNOS, NoSpaceError, SampleError
 from .keys import escape_key
 from .format import (
     CHECKSUM_ALGO, DEFAULT_SHARD_SIZE, FORMAT_NAME, KEY_COLUMN, Field, arrow_schema,
-    check_field_names, format_version_for, parse_field, parse_size, shard_name,
+    MEDIA_KINDS, check_field_names, format_version_for, media_columns, parse_field, parse_size, shard_name,
 )
 from .geometry import image_size
 from .transaction import Transaction, write_atomic
@@ -91,6 +91,7 @@ class ShardWriter:
     def _reset_buffer(self):
         self._cols: dict[str, list] = {n: [] for n in self.fields}
         self._sizes: dict[str, list] = {n: [] for n, f in self.fields.items() if f.kind == "image"}
+        self._media: dict[str, list] = {n: [] for n, f in self.fields.items() if f.kind in MEDIA_KINDS}
         self._keys: list[str] = []
         self._rows = 0
         self._bytes = 0
@@ -121,11 +122,14 @@ class ShardWriter:
             raise RuntimeError(f"ShardWriter for {self.path} is closed")
 
     def write(self, sample: Mapping[str, Any], key: str | None = None,
-              image_sizes: Mapping[str, tuple[int, int]] | None = None) -> None:
+              image_sizes: Mapping[str, tuple[int, int]] | None = None,
+              media_info: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         """Append one sample: a dict with a value for every field.
 
         ``image_sizes`` may give (width, height) of image fields already known to the caller
-        (convert reads them while validating); otherwise they are read from the header."""
+        (convert reads them while validating); otherwise they are read from the header.
+        ``media_info`` likewise gives what was probed of video/audio fields
+        (:func:`fastload.store.media.probe`); otherwise each file is probed (decoded) here."""
         self._check_open()
         key = str(self.num_samples) if key is None else _storable_key(str(key))
         missing = [n for n in self.fields if n not in sample]
@@ -136,6 +140,7 @@ class ShardWriter:
             raise SampleError(f"sample {key!r} has unknown field(s) {extra}; fields are {list(self.fields)}")
         row: dict[str, Any] = {}
         sizes: dict[str, tuple[int, int]] = {}
+        media: dict[str, dict] = {}
         nbytes = 0
         for name, f in self.fields.items():
             v = sample[name]
@@ -156,6 +161,8 @@ class ShardWriter:
                         sizes[name] = image_size(b)
                     except Exception as e:
                         raise SampleError(f"field {name!r} of sample {key!r} is not a readable image: {e}") from None
+                if f.kind in MEDIA_KINDS:
+                    media[name] = _media_info(name, f.kind, b, (media_info or {}).get(name), key)
                 row[name] = b
                 nbytes += len(b) if isinstance(b, bytes) else len(b.encode())
         nbytes += len(key)
@@ -167,6 +174,8 @@ class ShardWriter:
             self._cols[name].append(v)
         for name, wh in sizes.items():
             self._sizes[name].append(wh)
+        for name, info in media.items():
+            self._media[name].append(info)
         self._keys.append(key)
         self._rows += 1
         self._bytes += nbytes
@@ -274,6 +283,8 @@ class ShardWriter:
                 if f.kind == "image":
                     wh = np.asarray(self._sizes[name], dtype=np.int32).reshape(-1, 2)
                     arrays += [pa.array(wh[:, 0]), pa.array(wh[:, 1])]
+                for k, (_, t) in media_columns(name, f.kind).items():
+                    arrays.append(pa.array([info[k] for info in self._media[name]], type=t))
         arrays.append(pa.array(self._keys, type=pa.string()))
         return arrays
 
@@ -388,3 +399,29 @@ def _ragged_array(f: Field, chunks: list) -> pa.Array:
     flat = pa.array(np.ascontiguousarray(values).view(base).reshape(-1))
     items = flat if per_item == 1 else pa.FixedSizeListArray.from_arrays(flat, per_item)
     return pa.LargeListArray.from_arrays(pa.array(offsets), items)
+
+
+def _media_info(name: str, kind: str, data: bytes, given: Mapping[str, Any] | None, key: str) -> dict:
+    """What the store records of a video/audio value: ``given`` (checked for every key and
+    a sane value) or, without it, the file probed (decoded) now."""
+    cols = media_columns(name, kind)
+    if given is None:
+        from .media import probe
+
+        try:
+            return probe(kind, data)
+        except ImportError:
+            raise
+        except Exception as e:
+            raise SampleError(f"field {name!r} of sample {key!r} is not a decodable {kind} file: {e}") from None
+    missing = sorted(set(cols) - set(given))
+    if missing:
+        raise SampleError(f"media_info[{name!r}] of sample {key!r} lacks {missing}; it needs {sorted(cols)}")
+    info = {k: given[k] for k in cols}
+    for k, v in info.items():
+        ok = isinstance(v, str) and v if k == "codec" else \
+            isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and v >= 0
+        if not ok:
+            raise SampleError(f"media_info[{name!r}][{k!r}] of sample {key!r} is {v!r}; expected "
+                              f"{'a codec name' if k == 'codec' else 'a number >= 0'}")
+    return info
