@@ -32,8 +32,10 @@ __all__ = [
     "TransformError",
     "UsageError",
     "__version__",
+    "audio",
     "convert",
     "verify",
+    "video",
     "vision",
 ]
 assert sorted(__all__) == __all__
@@ -58,14 +60,16 @@ _HOMES = {
     "ShardWriter": "fastload.store",
     "TransformError": "fastload.errors",
     "UsageError": "fastload.errors",
+    "audio": "fastload.audio",
     "convert": "fastload.convert",
     "verify": "fastload.store",
+    "video": "fastload.video",
     "vision": "fastload.vision",
 }
 assert sorted(_HOMES) == [n for n in __all__ if n != "__version__"]
 # public names that are modules themselves; the package fastload.convert is callable as its
 # convert() function, and it is what ``import fastload.convert`` binds here in any case
-_MODULES = {"convert", "vision"}
+_MODULES = {"audio", "convert", "video", "vision"}
 
 
 def _resolve(name: str) -> Any:
@@ -89,7 +93,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; never executed
-    from . import convert, vision
+    from . import audio, convert, video, vision
     from .errors import (BadSamples, ConvertError, DecodeError, FastloadError, FormatError, MissingFileError,
                          NoSpaceError, SampleError, UsageError)
     from .loader import Loader

@@ -22,7 +22,7 @@ LAYERS = [
     {"bench", "doctor"},
     {"__init__"},  # the public face: lazy re-exports of what is below
     {"loader", "convert"},
-    {"vision"},  # the public presets: DALI graphs of pipeline/
+    {"vision", "video", "audio"},  # the public presets: DALI graphs of pipeline/
     {"pipeline"},  # DALI graphs, run on batches the store hands over
     {"store"},  # datasets: format, writer, readers, concatenated and mixed datasets
     {"remote"},  # object stores and the node-local shard cache, below the store

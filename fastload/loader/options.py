@@ -79,13 +79,15 @@ class Options:
         return not self.list_fields and all(d.mode == "pack" for d in self.ragged.values())
 
 
+_DECODED = ("image", "video", "audio")  # the kinds a transform decodes (video/audio: see fastload.pipeline.media)
+
 def _resolve_fields(ds, fields: Sequence[str] | None, transforms: Any) -> tuple[list[str], dict]:
     if transforms is not None and not isinstance(transforms, Mapping):
         raise ValueError(f"transforms={transforms!r} must be a dict {{image field: transform}}, "
                          "e.g. transforms={'image': fastload.vision.train(224)}")
     transforms = dict(transforms or {})
     if fields is None:
-        fields = [n for n, f in ds.fields.items() if f.kind in ("tensor", "scalar", "ragged", "image")]
+        fields = [n for n, f in ds.fields.items() if f.kind in ("tensor", "scalar", "ragged", *_DECODED)]
         if INDEX_KEY in fields:  # only in datasets written before the name was reserved
             fields.remove(INDEX_KEY)
             logger.warning("fastload: %s has a field named 'index'; it is not delivered, because "
@@ -103,13 +105,24 @@ def _resolve_fields(ds, fields: Sequence[str] | None, transforms: Any) -> tuple[
             raise ValueError(f"field {n!r} of {ds.path} would be shadowed by batch['index'] (the global "
                              "sample indices); leave it out with fields=[...]")
     for n, t in transforms.items():
-        if n not in ds.fields or ds.fields[n].kind != "image":
-            raise ValueError(f"transforms: {n!r} is not an image field of {ds.path}")
+        if n not in ds.fields or ds.fields[n].kind not in _DECODED:
+            raise ValueError(f"transforms: {n!r} is not an image, video or audio field of {ds.path}")
         if not isinstance(t, Transform):
             hint = " (call it: vision.train(224))" if callable(t) and getattr(t, "__module__", "").startswith(
                 "fastload") else ""
             raise ValueError(f"transforms[{n!r}]={t!r} is not a fastload transform{hint}; use "
                              "fastload.vision.train(...), .eval(...) or .custom(...) (a DALI graph)")
+    for n, t in transforms.items():  # video/audio transforms read what convert probed of each file
+        if hasattr(t, "for_dataset"):
+            transforms[n] = t.for_dataset(ds, n)
+        elif ds.fields[n].kind != "image":
+            raise ValueError(f"transforms[{n!r}]={t!r} is an image transform; {n!r} is a {ds.fields[n].kind} field: "
+                             f"use fastload.{ds.fields[n].kind}.clip(...)")
+    media = [n for n in fields if ds.fields[n].kind in ("video", "audio") and n not in transforms]
+    if media:
+        k = ds.fields[media[0]].kind
+        raise ValueError(f"{k} field {media[0]!r} has no transform; pass transforms={{{media[0]!r}: "
+                         f"fastload.{k}.clip(...)}}, or leave the field out with fields=[...]")
     missing = [n for n in fields if ds.fields[n].kind == "image" and n not in transforms]
     if missing:
         raise ValueError(
@@ -149,7 +162,7 @@ def build_options(ds, world, *, mixture: Any = None, batch_size: Any, seed: Any,
                          "documents into rows of tokens, so a packed batch is not class-balanced; use "
                          "weights= (per-document draw weights, e.g. 1 / the frequency of its class) with pack_to")
     raw = tuple(n for n in fields if ds.fields[n].fixed)
-    images = tuple(n for n in fields if ds.fields[n].kind == "image")
+    images = tuple(n for n in fields if ds.fields[n].kind in _DECODED)  # decoded by a transform
     lists = tuple(n for n in fields if ds.fields[n].kind in ("string", "bytes"))
     transforms = {n: transforms[n] for n in images}
     threads = default_gather_threads() if threads is None else check_int("threads", threads, min=1, max=256)

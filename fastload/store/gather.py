@@ -121,12 +121,18 @@ class Gathering:
         return out
 
     def image_sizes(self, field: str, indices: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(width, height) int32 arrays read from the store (recorded at convert time)."""
+        """(width, height) int32 arrays read from the store (recorded at convert time): of each
+        image, or each video's frames; for an audio field (length, channels), the two sizes
+        its transforms are handed."""
         f = self._field(field)
-        if f.kind != "image":
+        if f.kind not in ("image", "video", "audio"):
             raise TypeError(f"field {field!r} is a {f.kind} field, not an image")
         shard, row = self.locate(indices)
         wcol, hcol = image_size_columns(field)
+        if f.kind == "audio":
+            info = self.media_info(field, indices, ["length", "channels"])
+            return (np.minimum(info["length"], np.iinfo(np.int32).max).astype(np.int32),
+                    info["channels"].astype(np.int32))
         w = np.empty(len(row), dtype=np.int32)
         h = np.empty(len(row), dtype=np.int32)
         for s, sel in self._groups(shard):

@@ -1,0 +1,4 @@
+"""Audio for ``Loader(transforms={"audio": ...})``: see :mod:`fastload.audio.transforms`."""
+from __future__ import annotations
+
+__all__: list[str] = []
