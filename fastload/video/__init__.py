@@ -13,13 +13,11 @@ frame (``fastload convert videofolder --min-frames N`` refuses such videos inste
 
 Devices: on a GPU the clip is decoded by DALI's ``mixed`` decoder (NVDEC: H.264, HEVC, VP8,
 VP9, AV1, MPEG-4, MJPEG) and resized, cropped, flipped and normalised on the GPU. On the CPU,
-DALI's decoder reads VP8, VP9 and MJPEG only: a sample in another codec is refused, naming it
-(replaced with ``on_error="skip"``). The answer for CPU training on H.264 datasets is to
-re-encode once, at convert time: ``fastload convert videofolder SRC DST --video-codec vp9``.
-Measured on 2 cores (docs/how-to/video-audio.md): decoding sets the pace on the CPU whatever
-reads the clip (a DataLoader with PyAV at 2 workers: 93 clips/s on H.264, 100 on VP9; DALI's
-CPU decoder on VP9: 103), so a PyAV path inside the Loader would win nothing over the
-re-encoded VP9, while keeping one DALI graph for both devices.
+PyAV (FFmpeg, any codec) decodes in native threads and torch finishes each clip straight into
+the batch (:mod:`fastload.video.cpu`): chosen by measurement (docs/how-to/video-audio.md), as
+DALI's CPU video decoder was 3-4x slower than PyAV on VP9 here and cannot read H.264, HEVC,
+MPEG-4 or AV1. ``runner(..., dali_only=True)`` runs the DALI graph on the CPU (VP8, VP9 and
+MJPEG only; ``fastload convert videofolder --video-codec vp9`` re-encodes the others).
 """
 from __future__ import annotations
 

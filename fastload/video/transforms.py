@@ -28,6 +28,8 @@ _DALI_LAYOUT = {"THWC": "FHWC", "TCHW": "FCHW", "CTHW": "CFHW"}
 
 class _Video(MediaTransform):
     field_kind = "video"
+    # on the CPU: PyAV decodes, torch finishes each clip into the batch (cpu.py); DALI on a GPU
+    finishes_on_cpu = True
 
     def __init__(self, frames, stride, size, crop, flip, mean, std, dtype, layout):
         self.frames = check_int("frames", frames, min=1)
@@ -89,12 +91,58 @@ class _Video(MediaTransform):
                 "std": list(self.std) if self.std else None, "dtype": self.dtype, "layout": self.layout}
 
     def refuse(self, index, device):
+        """Only the DALI graph on the CPU (``dali_only``) is limited to DALI's CPU codecs."""
         if device != "cpu":
             return []
         codecs = self.info(index, ["codec"])["codec"]
-        return [(p, f"video codec {c!r} is not decoded on the CPU (DALI's CPU decoder reads "
-                    f"{', '.join(CPU_VIDEO_CODECS)}); train on a GPU, or convert the videos again with "
-                    "--video-codec vp9") for p, c in enumerate(codecs) if c not in CPU_VIDEO_CODECS]
+        return [(p, f"video codec {c!r} is not decoded by DALI's CPU decoder (it reads "
+                    f"{', '.join(CPU_VIDEO_CODECS)}); leave dali_only off (PyAV decodes it), or convert the videos "
+                    "again with --video-codec vp9") for p, c in enumerate(codecs) if c not in CPU_VIDEO_CODECS]
+
+    def runner(self, *, device: str = "cpu", batch_size: int, num_threads: int | None = None,
+               prefetch: int | None = None, seed: int = 0, device_id: int | None = None, dali_only: bool = False):
+        """On the CPU a :class:`~fastload.video.cpu.PyAVRunner` (``dali_only``: DALI's CPU graph,
+        VP8/VP9/MJPEG only); on CUDA the DALI graph with the mixed decoder."""
+        if device == "cpu" and not dali_only:
+            from .cpu import PyAVRunner
+
+            return PyAVRunner(self, batch_size=batch_size, num_threads=num_threads, seed=seed)
+        return super().runner(device=device, batch_size=batch_size, num_threads=num_threads, prefetch=prefetch,
+                              seed=seed, device_id=device_id, dali_only=True)
+
+    def finish_clip(self, frames: np.ndarray, p: dict, row) -> None:
+        """One sample's decoded frames ``(K, H, W, 3)`` uint8 resized (shorter side to
+        ``size``, antialiased bilinear), cropped at ``p``'s position, flipped, normalised and
+        laid out into ``row`` (the sample's row of the batch), in torch: DALI's graph, on the CPU."""
+        import torch
+        from torch.nn.functional import interpolate
+
+        from ..pipeline.host_tail import eval_window
+
+        x = torch.from_numpy(frames).permute(0, 3, 1, 2)  # (K, 3, H, W), channels-last memory
+        if self.size is not None:
+            h, w = int(x.shape[2]), int(x.shape[3])
+            nh, nw, _, _ = eval_window(h, w, self.size, (self.size, self.size))
+            if (nh, nw) != (h, w):
+                x = interpolate(x, size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
+            top = int(np.floor(float(p["crop_y"]) * (nh - self.size) + 0.5))
+            left = int(np.floor(float(p["crop_x"]) * (nw - self.size) + 0.5))
+            x = x[:, :, top:top + self.size, left:left + self.size]
+        elif tuple(x.shape[2:]) != self._hw:
+            raise ValueError(f"frames of {x.shape[3]}x{x.shape[2]}, not the {self._hw[1]}x{self._hw[0]} recorded")
+        if int(p["flip"]):
+            x = x.flip(-1)
+        x = x.reshape(*self._lead(), self.frames, *x.shape[1:])  # (n, T, 3, h, w) for clips
+        lead = len(self._lead())
+        perm = {"THWC": (0, 2, 3, 1), "TCHW": (0, 1, 2, 3), "CTHW": (1, 0, 2, 3)}[self.layout]
+        x = x.permute(*range(lead), *(lead + k for k in perm))
+        if self.mean is None:
+            row.copy_(x)
+            return
+        shape = [3 if d == "C" else 1 for d in self.layout]
+        m = torch.tensor([255.0 * v for v in self.mean], dtype=torch.float32).view(shape)
+        s = torch.tensor([255.0 * v for v in self.std], dtype=torch.float32).view(shape)
+        row.copy_((x.float() - m) / s)
 
     def _window(self, u: np.ndarray, n: int) -> dict[str, np.ndarray]:
         """Crop position (x, y in [0, 1]) and flip from uniforms ``u[:, 0:3]``."""
@@ -144,6 +192,10 @@ class Clip(_Video):
         start = np.minimum(np.floor(u[:, 3] * room).astype(np.int64), room - 1).astype(np.int32)
         return {"start": start, **self._window(u, len(index))}
 
+    def frame_lists(self, params: dict) -> np.ndarray:
+        """``(n, frames)`` frame numbers of each sample's clip (past the end: clamped by the decoder)."""
+        return params["start"].astype(np.int64)[:, None] + self.stride * np.arange(self.frames)[None, :]
+
     def graph(self, encoded, params, *, decode_device, device, decoded_only=False):
         from nvidia.dali import fn
 
@@ -186,6 +238,9 @@ class Clips(_Video):
         lst = np.minimum(lst, (frames - 1)[:, None, None]).reshape(len(index), -1).astype(np.int32)
         u = uniforms(seed, epoch, index, 3, stream=_STREAM)
         return {"frame_list": lst, **self._window(u, len(index))}
+
+    def frame_lists(self, params: dict) -> np.ndarray:
+        return params["frame_list"].astype(np.int64)
 
     def graph(self, encoded, params, *, decode_device, device, decoded_only=False):
         from nvidia.dali import fn
