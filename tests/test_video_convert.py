@@ -96,14 +96,34 @@ def test_convert_options_belong_to_their_kind(tmp_path):
         fastload.convert("videofolder", src, tmp_path / "o", progress=False)
 
 
+def _mp3() -> bytes:
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp3") as c:
+        s = c.add_stream("libmp3lame", rate=16000, layout="mono")
+        f = av.AudioFrame.from_ndarray(tone(0.2, 16000, 1).reshape(1, -1), format="s16", layout="mono")
+        f.sample_rate = 16000
+        for fr in av.AudioResampler(format="s16p", layout="mono", rate=16000).resample(f):
+            for pk in s.encode(fr):
+                c.mux(pk)
+        for pk in s.encode():
+            c.mux(pk)
+    return buf.getvalue()
+
+
 def test_convert_audiofolder_cli(tmp_path):
     src = _folder(tmp_path / "src", {"speech/a.wav": wav_bytes(tone(0.3, 16000, 1), 16000),
                                      "music/b.flac": flac_bytes(tone(0.2, 44100, 2), 44100),
-                                     "music/c.ogg": b"OggS" + b"\x00" * 100})
+                                     "music/c.ogg": b"OggS" + b"\x00" * 100, "music/d.mp3": _mp3()})
     p = subprocess.run([sys.executable, "-m", "fastload", "convert", "audiofolder", str(src), str(tmp_path / "out"),
                         "-q", "--on-error", "skip"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
-    assert "skipped 1 sample" in p.stdout + p.stderr
+    assert "skipped 2 sample" in p.stdout + p.stderr
+    report = (tmp_path / "out" / "skipped.jsonl").read_text()
+    assert "music/d.mp3" in report and "re-encode it, e.g. as FLAC" in report  # DALI 2.4 fails on MP3
     ds = fastload.Dataset(tmp_path / "out")
     assert ds.class_names == ["music", "speech"] and ds.keys([0, 1]) == ["music/b.flac", "speech/a.wav"]
     info = ds.media_info("audio", [0, 1])

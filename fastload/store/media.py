@@ -1,7 +1,7 @@
 """Video and audio files: what the store records of each (its hidden info columns).
 
 A ``video`` or ``audio`` field stores the encoded file as it is (mp4/mkv/webm/avi;
-wav/flac/ogg/mp3) and, beside it, what probing it found (``format.media_columns``): a video's
+wav/flac/ogg) and, beside it, what probing it found (``format.media_columns``): a video's
 width, height, frame count, frame rate and codec; an audio file's sample rate, channel count,
 length in samples per channel and codec. Probing *decodes* the whole stream with PyAV
 (FFmpeg): a container's own frame count is often missing or wrong (WebM has none), and a file
@@ -18,9 +18,9 @@ from typing import Any
 # MJPEG only; its GPU decoder (NVDEC) reads the others too (see fastload.video).
 CPU_VIDEO_CODECS = ("vp8", "vp9", "mjpeg")
 VIDEO_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg")
-# What DALI's audio decoder (libsndfile) reads: PCM WAV, FLAC, Ogg Vorbis/Opus, MP3.
-AUDIO_CODECS = ("pcm_s16le", "pcm_s24le", "pcm_s32le", "pcm_f32le", "pcm_u8", "flac", "vorbis", "opus", "mp3",
-                "mp3float")
+# What DALI 2.4's audio decoder (libsndfile) reads: PCM WAV, FLAC, Ogg Vorbis/Opus. Not MP3
+# (it fails on PyAV-made MP3 files): those are refused at convert time, naming them.
+AUDIO_CODECS = ("pcm_s16le", "pcm_s24le", "pcm_s32le", "pcm_f32le", "pcm_u8", "flac", "vorbis", "opus")
 VIDEO_EXTENSIONS = (".mp4", ".m4v", ".mkv", ".webm", ".avi", ".mov")
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3")
 
@@ -96,7 +96,7 @@ def probe_audio(data: Any) -> dict[str, Any]:
         codec = s.codec_context.name
         if codec not in AUDIO_CODECS:
             raise ValueError(f"audio codec {codec!r} cannot be decoded by fastload (DALI's audio decoder reads "
-                             "WAV, FLAC, Ogg Vorbis/Opus and MP3); re-encode it, e.g. as FLAC")
+                             "WAV, FLAC and Ogg Vorbis/Opus); re-encode it, e.g. as FLAC")
         length = 0
         try:
             for f in c.decode(s):
