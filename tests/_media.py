@@ -19,9 +19,10 @@ def frame_pattern(i: int, width: int, height: int) -> np.ndarray:
 
 
 def make_video(frames: int = 24, width: int = 64, height: int = 48, codec: str = "vp9", fps: int = 24,
-               container: str | None = None) -> bytes:
+               container: str | None = None, gop: int = 8) -> bytes:
     """The bytes of a video of ``frames`` frames (:func:`frame_pattern`): lossless VP9 in
-    WebM, or H.264 / MJPEG / VP8 (in mp4 / mkv / webm)."""
+    WebM, or H.264 (with B-frames) / MJPEG / VP8 (in mp4 / mkv / webm); a key frame every ``gop``
+    frames (so that seeking has somewhere to land)."""
     import av
 
     fmt = container or {"vp9": "webm", "vp8": "webm", "h264": "mp4", "mjpeg": "matroska"}[codec]
@@ -32,10 +33,10 @@ def make_video(frames: int = 24, width: int = 64, height: int = 48, codec: str =
         s.width, s.height = width, height
         if codec == "vp9":
             s.pix_fmt = "yuv444p"
-            s.options = {"lossless": "1", "deadline": "realtime", "cpu-used": "8"}
+            s.options = {"lossless": "1", "deadline": "realtime", "cpu-used": "8", "g": str(gop)}
         elif codec == "h264":
             s.pix_fmt = "yuv420p"
-            s.options = {"preset": "ultrafast", "qp": "0"}
+            s.options = {"preset": "ultrafast", "qp": "0", "g": str(gop), "bf": "2"}
         elif codec == "mjpeg":
             s.pix_fmt = "yuvj444p"
         else:

@@ -227,3 +227,21 @@ def test_decode_helper_for_dataloader_code(videos):
         video.decode(vids[2], frames=8, pad=False)
     with pytest.raises(ValueError, match="does not decode"):
         video.decode(b"\x00" * 100)
+
+
+@pytest.mark.parametrize("codec", ["vp9", "h264"])
+def test_late_clips_seek_to_a_key_frame_and_match_a_full_decode(codec, monkeypatch):
+    from fastload.video import cpu
+
+    data = make_video(100, codec=codec, gop=10)
+    ref = pyav_frames(data)
+    want = np.array([61, 64, 67, 70, 99, 120])  # 120: past the end, the last frame
+    seeked = cpu._decode_after_seek(__import__("av"), data, 61, 120, set(want.tolist()))
+    assert seeked is not None  # an evenly timed stream: the seek path, not a decode from frame 0
+    calls = []
+    monkeypatch.setattr(cpu, "_decode", lambda *a: calls.append(a) or pytest.fail("decoded from the start"))
+    got = cpu.decode_frames(data, want, expected=100)
+    assert not calls
+    np.testing.assert_array_equal(got, ref[np.minimum(want, 99)])
+    monkeypatch.undo()
+    np.testing.assert_array_equal(cpu.decode_frames(data, np.array([3, 40])), ref[[3, 40]])  # early: from frame 0

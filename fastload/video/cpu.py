@@ -35,28 +35,82 @@ def decode_frames(data: Any, wanted: np.ndarray, expected: int | None = None) ->
     wanted = np.asarray(wanted, dtype=np.int64)
     need = set(wanted.tolist())
     top = int(wanted.max())
-    got: dict[int, np.ndarray] = {}
-    last, last_img = -1, None
     try:
-        with av.open(io.BytesIO(memoryview(data))) as c:
-            s = c.streams.video[0]
-            s.thread_type = "AUTO"
-            for i, f in enumerate(c.decode(s)):
-                last = i
-                if i in need or i == top:
-                    got[i] = f.to_ndarray(format="rgb24")
-                if i >= top:
-                    break
-                last_img = f
+        if int(wanted.min()) >= SEEK_FROM:
+            found = _decode_after_seek(av, data, int(wanted.min()), top, need)
+            if found is not None:
+                got, last, last_img = found
+                return _assemble(got, last, last_img, wanted, top, expected)
+        got, last, last_img = _decode(av, data, top, need)
     except (IndexError, av.error.FFmpegError) as e:
         raise ValueError(f"video does not decode (PyAV: {type(e).__name__}: {e})") from None
+    return _assemble(got, last, last_img, wanted, top, expected)
+
+
+# A clip starting at this frame or later seeks to the key frame before it rather than
+# decoding every frame from the first (as DALI's decoder does with its frame index).
+SEEK_FROM = 32
+
+
+def _decode(av, data, top: int, need: set) -> tuple[dict, int, Any]:
+    """Frames ``need`` (and ``top``) decoded from the first, counting frames."""
+    got: dict[int, np.ndarray] = {}
+    last, last_img = -1, None
+    with av.open(io.BytesIO(memoryview(data))) as c:
+        s = c.streams.video[0]
+        s.thread_type = "AUTO"
+        for i, f in enumerate(c.decode(s)):
+            last = i
+            if i in need or i == top:
+                got[i] = f.to_ndarray(format="rgb24")
+            if i >= top:
+                break
+            last_img = f
+    return got, last, last_img
+
+
+def _decode_after_seek(av, data, first: int, top: int, need: set) -> tuple[dict, int, Any] | None:
+    """Frames ``need`` decoded from the key frame at or before frame ``first``, each frame's
+    number read from its timestamp. None (decode from the start instead) unless the stream
+    is evenly timed where it was read: every timestamp on the frame grid, one frame after
+    another, the first at or before ``first``; a variable frame rate is never guessed at."""
+    got: dict[int, np.ndarray] = {}
+    with av.open(io.BytesIO(memoryview(data))) as c:
+        s = c.streams.video[0]
+        rate = s.average_rate
+        if not rate or s.time_base is None:
+            return None
+        fps, tb = float(rate), float(s.time_base)
+        t0 = (s.start_time or 0) * tb
+        s.thread_type = "AUTO"
+        c.seek(int(round((t0 + first / fps) / tb)), stream=s, backward=True, any_frame=False)
+        prev, last_img = None, None
+        for f in c.decode(s):
+            if f.pts is None:
+                return None
+            k = (f.pts * tb - t0) * fps
+            i = int(round(k))
+            if abs(k - i) > 0.1 or (prev is None and i > first) or (prev is not None and i != prev + 1):
+                return None
+            prev = i
+            if i in need or i == top:
+                got[i] = f.to_ndarray(format="rgb24")
+            if i >= top:
+                break
+            last_img = f
+        if prev is None:
+            return None
+    return got, prev, last_img
+
+
+def _assemble(got: dict, last: int, last_img, wanted: np.ndarray, top: int, expected: int | None) -> np.ndarray:
     if last < 0:
         raise ValueError("video holds no decodable frame")
     if expected is not None and last < min(top, expected - 1):
         raise ValueError(f"video ends after frame {last}, but holds {expected} frames as converted: the file is "
                          "damaged (verify the dataset; convert it again)")
     if last not in got:  # the video ended before the last frame wanted: repeat its last one
-        got[last] = last_img.to_ndarray(format="rgb24") if last_img is not None else got[last]
+        got[last] = last_img.to_ndarray(format="rgb24")  # (the frame numbered ``last``)
     return np.stack([got[min(int(k), last)] for k in wanted])
 
 
