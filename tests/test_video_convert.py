@@ -141,3 +141,27 @@ def test_convert_videofolder_with_ray_matches_local(tmp_path):
     assert local["num_samples"] == ray["num_samples"] == 4
     assert a.keys(range(4)) == b.keys(range(4))
     assert a.media_info("video", range(4))["frames"].tolist() == b.media_info("video", range(4))["frames"].tolist()
+
+
+@pytest.mark.parametrize("engine", ["local", pytest.param("ray", marks=[pytest.mark.slow, pytest.mark.allow_thread_leak])])
+def test_convert_table_with_video_and_audio_path_columns(tmp_path, engine):
+    if engine == "ray":
+        pytest.importorskip("ray")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _folder(tmp_path / "src", {"v/a.webm": make_video(6), "v/b.mp4": make_video(9, codec="h264"),
+                               "s/a.wav": wav_bytes(tone(0.1), 16000), "s/b.flac": flac_bytes(tone(0.2), 16000)})
+    pq.write_table(pa.table({"clip": ["v/a.webm", "v/b.mp4"], "sound": ["s/a.wav", "s/b.flac"],
+                             "label": ["x", "y"]}), tmp_path / "src" / "t.parquet")
+    r = fastload.convert("table", tmp_path / "src" / "t.parquet", tmp_path / "out", progress=False, engine=engine,
+                         workers=1)
+    assert r["num_samples"] == 2
+    ds = fastload.Dataset(tmp_path / "out")
+    assert ds.fields["clip"].kind == "video" and ds.fields["sound"].kind == "audio"
+    assert ds.media_info("clip", [0, 1])["frames"].tolist() == [6, 9]
+    assert ds.media_info("sound", [0, 1])["length"].tolist() == [1600, 3200]
+    assert ds[1]["clip"] == (tmp_path / "src" / "v/b.mp4").read_bytes() and ds.class_names == ["x", "y"]
+    (tmp_path / "src" / "v/b.mp4").write_bytes(b"\x00" * 64)  # a broken file is named
+    with pytest.raises(fastload.ConvertError, match=r"field 'clip': not a media file"):
+        fastload.convert("table", tmp_path / "src" / "t.parquet", tmp_path / "out2", progress=False, workers=0)

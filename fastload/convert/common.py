@@ -93,6 +93,14 @@ class Source:
                 small, sizes[n] = prepare_image(sample[n], self.max_pixels, self.max_size, self.quality)
                 if small is not None:
                     new[n] = small
+            elif f.kind in MEDIA_KINDS:  # what decoding the whole file found (store/media.py)
+                from ..store.media import probe
+
+                try:
+                    sizes[n] = probe(f.kind, sample[n])
+                except ValueError as e:
+                    several = sum(g.kind in ("image", *MEDIA_KINDS) for g in self.fields.values()) > 1
+                    raise ValueError(f"field {n!r}: {e}" if several else str(e)) from None
         return sizes, new
 
     @property

@@ -255,6 +255,7 @@ def _plan_table(src: Path, parts: Path, options: dict) -> tuple[Source, dict, li
         classes, num = source.class_names, source.num_samples
     spec = {"label": source.label, "image_columns": sorted(n for n, f in source.fields.items() if f.kind == "image"),
             "classes": classes, "ragged": sorted(n for n, f in source.fields.items() if f.kind == "ragged"),
+            "media_columns": {n: f.kind for n, f in source.fields.items() if f.kind in ("video", "audio")},
             "num_samples": num}
     return source, spec, _fingerprint(source), estimate_bytes_per_sample(source)
 

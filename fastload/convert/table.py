@@ -6,7 +6,10 @@ fixed-size lists (or of equal-length lists) -> ragged fields with item rows (``f
 strings -> string fields; binary -> bytes. A column named by
 ``--image-column`` (or auto-detected: strings ending in an image extension, or binary values
 that open as images) becomes an image field: strings are paths, relative to the table's
-folder unless absolute. ``--label NAME`` picks the label column; a string label column is
+folder unless absolute. A string column whose values are paths ending in a video extension
+(``.mp4 .m4v .mkv .webm .avi .mov``) becomes a video field, an audio extension (``.wav .flac
+.ogg .oga .opus .mp3``) an audio field, each file probed as ``videofolder`` / ``audiofolder``
+probe theirs. ``--label NAME`` picks the label column; a string label column is
 mapped to class ids in sorted order, the names kept as class names.
 """
 from __future__ import annotations
@@ -102,13 +105,15 @@ class TableSource(Source):
                  image_columns: Sequence[str] = (), max_pixels: int | None = DEFAULT_MAX_PIXELS, *,
                  rows: tuple[int, int] | None = None, classes: Sequence[str] | None = None,
                  detect_images: bool = True, ragged: Sequence[str] = (), max_size: int | None = None,
-                 quality: int | None = None):
+                 quality: int | None = None, media_columns: dict[str, str] | None = None):
         """``rows=(a, b)``: only rows a..b-1 of the table (keys and messages keep the table's
         row numbers); ``classes``: the class names of a string label column (found over the
         whole table by the caller) instead of those of these rows; ``detect_images=False``:
         image columns are exactly ``image_columns``, none guessed from the values; ``ragged``:
         list columns stored as ragged fields even where these rows happen to have equal
-        lengths. They let tasks of the distributed convert each read their own rows alike."""
+        lengths; ``media_columns``: ``{column: "video" | "audio"}``, exactly the path columns
+        holding media files (default: found by their extensions in these rows). They let tasks of
+        the distributed convert each read their own rows alike."""
         from .sourcestate import stat_file
 
         path = Path(src)
@@ -162,6 +167,12 @@ class TableSource(Source):
                 self.columns[name] = flat.reshape(len(col), int(lens[0]))
             elif pa.types.is_string(t) or pa.types.is_large_string(t):
                 values = col.to_pylist()
+                media = _media_kind(values) if media_columns is None else media_columns.get(name)
+                if media is not None and name not in image_columns:
+                    fields[name] = Field(media)
+                    self.image_paths.add(name)  # (path columns: the files are read at convert time)
+                    self.columns[name] = np.array(values, dtype=object)
+                    continue
                 is_img = name in image_columns or (detect_images and not image_columns and all(
                     str(v).lower().endswith(IMAGE_EXTENSIONS) for v in values[:100]))
                 fields[name] = Field("image") if is_img else Field("string")
@@ -211,10 +222,11 @@ class TableSource(Source):
             if name in self.image_paths:
                 p = Path(str(col[i]))
                 p = p if p.is_absolute() else self.root / p
+                what = f"{f.kind} file"
                 try:
-                    out[name] = read_regular(p, what="image file")
+                    out[name] = read_regular(p, what=what)
                 except OSError as e:
-                    raise ValueError(f"cannot read image file {printable(str(p))} ({e.strerror or e})") from None
+                    raise ValueError(f"cannot read {what} {printable(str(p))} ({e.strerror or e})") from None
             elif isinstance(col, pa.Array):
                 out[name] = col[i].as_py()
             else:
@@ -225,6 +237,17 @@ class TableSource(Source):
         if not all(f.fixed or f.ragged for f in self.fields.values()):
             return None
         return bulk_chunks({n: self.columns[n] for n in self.fields}, self.num_samples)
+
+
+def _media_kind(values: list) -> str | None:
+    """"video" / "audio" when every one of the first 100 values is a path with such an extension."""
+    from ..store.media import AUDIO_EXTENSIONS, VIDEO_EXTENSIONS
+
+    head = [str(v).lower() for v in values[:100]]
+    for kind, ext in (("video", VIDEO_EXTENSIONS), ("audio", AUDIO_EXTENSIONS)):
+        if head and all(v.endswith(ext) for v in head):
+            return kind
+    return None
 
 
 def _ragged_column(path: Path, name: str, col: pa.Array, lens: np.ndarray) -> tuple[Field, Ragged]:

@@ -116,7 +116,7 @@ def open_group(plan: Plan, g: int) -> Source:
 
         return TableSource(plan.src, label=spec["label"], image_columns=spec["image_columns"],
                            max_pixels=opts["max_pixels"], rows=(a, b), classes=spec["classes"], detect_images=False,
-                           ragged=spec.get("ragged", ()), **resize)
+                           ragged=spec.get("ragged", ()), media_columns=spec.get("media_columns", {}), **resize)
     from .kinds import make_source
 
     if plan.kind == "arrays":  # (the only kind left that takes --label; a webdataset's label is its .cls)
