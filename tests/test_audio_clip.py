@@ -143,3 +143,27 @@ def test_arguments_are_checked(sounds):
     with pytest.raises(ValueError, match="is for video fields"):
         Loader(path, batch_size=2, transforms={"audio": video.clip()})
     assert "fastload.audio.mel(" in repr(audio.mel())
+
+
+def test_a_damaged_audio_file_is_named(tmp_path):
+    from fastload.errors import DecodeError
+
+    good = flac_bytes(tone(1.0, 16000, 1), 16000)
+    with ShardWriter(tmp_path / "ds", {"audio": "audio"}) as w:
+        w.write({"audio": wav_bytes(tone(0.5, 16000, 1), 16000)}, key="fine.wav")
+        w.write({"audio": good}, key="broken.flac")
+    shard = next((tmp_path / "ds").glob("shard-*.arrow"))
+    data = bytearray(shard.read_bytes())
+    at = data.rfind(good[:64])
+    assert at > 0
+    data[at:at + 64] = b"\x00" * 64  # the FLAC header gone, as a disk error would take it
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DecodeError, match=r"broken\.flac"):
+        with Loader(tmp_path / "ds", batch_size=2, shuffle=False, verify="off",
+                    transforms={"audio": audio.clip(16000, 0.5)}) as lo:
+            for _ in lo:
+                pass
+    with Loader(tmp_path / "ds", batch_size=2, shuffle=False, verify="off", on_error="skip",
+                transforms={"audio": audio.clip(16000, 0.5, random=False)}) as lo:
+        b = next(iter(lo))
+    assert b["index"].tolist() == [0, 0]  # replaced by a decodable sample
