@@ -165,3 +165,18 @@ def test_convert_table_with_video_and_audio_path_columns(tmp_path, engine):
     (tmp_path / "src" / "v/b.mp4").write_bytes(b"\x00" * 64)  # a broken file is named
     with pytest.raises(fastload.ConvertError, match=r"field 'clip': not a media file"):
         fastload.convert("table", tmp_path / "src" / "t.parquet", tmp_path / "out2", progress=False, workers=0)
+
+
+def test_a_planned_videofolder_notices_files_added_before_a_resume(tmp_path):
+    from fastload.convert.plan import make_plan, source_changes
+    from fastload.convert.task import open_group
+
+    src = _folder(tmp_path / "src", {f"c{i % 2}/v{i}.webm": make_video(4 + i) for i in range(3)})
+    plan = make_plan("videofolder", src, tmp_path / "dst", shard_size=10**6, overwrite=False, resume=False,
+                     min_frames=5)
+    assert plan.options["min_frames"] == 5 and source_changes(plan) == ""
+    g = open_group(plan, 0)  # a task reads its rows of the plan's listing, with the plan's options
+    assert [g.key(i) for i in range(g.num_samples)] == ["c0/v0.webm", "c0/v2.webm", "c1/v1.webm"][:g.num_samples]
+    assert g.min_frames == 5
+    (src / "c1" / "v9.webm").write_bytes(make_video(4))
+    assert "v9.webm" in source_changes(plan)

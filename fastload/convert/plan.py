@@ -214,14 +214,27 @@ def _container_files(kind: str, src: Path) -> list[str]:
 
 
 # -- planning per source kind --------------------------------------------------------------
-def _plan_imagefolder(src: Path, parts: Path, options: dict) -> tuple[Source, dict, list, float]:
+FOLDER_KINDS = ("imagefolder", "videofolder", "audiofolder")  # class folders: planned from one listing
+
+
+def open_folder(kind: str, src, options: dict):
+    """The class-folder source of ``kind`` at ``src``, walked, with the plan's ``options``."""
+    if kind == "imagefolder":
+        from .imagefolder import ImageFolderSource
+
+        return ImageFolderSource(src, max_pixels=options["max_pixels"], max_size=options.get("max_size"),
+                                 quality=options.get("quality"))
+    from .media import media_folder
+
+    return media_folder(kind, src, **_media_options(options))
+
+
+def _plan_imagefolder(src: Path, parts: Path, options: dict, kind: str = "imagefolder") -> tuple[Source, dict, list,
+                                                                                                  float]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .imagefolder import ImageFolderSource
-
-    source = ImageFolderSource(src, max_pixels=options["max_pixels"], max_size=options["max_size"],
-                               quality=options["quality"])
+    source = open_folder(kind, src, options)
     # paths as bytes: a file name need not be UTF-8 (os.fsencode / os.fsdecode carry it exactly)
     table = pa.table({"path": pa.array([os.fsencode(p) for p in source.paths.tolist()], pa.binary()),
                       "label": pa.array(source.labels)})
@@ -346,8 +359,8 @@ def make_plan(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, shar
 def _new_plan(kind: str, src: Path, dst: str, parts: Path, options: dict, overwrite: bool,
               token: str | None = None) -> Plan:
     """Walk or open the source, write the listing a task needs into ``parts``, cut the groups."""
-    if kind == "imagefolder":
-        source, spec, fp, est = _plan_imagefolder(src, parts, options)
+    if kind in FOLDER_KINDS:
+        source, spec, fp, est = _plan_imagefolder(src, parts, options, kind)
     elif kind == "table":
         source, spec, fp, est = _plan_table(src, parts, options)
     else:
@@ -417,7 +430,7 @@ def source_changes(plan: Plan) -> str:
     from .sourcestate import describe, from_records, stat_files
 
     src = Path(plan.src)
-    if plan.kind == "imagefolder":
+    if plan.kind in FOLDER_KINDS:
         return _listing_changes(plan)
     paths, then = from_records(plan.fingerprint)
     now_paths = _container_files(plan.kind, src) if src.exists() else []
@@ -432,15 +445,14 @@ def source_changes(plan: Plan) -> str:
 
 
 def _listing_changes(plan: Plan) -> str:
-    """An image folder walked again and compared with the plan's listing."""
+    """A class folder walked again and compared with the plan's listing."""
     import pyarrow.parquet as pq
 
-    from .imagefolder import ImageFolderSource
     from .sourcestate import describe
 
     spec, src = plan.spec, Path(plan.src)
     try:
-        now = ImageFolderSource(src, max_pixels=plan.options["max_pixels"])
+        now = open_folder(plan.kind, src, plan.options)
     except ConvertError as e:
         return f"it cannot be listed as it was ({e})"
     if plan.remote:
@@ -461,7 +473,7 @@ def _listing_changes(plan: Plan) -> str:
     if now.class_names != spec["classes"]:
         extra.append(f"class folders {now.class_names[:5]} where the plan has {spec['classes'][:5]}")
     if now.ignored != spec["ignored"]:
-        extra.append(f"{now.ignored} non-image file(s) where the plan counted {spec['ignored']} "
+        extra.append(f"{now.ignored} non-{now.WHAT} file(s) where the plan counted {spec['ignored']} "
                      "(the manifest records the number)")
     if now.repeated_dirs != spec.get("repeated_dirs", 0):
         extra.append(f"{now.repeated_dirs} folder(s) reached twice through links where the plan had "

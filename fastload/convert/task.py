@@ -97,17 +97,23 @@ def open_group(plan: Plan, g: int) -> Source:
     a, b = plan.bounds(g)
     spec, opts = plan.spec, plan.options
     resize = {"max_size": opts.get("max_size"), "quality": opts.get("quality")}  # (absent from older plans)
-    if plan.kind == "imagefolder":
+    if plan.kind in ("imagefolder", "videofolder", "audiofolder"):
         from .imagefolder import ImageFolderSource
+        from .media import AudioFolderSource, VideoFolderSource
+        from .plan import _media_options
         from .table import parquet_rows
 
+        cls = {"imagefolder": ImageFolderSource, "videofolder": VideoFolderSource,
+               "audiofolder": AudioFolderSource}[plan.kind]
+        if plan.kind != "imagefolder":
+            resize = _media_options(opts)  # (what a media folder takes instead)
         if plan.remote:  # the listing is under DST's parts prefix: only the row groups needed are read
             with Store(plan.dst).open_input(f"{PARTS}/{spec['listing']}") as f:
                 rows = parquet_rows(f, a, b)
         else:
             rows = parquet_rows(plan.parts / spec["listing"], a, b)
         paths = [os.fsdecode(p) for p in rows.column("path").to_pylist()]  # bytes: any file name
-        return ImageFolderSource.from_listing(
+        return cls.from_listing(
             spec["root"], spec["classes"], np.array(paths, dtype=str),
             rows.column("label").to_numpy(), spec["ignored"], opts["max_pixels"], spec.get("repeated_dirs", 0),
             **resize)
@@ -121,10 +127,6 @@ def open_group(plan: Plan, g: int) -> Source:
 
     if plan.kind == "arrays":  # (the only kind left that takes --label; a webdataset's label is its .cls)
         return RangeSource(make_source("arrays", plan.src, label=spec.get("label")), a, b)
-    if plan.kind in ("videofolder", "audiofolder"):
-        from .plan import _media_options
-
-        return RangeSource(make_source(plan.kind, plan.src, **_media_options(opts)), a, b)
     return RangeSource(make_source(plan.kind, plan.src, max_pixels=opts["max_pixels"], **resize), a, b)
 
 
