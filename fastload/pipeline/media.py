@@ -4,9 +4,9 @@ A media transform is a :class:`~fastload.pipeline.presets.Transform` whose per-s
 parameters need what convert probed of each file (a video's frame count, an audio file's
 sample rate): the Loader binds it to its dataset and field (:meth:`MediaTransform.for_dataset`,
 a bound copy; the transform the user made stays unbound), and ``params`` reads those hidden
-columns for the batch's global indices. Its runner refuses, before DALI runs, the samples the
-device cannot decode (``refuse``: H.264 on the CPU), as :class:`~fastload.errors.BadSamples`
-naming the codec and what to do.
+columns for the batch's global indices. Its DALI runner refuses, before DALI runs, the samples
+the device cannot decode (``refuse``: H.264 in DALI's CPU video graph), as
+:class:`~fastload.errors.BadSamples` naming the codec and what to do.
 """
 from __future__ import annotations
 
