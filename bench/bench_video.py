@@ -70,7 +70,7 @@ def write_dataset(path: str, videos: list[bytes]) -> None:
             w.write({"video": v, "label": i % 10})
 
 
-def resize_crop(frames: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
+def shorter_side_window(frames: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
     """(T, H, W, 3) uint8 -> shorter side SIZE (antialiased bilinear), random SIZE x SIZE crop."""
     x = torch.from_numpy(frames).permute(0, 3, 1, 2)  # uint8, channels-last memory: torch's fast path
     h, w = x.shape[-2:]
@@ -114,7 +114,7 @@ class PyAVClips(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         rng = np.random.default_rng(i + 1000 * torch.initial_seed() % 1000)
         start = int(rng.integers(0, max(1, self.frames[i] - (FRAMES - 1) * STRIDE)))
-        return resize_crop(pyav_clip(self.videos[i], start), rng)
+        return shorter_side_window(pyav_clip(self.videos[i], start), rng)
 
 
 def time_fastload(path: str, device: str) -> float:
