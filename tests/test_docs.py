@@ -54,6 +54,22 @@ def test_readme_is_a_front_page_that_links_the_docs():
     assert "Tested on Python 3.11" in text
 
 
+def test_readme_headline_numbers_come_from_the_results_table():
+    """The README's headline numbers are copied from the generated Results table of
+    docs/benchmarks.md (``bench/run_all.py --docs``): every figure in a row of the README's
+    table must be in that table, so a new run that changes them fails here until the README
+    is updated."""
+    bench = (DOCS / "benchmarks.md").read_text()
+    generated = bench.split("<!-- bench-results:begin -->", 1)[1].split("<!-- bench-results:end -->", 1)[0]
+    section = README.read_text().split("## Headline numbers", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and not ln.startswith("| workload")]
+    assert len(rows) >= 5, rows
+    number = re.compile(r"(?<![\w.])\d(?:[\d,]*\d)?(?:\.\d+)?(?:x|%)?")
+    # figures only: the workload's own sizes ("batch 300", "224") are in the table's workload cells too
+    stale = [(row.split("|")[1].strip(), n) for row in rows for n in number.findall(row) if n not in generated]
+    assert not stale, f"README headline figures not in docs/benchmarks.md's generated table: {stale}"
+
+
 def test_every_docs_link_resolves():
     """Relative links between pages (mkdocs --strict checks them too; this runs without it)."""
     bad = []
