@@ -48,7 +48,7 @@ def test_readme_is_a_front_page_that_links_the_docs():
     assert "make demo    #" in text and "make test    #" in text
     makefile = (ROOT / "Makefile").read_text()
     for target in ("demo", "test", "docs"):
-        assert re.search(rf"^{target}:", makefile, re.M), f"Makefile has no {target!r} target"
+        assert re.search(rf"^{target}:", makefile, re.MULTILINE), f"Makefile has no {target!r} target"
     # a CPU-only torch and the tested Python version, as the issue asks
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in text
     assert "Tested on Python 3.11" in text
@@ -120,13 +120,14 @@ def test_site_builds_strict(tmp_path):
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
     p = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
-                        "-d", str(site)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+                        "-d", str(site)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300,
+                       check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "WARNING" not in p.stderr, p.stderr[-3000:]
     api = (site / "reference" / "api" / "index.html").read_text()
     for name in ("Loader", "Dataset", "ShardWriter", "Sampler", "Mixture", "convert", "verify", "train", "eval",
                  "FastloadError", "HostUnreachable"):
-        assert f'id="fastload.' in api and re.search(rf'id="[\w.]*\b{name}"', api), name
+        assert 'id="fastload.' in api and re.search(rf'id="[\w.]*\b{name}"', api), name
     assert ":class:`" not in api and ":func:`" not in api  # the roles extension ran
     cli = (site / "reference" / "cli" / "index.html").read_text()
     assert "usage: fastload convert" in cli and "--on-error" in cli and "usage: fastload doctor" in cli
