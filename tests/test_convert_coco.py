@@ -356,3 +356,38 @@ def test_cli_convert_coco_takes_json_images_dir_and_dst(coco, converted, tmp_pat
     assert "only for coco sources" in capsys.readouterr().err
     assert cli_main(["convert", "imagefolder", im, str(tmp_path / "x"), "--masks"]) == 2
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_resume_reuses_finished_groups_and_refuses_a_changed_json(coco, converted, tmp_path):
+    """A group fails (an image file is missing); the user puts it back; --resume reuses the
+    finished groups. A JSON edited since the plan is refused, naming it."""
+    import shutil
+
+    from fastload.convert.sourcestate import SourceChanged
+
+    src = tmp_path / "c"
+    shutil.copytree(coco, src)
+    opts = {"images": str(src / "images")}
+    plan = make_plan("coco", src / "instances.json", tmp_path / "ds", shard_size=20_000, overwrite=False,
+                     resume=False, source_options=opts)
+    last = plan.bounds(plan.num_groups - 1)[0]
+    name = json.loads((src / "instances.json").read_text())["images"][last]["file_name"]
+    (src / "images" / name).rename(tmp_path / "aside.jpg")
+    results = [run_group(str(tmp_path / "ds"), g) for g in range(plan.num_groups)]
+    assert [r["error"] is None for r in results] == [True] * (plan.num_groups - 1) + [False]
+    assert name in results[-1]["error"]
+    (tmp_path / "aside.jpg").rename(src / "images" / name)
+    again = make_plan("coco", src / "instances.json", tmp_path / "ds", shard_size=20_000, overwrite=False,
+                      resume=True, source_options=opts)
+    assert again == plan
+    assert [run_group(str(tmp_path / "ds"), g)["reused"] for g in range(plan.num_groups)] == \
+        [True] * (plan.num_groups - 1) + [False]
+    commit(plan)
+    assert_same_rows(converted, tmp_path / "ds")
+
+    plan = make_plan("coco", src / "instances.json", tmp_path / "ds2", shard_size=20_000, overwrite=False,
+                     resume=False, source_options=opts)
+    (src / "instances.json").write_text((src / "instances.json").read_text() + " ")
+    with pytest.raises(SourceChanged, match=r"--resume refused: .*instances\.json"):
+        make_plan("coco", src / "instances.json", tmp_path / "ds2", shard_size=20_000, overwrite=False,
+                  resume=True, source_options=opts)
