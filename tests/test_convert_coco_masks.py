@@ -13,6 +13,7 @@ from PIL import Image
 
 import fastload
 from fastload.convert import convert
+from fastload.convert.coco import CocoSource
 from fastload.convert.masks import decode_rle_string, polygon_mask, rle_mask, segmentation_mask
 
 
@@ -197,3 +198,6 @@ def test_convert_masks_hold_category_ids_painted_in_json_order(tmp_path):
     np.testing.assert_array_equal(masks[1], np.ones((10, 20), np.uint8))
     np.testing.assert_array_equal(masks[2], np.zeros((h, w), np.uint8))
     assert ds[0]["iscrowd"].tolist() == [False, True, False] and ds[0]["labels"].tolist() == [3, 18, 1]
+    # the mask is made by the check (in the validation workers); read() alone makes the same one
+    source = CocoSource(tmp_path / "i.json", tmp_path / "im", masks=True)
+    assert [source.read(i)["mask"] for i in range(3)] == [bytes(ds[i]["mask"]) for i in range(3)]

@@ -327,6 +327,24 @@ class CocoSource(Source):
         return [os.fspath(self.path)] + [os.path.join(self.root, f) for f in self.files if f is not None]
 
     def read(self, i: int) -> dict:
+        return self._read(i, self.masks)
+
+    def check(self, i: int) -> tuple[dict[str, tuple[int, int]], dict[str, bytes]]:
+        """The image fully decoded, its size checked against the JSON's, and with ``--masks`` the
+        mask made here, in the validation workers (``read_checked`` puts it in)."""
+        data = self._bytes(i)
+        _, size = prepare_image(data, self.max_pixels)  # fully decoded (stored as is: no --max-size)
+        orientation = self._orientation(i, data)
+        if not self.masks:
+            return {"image": size}, {}
+        return {"image": size, "mask": size}, {"mask": self._mask(i, orientation)}
+
+    def read_checked(self, i: int, new: dict[str, bytes]) -> dict:
+        sample = self._read(i, self.masks and "mask" not in new)
+        sample.update(new)
+        return sample
+
+    def _read(self, i: int, mask: bool) -> dict:
         data = self._bytes(i)
         orientation = self._orientation(i, data)
         a, b = self.offsets[i], self.offsets[i + 1]
@@ -334,15 +352,9 @@ class CocoSource(Source):
         sample = {"image": data, "image_id": int(self.image_ids[i]),
                   "boxes": upright_boxes(self.boxes[a:b], orientation, w, h).astype(np.float32),
                   "labels": self.labels[a:b].copy(), "iscrowd": self.iscrowd[a:b].copy()}
-        if self.masks:
+        if mask:
             sample["mask"] = self._mask(i, orientation)
         return sample
-
-    def check(self, i: int) -> tuple[dict[str, tuple[int, int]], dict[str, bytes]]:
-        data = self._bytes(i)
-        _, size = prepare_image(data, self.max_pixels)  # fully decoded (stored as is: no --max-size)
-        self._orientation(i, data)
-        return ({"image": size, "mask": size} if self.masks else {"image": size}), {}
 
     # -- helpers --------------------------------------------------------------------------
     def _bytes(self, i: int) -> bytes:
@@ -379,7 +391,7 @@ class CocoSource(Source):
         """The category-id mask PNG of sample ``i``, upright like the decoded image."""
         from PIL import Image
 
-        from .masks import encode_mask_png, segmentation_mask
+        from .masks import encode_mask_png, paint_segmentation
         from .resize import transpose_upright
 
         w, h = (int(v) for v in self.sizes[i])
@@ -387,8 +399,7 @@ class CocoSource(Source):
         out = np.zeros((h, w), dtype=np.uint8)
         for j, text in enumerate(self.segm[i].as_py()):  # the JSON's order: a later one paints over
             try:
-                region = segmentation_mask(json.loads(text), h, w)
+                paint_segmentation(out, json.loads(text), int(self.labels[a + j]))
             except ValueError as e:
                 raise ValueError(f"annotation {int(self.ann_ids[a + j])}: {e}") from None
-            out[region] = self.labels[a + j]
         return encode_mask_png(np.asarray(transpose_upright(Image.fromarray(out, "L"), orientation)))

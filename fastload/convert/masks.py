@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_segmentation", "decode_rle_string", "encode_mask_png", "polygon_mask", "rle_mask",
-           "segmentation_mask"]
+__all__ = ["check_segmentation", "decode_rle_string", "encode_mask_png", "paint_segmentation", "polygon_mask",
+           "rle_mask", "segmentation_mask"]
 
 
 def decode_rle_string(s: str) -> list[int]:
@@ -70,9 +70,9 @@ def rle_mask(counts: Any, height: int, width: int) -> np.ndarray:
     return np.repeat(values, runs).reshape(width, height).T  # column-major
 
 
-def polygon_mask(xy: Any, height: int, width: int) -> np.ndarray:
-    """The (height, width) bool mask of one polygon ``[x1, y1, x2, y2, ...]`` (pixel centres
-    inside by the even-odd rule; see the module docstring)."""
+def _polygon_region(xy: Any, height: int, width: int) -> tuple[int, int, np.ndarray]:
+    """(first row, first column, bool mask) of the pixels of one polygon within the box of
+    rows and columns it can cover (the rest of the image is outside it)."""
     pts = np.asarray(xy, dtype=np.float64).reshape(-1, 2)
     x0, y0 = pts[:, 0], pts[:, 1]
     x1, y1 = np.roll(x0, -1), np.roll(y0, -1)
@@ -81,16 +81,42 @@ def polygon_mask(xy: Any, height: int, width: int) -> np.ndarray:
     r0 = np.clip(np.ceil(lo - 0.5), 0, height).astype(np.int64)
     r1 = np.clip(np.ceil(hi - 0.5), 0, height).astype(np.int64)
     n = np.maximum(r1 - r0, 0)
+    if not n.any():
+        return 0, 0, np.zeros((0, 0), dtype=bool)
     edge = np.repeat(np.arange(len(pts)), n)
     rows = (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)) + r0[edge]
     yc = rows + 0.5
     xe0, ye0, xe1, ye1 = x0[edge], y0[edge], x1[edge], y1[edge]
     xi = xe0 + (yc - ye0) * (xe1 - xe0) / (ye1 - ye0)  # (no horizontal edge crosses a row)
-    # a crossing at xi flips every pixel whose centre c + 0.5 lies right of it (c + 0.5 > xi)
+    # a crossing at xi flips every pixel whose centre c + 0.5 lies right of it (c + 0.5 > xi);
+    # each row has an even number of crossings, so the columns right of the last flip are out
     start = np.clip(np.floor(xi - 0.5).astype(np.int64) + 1, 0, width)
-    flips = np.zeros((height, width + 1), dtype=np.int64)
-    np.add.at(flips, (rows, start), 1)
-    return (np.cumsum(flips, axis=1)[:, :width] & 1).astype(bool)
+    top, left = int(rows.min()), int(start.min())
+    flips = np.zeros((int(rows.max()) + 1 - top, int(start.max()) + 1 - left), dtype=np.int32)
+    np.add.at(flips, (rows - top, start - left), 1)
+    return top, left, (np.cumsum(flips[:, :-1], axis=1) & 1).astype(bool)
+
+
+def polygon_mask(xy: Any, height: int, width: int) -> np.ndarray:
+    """The (height, width) bool mask of one polygon ``[x1, y1, x2, y2, ...]`` (pixel centres
+    inside by the even-odd rule; see the module docstring)."""
+    out = np.zeros((height, width), dtype=bool)
+    top, left, region = _polygon_region(xy, height, width)
+    out[top:top + region.shape[0], left:left + region.shape[1]] = region
+    return out
+
+
+def paint_segmentation(canvas: np.ndarray, seg: Any, value: int) -> None:
+    """Set the pixels of ``canvas`` (height, width) that the COCO segmentation covers to
+    ``value`` (polygons: only the rows and columns each can cover are visited)."""
+    height, width = canvas.shape
+    check_segmentation(seg, height, width)
+    if isinstance(seg, dict):
+        canvas[rle_mask(seg["counts"], height, width)] = value
+        return
+    for poly in seg:
+        top, left, region = _polygon_region(poly, height, width)
+        canvas[top:top + region.shape[0], left:left + region.shape[1]][region] = value
 
 
 def check_segmentation(seg: Any, height: int, width: int) -> None:
@@ -122,12 +148,8 @@ def check_segmentation(seg: Any, height: int, width: int) -> None:
 
 def segmentation_mask(seg: Any, height: int, width: int) -> np.ndarray:
     """The (height, width) bool mask of a COCO segmentation (polygons united, or RLE)."""
-    check_segmentation(seg, height, width)
-    if isinstance(seg, dict):
-        return rle_mask(seg["counts"], height, width)
     out = np.zeros((height, width), dtype=bool)
-    for poly in seg:
-        out |= polygon_mask(poly, height, width)
+    paint_segmentation(out, seg, True)
     return out
 
 
