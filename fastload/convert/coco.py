@@ -143,7 +143,8 @@ def _image_entry(root: Path, im: Any, k: int) -> tuple[Any, str | None, int, int
 
 
 def _annotation(a: dict, who: str, w: int, h: int, cats: set[int], masks: bool) -> tuple[Any, str | None]:
-    """((xyxy box clipped, category, iscrowd, clipped, segmentation JSON), None) or (None, error)."""
+    """((xyxy box clipped, category, iscrowd, clipped, polygons, RLE as JSON), None) or (None, error);
+    with ``masks`` an annotation has polygons (a list of coordinate lists) or an RLE, else neither."""
     from .masks import check_segmentation
 
     cat, bbox, crowd = a.get("category_id"), a.get("bbox"), a.get("iscrowd", 0)
@@ -162,14 +163,18 @@ def _annotation(a: dict, who: str, w: int, h: int, cats: set[int], masks: bool) 
         return None, f"{who}: iscrowd {crowd!r} must be 0 or 1"
     box = (min(max(x, 0.0), w), min(max(y, 0.0), h), min(max(x + bw, 0.0), w), min(max(y + bh, 0.0), h))
     clipped = box != (x, y, x + bw, y + bh)
-    seg = None
+    polys, rle = None, None
     if masks:
+        seg = a.get("segmentation")
         try:
-            check_segmentation(a.get("segmentation"), h, w)
+            check_segmentation(seg, h, w)
         except ValueError as e:
             return None, f"{who}: {e}"
-        seg = json.dumps(a["segmentation"], separators=(",", ":"))
-    return (box, cat, bool(crowd), clipped, seg), None
+        if isinstance(seg, dict):  # (an RLE: a few per image at most, crowds)
+            rle = json.dumps({"size": seg["size"], "counts": seg["counts"]}, separators=(",", ":"))
+        else:  # kept as numbers: the listing stores them as Arrow lists
+            polys = seg
+    return (box, cat, bool(crowd), clipped, polys, rle), None
 
 
 def parse_instances(path: Path, root: Path, *, masks: bool, skip_empty: bool) -> tuple[pa.Table, dict]:
@@ -235,7 +240,9 @@ _TABLE = pa.schema([("key", pa.string()), ("file", pa.string()), ("image_id", pa
                     ("width", pa.int64()), ("height", pa.int64()),
                     ("boxes", pa.list_(pa.list_(pa.float64(), 4))), ("labels", pa.list_(pa.int64())),
                     ("iscrowd", pa.list_(pa.bool_())), ("ann_ids", pa.list_(pa.int64())),
-                    ("segm", pa.list_(pa.string())), ("error", pa.string())])
+                    # with --masks, per annotation: its polygons, or its RLE as JSON (else null)
+                    ("polygons", pa.list_(pa.list_(pa.list_(pa.float64())))), ("rle", pa.list_(pa.string())),
+                    ("error", pa.string())])
 
 
 def _row(rows: dict, *, key, file, iid, w, h, anns, masks, error) -> None:
@@ -248,7 +255,8 @@ def _row(rows: dict, *, key, file, iid, w, h, anns, masks, error) -> None:
     rows["labels"].append([a[1] for _, a in anns])
     rows["iscrowd"].append([a[2] for _, a in anns])
     rows["ann_ids"].append([aid for aid, _ in anns])
-    rows["segm"].append([a[4] for _, a in anns] if masks else [])
+    rows["polygons"].append([a[4] for _, a in anns] if masks else [])
+    rows["rle"].append([a[5] for _, a in anns] if masks else [])
     rows["error"].append(error)
 
 
@@ -316,7 +324,7 @@ class CocoSource(Source):
         _, self.labels = _flat(col["labels"], np.int64)
         _, self.iscrowd = _flat(col["iscrowd"], bool)
         _, self.ann_ids = _flat(col["ann_ids"], np.int64)
-        self.segm = col["segm"]
+        self.polygons, self.rle = col["polygons"], col["rle"]
 
     # -- Source ---------------------------------------------------------------------------
     def key(self, i: int) -> str:
@@ -397,9 +405,10 @@ class CocoSource(Source):
         w, h = (int(v) for v in self.sizes[i])
         a = self.offsets[i]
         out = np.zeros((h, w), dtype=np.uint8)
-        for j, text in enumerate(self.segm[i].as_py()):  # the JSON's order: a later one paints over
+        polygons, rles = self.polygons[i].as_py(), self.rle[i].as_py()
+        for j, (polys, rle) in enumerate(zip(polygons, rles)):  # the JSON's order: a later one paints over
             try:
-                paint_segmentation(out, json.loads(text), int(self.labels[a + j]))
+                paint_segmentation(out, json.loads(rle) if rle is not None else polys, int(self.labels[a + j]))
             except ValueError as e:
                 raise ValueError(f"annotation {int(self.ann_ids[a + j])}: {e}") from None
         return encode_mask_png(np.asarray(transpose_upright(Image.fromarray(out, "L"), orientation)))

@@ -141,8 +141,11 @@ def check_segmentation(seg: Any, height: int, width: int) -> None:
             n = len(poly) if isinstance(poly, (list, tuple)) else type(poly).__name__
             raise ValueError(f"polygon {k} of its segmentation holds {n} values; a polygon is at least 3 points "
                              "[x1, y1, x2, y2, x3, y3, ...]")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in poly) or \
-                not np.isfinite(np.asarray(poly, dtype=np.float64)).all():
+        try:
+            values = np.asarray(poly)  # numbers: int or float (a string or a list inside: another kind)
+        except ValueError:
+            values = None
+        if values is None or values.ndim != 1 or values.dtype.kind not in "iuf" or not np.isfinite(values).all():
             raise ValueError(f"polygon {k} of its segmentation holds values that are not finite numbers")
 
 
