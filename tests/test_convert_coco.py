@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _convert import assert_same_rows, load
 from PIL import Image, ImageOps
 
 import fastload
-from _convert import assert_same_rows, load
 from fastload.cli import main as cli_main
 from fastload.convert import ConvertError, convert
 from fastload.convert.commit import commit
@@ -230,8 +230,8 @@ def bad_set(root: Path) -> tuple[Path, Path, dict]:
 
 @pytest.mark.parametrize("drop, match", [
     (None, r"^annotation 92: its image_id 77 is not the id of any image in i\.json"),  # first: the orphans
-    (92, r"^0\.jpg: annotation 91: bbox \[40, 10, 20, 5\] \(\[x, y, width, height\]\) reaches outside its image "
-         r"of 50x40 pixels"),
+    (92, (r"^0\.jpg: annotation 91: bbox \[40, 10, 20, 5\] \(\[x, y, width, height\]\) reaches outside its image "
+          r"of 50x40 pixels")),
     ((91, 92), r"^2\.jpg: annotation 93: bbox \[5, 5, -3, 4\] has a negative size \(width -3"),
     ((91, 92, 93), r"^3\.jpg: annotation 94: category_id 2 is not one of the JSON's categories"),
 ])
@@ -256,7 +256,7 @@ def test_a_broken_segmentation_is_an_error_only_with_masks(tmp_path):
 
 
 def test_on_error_skip_leaves_out_and_reports_every_bad_annotation(tmp_path):
-    js, im, doc = bad_set(tmp_path)
+    js, im, _ = bad_set(tmp_path)
     r = convert("coco", js, tmp_path / "ds", images=im, masks=True, on_error="skip", progress=False, workers=0)
     assert r["num_samples"] == 2 and r["skipped"] == 5  # images 1 and 5 kept; 4 images and 1 orphan left out
     report = [json.loads(x) for x in (tmp_path / "ds" / "skipped.jsonl").read_text().splitlines()]

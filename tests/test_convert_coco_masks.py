@@ -14,7 +14,12 @@ from PIL import Image
 import fastload
 from fastload.convert import convert
 from fastload.convert.coco import CocoSource
-from fastload.convert.masks import decode_rle_string, polygon_mask, rle_mask, segmentation_mask
+from fastload.convert.masks import (
+    decode_rle_string,
+    polygon_mask,
+    rle_mask,
+    segmentation_mask,
+)
 
 
 def pnpoly(xy, h: int, w: int) -> np.ndarray:
