@@ -347,9 +347,12 @@ def test_cli_convert_coco_takes_json_images_dir_and_dst(coco, converted, tmp_pat
     assert cli_main(["convert", "coco", js, im, str(tmp_path / "ds"), "-q", "--workers", "0"]) == 0
     assert "wrote 24 samples" in capsys.readouterr().out
     assert_same_rows(converted, tmp_path / "ds")
-    assert cli_main(["convert", "coco", js, im, str(tmp_path / "m"), "-q", "--masks", "--skip-empty"]) == 0
+    assert cli_main(["convert", "coco", js, im, str(tmp_path / "m"), "-q", "--masks", "--skip-empty",
+                     "--workers", "2"]) == 0  # the masks made in two validation processes
     ds = fastload.Dataset(tmp_path / "m")
     assert "mask" in ds.fields and len(ds) < 24
+    convert("coco", js, tmp_path / "m0", images=im, masks=True, skip_empty=True, progress=False, workers=0)
+    assert_same_rows(tmp_path / "m0", tmp_path / "m")
     assert cli_main(["convert", "coco", js, str(tmp_path / "x")]) == 2
     assert "coco takes three paths" in capsys.readouterr().err
     assert cli_main(["convert", "imagefolder", im, str(tmp_path / "x"), str(tmp_path / "y")]) == 2
