@@ -394,3 +394,18 @@ def test_resume_reuses_finished_groups_and_refuses_a_changed_json(coco, converte
     with pytest.raises(SourceChanged, match=r"--resume refused: .*instances\.json"):
         make_plan("coco", src / "instances.json", tmp_path / "ds2", shard_size=20_000, overwrite=False,
                   resume=True, source_options=opts)
+
+
+def test_the_distributed_core_skips_and_reports_bad_annotations_as_the_local_engine(tmp_path):
+    js, im, _ = bad_set(tmp_path)
+    convert("coco", js, tmp_path / "local", images=im, masks=True, on_error="skip", progress=False, workers=0)
+    plan = make_plan("coco", js, tmp_path / "ds", shard_size=3_000, overwrite=False, resume=False,
+                     source_options={"images": str(im), "masks": True})
+    assert plan.num_groups >= 2
+    for g in range(plan.num_groups):
+        assert run_group(str(tmp_path / "ds"), g, "skip")["error"] is None
+    r = commit(plan, "skip")
+    assert r["num_samples"] == 2 and r["skipped"] == 5
+    assert_same_rows(tmp_path / "local", tmp_path / "ds")
+    report = [json.loads(x) for x in (tmp_path / "ds" / "skipped.jsonl").read_text().splitlines()]
+    assert report == [json.loads(x) for x in (tmp_path / "local" / "skipped.jsonl").read_text().splitlines()]
