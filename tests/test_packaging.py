@@ -101,34 +101,19 @@ def test_doctor_reports_the_shadowing_clone_and_what_to_do(tmp_path):
     assert check_import_path(Facts(device="cpu")) is None  # nothing to say when fastload is found
 
 
-def _tracked(root: Path) -> list[str]:
-    p = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=root)
-    if p.returncode != 0:
-        import pytest
-
-        pytest.skip("not a git checkout (an unpacked sdist, say): no list of the project's files")
-    return [f for f in p.stdout.splitlines() if (root / f).is_file()]
-
-
 def test_sdist_ships_the_tests_with_everything_they_read_and_no_build_outputs(tmp_path):
-    import shutil
     import tarfile
 
+    from _clean_tree import build, clean_copy
+
     tree = tmp_path / "tree"
-    tracked = _tracked(ROOT)
-    for f in tracked:  # a clean copy of the project: what a fresh clone has
-        (tree / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / f, tree / f)
+    tracked = clean_copy(ROOT, tree)  # what a fresh clone has
     # what a working tree also holds, never to be shipped: the built extension, bench outputs, caches
     for junk in ("fastload/_C.cpython-311-x86_64-linux-gnu.so", "bench/out/results.json", "bench/.results-1.jsonl",
                  "tests/__pycache__/conftest.cpython-311.pyc"):
         (tree / junk).parent.mkdir(parents=True, exist_ok=True)
         (tree / junk).write_text("junk")
-    out = tmp_path / "dist"
-    build = f"from setuptools import build_meta as b; print(b.build_sdist({str(out)!r}))"
-    p = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, timeout=300, cwd=tree)
-    assert p.returncode == 0, p.stderr[-3000:]
-    with tarfile.open(out / p.stdout.split()[-1]) as t:
+    with tarfile.open(build(tree, "sdist", tmp_path / "dist")) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     wanted = [f for f in tracked if f.split("/")[0] in ("tests", "examples", "bench", "docs", "csrc", "fastload")
               or f in ("Makefile", "LICENSE", "README.md", "pyproject.toml", "setup.py")]
