@@ -25,11 +25,12 @@ from ..store.geometry import DEFAULT_MAX_PIXELS  # noqa: E402
 __all__ = ["Transform", "train", "eval", "custom", "IMAGENET_MEAN", "IMAGENET_STD", "DEFAULT_MAX_PIXELS"]
 
 
-def _size(name: str, v: Any) -> tuple[int, int]:
+def _size(name: str, given: Any) -> tuple[int, int]:
+    v = given
     if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
         v = (int(v), int(v))
     if not (isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(x, (int, np.integer)) and x > 0 for x in v)):
-        raise ValueError(f"{name}={v!r} must be a positive int or an (height, width) pair of positive ints")
+        raise ValueError(f"{name}={given!r} must be a positive int or an (height, width) pair of positive ints")
     return int(v[0]), int(v[1])
 
 
@@ -81,6 +82,11 @@ class Transform:
     def finish(self, decoded, params: dict, out) -> None:
         """The rest of a ``decoded_only`` graph's work: DALI's decoded images into ``out``."""
         raise NotImplementedError
+
+    def row_bytes(self) -> int:
+        """Bytes of one sample's output(s): what a ring slot holds per row when the CPU finish
+        writes into it."""
+        return np.dtype(self.out_dtype).itemsize * int(np.prod(self.out_shape))
 
     def runner(self, *, device: str = "cpu", batch_size: int, num_threads: int | None = None,
                prefetch: int | None = None, seed: int = 0, device_id: int | None = None,
