@@ -94,9 +94,10 @@ def _resolve_sample(ds, fields: Sequence[str] | None, t: SampleTransform) -> tup
     default, the dataset's fixed-size fields (ragged ones would no longer match the boxes a
     crop keeps: name them in ``fields=`` to have them as stored)."""
     t.bind(ds.fields)
-    consumed = set(t.inputs.values()) | set(t.outputs)
-    if fields is None:
-        fields = [n for n, f in ds.fields.items() if f.kind in ("tensor", "scalar") and n != INDEX_KEY]
+    consumed = set(t.inputs.values())
+    if fields is None:  # (a field an output replaces is left out; named in fields=, it is an error below)
+        fields = [n for n, f in ds.fields.items()
+                  if f.kind in ("tensor", "scalar") and n != INDEX_KEY and n not in t.outputs]
     elif isinstance(fields, (str, bytes)):
         raise ValueError(f"fields={fields!r} must be a list of field names, e.g. fields=[{fields!r}]")
     for n in fields:
@@ -109,7 +110,7 @@ def _resolve_sample(ds, fields: Sequence[str] | None, t: SampleTransform) -> tup
     if INDEX_KEY in t.outputs:
         raise ValueError(f"{t!r} declares an output named {INDEX_KEY!r}, which batch['index'] (the global sample "
                          "indices) would shadow; rename it")
-    return [t.key] + [n for n in fields if n not in consumed], {t.key: t}
+    return [t.key] + [n for n in fields if n not in consumed and n in ds.fields], {t.key: t}
 
 
 def _resolve_fields(ds, fields: Sequence[str] | None, transforms: Any) -> tuple[list[str], dict]:

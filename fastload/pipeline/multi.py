@@ -298,6 +298,13 @@ class MultiRunner(Runner):
         with decoder_output_captured() if capture else contextlib.nullcontext():
             return pipe.run()
 
+    def _try(self, samples, params, capture: bool = True):
+        try:  # a graph that cannot be built is the transform's fault, never the samples'
+            self._pipeline()
+        except Exception as e:
+            raise RuntimeError(f"{self.transform!r}: its DALI graph cannot be built: {type(e).__name__}: {e}") from e
+        return super()._try(samples, params, capture)
+
     def _canary_error(self) -> str | None:
         return None  # a canary needs every input of the transform: the batch's own verdict stands
 
@@ -413,14 +420,12 @@ class MultiRunner(Runner):
                     got[k] = _ragged_host(k, v, s)
                     continue
                 shape = tuple(v.as_tensor().shape()) if v.is_dense_tensor() else None
-                if shape is not None and shape != (n, *s.shape) and int(np.prod(shape)) == n * int(np.prod(s.shape)):
-                    shape = (n, *s.shape)  # e.g. a trailing channel of 1 the spec leaves out
                 if shape != (n, *s.shape):
                     got_shape = shape or [tuple(v[i].shape()) for i in range(min(n, 3))]
                     raise RuntimeError(f"the transform's output {k!r} came out as {got_shape}; it declares "
                                        f"{(n, *s.shape)}")
                 if self.device == "cuda":
-                    got[k] = self._to_cuda(v.as_tensor(), n, s)
+                    got[k] = self._to_cuda(k, v.as_tensor(), n, s)
                     continue
                 a = torch.from_dlpack(v.as_tensor()).reshape(n, *s.shape)
                 if a.dtype != getattr(torch, s.dtype):
@@ -433,23 +438,16 @@ class MultiRunner(Runner):
             self.copy_s += time.perf_counter() - t0
         return got
 
-    def _to_cuda(self, dali_tensor, n: int, s: Spec):
-        """A dense DALI GPU output as a new CUDA tensor, copied on the runner's copy stream
-        (converted there to the declared dtype when DALI's differs)."""
+    def _to_cuda(self, name: str, dali_tensor, n: int, s: Spec):
+        """A dense DALI GPU output as a new CUDA tensor, copied on the runner's copy stream."""
         from .cuda_copy import copy_to_cuda
 
         dali_dtype = np.dtype(_np_of(dali_tensor)).name
-        shape = tuple(dali_tensor.shape())
-        t, self.ready_event, self._copy_stream = copy_to_cuda(dali_tensor, shape, dali_dtype, self.device_id,
-                                                              self._copy_stream)
-        t = t.reshape(n, *s.shape)
         if dali_dtype != s.dtype:
-            import torch
-
-            from ..runtime.device import guard
-
-            with guard(self.device_id), torch.cuda.stream(self._copy_stream):
-                t = t.to(getattr(torch, s.dtype))
+            raise RuntimeError(f"the transform's output {name!r} came out as {dali_dtype}; it declares {s.dtype} "
+                               "(cast it in the graph: fn.cast(node, dtype=...))")
+        t, self.ready_event, self._copy_stream = copy_to_cuda(dali_tensor, (n, *s.shape), s.dtype, self.device_id,
+                                                              self._copy_stream)
         return t
 
     def _shape(self, res: dict, n: int) -> dict:

@@ -94,6 +94,8 @@ class Segmentation(SampleTransform, _Normalized):
         images = fn.resize(images, device=device, resize_x=w, resize_y=h, antialias=True)
         masks = fn.resize(masks, device=device, resize_x=w, resize_y=h, interp_type=types.INTERP_NN, antialias=False)
         masks = fn.squeeze(fn.flip(masks, device=device, horizontal=params["flip"]), device=device, axis_names="C")
+        if self.mask_dtype != "uint8":
+            masks = fn.cast(masks, device=device, dtype=types.INT64)
         return {"image": self._normalize(images, device=device, mirror=params["flip"]), "mask": masks}
 
     def finish(self, decoded, params, out) -> None:
