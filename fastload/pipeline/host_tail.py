@@ -114,8 +114,11 @@ class _Normalizer:
             buf.mul_(self.inv).add_(self.bias)
             row.copy_(buf)
             return
-        row.copy_(x)
-        row.mul_(self.inv).add_(self.bias)
+        import torch
+
+        # one pass, uint8 in, float32 out (x * inv + bias, rounded as the two steps are): about
+        # half the time of a copy then an in-place multiply and add over a channels-last source
+        torch.addcmul(self.bias, x, self.inv, out=row)
 
 
 _normalizers: dict[tuple, _Normalizer] = {}
