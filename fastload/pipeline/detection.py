@@ -220,8 +220,8 @@ class Detection(SampleTransform, _Normalized):
         owner = np.repeat(np.arange(n), lengths)
         new_len = np.bincount(owner[kept], minlength=n).astype(np.int64)
         params = {"crop_anchor": window[:, :2].astype(np.float32),
-                  "crop_shape": np.stack([cw, ch], 1).astype(np.float32), "flip": flip.astype(np.int32), "resize_x": out_hw[1].astype(np.float32),
-                  "resize_y": out_hw[0].astype(np.float32)}
+                  "crop_shape": np.stack([cw, ch], 1).astype(np.float32), "flip": flip.astype(np.int32),
+                  "resize_x": out_hw[1].astype(np.float32), "resize_y": out_hw[0].astype(np.float32)}
         host: dict[str, Any] = {"boxes": (nb, new_len), "labels": (lab[kept], new_len)}
         if self.return_crop:
             host.update(crop=window.astype(np.float32), flip=flip)
