@@ -315,3 +315,11 @@ def test_describe_is_json_and_in_the_state(boxes_ds):
     assert json.loads(json.dumps(state))["transforms"]["image"]["kind"] == "detection"
     assert state["transforms"]["image"]["letterbox"] is True
     assert "fastload.vision.detection(size=[32, 32]" in repr(t)
+
+
+def test_images_above_max_pixels_are_refused_before_decoding(boxes_ds):
+    with pytest.raises(DecodeError, match=r"image input 'image': the header declares 200x150 pixels, more than "
+                                          r"max_pixels=20000"), \
+            fastload.Loader(boxes_ds, batch_size=4, shuffle=False,
+                            transforms=vision.detection(32, max_pixels=20_000)) as lo:
+        next(iter(lo))

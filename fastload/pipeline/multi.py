@@ -36,11 +36,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..errors import BadSamples
 from ..validate import check_int
 from .crops import uniforms
 from .presets import DEFAULT_MAX_PIXELS, Transform
-from .runner import CPU_RUN, Runner
+from .runner import CPU_RUN, Runner, refuse_sizes
 
 __all__ = ["MultiRunner", "SampleTransform", "Spec", "CustomSample", "as_spec", "pad_ragged", "RANDOM_DRAWS"]
 
@@ -331,15 +330,7 @@ class MultiRunner(Runner):
 
     def _check_sizes(self, data: dict) -> None:
         for n in self.transform.image_inputs:
-            widths, heights = (np.asarray(a) for a in data[n])
-            pixels = widths.astype(np.int64) * heights.astype(np.int64)
-            refused = np.flatnonzero((pixels > self.max_pixels) | (widths <= 0) | (heights <= 0))
-            if len(refused):
-                raise BadSamples(refused, [
-                    f"image input {n!r}: the header declares {int(widths[i])}x{int(heights[i])} pixels, more than "
-                    f"max_pixels={self.max_pixels} (raise it in the transform if the image is genuine)"
-                    if pixels[i] > self.max_pixels else f"invalid recorded size {int(widths[i])}x{int(heights[i])}"
-                    for i in refused])
+            refuse_sizes(*data[n], self.max_pixels, what=f"image input {n!r}: ")
 
     def run_batch(self, dataset, idx: np.ndarray, epoch: int, out: Mapping | None = None) -> dict:
         idx = np.asarray(idx, dtype=np.int64)
