@@ -43,43 +43,50 @@ def iou_crop(u: np.ndarray, width: np.ndarray, height: np.ndarray, boxes: np.nda
     at least one box, and whose best IoU with such a box reaches the minimum, is taken. No
     window in ROUNDS rounds: the whole image."""
     n = len(width)
-    W = np.asarray(width, np.float64)[:, None, None]
-    H = np.asarray(height, np.float64)[:, None, None]
+    W = np.asarray(width, np.float64)
+    H = np.asarray(height, np.float64)
     u = u.reshape(n, ROUNDS, 1 + 4 * TRIALS)
     thresholds = np.array([np.inf, 0.0, *min_iou])
-    pick = np.minimum((u[:, :, 0] * len(thresholds)).astype(np.int64), len(thresholds) - 1)  # (n, R)
-    r = u[:, :, 1:].reshape(n, ROUNDS, TRIALS, 4)
+    window = np.stack([np.zeros(n), np.zeros(n), W, H], axis=1)  # the whole image, unless a round finds one
+    whole = np.ones(n, bool)
+    todo = np.arange(n)
+    cx = (boxes[..., 0] + boxes[..., 2]) / 2
+    cy = (boxes[..., 1] + boxes[..., 3]) / 2
+    area = (boxes[..., 2] - boxes[..., 0]) * (boxes[..., 3] - boxes[..., 1])
     lo, hi = scale
-    cw = np.floor(W * (lo + (hi - lo) * r[..., 0]))
-    ch = np.floor(H * (lo + (hi - lo) * r[..., 1]))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ar = cw / ch
-    ok = (cw > 0) & (ch > 0) & (ar >= ASPECT[0]) & (ar <= ASPECT[1])
-    left = np.floor((W - cw) * r[..., 2])
-    top = np.floor((H - ch) * r[..., 3])
-    right, bottom = left + cw, top + ch
-    b = boxes[:, None, None, :, :]  # (n, 1, 1, L, 4)
-    cx = (b[..., 0] + b[..., 2]) / 2
-    cy = (b[..., 1] + b[..., 3]) / 2
-    L, T, R_, B = (a[..., None] for a in (left, top, right, bottom))
-    inside = valid[:, None, None, :] & (cx > L) & (cx < R_) & (cy > T) & (cy < B)
-    iw = np.clip(np.minimum(b[..., 2], R_) - np.maximum(b[..., 0], L), 0, None)
-    ih = np.clip(np.minimum(b[..., 3], B) - np.maximum(b[..., 1], T), 0, None)
-    inter = iw * ih
-    area = (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])
-    with np.errstate(divide="ignore", invalid="ignore"):
-        iou = np.where(inside, inter / (area + (cw * ch)[..., None] - inter), -1.0)
-    best = iou.max(axis=-1, initial=-1.0)
-    good = ok & inside.any(axis=-1) & (best >= thresholds[pick][..., None])  # (n, R, T)
-    whole_round = pick == 0
-    round_ok = whole_round | good.any(axis=-1)
-    first_round = np.argmax(round_ok, axis=1)
-    rows = np.arange(n)
-    first_trial = np.argmax(good[rows, first_round], axis=-1)
-    whole = ~round_ok.any(axis=1) | whole_round[rows, first_round]
-    win = np.stack([a[rows, first_round, first_trial] for a in (left, top, right, bottom)], axis=1)
-    full = np.stack([np.zeros(n), np.zeros(n), W[:, 0, 0], H[:, 0, 0]], axis=1)
-    return np.where(whole[:, None], full, win), whole
+    for rnd in range(ROUNDS):  # round by round, over the samples still without a decision
+        if not len(todo):
+            break
+        pick = np.minimum((u[todo, rnd, 0] * len(thresholds)).astype(np.int64), len(thresholds) - 1)
+        r = u[todo, rnd, 1:].reshape(len(todo), TRIALS, 4)
+        w, h = W[todo, None], H[todo, None]
+        cw = np.floor(w * (lo + (hi - lo) * r[..., 0]))
+        ch = np.floor(h * (lo + (hi - lo) * r[..., 1]))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ar = cw / ch
+        ok = (cw > 0) & (ch > 0) & (ar >= ASPECT[0]) & (ar <= ASPECT[1])
+        left = np.floor((w - cw) * r[..., 2])
+        top = np.floor((h - ch) * r[..., 3])
+        right, bottom = left + cw, top + ch
+        b = boxes[todo][:, None]  # (m, 1, L, 4)
+        L, T, R_, B = (a[..., None] for a in (left, top, right, bottom))
+        inside = valid[todo][:, None] & (cx[todo][:, None] > L) & (cx[todo][:, None] < R_) \
+            & (cy[todo][:, None] > T) & (cy[todo][:, None] < B)
+        iw = np.clip(np.minimum(b[..., 2], R_) - np.maximum(b[..., 0], L), 0, None)
+        ih = np.clip(np.minimum(b[..., 3], B) - np.maximum(b[..., 1], T), 0, None)
+        inter = iw * ih
+        with np.errstate(divide="ignore", invalid="ignore"):
+            iou = np.where(inside, inter / (area[todo][:, None] + (cw * ch)[..., None] - inter), -1.0)
+        good = ok & inside.any(axis=-1) & (iou.max(axis=-1, initial=-1.0) >= thresholds[pick][:, None])  # (m, T)
+        keep_whole = pick == 0
+        found = ~keep_whole & good.any(axis=-1)
+        first = np.argmax(good, axis=-1)
+        rows = np.arange(len(todo))
+        sel = todo[found]
+        window[sel] = np.stack([a[rows, first][found] for a in (left, top, right, bottom)], axis=1)
+        whole[sel] = False
+        todo = todo[~(found | keep_whole)]
+    return window, whole
 
 
 def letterbox_size(cw: np.ndarray, ch: np.ndarray, size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
