@@ -78,14 +78,9 @@ class Options:
     def fixed_size(self) -> bool:
         """True when every batch of a given row count has the same bytes: no list field, and
         no ragged field but the one packed with ``pack_to`` (rows of N tokens; one row of
-        the other keys per piece)."""
+        the other keys per piece), no ragged output of a sample transform."""
         return (not self.list_fields and not self.output_ragged
                 and all(d.mode == "pack" for d in self.ragged.values()))
-
-    @property
-    def sample_transform(self) -> SampleTransform | None:
-        """The transform over several fields (``transforms=vision.detection(...)``), if any."""
-        return next((t for t in self.transforms.values() if isinstance(t, SampleTransform)), None)
 
 
 def _resolve_sample(ds, fields: Sequence[str] | None, t: SampleTransform) -> tuple[list[str], dict]:
