@@ -323,3 +323,12 @@ def test_images_above_max_pixels_are_refused_before_decoding(boxes_ds):
             fastload.Loader(boxes_ds, batch_size=4, shuffle=False,
                             transforms=vision.detection(32, max_pixels=20_000)) as lo:
         next(iter(lo))
+
+
+def test_a_state_with_other_box_delivery_is_refused(boxes_ds):
+    with fastload.Loader(boxes_ds, batch_size=4, transforms=vision.detection(32)) as lo:
+        state = lo.state_dict()
+    assert state["ragged"]["boxes"]["mode"] == "padded"
+    with fastload.Loader(boxes_ds, batch_size=4, transforms=vision.detection(32), ragged="packed") as lo:
+        with pytest.raises(ValueError, match="ragged"):
+            lo.load_state_dict(state)

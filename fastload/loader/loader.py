@@ -289,7 +289,7 @@ class Loader:
             "batch_size": self.batch_size,
             "fields": self.fields,
             "transforms": {n: t.describe() for n, t in self._options.transforms.items()},
-            "ragged": {n: d.describe() for n, d in self._options.ragged.items()},
+            "ragged": {n: d.describe() for n, d in {**self._options.ragged, **self._options.output_ragged}.items()},
             "seed": self.seed,
             "sampler": self._sampler.state_dict(consumed=self._progress.position),
         }
