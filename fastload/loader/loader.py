@@ -67,7 +67,10 @@ class Loader:
             environment variables, else a single process.
         fields: fields to deliver (default: every tensor, scalar and image field; string and
             bytes fields are delivered as lists when named here).
-        transforms: ``{image_field: fastload.vision.train(224) | eval(...) | custom(...)}``.
+        transforms: ``{image_field: fastload.vision.train(224) | eval(...) | custom(...)}``, or
+            one transform over several fields: ``fastload.vision.detection(640)``,
+            ``segmentation(512)``, ``custom(build, inputs=..., outputs=...)`` (its outputs
+            replace the fields it reads; ragged outputs follow ``ragged=``/``pad_value=``).
         threads: gather threads (default: this rank's share of the usable cores, i.e. the
             cores divided by ``LOCAL_WORLD_SIZE``, minus one; at least 1, at most 7).
         prefetch: batches in flight (default: enough to keep the gather threads busy, up
@@ -301,7 +304,7 @@ class Loader:
             "batch_size": self.batch_size,
             "fields": self.fields,
             "transforms": {n: t.describe() for n, t in self._options.transforms.items()},
-            "ragged": {n: d.describe() for n, d in self._options.ragged.items()},
+            "ragged": {n: d.describe() for n, d in {**self._options.ragged, **self._options.output_ragged}.items()},
             "seed": self.seed,
             # the pass's position, unless the sampler was set to another epoch since (Lightning
             # calls loader.sampler.set_epoch, not loader.set_epoch): then the sampler's own count

@@ -37,7 +37,9 @@ def copy_to_cuda(dali_tensor, shape: tuple, dtype_name: str, device_id: int, str
 
 def _torch_dtypes() -> dict:
     import torch
-    return {"float32": torch.float32, "float16": torch.float16, "uint8": torch.uint8}
+    return {"float32": torch.float32, "float16": torch.float16, "uint8": torch.uint8, "int64": torch.int64,
+            "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "float64": torch.float64,
+            "bool": torch.bool}
 
 
 class _LazyDtypes(dict):
