@@ -41,6 +41,28 @@ says something about a GPU:
   (as a DMA does), and a new device tensor is filled with ``POISON`` bytes: so a host buffer
   reused before its copy ran, or a device tensor read on a stream that did not wait for the
   copy, shows up as wrong bytes.
+* **A caching allocator, per stream.** A device tensor is a block handed out on the stream
+  current when it was allocated (torch's allocator pools freed blocks per stream). When the
+  tensor goes, its block is free for that stream again at once, or, for streams given with
+  ``record_stream``, once they have reached where they were then. Handing a block out again
+  lets its stream's queued work run first (a schedule a real GPU may take), then poisons
+  it: work of another stream still queued on it (a training step that ran later) reads
+  garbage, and the reuse raises :class:`CudaHazard` ("used on that stream without
+  record_stream"). Work on a tensor from a stream that never waited for an event recorded
+  after its allocation raises too (DALI's output allocated off the copying stream). Only
+  tensors made by the fake carry a block: views and the results of arithmetic do not.
+* **Copies read by address.** A ``non_blocking`` copy out of page-locked memory reads its
+  source by address when it runs and holds no reference to it (a ``cudaMemcpyAsync``
+  holds none), so nothing but the code under test keeps a ring slot alive; memory no longer
+  registered by then reads as ``POISON`` (and ``cudaHostUnregister`` under a queued copy
+  raises).
+* **Released ring slots are poisoned.** fastload's ``Ring.get_batch`` is wrapped so that the
+  moment the last view of a batch goes, its slot's bytes become ``POISON`` *before* the slot
+  goes back to the ring: a copy that still reads a released slot reads garbage every time.
+  ``FakeCuda.strict = False`` keeps hazards in ``FakeCuda.hazards`` without raising.
+* **Streams of fastload's own.** ``fastload.runtime.device`` creates its streams through the
+  process's ``libcudart`` (``cudaStreamCreateWithFlags``): here :attr:`FakeCuda.runtime_lib`,
+  and ``torch.cuda.ExternalStream`` wraps the handle as a fake stream.
 * **Blocking copies.** ``Tensor.to(cuda, non_blocking=False)`` is ``memcpy_and_sync``
   (``ATen/native/cuda/Copy.cu``): the copy runs and the host waits for its stream; it is
   recorded in ``copies`` with ``non_blocking=False`` and in ``host_waits``.

@@ -170,8 +170,8 @@ def _reason(e: BaseException) -> str:
     return reason(e)
 
 
-def _jpeg(w: int, h: int) -> "np.ndarray":
-    """A valid, smooth ``w`` x ``h`` RGB JPEG."""
+def _jpeg(w: int, h: int):
+    """A valid, smooth ``w`` x ``h`` RGB JPEG (its bytes as a uint8 array)."""
     import io
 
     import numpy as np
