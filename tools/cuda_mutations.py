@@ -3,7 +3,8 @@
 
 Each mutation below is a real GPU bug (a slot released before its copy ran, a missing
 ``record_stream``, DALI's output allocated on the wrong stream, a missing wait, a thread on
-the wrong device, ...), written into a temporary copy of the package. The fake-CUDA tests
+the wrong device, and the review's G1, G6, G7 and G8 undone), written into a temporary copy
+of the package. The fake-CUDA tests
 (tests/fake_cuda.py) are run against each copy; a mutation is *killed* when they fail.
 Prints one line per mutation and ``killed K of N mutations``; exits 1 unless every mutation
 is killed (2 if the tests fail on the unmutated copy, or a mutation no longer applies: the
@@ -63,6 +64,13 @@ MUTATIONS = [
              "fastload/loader/cuda.py", r"self\._torch\.cuda\.set_stream\(self\._stream\)", "None"),
     Mutation("wrong-device", "fastload's threads select cuda:0, not the loader's device (a context per rank on GPU 0)",
              "fastload/runtime/device.py", r"torch\.cuda\.set_device\(device\)", "torch.cuda.set_device(0)"),
+    Mutation("gpu-run-captures-stderr", "G6: every GPU run redirects the process's standard error",
+             "fastload/pipeline/runner.py", r' and self\.device != "cuda"\)', ")"),
+    Mutation("ranks-on-cuda-0", "G7: with fewer ranks than GPUs, every rank's batches land on cuda:0",
+             "fastload/runtime/device.py", r"if on_local and not on_0:\n(\s+)return local", r"if False:\n\1pass"),
+    Mutation("pooled-side-stream", "G8: the side stream comes from torch's shared pool (maybe the user's stream)",
+             "fastload/loader/cuda.py", r"self\._stream = private_stream\(device\)",
+             "self._stream = torch.cuda.Stream(device=device)"),
     Mutation("unpin-under-copy", "slots unregistered while copies out of them are still queued",
              "fastload/loader/cuda.py", r"if self\._inflight:\n(\s+)self\._reap\(block=True\)",
              r"if self._inflight:\n\1pass"),
