@@ -229,3 +229,32 @@ def test_without_a_reachable_runtime_the_stream_is_torch_s(fake, monkeypatch):
     assert s.device_index == 1 and fake.calls_of("cudaStreamCreateWithFlags") == []
     D.release_stream(s)  # a pooled torch stream: not kept
     assert D._free_streams == {}
+
+
+def test_a_device_transform_that_raises_keeps_the_slot_until_its_copy_ran(fake):
+    """The copies are queued before the transform runs: when it raises, the slot must still
+    wait for them (and close() for them before unregistering the slot)."""
+    from fastload.loader.cuda import CudaDelivery
+    from fastload.ring.ring import Ring
+    from fastload.runtime.device import guard
+
+    x = np.arange(64 * 4, dtype=np.int64).reshape(64, 4)
+    with Ring({"x": (np.int64, (4,)), "index": (np.int64, ())}, 8, {"x": [x]}, index_field="index", threads=1,
+              slots=4) as ring:
+        delivery = CudaDelivery(ring, torch.device("cuda", 1))
+        try:
+            ring.submit(np.zeros(8, np.int64), np.arange(8), index=np.arange(8))
+
+            def boom(batch):
+                raise ZeroDivisionError
+
+            with pytest.raises(ZeroDivisionError):
+                delivery.deliver(ring.get_batch(), device_fn=boom)
+            assert ring.stats()["in_use"] == 1 and fake.poisoned_slots == 0  # held by the queued copy
+            fake.run_gpu()
+            with guard(torch.device("cuda", 1)):
+                delivery._reap(block=False)
+            assert ring.stats()["in_use"] == 0 and fake.poisoned_slots == 1
+        finally:
+            delivery.close()  # raises CudaHazard if it unregistered under a queued copy
+    assert fake.hazards == []

@@ -90,17 +90,19 @@ class CudaDelivery:
             with torch.cuda.stream(self._stream):
                 out = {k: t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
                        for k, t in host.items()}
-                if device_fn is not None:
-                    out = device_fn(out)
-                ev = torch.cuda.Event(blocking=True)  # the host may wait for it (above, close)
-                ev.record(self._stream)
+                try:
+                    if device_fn is not None:
+                        out = device_fn(out)
+                finally:  # even when the transform raised: the copies are queued all the same
+                    ev = torch.cuda.Event(blocking=True)  # the host may wait for it (above, close)
+                    ev.record(self._stream)
+                    # The host tensors hold the slot lease: the slot is refilled only after `ev`.
+                    self._inflight.append((ev, (lease, host)))
             current = torch.cuda.current_stream(self._device)
             current.wait_stream(self._stream)  # the training stream never sees a half copy
             for t in out.values():
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(current)  # output memory is not reused before `current` is done
-            # The host tensors hold the slot lease: the slot is refilled only after `ev`.
-            self._inflight.append((ev, (lease, host)))
             self.copy_s += time.perf_counter() - t0
         return out
 
