@@ -486,8 +486,8 @@ class _FakeCudart:
             code = SUCCESS if ptr in fake.registered else ERROR_HOST_MEMORY_NOT_REGISTERED
             if code == SUCCESS:
                 size = fake.registered[ptr][0]
-                pending = [(p, n) for p, n, s, pos in fake._dma_reads
-                           if s.executed < pos and p < ptr + size and ptr < p + n]
+                fake._dma_reads = [r for r in fake._dma_reads if r[2].executed < r[3]]  # those still queued
+                pending = [(p, n) for p, n, s, pos in fake._dma_reads if p < ptr + size and ptr < p + n]
                 if pending:
                     fake._hazard(f"cudaHostUnregister({ptr:#x}) while {len(pending)} copy(ies) out of it have not run")
             if code == SUCCESS:
