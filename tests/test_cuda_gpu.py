@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import fastload
 from fastload import Loader, vision
@@ -33,6 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _jpeg(a: np.ndarray, **kw) -> bytes:
     b = io.BytesIO()
+    from PIL import Image  # here: the raw-field tests run without Pillow
+
     Image.fromarray(a).save(b, "JPEG", quality=95, **kw)
     return b.getvalue()
 
@@ -41,6 +42,7 @@ def _jpeg(a: np.ndarray, **kw) -> bytes:
 def exif_ds(tmp_path_factory):
     """Photos stored rotated with an EXIF orientation (3, 6, 8), and upright twins."""
     pytest.importorskip("nvidia.dali", reason="image tests need DALI")
+    Image = pytest.importorskip("PIL.Image")
     root = tmp_path_factory.mktemp("exif")
     p = photos(["astronaut", "chelsea", "coffee"])
     for name, img in p.items():
