@@ -251,7 +251,10 @@ class Runner(BadSampleSearch):
                 out = torch.from_numpy(out)
         if n > self._pipeline_batch():
             return self._run_chunked(encoded, params, n, out)
-        res, err = self._try(encoded, params, capture=not self.whole_batches)
+        # Standard error is captured (quiet.py) for the runs that may fail on a bad image; on a
+        # GPU only the search for a bad sample after a failed run: descriptor 2 is the whole
+        # process's, and a GPU run is most of the time, so other libraries' messages would go.
+        res, err = self._try(encoded, params, capture=not self.whole_batches and self.device != "cuda")
         if err is not None:
             self._raise_bad(self._locate_bad(encoded, params, err), n, err)
         return self._deliver(res, n, out, params)
@@ -320,6 +323,11 @@ class Runner(BadSampleSearch):
 
     def close(self) -> None:
         self._drop_pipeline()
+        stream, self._copy_stream = self._copy_stream, None
+        if stream is not None:
+            from ..runtime.device import release_stream
+
+            release_stream(stream)
         cpu, self._cpu = self._cpu, None
         if cpu is not None:
             cpu.close()
