@@ -7,8 +7,7 @@
 #      when pybind11 is installed; else (setup.py imports pybind11, and pip cannot fetch it
 #      offline) tools/build_ext_inplace.py compiles csrc/ against the pybind11 headers torch
 #      ships, and the tree is used through PYTHONPATH;
-#   2. `pytest -m cuda` outside tests/test_cuda_gpu.py (without DALI the image tests skip;
-#      two tests that need DALI but do not say so are deselected, named in the table);
+#   2. `pytest -m cuda` outside tests/test_cuda_gpu.py (without DALI the image tests skip);
 #   3. the fake-free CUDA delivery tests: tests/test_cuda_gpu.py (slow ones included);
 #   4. `fastload doctor --device cuda` (without DALI its dali check fails: expected here);
 #   5. bench/bench_tensor.py --device cuda: fastload's page-locked host-to-device rate against
@@ -97,15 +96,9 @@ if ! "$PY" -c 'import fastload._C' >>"$LOG" 2>&1; then
   FAILED=1
 else
   # 2. the cuda-marked tests, the delivery tests apart
-  deselect=()
-  if [[ $DALI == no ]]; then  # these need DALI and do not importorskip it
-    deselect=(--deselect tests/test_loader.py::test_cuda_batches
-              --deselect tests/test_pipeline.py::test_cuda_graph_matches_cpu_graph)
-    ROWS+=("| deselected (need DALI, no importorskip) | - | 0 | tests/test_loader.py::test_cuda_batches, tests/test_pipeline.py::test_cuda_graph_matches_cpu_graph |")
-  fi
   if [[ $HAVE_PYTEST == yes ]]; then
     step "pytest -m cuda (but test_cuda_gpu.py)" 150 "" \
-      "${PYTEST[@]}" -m cuda --ignore=tests/test_cuda_gpu.py ${deselect[@]+"${deselect[@]}"} -rs
+      "${PYTEST[@]}" -m cuda --ignore=tests/test_cuda_gpu.py -rs
     # 3. the fake-free delivery tests
     step "delivery tests (tests/test_cuda_gpu.py)" 200 "" "${PYTEST[@]}" tests/test_cuda_gpu.py -rs
   else
