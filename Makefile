@@ -10,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fastload-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install docs clean
 demo: $(STAMP)
 	$(VENV)/bin/fastload demo
 
@@ -18,6 +18,17 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 install: $(STAMP)
+
+# The documentation site into site/ (docs/, mkdocs.yml): the docs extra on top of the same .venv.
+# --strict: a broken link, a page missing from the nav or a docstring the API reference cannot
+# parse fails the build.
+DOCS_STAMP := $(VENV)/.fastload-docs-installed
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,docs]' --config-settings editable_mode=compat
+	touch $(DOCS_STAMP)
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,4 +38,4 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	touch $(STAMP)
 
 clean:
-	rm -rf build *.egg-info fastload/_C*.so fastload-demo
+	rm -rf build *.egg-info fastload/_C*.so fastload-demo site

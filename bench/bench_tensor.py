@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_tensor.py            # full run (about two minutes on 2 cores)
     .venv/bin/python bench/bench_tensor.py --smoke    # tiny sizes, one repeat (seconds)
     .venv/bin/python bench/bench_tensor.py --sweep    # threads x slots grid (sets defaults)
+    .venv/bin/python bench/bench_tensor.py --device cuda [--smoke]   # host-to-device only (a GPU)
 
 Cases (all shuffled; each figure is the median (min–max) of several repeats after a warm-up):
   * MNIST: 60,000 x 784 float32 + int64 labels, batch 300. Rows:
@@ -26,6 +27,13 @@ Cases (all shuffled; each figure is the median (min–max) of several repeats af
   * Large samples: 2,000 x 3x224x224 uint8 + int64 labels, batch 64 (DataLoader epochs of 8
     random batches).
   * Hand-off overhead: 1-row batches of one int64; microseconds per batch through the ring.
+  * ``--device cuda`` (instead of the above): host-to-device, the same batch bytes each way,
+    round-robin: the whole ``Loader(device="cuda")`` (gather + page-locked slots + copies on
+    its side stream); fastload's copy alone (a ``cudaHostRegister``'d host buffer, as the
+    ring's slots are, ``.to(cuda, non_blocking=True)`` on a side stream: what CudaDelivery
+    does per batch, a new device tensor each); torch's own pinned copy (``pin_memory()``
+    memory, i.e. ``cudaHostAlloc``); a raw ``cudaMemcpyAsync`` of the registered buffer into
+    one preallocated device buffer (the limit); and a pageable copy for reference.
 
 Every row of a case, DataLoader rows included, is measured round-robin (Loader, ring, ...,
 DataLoader, take, memcpy, Loader, ...) so ratios hold on a machine whose memory bandwidth
@@ -373,6 +381,112 @@ def sweep(repeats: int, smoke: bool) -> None:
             print(f"{threads:7d} " + " ".join(cells))
 
 
+def case_h2d(title: str, n: int, shape, dtype, batch: int, repeats: int) -> list[Measurement]:
+    """Host-to-device rates on the same bytes (see the module docstring, ``--device cuda``)."""
+    import ctypes
+    import tempfile
+
+    import fastload
+    from fastload.runtime.device import _torch_cudart
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.empty(1, device=dev)  # the context, and libcudart mapped
+    lib = _torch_cudart()
+    x, y = make_arrays(n, shape, dtype)
+    batches = n // batch
+    bb = batch * x[0].nbytes  # bytes of one batch of the tensor field
+    side = torch.cuda.Stream(device=dev)
+    host = np.empty(bb + 4096, np.uint8)  # page-aligned start, as a ring slot
+    off = (-host.ctypes.data) % 4096
+    reg = host[off:off + bb]
+    reg[:] = x[:batch].reshape(-1).view(np.uint8)
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(reg.ctypes.data, bb, 1)) != 0:
+        raise RuntimeError("cudaHostRegister failed (ulimit -l?)")
+    pinned = torch.from_numpy(reg.copy()).pin_memory()
+    pageable = torch.from_numpy(reg.copy())
+    reg_t = torch.from_numpy(reg)
+    dst = torch.empty(bb, dtype=torch.uint8, device=dev)
+    nb = batches * bb
+
+    def copies(src) -> None:
+        with torch.cuda.stream(side):
+            for _ in range(batches):
+                src.to(dev, non_blocking=True)
+        side.synchronize()
+
+    def memcpy_async() -> None:
+        fn = lib.cudaMemcpyAsync
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        for _ in range(batches):
+            if fn(dst.data_ptr(), reg.ctypes.data, bb, 1, side.cuda_stream) != 0:  # cudaMemcpyHostToDevice
+                raise RuntimeError("cudaMemcpyAsync failed")
+        side.synchronize()
+
+    with tempfile.TemporaryDirectory(prefix="fastload-bench-") as d:
+        spec = f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
+        with fastload.ShardWriter(d + "/ds", {"x": spec, "label": "int64"}, label="label") as wr:
+            wr.write_batch({"x": x, "label": y})
+        lo = fastload.Loader(d + "/ds", batch_size=batch, device=dev, drop_last=True)
+
+        def loader_epoch() -> None:
+            for _ in lo:
+                pass
+            torch.cuda.synchronize(dev)
+
+        fns = {"loader": loader_epoch, "ours": lambda: copies(reg_t), "torch": lambda: copies(pinned),
+               **({"memcpy": memcpy_async} if lib is not None else {}), "pageable": lambda: copies(pageable)}
+        try:
+            times = interleaved_times(fns, repeats=repeats)
+        finally:
+            lo.close()
+            cudart.cudaHostUnregister(reg.ctypes.data)
+    per = x[0].nbytes
+    rows = [Measurement.from_times("fastload Loader(device=cuda)", batches * batch, batches * batch * (per + 16),
+                                   times["loader"], "ours", "gather + page-locked slots + copies on its side stream "
+                                   "(label and index included)", group="h2d"),
+            Measurement.from_times("fastload copy: registered slot, .to(non_blocking) on a side stream",
+                                   batches * batch, nb, times["ours"], "ours",
+                                   "cudaHostRegister'd buffer, a new device tensor per batch (CudaDelivery)", group="h2d"),
+            Measurement.from_times("torch pinned copy (pin_memory, .to(non_blocking))", batches * batch, nb,
+                                   times["torch"], "other", "cudaHostAlloc'd buffer", group="h2d")]
+    if "memcpy" in times:
+        rows.append(Measurement.from_times("cudaMemcpyAsync (registered buffer, one device buffer)",
+                                           batches * batch, nb, times["memcpy"], "limit", "the raw runtime call",
+                                           group="h2d"))
+    rows.append(Measurement.from_times("pageable copy (.to(non_blocking) from unpinned memory)", batches * batch, nb,
+                                       times["pageable"], "other", "staged by the driver", group="h2d"))
+    print_table(f"{title}: host to {dev} ({torch.cuda.get_device_name(dev)})", rows)
+    return rows
+
+
+def main_cuda(args) -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: --device cuda needs a GPU (and a CUDA build of torch)")
+        return 2
+    repeats = args.repeats or (2 if args.smoke else 5)
+    print(f"# fastload bench_tensor --device cuda — {system_info()}")
+    t0 = time.perf_counter()
+    cases = [("Large samples", 512 if args.smoke else 2_000, (3, 224, 224), np.uint8, 64),
+             ("MNIST", 6_000 if args.smoke else 60_000, (784,), np.float32, 300)]
+    lines = []
+    for name, n, shape, dtype, batch in cases:
+        rows = case_h2d(f"{name}: {n:,} x {'x'.join(map(str, shape))} {np.dtype(dtype).name}, batch {batch}",
+                        n, shape, dtype, batch, repeats)
+        loader, ours, torch_row = rows[0], rows[1], rows[2]
+        lim = next((r for r in rows if r.kind == "limit"), None)
+        text = (f"{name}: Loader {loader.gb_per_s:.1f} GB/s; fastload copy {ours.gb_per_s:.1f} GB/s = "
+                f"{100 * ours.gb_per_s / torch_row.gb_per_s:.0f}% of torch's pinned copy ({torch_row.gb_per_s:.1f})")
+        if lim is not None:
+            text += f", {100 * ours.gb_per_s / lim.gb_per_s:.0f}% of cudaMemcpyAsync ({lim.gb_per_s:.1f})"
+        lines.append(text + f"; pageable {rows[-1].gb_per_s:.1f}")
+    print("\n## Host to device (GB/s of the batches' bytes, median of the repeats)")
+    for ln in lines:
+        print(ln)
+    print(f"(total {time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes and one repeat")
@@ -380,7 +494,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="ring producer threads (default: auto)")
     ap.add_argument("--slots", type=int, default=None, help="ring slots (default: auto)")
     ap.add_argument("--sweep", action="store_true", help="measure a threads x slots grid")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the host-to-device case only (needs a GPU)")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        return main_cuda(args)
     repeats = args.repeats or (1 if args.smoke else 7)
     print(f"# fastload bench_tensor — {system_info()}")
     print(f"# Ring defaults here: threads={default_threads()}, slots={default_slots(default_threads())}")

@@ -3,13 +3,13 @@
     python bench/run_all.py                # the full suite (tens of minutes on 2 cores)
     python bench/run_all.py --smoke        # tiny sizes: checks every script still works (CI)
     python bench/run_all.py --only tensor,jpeg --out results.txt
-    python bench/run_all.py --readme       # full suite, then rewrite README.md's results table
+    python bench/run_all.py --docs         # full suite, then rewrite the docs' Results table
 
 Exits non-zero if any script fails. ``--out`` also writes everything printed to a file. Every
 script records its headline (fastload, the baseline, the limit, measured in one run) through
 ``fastload.bench.report.headline``; ``--results FILE`` writes those records as JSON, ``--markdown FILE`` as
-the results table, and ``--readme`` replaces the table between the markers in README.md (full
-runs only: smoke-size figures never reach the README).
+the results table, and ``--docs`` replaces the table between the markers in docs/benchmarks.md
+(full runs only: smoke-size figures are never published). ``--readme`` is its old name.
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from fastload.bench.report import RESULTS_ENV, markdown_table
 
 HERE = Path(__file__).resolve().parent
 
-README = HERE.parent / "README.md"
+RESULTS_PAGE = HERE.parent / "docs" / "benchmarks.md"  # the Benchmarks page of the docs site
 BEGIN, END = "<!-- bench-results:begin -->", "<!-- bench-results:end -->"
-_FIRST = ["tensor", "tokens", "jpeg", "loop", "cow", "sampler", "open", "convert", "remote", "verify"]  # README order
+_FIRST = ["tensor", "tokens", "jpeg", "loop", "cow", "sampler", "open", "convert", "remote", "verify"]  # table order
 SCRIPTS = sorted((p.stem[len("bench_"):] for p in HERE.glob("bench_*.py")),
                  key=lambda n: (_FIRST.index(n) if n in _FIRST else len(_FIRST), n))
 
@@ -40,11 +40,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the output to this file")
     ap.add_argument("--results", default=None, help="write every script's headline record (JSON) here")
     ap.add_argument("--markdown", default=None, help="write the results table (markdown) here")
-    ap.add_argument("--readme", action="store_true",
-                    help="rewrite README.md's results table from this run (full runs only)")
+    ap.add_argument("--docs", "--readme", dest="docs", action="store_true",
+                    help="rewrite the Results table of docs/benchmarks.md from this run (full runs only)")
     a = ap.parse_args(argv)
-    if a.readme and a.smoke:
-        ap.error("--readme publishes figures: run the full suite, not --smoke")
+    if a.docs and a.smoke:
+        ap.error("--docs publishes figures: run the full suite, not --smoke")
     names = SCRIPTS if a.only is None else [n.strip() for n in a.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCRIPTS]
     if unknown:
@@ -91,26 +91,26 @@ def main(argv=None) -> int:
         Path(a.results).write_text(json.dumps(records, indent=1) + "\n")
     if a.markdown:
         Path(a.markdown).write_text(table + "\n")
-    if a.readme:
-        update_readme(records, table, names)
+    if a.docs:
+        update_results_page(records, table, names)
     return 0
 
 
-def update_readme(records: list[dict], table: str, names: list[str], readme: Path = README) -> None:
-    """Replace the text between BEGIN and END in README.md (written to a temporary file and
-    renamed, so an interrupted run never leaves a half-written README)."""
-    text = readme.read_text()
+def update_results_page(records: list[dict], table: str, names: list[str], page: Path = RESULTS_PAGE) -> None:
+    """Replace the text between BEGIN and END in docs/benchmarks.md (written to a temporary
+    file and renamed, so an interrupted run never leaves a half-written page)."""
+    text = page.read_text()
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise SystemExit(f"{readme}: expected one {BEGIN} ... {END} block to replace")
+        raise SystemExit(f"{page}: expected one {BEGIN} ... {END} block to replace")
     machines = sorted({r["machine"] for r in records})
     only = "" if set(names) == set(SCRIPTS) else f" --only {','.join(names)}"
-    block = (f"{BEGIN}\n_Generated on {datetime.date.today().isoformat()} by `python bench/run_all.py --readme{only}` "
+    block = (f"{BEGIN}\n_Generated on {datetime.date.today().isoformat()} by `python bench/run_all.py --docs{only}` "
              f"on: {'; '.join(machines)}._\n\n{table}\n{END}")
     head, rest = text.split(BEGIN, 1)
-    tmp = readme.with_suffix(".md.tmp")
+    tmp = page.with_suffix(".md.tmp")
     tmp.write_text(head + block + rest.split(END, 1)[1])
-    os.replace(tmp, readme)
-    print(f"\nwrote the results table into {readme}")
+    os.replace(tmp, page)
+    print(f"\nwrote the results table into {page}")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,15 @@ def cmd_convert(a, out: Output) -> int:
               image_columns=a.image_column or (), max_pixels=a.max_pixels, progress=not a.quiet,
               engine=a.engine, ray_address=a.ray_address, resume=a.resume,
               allow_small_shards=a.force_small_shards, max_size=a.max_size, quality=a.quality)
+    if a.kind == "coco":  # fastload convert coco INSTANCES_JSON IMAGES_DIR DST
+        if a.coco_dst is None:
+            raise UsageError("coco takes three paths: fastload convert coco INSTANCES_JSON IMAGES_DIR DST", code=2)
+        a.dst, a.coco_dst = a.coco_dst, a.dst
+        kw.update(images=a.coco_dst, masks=a.masks, skip_empty=a.skip_empty)
+    elif a.coco_dst is not None or a.masks or a.skip_empty:
+        extra = f"a third path ({a.coco_dst})" if a.coco_dst is not None else ("--masks" if a.masks else "--skip-empty")
+        raise UsageError(f"{extra}: only for coco sources (fastload convert coco INSTANCES_JSON IMAGES_DIR DST)",
+                         code=2)
     kw.update({k: v for k, v in (("min_frames", a.min_frames), ("video_codec", a.video_codec)) if v is not None})
     try:  # (an object-store DST: see convert(); every engine writes there, the manifest last)
         r = convert(a.kind, a.src, a.dst, overwrite=a.overwrite, **kw)
@@ -234,11 +243,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     c = sub.add_parser("convert", help="turn a source (image folder, arrays, table, tar shards) into a dataset")
-    c.add_argument("kind", choices=["imagefolder", "arrays", "table", "webdataset", "videofolder", "audiofolder"],
-                   help="source kind")
+    c.add_argument("kind", choices=["imagefolder", "arrays", "table", "webdataset", "coco", "videofolder",
+                                    "audiofolder"], help="source kind")
     c.add_argument("src", help="source file or directory")
     c.add_argument("dst", help="dataset directory to create (must be new or empty), or an object-store URL "
                                "(s3://, gs://, az://): shards uploaded (by the tasks with ray/torch), the manifest last")
+    c.add_argument("coco_dst", nargs="?", default=None, metavar="COCO_DST",
+                   help="coco only: `convert coco INSTANCES_JSON IMAGES_DIR DST` (SRC is the JSON, then the "
+                        "images folder, then DST)")
+    c.add_argument("--masks", action="store_true",
+                   help="coco: add a 'mask' field, an 8-bit PNG of category ids per image (0 = background; ids "
+                        "must be 1..255), rasterised from polygons and RLE")
+    c.add_argument("--skip-empty", action="store_true", help="coco: leave out images without annotations")
     c.add_argument("--workers", type=int, default=None,
                    help="tasks converting at once: validation processes (local, default: CPU count), Ray tasks "
                         "(ray, default: the cluster's CPUs), worker processes of all ranks together (torch, split "

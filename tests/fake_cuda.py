@@ -41,6 +41,28 @@ says something about a GPU:
   (as a DMA does), and a new device tensor is filled with ``POISON`` bytes: so a host buffer
   reused before its copy ran, or a device tensor read on a stream that did not wait for the
   copy, shows up as wrong bytes.
+* **A caching allocator, per stream.** A device tensor is a block handed out on the stream
+  current when it was allocated (torch's allocator pools freed blocks per stream). When the
+  tensor goes, its block is free for that stream again at once, or, for streams given with
+  ``record_stream``, once they have reached where they were then. Handing a block out again
+  lets its stream's queued work run first (a schedule a real GPU may take), then poisons
+  it: work of another stream still queued on it (a training step that ran later) reads
+  garbage, and the reuse raises :class:`CudaHazard` ("used on that stream without
+  record_stream"). Work on a tensor from a stream that never waited for an event recorded
+  after its allocation raises too (DALI's output allocated off the copying stream). Only
+  tensors made by the fake carry a block: views and the results of arithmetic do not.
+* **Copies read by address.** A ``non_blocking`` copy out of page-locked memory reads its
+  source by address when it runs and holds no reference to it (a ``cudaMemcpyAsync``
+  holds none), so nothing but the code under test keeps a ring slot alive; memory no longer
+  registered by then reads as ``POISON`` (and ``cudaHostUnregister`` under a queued copy
+  raises).
+* **Released ring slots are poisoned.** fastload's ``Ring.get_batch`` is wrapped so that the
+  moment the last view of a batch goes, its slot's bytes become ``POISON`` *before* the slot
+  goes back to the ring: a copy that still reads a released slot reads garbage every time.
+  ``FakeCuda.strict = False`` keeps hazards in ``FakeCuda.hazards`` without raising.
+* **Streams of fastload's own.** ``fastload.runtime.device`` creates its streams through the
+  process's ``libcudart`` (``cudaStreamCreateWithFlags``): here :attr:`FakeCuda.runtime_lib`,
+  and ``torch.cuda.ExternalStream`` wraps the handle as a fake stream.
 * **Blocking copies.** ``Tensor.to(cuda, non_blocking=False)`` is ``memcpy_and_sync``
   (``ATen/native/cuda/Copy.cu``): the copy runs and the host waits for its stream; it is
   recorded in ``copies`` with ``non_blocking=False`` and in ``host_waits``.
@@ -55,9 +77,12 @@ runs at once on the host and returns plain tensors: no stream semantics there.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
+import ctypes
 import threading
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -101,6 +126,31 @@ class CudaError:
 
     def __repr__(self) -> str:
         return f"<cudaError.{self.code}>"
+
+
+class CudaHazard(AssertionError):
+    """Work a real GPU could run in an order that corrupts data: memory reused while a stream
+    that was never recorded on it (``record_stream``) still had work queued on it, a tensor
+    used on a stream that never waited for its allocation, page-locked memory unregistered
+    under a pending copy. Raised where the code under test made the mistake (with
+    ``FakeCuda.strict``, the default) and kept in ``FakeCuda.hazards``."""
+
+
+class _Block:
+    """One block of the fake caching allocator: device memory handed out on one stream (torch
+    pools freed blocks per stream and hands one out again on that stream only)."""
+
+    __slots__ = ("buf", "device", "stream", "nbytes", "alloc_pos", "recorded", "uses", "free_events")
+
+    def __init__(self, buf: torch.Tensor, device: int, stream: "FakeStream", nbytes: int):
+        self.buf = buf  # uint8 host memory standing for the device memory (owned by the allocator)
+        self.device = device
+        self.stream = stream  # the allocation stream
+        self.nbytes = nbytes
+        self.alloc_pos = len(stream.ops)  # the allocation stream's position when handed out
+        self.recorded: set = set()  # streams given with record_stream
+        self.uses: list[tuple[FakeStream, int]] = []  # (stream, position) of queued work touching it
+        self.free_events: list[tuple[FakeStream, int]] = []  # (stream, position) it waits for once freed
 
 
 @dataclass
@@ -166,6 +216,11 @@ class FakeStream:
         self.priority = priority
         self.ops: list[_Op] = []
         self.executed = 0
+        # ordering: {stream: n} = this stream's later work runs after that stream's first n ops
+        # (through event waits, transitively); with its history, for other streams' waits
+        self.clock: dict = {}
+        self._hist_pos: list[int] = []
+        self._hist_clock: list[dict] = []
         if _handle != 0:  # torch: `with torch.cuda.device(device)` around the creation
             fake._call("stream_create", idx, stream=self)
             fake.streams.append(self)
@@ -207,6 +262,24 @@ class FakeStream:
         return f"<FakeStream device=cuda:{self.device_index} cuda_stream={self.cuda_stream:#x}>"
 
     # -- the fake GPU -------------------------------------------------------------------------
+    def _clock_at(self, pos: int) -> dict:
+        """What work that waits for this stream's first ``pos`` ops is ordered after."""
+        i = bisect.bisect_right(self._hist_pos, pos) - 1
+        out = dict(self._hist_clock[i]) if i >= 0 else {}
+        out[self] = max(out.get(self, 0), pos)
+        return out
+
+    def _merge(self, clock: dict) -> None:
+        for k, v in clock.items():
+            if k != self and v > self.clock.get(k, 0):
+                self.clock[k] = v
+        self._hist_pos.append(len(self.ops))
+        self._hist_clock.append(dict(self.clock))
+
+    def after(self, other: "FakeStream", pos: int) -> bool:
+        """Whether work enqueued on this stream now runs after ``other``'s first ``pos`` ops."""
+        return other == self or self.clock.get(other, -1) >= pos  # a wait at or after `pos`
+
     def _enqueue(self, op: _Op) -> int:
         self.ops.append(op)
         if self._fake.eager:
@@ -262,6 +335,7 @@ class FakeEvent:
         if self.stream is None:
             return
         stream._enqueue(_Op("wait", wait_for=(self.stream, self.position)))
+        stream._merge(self.stream._clock_at(self.position))
 
     def elapsed_time(self, end: "FakeEvent") -> float:
         """Milliseconds of modelled GPU time between two events of one stream (the kernels of
@@ -297,6 +371,29 @@ class FakeCudaTensor(torch.Tensor):
     def _host(self) -> torch.Tensor:
         """The bytes on the "device" as a plain host tensor (no copy, no stream semantics)."""
         return self.as_subclass(torch.Tensor)
+
+
+class _PoisonLease:
+    """Holds a ring batch (and so its slot's lease); when the last view of the batch goes,
+    poisons the slot's bytes *before* the slot is released (no producer can be filling it)."""
+
+    def __init__(self, fake: "FakeCuda", rb):
+        self.fake = fake
+        self.rb = rb
+
+    def __del__(self):
+        for a in self.rb.arrays.values():
+            if a.nbytes and a.flags.c_contiguous:
+                ctypes.memset(a.ctypes.data, POISON, a.nbytes)
+        self.fake.poisoned_slots += 1
+
+
+class _LeasedView:
+    """The base of a re-made view of a slot array: holds the lease, exposes the array's memory."""
+
+    def __init__(self, lease: _PoisonLease, a: np.ndarray):
+        self.lease = lease
+        self.__array_interface__ = dict(a.__array_interface__)
 
 
 class _DeviceContext:
@@ -388,6 +485,12 @@ class _FakeCudart:
         with fake._lock:
             code = SUCCESS if ptr in fake.registered else ERROR_HOST_MEMORY_NOT_REGISTERED
             if code == SUCCESS:
+                size = fake.registered[ptr][0]
+                fake._dma_reads = [r for r in fake._dma_reads if r[2].executed < r[3]]  # those still queued
+                pending = [(p, n) for p, n, s, pos in fake._dma_reads if p < ptr + size and ptr < p + n]
+                if pending:
+                    fake._hazard(f"cudaHostUnregister({ptr:#x}) while {len(pending)} copy(ies) out of it have not run")
+            if code == SUCCESS:
                 del fake.registered[ptr]
                 fake.unregistrations.append(ptr)
             else:
@@ -407,6 +510,26 @@ class _FakeCudart:
         fake = self._fake
         fake._call("cudaMemGetInfo", int(device))
         return fake.free_memory, fake.total_memory
+
+
+class _FakeRuntimeLib:
+    """The process's ``libcudart`` as fastload reaches it through ctypes
+    (``fastload.runtime.device._torch_cudart``): the calls it makes there."""
+
+    def __init__(self, fake: "FakeCuda"):
+        self._fake = fake
+
+    def cudaStreamCreateWithFlags(self, ref, flags) -> int:
+        fake = self._fake
+        with fake._lock:
+            handle = fake._next_handle
+            fake._next_handle += 0x10
+        ref._obj.value = handle  # ctypes.byref(c_void_p): the stream handle written back
+        fake._call("cudaStreamCreateWithFlags", fake._tls_device(), handle=handle, flags=int(flags))
+        return SUCCESS
+
+    def cudaGetLastError(self) -> int:
+        return int(self._fake.cudart.cudaGetLastError())
 
 
 class FakeCuda:
@@ -437,8 +560,15 @@ class FakeCuda:
         self.registrations: list[tuple[int, int, int]] = []  # every successful (ptr, size, flags)
         self.unregistrations: list[int] = []
         self.pinned_allocations: list[torch.Tensor] = []  # pin_memory() results (kept alive)
-        self.device_tensors: list[FakeCudaTensor] = []
+        self.strict = True  # raise CudaHazard where it happens (else only keep it in `hazards`)
+        self.hazards: list[str] = []
+        self._free_blocks: dict[tuple, list[_Block]] = {}  # (device, stream, nbytes) -> freed blocks
+        self.reused_blocks = 0
+        self.allocated = [0] * self.device_count  # bytes of live device tensors (memory_allocated)
+        self.poisoned_slots = 0  # ring slots poisoned when their last view went away
+        self._dma_reads: list[tuple[int, int, FakeStream, int]] = []  # (ptr, nbytes, stream, pos) from pinned memory
         self.cudart = _FakeCudart(self)
+        self.runtime_lib = _FakeRuntimeLib(self)
         self._default = {d: self.Stream(d, _handle=0) for d in range(self.device_count)}
 
     # -- installing ---------------------------------------------------------------------------
@@ -478,6 +608,8 @@ class FakeCuda:
         mp.setattr(c, "get_device_properties", props)
         mp.setattr(c, "get_device_name", lambda device=None: props(device).name)
         mp.setattr(c, "get_device_capability", lambda device=None: (props(device).major, props(device).minor))
+        mp.setattr(c, "memory_allocated", lambda device=None: self.allocated[self._index(device)])
+        mp.setattr(c, "ExternalStream", lambda stream_ptr, device=None: self.Stream(device, _handle=int(stream_ptr)))
         mp.setattr(c, "mem_get_info", init(lambda device=None: self.cudart.cudaMemGetInfo(self._index(device))))
         mp.setattr(torch.backends.cuda, "is_built", lambda: True)
         mp.setattr(torch.version, "cuda", self.cuda_version)
@@ -494,6 +626,36 @@ class FakeCuda:
         mp.setattr(torch, "empty", lambda *a, **kw: self._alloc(orig_empty, *a, **kw))
         mp.setattr(torch, "zeros", lambda *a, **kw: self._alloc(orig_zeros, *a, **kw))
         del orig_pin
+        self._poison_released_slots(mp)
+        try:  # fastload's own streams come from the (fake) runtime, and its free list is this fake's
+            from fastload.runtime import device as device_mod
+        except ImportError:  # pragma: no cover
+            return
+        mp.setattr(device_mod, "_torch_cudart", lambda: self.runtime_lib)
+        mp.setattr(device_mod, "_free_streams", {})
+        mp.setattr(device_mod, "_ours", set())
+
+    def _poison_released_slots(self, mp) -> None:
+        """fastload's ring hands out a batch as views of a slot, and takes the slot back when
+        the last view goes away: here the slot's bytes are first overwritten with ``POISON``,
+        so work that still reads a released slot (a copy the GPU has not run) reads garbage
+        deterministically, not only when a producer happens to refill the slot first."""
+        try:
+            from fastload.ring import ring as ring_mod
+        except ImportError:  # pragma: no cover - fastload not importable
+            return
+        orig = ring_mod.Ring.get_batch
+
+        def get_batch(ring):
+            return self._poisoned_on_release(orig(ring))
+        mp.setattr(ring_mod.Ring, "get_batch", get_batch)
+
+    def _poisoned_on_release(self, rb):
+        if rb.copied or rb.slot < 0 or not rb.arrays:
+            return rb
+        lease = _PoisonLease(self, rb)
+        arrays = {k: np.asarray(_LeasedView(lease, a)) for k, a in rb.arrays.items()}
+        return type(rb)({k: torch.from_numpy(a) for k, a in arrays.items()}, rb.slot, rb.copied, arrays)
 
     def _lazy_init(self) -> None:
         """``torch.cuda._lazy_init``: from now on ``is_initialized()``; no context is made."""
@@ -610,15 +772,124 @@ class FakeCuda:
                                "left behind by an earlier CUDA call of this thread)")
 
     # -- tensors ------------------------------------------------------------------------------
-    def device_tensor(self, shape, dtype, device: int) -> FakeCudaTensor:
-        host = _orig_empty(shape, dtype=dtype)
-        if host.numel():
-            host.view(torch.uint8).fill_(POISON)
-        t = host.as_subclass(FakeCudaTensor)
-        t._fake_device = int(device)
+    def device_tensor(self, shape, dtype, device: int, stream: FakeStream | None = None) -> FakeCudaTensor:
+        """A new device tensor (``POISON`` bytes) from the fake caching allocator, allocated on
+        ``stream`` (torch: the current stream of ``device``)."""
+        idx = int(device)
+        stream = stream if stream is not None else self.current_stream(idx)
+        shape = tuple(int(d) for d in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * _orig_empty((), dtype=dtype).element_size()
+        block = self._reuse_block(idx, stream, nbytes)
+        if block is None:
+            block = _Block(_orig_empty(max(nbytes, 1), dtype=torch.uint8).fill_(POISON), idx, stream, nbytes)
+        t = block.buf[:nbytes].view(dtype).view(shape).as_subclass(FakeCudaTensor)
+        t._fake_device = idx
+        t._block = block
         with self._lock:
-            self.device_tensors.append(t)
+            self.allocated[idx] += nbytes
+        weakref.finalize(t, self._free_block, block)
         return t
+
+    # -- the caching allocator -----------------------------------------------------------------
+    def _free_block(self, block: _Block) -> None:
+        """The tensor is gone: as torch's allocator, the block may be handed out again on its
+        allocation stream at once, or, if it was recorded on other streams, once those streams
+        have reached where they were now."""
+        with self._lock:
+            self.allocated[block.device] -= block.nbytes
+            block.free_events = [(s, len(s.ops)) for s in block.recorded]
+            self._free_blocks.setdefault((block.device, block.stream, block.nbytes), []).append(block)
+
+    def _reuse_block(self, idx: int, stream: FakeStream, nbytes: int) -> _Block | None:
+        with self._lock:
+            free = self._free_blocks.get((idx, stream, nbytes))
+            block = None
+            for i, b in enumerate(free or ()):
+                if all(s.executed >= pos for s, pos in b.free_events):
+                    block = free.pop(i)
+                    break
+            if block is None:
+                return None
+            # The allocation stream's queued work is ordered before the new owner's: let the GPU
+            # run it now (a schedule a real GPU may take), then the block's bytes are the new
+            # owner's. Work of another stream still queued on it reads garbage from now on.
+            self._execute(stream, len(stream.ops))
+            racing = sorted({repr(s) for s, pos in block.uses if s.executed < pos and s != stream})
+            block.buf.fill_(POISON)
+            block.alloc_pos = len(stream.ops)
+            block.recorded, block.uses, block.free_events = set(), [], []
+            self.reused_blocks += 1
+        if racing:
+            self._hazard(f"device memory freed and handed out again on {stream} while {', '.join(racing)} still had "
+                         "work queued on it: the tensor was used on that stream without record_stream(stream) (or "
+                         "without its allocation stream waiting for that stream before the tensor was dropped)")
+        return block
+
+    def _use(self, t: torch.Tensor, stream: FakeStream, what: str) -> None:
+        """Work just enqueued on ``stream`` reads or writes device tensor ``t``: it must be
+        ordered after ``t``'s allocation (on its allocation stream, or after a wait for it)."""
+        block = getattr(t, "_block", None)
+        if block is None:
+            return
+        with self._lock:
+            block.uses.append((stream, len(stream.ops)))
+            ok = stream.after(block.stream, block.alloc_pos)
+        if not ok:
+            self._hazard(f"{what} on {stream} uses a tensor allocated on {block.stream} without that stream's "
+                         "allocation being ordered before it (allocate it on the stream that uses it, or wait for "
+                         "an event recorded after the allocation)")
+
+    def _hazard(self, msg: str, raise_: bool = True) -> None:
+        with self._lock:
+            self.hazards.append(msg)
+        if raise_ and self.strict:
+            raise CudaHazard(msg)
+
+    def consume(self, *tensors: torch.Tensor, stream: FakeStream | None = None, name: str = "step") -> list:
+        """A kernel reading ``tensors`` on ``stream`` (the current stream of the first one's
+        device) as a training step would: it holds no reference to them, and it reads their
+        memory when it runs. Returns a list that then receives a host copy of each."""
+        fakes = [t for t in tensors if isinstance(t, FakeCudaTensor)]
+        if not fakes:
+            return []
+        stream = stream or self.current_stream(fakes[0]._fake_device)
+        specs = [(t._block, t.dtype, tuple(t.shape), t.element_size() * t.nelement()) for t in fakes]
+        out: list = []
+
+        def run():
+            out.extend(b.buf[:n].view(dt).view(sh).clone() for b, dt, sh, n in specs)
+
+        self._call("kernel", stream.device_index, name=name, stream=stream)
+        stream._enqueue(_Op("kernel", run))
+        for t in fakes:
+            self._use(t, stream, f"kernel {name!r}")
+        return out
+
+    def _pinned_range(self, ptr: int, nbytes: int) -> bool:
+        with self._lock:
+            if any(p <= ptr and ptr + nbytes <= p + s for p, (s, _f) in self.registered.items()):
+                return True
+            return any(a.data_ptr() <= ptr and ptr + nbytes <= a.data_ptr() + a.element_size() * a.nelement()
+                       for a in self.pinned_allocations)
+
+    def _dma_source(self, src: torch.Tensor, stream: FakeStream):
+        """A reader of page-locked ``src`` *by address*, as a DMA engine reads it when the copy
+        runs: it keeps nothing alive (a real cudaMemcpyAsync holds no reference to its source),
+        and it returns None if the memory is no longer page-locked by then."""
+        ptr, nbytes, dtype, shape = src.data_ptr(), src.element_size() * src.nelement(), src.dtype, tuple(src.shape)
+        with self._lock:
+            self._dma_reads.append((ptr, nbytes, stream, len(stream.ops) + 1))
+
+        def read():
+            if nbytes == 0:
+                return _orig_empty(shape, dtype=dtype)
+            if not self._pinned_range(ptr, nbytes):
+                self._hazard(f"a host-to-device copy ran after its page-locked source ({nbytes} bytes at {ptr:#x}) "
+                             "was unregistered", raise_=False)
+                return None
+            raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
+            return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape).clone()
+        return read
 
     def _alloc(self, orig, *args, **kw):
         dev = kw.get("device")
@@ -685,18 +956,31 @@ class FakeCuda:
         src_fake = isinstance(t, FakeCudaTensor)
         src = t._host() if src_fake else t
         pinned = (not src_fake) and self.is_pinned(t)
-        out = self.device_tensor(tuple(t.shape), dtype or t.dtype, idx)
+        out = self.device_tensor(tuple(t.shape), dtype or t.dtype, idx, stream)
         dst_host = out._host()
         nbytes = src.element_size() * src.nelement()
+        dma = None
         if not src_fake and not (non_blocking and pinned):
             src = src.clone()  # pageable source: staged at call time (the host is not free until then)
+        elif not src_fake and src.is_contiguous():
+            dma = self._dma_source(src, stream)  # read by address when the copy runs
         src_name = f"cuda:{t._fake_device}" if src_fake else "cpu"
         self._call("copy", idx, src=src_name, nbytes=nbytes, non_blocking=non_blocking, stream=stream)
         with self._lock:
             self.copies.append(Copy(self._thread(), src_name, f"cuda:{idx}", nbytes, non_blocking, stream, pinned))
-        src_ref = src
-        stream._enqueue(_Op("copy", lambda: dst_host.copy_(src_ref.to(dst_host.dtype) if src_ref.dtype != dst_host.dtype
-                                                           else src_ref)))
+        src_ref = None if dma is not None else src  # a DMA holds no reference to its source
+
+        def copy():
+            now = dma() if dma is not None else src_ref
+            if now is None:  # the source was unpinned first: the DMA read garbage
+                dst_host.view(torch.uint8).fill_(POISON)
+            else:
+                dst_host.copy_(now.to(dst_host.dtype) if now.dtype != dst_host.dtype else now)
+
+        stream._enqueue(_Op("copy", copy))
+        self._use(out, stream, "a copy to the device")
+        if src_fake:
+            self._use(t, stream, "a device-to-device copy")
         if not non_blocking:  # memcpy_and_sync: the host waits for the stream
             self._host_wait("copy", blocking=False, device=idx)
             self._execute(stream, len(stream.ops))
@@ -712,6 +996,7 @@ class FakeCuda:
         with self._lock:
             self.copies.append(Copy(self._thread(), f"cuda:{idx}", "cpu", nbytes, False, stream, False))
         stream._enqueue(_Op("copy", lambda: out.copy_(src)))
+        self._use(t, stream, "a copy to the host")
         self._host_wait("copy", blocking=False, device=idx)
         self._execute(stream, len(stream.ops))
         return out
@@ -720,6 +1005,10 @@ class FakeCuda:
         if not isinstance(t, FakeCudaTensor):
             raise RuntimeError("record_stream is only supported for CUDA tensors (expected a cuda device)")
         self._call("record_stream", stream.device_index, tensor=id(t), stream=stream)
+        block = getattr(t, "_block", None)
+        if block is not None and stream != block.stream:  # torch ignores the allocation stream
+            with self._lock:
+                block.recorded.add(stream)
 
     # -- what happened ------------------------------------------------------------------------
     @property
@@ -843,6 +1132,7 @@ def fake_dali_on_gpu(fake: FakeCuda, monkeypatch) -> list[tuple[str, int]]:
             fake.copies.append(Copy(threading.current_thread().name, "dali", f"cuda:{idx}", nbytes,
                                     cuda_stream is not None, stream, False))
         stream._enqueue(_Op("copy", lambda: dst.copy_(data)))
+        fake._use(arr, stream, "DALI's output copy (feed_ndarray)")
         if cuda_stream is None:
             fake._host_wait("copy", blocking=False, device=idx)
             fake._execute(stream, len(stream.ops))

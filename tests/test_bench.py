@@ -355,28 +355,32 @@ def test_dali_stages_diagnostic_smoke():
     assert "CPU per image: decode" in p.stdout
 
 
-def test_readme_table_is_replaced_between_markers(tmp_path):
+def test_results_table_is_replaced_between_markers(tmp_path):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("run_all", ROOT / "bench" / "run_all.py")
     run_all = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_all)
-    readme = tmp_path / "README.md"
+    assert run_all.RESULTS_PAGE == ROOT / "docs" / "benchmarks.md"
+    real = run_all.RESULTS_PAGE.read_text()  # the published page has exactly one block to replace
+    assert real.count(run_all.BEGIN) == 1 and real.count(run_all.END) == 1
+    readme = tmp_path / "benchmarks.md"
     readme.write_text(f"# x\nbefore\n{run_all.BEGIN}\nold table\n{run_all.END}\nafter\n")
     rec = {"workload": "w", "script": "bench_open.py", "unit": "ms", "lower_is_better": True,
            "ours": ["a", 2.0], "baseline": ["b", 10.0], "limit": None, "note": "", "machine": "m"}
     table = run_all.markdown_table([rec])
-    run_all.update_readme([rec], table, ["open"], readme=readme)
+    run_all.update_results_page([rec], table, ["open"], page=readme)
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\nbefore\n") and text.endswith("after\n")
     assert "| w (`python bench/bench_open.py`) | a: 2.00 ms | b: 10.00 ms | – | 5.00x | – |" in text
-    assert "--readme --only open" in text and "on: m." in text
+    assert "--docs --only open" in text and "on: m." in text
     readme.write_text("no markers")
     with pytest.raises(SystemExit, match="expected one"):
-        run_all.update_readme([rec], table, ["open"], readme=readme)
+        run_all.update_results_page([rec], table, ["open"], page=readme)
     assert readme.read_text() == "no markers"
 
 
-def test_run_all_refuses_smoke_figures_in_readme():
-    p = run(ROOT / "bench" / "run_all.py", "--smoke", "--readme", "--only", "open")
-    assert p.returncode == 2 and "--readme publishes figures" in p.stderr
+def test_run_all_refuses_smoke_figures_in_docs():
+    for flag in ("--docs", "--readme"):  # --readme: the flag's old name, kept
+        p = run(ROOT / "bench" / "run_all.py", "--smoke", flag, "--only", "open")
+        assert p.returncode == 2 and "--docs publishes figures" in p.stderr

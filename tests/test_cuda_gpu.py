@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import fastload
 from fastload import Loader, vision
@@ -33,6 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _jpeg(a: np.ndarray, **kw) -> bytes:
     b = io.BytesIO()
+    from PIL import Image  # here: the raw-field tests run without Pillow
+
     Image.fromarray(a).save(b, "JPEG", quality=95, **kw)
     return b.getvalue()
 
@@ -40,6 +41,8 @@ def _jpeg(a: np.ndarray, **kw) -> bytes:
 @pytest.fixture(scope="module")
 def exif_ds(tmp_path_factory):
     """Photos stored rotated with an EXIF orientation (3, 6, 8), and upright twins."""
+    pytest.importorskip("nvidia.dali", reason="image tests need DALI")
+    Image = pytest.importorskip("PIL.Image")
     root = tmp_path_factory.mktemp("exif")
     p = photos(["astronaut", "chelsea", "coffee"])
     for name, img in p.items():
@@ -67,6 +70,7 @@ def raw_ds(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def photo_ds(tmp_path_factory):
+    pytest.importorskip("nvidia.dali", reason="image tests need DALI")
     root = tmp_path_factory.mktemp("photos")
     from fastload.demo.photos import make_image_folder
 
@@ -246,7 +250,7 @@ def _epochs(loader, epochs: int, step_cycles: int = 0) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["raw", "images"])
-def test_loading_overlaps_a_gpu_busy_step(kind, raw_ds, photo_ds):
+def test_loading_overlaps_a_gpu_busy_step(kind, raw_ds, request):
     """F2/F4/F5: with the GPU busy in the training step, loading (host-to-device copies,
     DALI's work and its copy out) proceeds beside it: the run takes about max(step, load),
     not step + load, as it does when a copy or a DALI run waits behind the training stream.
@@ -259,7 +263,7 @@ def test_loading_overlaps_a_gpu_busy_step(kind, raw_ds, photo_ds):
     if kind == "raw":
         ds, kw = raw_ds[0], dict(batch_size=256)
     else:
-        ds, kw = photo_ds, dict(batch_size=32, transforms={"image": vision.train(128)})
+        ds, kw = request.getfixturevalue("photo_ds"), dict(batch_size=32, transforms={"image": vision.train(128)})
     with Loader(ds, device="cuda", **kw) as lo:
         _epochs(lo, 1)  # warm up: pipelines built, slots pinned, allocator primed
         one = min(_epochs(lo, 1) for _ in range(2))

@@ -3,8 +3,12 @@ works on synthetic images and says so; and a failed demo leaves nothing half-mad
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -92,3 +96,38 @@ def test_failed_demo_in_existing_directory_removes_only_what_it_made(tmp_path, m
         run_demo(out, num_images=8, quick=True)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.slow
+def test_demo_from_the_wheel_of_a_clean_clone(tmp_path):
+    """What `pip install .` installs (the wheel setuptools builds from a fresh clone's files,
+    the C++ extension compiled in it) runs `fastload demo` from another directory: nothing the
+    demo needs is left out of the package, and no test-only package is needed."""
+    import zipfile
+
+    from _clean_tree import build, clean_copy
+
+    root = Path(__file__).resolve().parent.parent
+    clone = tmp_path / "clone"
+    clean_copy(root, clone)
+    # the extension this checkout built, where setuptools' build_ext looks first: it is kept when
+    # newer than csrc/ (compiling it again takes minutes on 2 cores; `make install` compiles it
+    # from the same sources), else compiled here
+    for so in root.glob("fastload/_C*.so"):
+        lib = clone / "build" / f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}" / "fastload"
+        lib.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(so, lib / so.name)
+    wheel = build(clone, "wheel", tmp_path / "dist")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)  # what pip would put in site-packages (no deps: installed here)
+    assert list(site.glob("fastload/_C*.so")), "the wheel has no compiled extension"
+    run_dir = tmp_path / "elsewhere"
+    run_dir.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}  # ahead of any other fastload on the path
+    code = (f"import fastload, sys; assert fastload.__file__.startswith({str(site)!r}), fastload.__file__; "
+            "sys.modules['skimage'] = None; from fastload.cli import main; "
+            "sys.exit(main(['demo', '--quick', '--out', 'demo']))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=run_dir,
+                       env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "[4/4]" in p.stdout and json.loads((run_dir / "demo" / "demo-results.json").read_text())["images"] == 96

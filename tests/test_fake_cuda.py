@@ -8,9 +8,15 @@ import threading
 import numpy as np
 import pytest
 import torch
-
-from fake_cuda import (ERROR_HOST_MEMORY_ALREADY_REGISTERED, ERROR_MEMORY_ALLOCATION, POISON, FakeCuda,
-                       FakeCudaTensor, as_numpy)
+from fake_cuda import (
+    ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+    ERROR_MEMORY_ALLOCATION,
+    POISON,
+    CudaHazard,
+    FakeCuda,
+    FakeCudaTensor,
+    as_numpy,
+)
 
 
 @pytest.fixture
@@ -125,13 +131,17 @@ def test_pageable_async_copy_is_staged_at_call_time(fake):
     assert not fake.copies[0].src_pinned
 
 
-def test_reading_on_a_stream_that_did_not_wait_sees_poison(fake):
+def test_reading_on_a_stream_that_did_not_wait_sees_poison_and_is_flagged(fake):
     src = torch.arange(8, dtype=torch.int64).pin_memory()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         dev = src.to("cuda", non_blocking=True)
     # .cpu() runs on the current (default) stream, which did not wait for `side`
+    with pytest.raises(CudaHazard, match="without that stream's allocation being ordered"):
+        dev.cpu()
+    fake.strict = False
     assert (dev.cpu().numpy().view(np.uint8) == POISON).all()
+    fake.strict = True
     torch.cuda.current_stream().wait_stream(side)
     assert dev.cpu().tolist() == list(range(8))
     with pytest.raises(TypeError, match="can't convert cuda:0"):
@@ -237,3 +247,99 @@ def test_lazy_initialisation_is_torch_s(name, monkeypatch):
     assert not torch.cuda.is_initialized()
     _INITIALISES[name](fake)
     assert torch.cuda.is_initialized() and fake.initialized
+
+
+# -- the caching allocator, DMA by address, released slots -------------------------------------
+def _copied_on(stream, src):
+    with torch.cuda.stream(stream):
+        return src.to("cuda", non_blocking=True)
+
+
+def test_a_freed_tensor_s_memory_is_reused_on_its_stream_and_a_pending_reader_is_flagged(fake):
+    """torch's allocator hands a freed block out again on its allocation stream at once: a
+    kernel queued on another stream that still reads it reads the new owner's bytes. With
+    record_stream(reader) the block waits for the reader."""
+    side, user = torch.cuda.Stream(), torch.cuda.current_stream()
+    src = torch.arange(8, dtype=torch.int64).pin_memory()
+    dev = _copied_on(side, src)
+    user.wait_stream(side)
+    seen = fake.consume(dev, stream=user)  # queued, not run
+    del dev  # no record_stream(user): the block is free for `side` now
+    with pytest.raises(CudaHazard, match="still had work queued"):
+        _copied_on(side, src)
+    fake.strict = False
+    torch.cuda.synchronize()
+    assert (seen[0].numpy().view(np.uint8) == POISON).all()  # the step read the reused block
+
+
+def test_record_stream_keeps_the_block_until_the_reader_passed(fake):
+    side, user = torch.cuda.Stream(), torch.cuda.current_stream()
+    src = torch.arange(8, dtype=torch.int64).pin_memory()
+    dev = _copied_on(side, src)
+    user.wait_stream(side)
+    dev.record_stream(user)
+    seen = fake.consume(dev, stream=user)
+    del dev
+    again = _copied_on(side, src)  # a new block: the freed one waits for `user`
+    assert fake.reused_blocks == 0
+    torch.cuda.synchronize()
+    assert seen[0].tolist() == list(range(8))
+    del again
+    _copied_on(side, src)
+    assert fake.reused_blocks == 1  # `user` passed its event: the block is free again
+
+
+def test_a_tensor_written_on_a_stream_other_than_its_allocation_stream_is_flagged(fake):
+    copy = torch.cuda.Stream()
+    t = torch.empty(4, device="cuda:0")  # allocated on the current (default) stream
+    with pytest.raises(CudaHazard, match="allocated on"):
+        fake.consume(t, stream=copy)
+    with torch.cuda.stream(copy):
+        u = torch.empty(4, device="cuda:0")
+    fake.consume(u, stream=copy)  # its own stream: fine
+    ev = torch.cuda.Event()
+    ev.record(copy)
+    torch.cuda.current_stream().wait_event(ev)
+    fake.consume(u)  # after a wait for an event recorded after the allocation: fine
+
+
+def test_a_pinned_copy_reads_its_source_by_address_and_holds_no_reference(fake):
+    import gc
+    import weakref
+
+    buf = np.arange(1024, dtype=np.int64)
+    rt = torch.cuda.cudart()
+    assert int(rt.cudaHostRegister(buf.ctypes.data, buf.nbytes, 1)) == 0
+    src = torch.from_numpy(buf)
+    ref = weakref.ref(src)
+    dev = src.to("cuda", non_blocking=True)
+    del src
+    gc.collect()
+    assert ref() is None  # the pending copy keeps nothing alive, as a DMA
+    buf[:] = 7  # the host refills the memory before the copy ran: the copy reads that
+    torch.cuda.synchronize()
+    assert set(as_numpy(dev).tolist()) == {7}
+    dev2 = torch.from_numpy(buf).to("cuda", non_blocking=True)
+    with pytest.raises(CudaHazard, match="have not run"):
+        rt.cudaHostUnregister(buf.ctypes.data)  # unregistered under a pending copy
+    fake.strict = False
+    rt.cudaHostUnregister(buf.ctypes.data)
+    torch.cuda.synchronize()
+    assert (as_numpy(dev2).view(np.uint8) == POISON).all()
+
+
+def test_a_released_ring_slot_is_poisoned(fake):
+    from fastload.ring.ring import Ring
+
+    x = np.arange(64 * 4, dtype=np.int64).reshape(64, 4)
+    with Ring({"x": (np.int64, (4,)), "index": (np.int64, ())}, 8, {"x": [x]}, index_field="index", threads=1,
+              slots=4) as ring:
+        ring.submit(np.zeros(8, np.int64), np.arange(8), index=np.arange(8))
+        rb = ring.get_batch()
+        mem = ring.slot_memory(rb.slot)
+        view = rb.tensors["x"][2:4]  # a view outlives the batch dict: the slot stays leased
+        del rb
+        assert ring.stats()["in_use"] == 1 and view.tolist() == x[2:4].tolist()
+        del view
+        assert ring.stats()["in_use"] == 0 and fake.poisoned_slots == 1
+        assert (mem[:8 * 4 * 8] == POISON).all()

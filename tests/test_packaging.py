@@ -99,3 +99,24 @@ def test_doctor_reports_the_shadowing_clone_and_what_to_do(tmp_path):
     assert str(tmp_path / "fastload") in line.message and "has no attribute 'Loader'" in line.message
     assert "editable_mode=compat" in line.message and "another directory" in line.message
     assert check_import_path(Facts(device="cpu")) is None  # nothing to say when fastload is found
+
+
+def test_sdist_ships_the_tests_with_everything_they_read_and_no_build_outputs(tmp_path):
+    import tarfile
+
+    from _clean_tree import build, clean_copy
+
+    tree = tmp_path / "tree"
+    tracked = clean_copy(ROOT, tree)  # what a fresh clone has
+    # what a working tree also holds, never to be shipped: the built extension, bench outputs, caches
+    for junk in ("fastload/_C.cpython-311-x86_64-linux-gnu.so", "bench/out/results.json", "bench/.results-1.jsonl",
+                 "tests/__pycache__/conftest.cpython-311.pyc"):
+        (tree / junk).parent.mkdir(parents=True, exist_ok=True)
+        (tree / junk).write_text("junk")
+    with tarfile.open(build(tree, "sdist", tmp_path / "dist")) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    wanted = [f for f in tracked if f.split("/")[0] in ("tests", "examples", "bench", "docs", "csrc", "fastload")
+              or f in ("Makefile", "LICENSE", "README.md", "pyproject.toml", "setup.py")]
+    assert [f for f in wanted if f not in names] == []
+    assert "tests/conftest.py" in names and "tests/data/v1/manifest.json" in names  # what the shipped tests import
+    assert not [n for n in names if n.endswith((".so", ".pyc")) or "/out/" in n or ".results-" in n]

@@ -322,6 +322,7 @@ def test_describe_is_json_and_equality():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_matches_cpu_graph(images):  # pragma: no cover - no GPU here
+    pytest.importorskip("nvidia.dali", reason="a DALI graph on the GPU")
     enc, _, w, h = images
     t = vision.eval(64)
     cpu = run(t, enc, w, h)

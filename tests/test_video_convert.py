@@ -173,7 +173,7 @@ def test_a_planned_videofolder_notices_files_added_before_a_resume(tmp_path):
 
     src = _folder(tmp_path / "src", {f"c{i % 2}/v{i}.webm": make_video(4 + i) for i in range(3)})
     plan = make_plan("videofolder", src, tmp_path / "dst", shard_size=10**6, overwrite=False, resume=False,
-                     min_frames=5)
+                     source_options={"min_frames": 5})
     assert plan.options["min_frames"] == 5 and source_changes(plan) == ""
     g = open_group(plan, 0)  # a task reads its rows of the plan's listing, with the plan's options
     assert [g.key(i) for i in range(g.num_samples)] == ["c0/v0.webm", "c0/v2.webm", "c1/v1.webm"][:g.num_samples]

@@ -28,15 +28,18 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
             label: str | None = None, image_columns: Sequence[str] = (), max_pixels: int | None = None,
             progress: bool = True, engine: str = "local", ray_address: str | None = None,
             resume: bool = False, allow_small_shards: bool = False, max_size: int | None = None,
-            quality: int | None = None, min_frames: int | None = None, video_codec: str | None = None) -> dict:
+            quality: int | None = None, images: str | os.PathLike | None = None, masks: bool = False,
+            skip_empty: bool = False, min_frames: int | None = None, video_codec: str | None = None) -> dict:
     """Convert a source into a fastload dataset at ``dst``; return a summary dict.
 
     kind: "imagefolder" (SRC/<class>/<images>), "arrays" (.npz / .npy / folder of .npy, or
     a dict of arrays; ragged fields as NAME + NAME_offsets pairs or object arrays),
-    "table" (Parquet, CSV, JSON lines), "webdataset" (.tar shards), "videofolder" or
-    "audiofolder" (SRC/<class>/<video or audio files>, probed with PyAV: see
-    ``fastload.convert.media``; ``min_frames`` refuses shorter videos, ``video_codec="vp9"``
-    re-encodes those DALI's CPU decoder cannot read). Refuses a non-empty
+    "table" (Parquet, CSV, JSON lines), "webdataset" (.tar shards) or "coco" (``src`` a COCO
+    instances JSON, ``images`` the folder of its images; ``masks`` adds a category-id mask PNG
+    per image, ``skip_empty`` leaves out images without annotations: see
+    ``fastload.convert.coco``), "videofolder" or "audiofolder" (SRC/<class>/<video or audio
+    files>, probed with PyAV: see ``fastload.convert.media``; ``min_frames`` refuses shorter
+    videos, ``video_codec="vp9"`` re-encodes those DALI's CPU decoder cannot read). Refuses a non-empty
     ``dst`` unless ``overwrite`` (which swaps the new dataset in only once it is complete: a
     failed overwrite leaves the old one untouched); on failure nothing that opens is left
     behind. Samples the writer refuses (wrong shape, a value out of the field's range) are
@@ -76,9 +79,11 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
 
     if kind not in KINDS:
         raise ValueError(f"unknown source kind {kind!r}; use one of {', '.join(KINDS)}")
+    source_options = _source_options(images=images, masks=check_bool("masks", masks),
+                                     skip_empty=check_bool("skip_empty", skip_empty), min_frames=min_frames,
+                                     video_codec=video_codec)
     check_options(kind, label=label, image_columns=image_columns, max_pixels=max_pixels, max_size=max_size,
-                  quality=quality, min_frames=min_frames, video_codec=video_codec)
-    media = {k: v for k, v in (("min_frames", min_frames), ("video_codec", video_codec)) if v is not None}
+                  quality=quality, source_options=source_options)
     check_shard_size(shard_size, check_bool("allow_small_shards", allow_small_shards))
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} must be one of {', '.join(ENGINES)}")
@@ -106,7 +111,7 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
         return convert_to_remote(convert, kind, src, dst, overwrite=overwrite, workers=workers,
                                  shard_size=shard_size, on_error=on_error, label=label, image_columns=image_columns,
                                  max_pixels=max_pixels, progress=progress, allow_small_shards=allow_small_shards,
-                                 max_size=max_size, quality=quality, **media)
+                                 max_size=max_size, quality=quality, **source_options)
     if engine != "local":
         from ..store.format import parse_size
         from ..validate import ON_ERROR
@@ -117,9 +122,9 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
         return run_engine(engine, kind, src, dst, workers=workers, shard_size=parse_size(shard_size),
                           on_error=on_error, overwrite=overwrite, resume=resume, progress=progress,
                           ray_address=ray_address, label=label, image_columns=image_columns, max_pixels=max_pixels,
-                          max_size=max_size, quality=quality, **media)
+                          max_size=max_size, quality=quality, source_options=source_options)
     source = make_source(kind, src, label=label, image_columns=image_columns, max_pixels=max_pixels,
-                         max_size=max_size, quality=quality, **media)
+                         max_size=max_size, quality=quality, source_options=source_options)
     try:
         return run_convert(source, dst, workers=workers, shard_size=shard_size, on_error=on_error,
                            overwrite=overwrite, progress=progress, desc=f"convert {kind}")
@@ -127,6 +132,16 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
         close = getattr(source, "close", None)
         if close is not None:
             close()
+
+
+def _source_options(**given) -> dict:
+    """The options of one source kind (coco: ``images``, ``masks``, ``skip_empty``) that were
+    given (not None or False), paths made absolute: what the plan of a distributed conversion
+    records and its tasks open the source with."""
+    out = {k: v for k, v in given.items() if v is not None and v is not False}
+    if "images" in out:
+        out["images"] = os.path.abspath(os.fspath(out["images"]))
+    return out
 
 
 class _CallablePackage(types.ModuleType):

@@ -85,7 +85,8 @@ class Source:
 
     def check(self, i: int) -> tuple[dict[str, tuple[int, int]], dict[str, bytes]]:
         """Check sample i: the (width, height) of each image field as stored, and the images
-        re-encoded for ``max_size`` (field -> new bytes; the others are stored as read)."""
+        re-encoded for ``max_size`` (field -> new bytes; the others are stored as read; see
+        ``read_checked``)."""
         sample = self.read(i)
         sizes, new = {}, {}
         for n, f in self.fields.items():
@@ -102,6 +103,14 @@ class Source:
                     several = sum(g.kind in ("image", *MEDIA_KINDS) for g in self.fields.values()) > 1
                     raise ValueError(f"field {n!r}: {e}" if several else str(e)) from None
         return sizes, new
+
+    def read_checked(self, i: int, new: dict[str, bytes]) -> dict[str, Any]:
+        """Sample i as it is written: ``read(i)`` with the fields ``check(i)`` made (``new``: the
+        images re-encoded for ``max_size``) put in. A source whose check makes a field in the
+        validation workers (coco's mask) reads the rest without making it again."""
+        sample = self.read(i)
+        sample.update(new)
+        return sample
 
     @property
     def needs_validation(self) -> bool:
@@ -271,8 +280,7 @@ def run_convert(source: Source, dst: str | os.PathLike, *, workers: int | None =
                 sizes, new = checked or ({}, {})
                 if err is None:
                     try:
-                        sample = source.read(i)
-                        sample.update(new)  # the images re-encoded for --max-size (checked as such)
+                        sample = source.read_checked(i, new)  # (with the images re-encoded for --max-size)
                     except Exception as e:
                         err = str(e) or type(e).__name__
                 if err is not None:

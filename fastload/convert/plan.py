@@ -208,7 +208,7 @@ def _container_files(kind: str, src: Path) -> list[str]:
         return [os.fspath(p) for p in array_files(src)]
     if kind == "webdataset":
         return [os.fspath(p) for p in (sorted(src.glob("*.tar")) if src.is_dir() else [src])]
-    if kind == "table":
+    if kind in ("table", "coco"):
         return [os.fspath(src)]
     return []
 
@@ -307,12 +307,26 @@ def _ragged_columns(path: Path, head) -> list[str]:
     return sorted(out)
 
 
+def _plan_coco(src: Path, parts: Path, options: dict) -> tuple[Source, dict, list, float]:
+    """The JSON is parsed once, here: its listing (one row per sample) goes to the parts
+    directory, and each task reads its rows (coco.py)."""
+    import pyarrow.parquet as pq
+
+    from .coco import LISTING, CocoSource
+
+    source = CocoSource(src, options["images"], masks=options.get("masks", False),
+                        skip_empty=options.get("skip_empty", False), max_pixels=options["max_pixels"])
+    atomic_write(parts / LISTING, lambda f: pq.write_table(source.listing, f, row_group_size=_LISTING_ROW_GROUP))
+    spec = {"listing": LISTING, "images": options["images"], "masks": bool(options.get("masks", False)),
+            "metadata": source.metadata}
+    return source, spec, _fingerprint(source), estimate_bytes_per_sample(source)
+
+
 def _plan_whole(kind: str, src: Path, options: dict) -> tuple[Source, dict, list, float]:
     from .kinds import make_source
 
     source = make_source(kind, src, label=options["label"], image_columns=options["image_columns"],
-                         max_pixels=options["max_pixels"], max_size=options["max_size"], quality=options["quality"],
-                         **_media_options(options))
+                         max_pixels=options["max_pixels"], max_size=options["max_size"], quality=options["quality"])
     return source, {"label": source.label}, _fingerprint(source), estimate_bytes_per_sample(source)
 
 
@@ -324,12 +338,12 @@ def _media_options(options: dict) -> dict:
 def make_plan(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, shard_size: int, overwrite: bool,
               resume: bool, label: str | None = None, image_columns: Sequence[str] = (),
               max_pixels: int | None = None, max_size: int | None = None, quality: int | None = None,
-              **media) -> Plan:
+              source_options: dict | None = None) -> Plan:
     """Check DST, then reuse the plan of an interrupted conversion (``resume``) or write a new one.
-    ``media``: a videofolder's ``min_frames`` / ``video_codec`` (kept in the options when given)."""
+    ``source_options``: the options of one source kind (coco's ``images``, ``masks``,
+    ``skip_empty``), recorded with the others."""
     options = {"label": label, "image_columns": sorted(image_columns or ()), "max_pixels": max_pixels,
-               "max_size": max_size, "quality": quality, "shard_size": int(shard_size),
-               **{k: v for k, v in media.items() if v is not None}}
+               "max_size": max_size, "quality": quality, "shard_size": int(shard_size), **(source_options or {})}
     if is_remote(dst):
         return _make_remote_plan(kind, Path(src).resolve(), str(dst), options, overwrite, resume)
     src, dst = Path(src).resolve(), Path(dst).absolute()
@@ -363,6 +377,8 @@ def _new_plan(kind: str, src: Path, dst: str, parts: Path, options: dict, overwr
         source, spec, fp, est = _plan_imagefolder(src, parts, options, kind)
     elif kind == "table":
         source, spec, fp, est = _plan_table(src, parts, options)
+    elif kind == "coco":
+        source, spec, fp, est = _plan_coco(src, parts, options)
     else:
         source, spec, fp, est = _plan_whole(kind, src, options)
     try:
@@ -416,7 +432,8 @@ def _check_same(plan: Plan, kind: str, src: Path, options: dict) -> None:
     if plan.kind != kind or plan.src != str(src):
         raise ConvertError(f"--resume: {where} is the plan of `convert {plan.kind} {plan.src}`, not of "
                            f"`convert {kind} {src}`; pass --overwrite to start over")
-    for k, v in options.items():
+    for k in sorted(set(options) | set(plan.options)):  # (an option the interrupted run had, and this one not)
+        v = options.get(k)
         if plan.options.get(k) != v:
             raise ConvertError(f"--resume: the interrupted conversion used {k}={plan.options.get(k)!r}, this one "
                                f"{k}={v!r}; repeat the same options, or pass --overwrite to start over")

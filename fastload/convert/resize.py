@@ -30,7 +30,7 @@ from ..errors import UsageError
 from ..store.geometry import exif_orientation
 from ..validate import is_int
 
-__all__ = ["DEFAULT_QUALITY", "MIN_MAX_SIZE", "check_resize_options", "shrink", "target_size"]
+__all__ = ["DEFAULT_QUALITY", "MIN_MAX_SIZE", "check_resize_options", "shrink", "target_size", "transpose_upright"]
 
 MIN_MAX_SIZE = 16  # below this a stored image is too small for any crop worth training on
 DEFAULT_QUALITY = 90
@@ -57,14 +57,22 @@ def target_size(width: int, height: int, max_size: int) -> tuple[int, int]:
     return max(1, round(width * max_size / height)), max_size
 
 
-def _upright(im):
-    """``im`` turned upright by its EXIF orientation (the operations of ImageOps.exif_transpose)."""
+# EXIF orientation -> the PIL transpose that turns the pixels upright (ImageOps.exif_transpose's)
+_UPRIGHT = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
+            7: "TRANSVERSE", 8: "ROTATE_90"}
+
+
+def transpose_upright(im, orientation: int):
+    """The PIL image ``im`` transposed as the EXIF ``orientation`` (1-8) turns pixels upright."""
     from PIL import Image
 
-    t = Image.Transpose
-    op = {2: t.FLIP_LEFT_RIGHT, 3: t.ROTATE_180, 4: t.FLIP_TOP_BOTTOM, 5: t.TRANSPOSE, 6: t.ROTATE_270,
-          7: t.TRANSVERSE, 8: t.ROTATE_90}.get(exif_orientation(im))
-    return im if op is None else im.transpose(op)
+    op = _UPRIGHT.get(orientation)
+    return im if op is None else im.transpose(getattr(Image.Transpose, op))
+
+
+def _upright(im):
+    """``im`` turned upright by its EXIF orientation (the operations of ImageOps.exif_transpose)."""
+    return transpose_upright(im, exif_orientation(im))
 
 
 _PNG_MODES = ("L", "LA", "RGB", "RGBA", "I", "I;16", "I;16B", "I;16L")

@@ -101,17 +101,12 @@ def open_group(plan: Plan, g: int) -> Source:
         from .imagefolder import ImageFolderSource
         from .media import AudioFolderSource, VideoFolderSource
         from .plan import _media_options
-        from .table import parquet_rows
 
         cls = {"imagefolder": ImageFolderSource, "videofolder": VideoFolderSource,
                "audiofolder": AudioFolderSource}[plan.kind]
         if plan.kind != "imagefolder":
             resize = _media_options(opts)  # (what a media folder takes instead)
-        if plan.remote:  # the listing is under DST's parts prefix: only the row groups needed are read
-            with Store(plan.dst).open_input(f"{PARTS}/{spec['listing']}") as f:
-                rows = parquet_rows(f, a, b)
-        else:
-            rows = parquet_rows(plan.parts / spec["listing"], a, b)
+        rows = _listing_rows(plan, a, b)
         paths = [os.fsdecode(p) for p in rows.column("path").to_pylist()]  # bytes: any file name
         return cls.from_listing(
             spec["root"], spec["classes"], np.array(paths, dtype=str),
@@ -123,11 +118,27 @@ def open_group(plan: Plan, g: int) -> Source:
         return TableSource(plan.src, label=spec["label"], image_columns=spec["image_columns"],
                            max_pixels=opts["max_pixels"], rows=(a, b), classes=spec["classes"], detect_images=False,
                            ragged=spec.get("ragged", ()), media_columns=spec.get("media_columns", {}), **resize)
+    if plan.kind == "coco":
+        from .coco import CocoSource
+
+        return CocoSource.from_listing(plan.src, spec["images"], _listing_rows(plan, a, b), spec["metadata"],
+                                       masks=spec["masks"], max_pixels=opts["max_pixels"])
     from .kinds import make_source
 
     if plan.kind == "arrays":  # (the only kind left that takes --label; a webdataset's label is its .cls)
         return RangeSource(make_source("arrays", plan.src, label=spec.get("label")), a, b)
     return RangeSource(make_source(plan.kind, plan.src, max_pixels=opts["max_pixels"], **resize), a, b)
+
+
+def _listing_rows(plan: Plan, a: int, b: int):
+    """Rows ``a..b-1`` of the listing the plan wrote (an image folder's files, coco's
+    annotations): only the row groups needed are read, also under an object store's parts prefix."""
+    from .table import parquet_rows
+
+    if plan.remote:
+        with Store(plan.dst).open_input(f"{PARTS}/{plan.spec['listing']}") as f:
+            return parquet_rows(f, a, b)
+    return parquet_rows(plan.parts / plan.spec["listing"], a, b)
 
 
 def _peak_rss() -> int:

@@ -7,9 +7,13 @@ builds of torch and DALI and whether they fit the driver and each other, the pin
 limit (``ulimit -l``) against what the ring pins, the open-file limit against the dataset's
 shards, ``/dev/shm``, the thread plan of this rank (``LOCAL_WORLD_SIZE`` ranks share the
 cores), torch's intra-op threads against fastload's, and every preset's DALI graph for the
-device. With a GPU the graphs are built and run on a JPEG on the device; without one the
-CUDA graphs are still validated by DALI offline (``fastload.pipeline.offline``), and the
-report says plainly that nothing ran on a device. The exit status is 1 if any check fails.
+device. Each graph line says what was done (``graphs``): checked offline by DALI (operators
+and placement), its CPU twin (the whole graph in DALI on the CPU) built and run on a batch of
+JPEGs with the output checked against the declared shape and dtype, and, on the CPU or a GPU,
+the graph itself built and run on a JPEG there; without a GPU it says ``not built on a GPU
+(no GPU)``, and the report says plainly that nothing ran on a device. The memlock check
+names what NCCL over InfiniBand needs (unlimited) and warns for a job across nodes. The exit
+status is 1 if any check fails.
 
 The checks are pure functions of :class:`Facts` (gathered once by :func:`gather`), so each
 verdict is unit-tested without the machine it describes.

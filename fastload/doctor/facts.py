@@ -52,6 +52,7 @@ class Facts:
     local_world_size: int = 1
     local_world_size_set: bool = False  # LOCAL_WORLD_SIZE is set (a positive integer)
     local_rank: int | None = None
+    world_size: int | None = None  # WORLD_SIZE (torchrun's), None when unset
     torch_threads: int = 1
     gather_threads: int = 1  # fastload's plan for this rank
     dali_threads: int = 1

@@ -1,10 +1,21 @@
-"""The preset DALI graphs: each validated offline for the device and, on the CPU or a usable
-GPU, built and run on a valid JPEG."""
+"""The preset DALI graphs, each line saying what was done with it:
+
+1. *checked offline*: DALI's schema and device checks of the graph for the device and where
+   each operator runs (``fastload.pipeline.offline.check``; builds no operator);
+2. *CPU twin built and ran*: the same operators with the same arguments, the whole graph in
+   DALI on the CPU, built and run on a batch of valid JPEGs, the output compared with the
+   transform's declared shape and dtype (``offline.run_twin``: argument values, types and
+   layouts, the output shape);
+3. on the CPU or a usable GPU, the graph itself built and run on a valid JPEG on the device;
+   without a GPU, ``not built on a GPU (no GPU)``.
+"""
 from __future__ import annotations
 
 from typing import Any
 
 from .facts import FAIL, OK, Check, _first_line
+
+NOT_BUILT = "not built on a GPU (no GPU)"
 
 
 def presets() -> dict[str, Any]:
@@ -16,9 +27,7 @@ def presets() -> dict[str, Any]:
 
 def check_graphs(device: str, gpu_usable: bool, device_id: int | None = None,
                  names: list[str] | None = None) -> list[Check]:
-    """Each preset's graph (or those ``names``): validated offline for ``device`` (DALI's
-    checks, operator placement) and, on the CPU or a usable GPU, built and run on a valid
-    JPEG."""
+    """One check per preset (or those ``names``): see the module docstring."""
     from ..pipeline import offline
 
     out = []
@@ -35,9 +44,15 @@ def check_graphs(device: str, gpu_usable: bool, device_id: int | None = None,
         if problems:
             out.append(Check(FAIL, label, "; ".join(problems)))
             continue
-        where = report.summary()
+        done = [f"checked offline: operators and placement ({report.summary()})"]
+        try:
+            twin = offline.run_twin(t)
+        except RuntimeError as e:
+            out.append(Check(FAIL, label, f"{done[0]}; {_first_line(e)}"))
+            continue
+        done.append(f"CPU twin built and ran {twin.summary()}")
         if device == "cuda" and not gpu_usable:
-            out.append(Check(OK, label, f"CUDA graph valid (offline): {where}"))
+            out.append(Check(OK, label, "; ".join([*done, NOT_BUILT])))
             continue
         runner = t.runner(device=device, batch_size=2, num_threads=1, device_id=device_id)
         try:
@@ -46,7 +61,7 @@ def check_graphs(device: str, gpu_usable: bool, device_id: int | None = None,
             runner.close()
         on = f"cuda:{device_id}" if device == "cuda" else "the CPU"
         if err is not None:
-            out.append(Check(FAIL, label, f"fails on a valid JPEG on {on}: {err}"))
+            out.append(Check(FAIL, label, f"{'; '.join(done)}; fails on a valid JPEG on {on}: {err}"))
         else:
-            out.append(Check(OK, label, f"built and ran a JPEG on {on}: {where}"))
+            out.append(Check(OK, label, "; ".join([*done, f"built and ran a JPEG on {on}"])))
     return out

@@ -6,21 +6,32 @@ from __future__ import annotations
 from .facts import DECODE_WORKERS, FAIL, FD_RESERVE, MAP_RESERVE, OK, SHM_MIN, WARN, Check, Facts, _bytes
 
 
+NCCL_IB = ("NCCL over InfiniBand (RDMA) registers its communication buffers with the network card, which "
+           "page-locks them against this limit: a job across nodes needs ulimit -l unlimited")
+RAISE_MEMLOCK = "ulimit -l unlimited (docker run --ulimit memlock=-1; memlock in /etc/security/limits.conf)"
+
+
 def check_memlock(f: Facts) -> Check:
+    """``ulimit -l`` against what the ring page-locks and, for a job across nodes (``WORLD_SIZE``
+    above ``LOCAL_WORLD_SIZE``), what NCCL over InfiniBand needs: unlimited."""
     if f.device == "cpu":
         return Check(OK, "pinned memory", "not used with --device cpu")
     if f.memlock is None:
         return Check(WARN, "pinned memory", "cannot read RLIMIT_MEMLOCK (ulimit -l)")
     soft = f.memlock[0]
     limit = _bytes(soft)
+    nodes = f.world_size is not None and f.world_size > f.local_world_size
+    if nodes and soft >= 0:
+        return Check(WARN, "pinned memory", f"ulimit -l {limit}, and this job spans nodes (WORLD_SIZE={f.world_size} "
+                     f"> LOCAL_WORLD_SIZE={f.local_world_size}): {NCCL_IB}; raise it: {RAISE_MEMLOCK}")
+    ib = "" if soft < 0 else f"; {NCCL_IB}"
     if f.pinned_bytes is None:
-        return Check(OK, "pinned memory", f"ulimit -l {limit} (pass a DATASET to compare with the ring's slots)")
+        return Check(OK, "pinned memory", f"ulimit -l {limit} (pass a DATASET to compare with the ring's slots){ib}")
     need = f"the ring page-locks up to {_bytes(f.pinned_bytes)}"
     if soft < 0 or soft >= f.pinned_bytes:
-        return Check(OK, "pinned memory", f"ulimit -l {limit}; {need}")
+        return Check(OK, "pinned memory", f"ulimit -l {limit}; {need}{ib}")
     return Check(WARN, "pinned memory", f"ulimit -l {limit} < {need}: page-locking may be refused (the loader "
-                 "then falls back to slower pageable copies) and NCCL over InfiniBand needs it unlimited; raise "
-                 "it: ulimit -l unlimited (docker run --ulimit memlock=-1)")
+                 f"then falls back to slower pageable copies){ib}; raise it: {RAISE_MEMLOCK}")
 
 
 def check_nofile(f: Facts) -> Check:

@@ -137,6 +137,8 @@ def gather(device: str | None = None, dataset: str | None = None, batch_size: in
     f.memlock, f.nofile, f.shm = _rlimit("RLIMIT_MEMLOCK"), _rlimit("RLIMIT_NOFILE"), _shm()
     f.max_map_count = _max_map_count()
     f.local_rank, lws = local_env()
+    ws = os.environ.get("WORLD_SIZE", "").strip()
+    f.world_size = int(ws) if ws.isdigit() and int(ws) > 0 else None
     f.cores, f.local_world_size, f.local_world_size_set = usable_cores(), lws or 1, lws is not None
     f.torch_threads = torch.get_num_threads()
     _thread_plan(f)

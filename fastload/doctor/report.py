@@ -19,5 +19,6 @@ def assess(f: Facts) -> list[Check]:
     out = [c for c in (check(f) for check in CHECKS) if c is not None]
     out.extend(f.graphs)
     if f.device == "cuda" and not f.gpu_usable:
-        out.append(Check(WARN, "summary", f"{NO_GPU_NOTE}; the CUDA graphs were validated offline only"))
+        out.append(Check(WARN, "summary", f"{NO_GPU_NOTE}; the CUDA graphs were checked offline (operators and "
+                         "placement) and their CPU twins built and run; none was built on a GPU"))
     return out

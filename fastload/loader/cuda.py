@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime.device import clear_cuda_error, guard
+from ..runtime.device import clear_cuda_error, guard, private_stream, release_stream, select
 from .feeder import ImageFeeder
 from .source import INDEX, Ready, RingFedSource
 
@@ -56,7 +56,7 @@ class CudaDelivery:
         self._inflight: collections.deque = collections.deque()
         self.copy_s = 0.0  # host time issuing device copies (asynchronous, so a lower bound)
         with guard(device):
-            self._stream = torch.cuda.Stream(device=device)
+            self._stream = private_stream(device)  # not one of torch's pooled streams (the user's, maybe)
             try:
                 for slot in range(ring.num_slots):
                     if not self._pin:  # one failed: the rest would fail alike
@@ -90,29 +90,37 @@ class CudaDelivery:
             with torch.cuda.stream(self._stream):
                 out = {k: t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
                        for k, t in host.items()}
-                if device_fn is not None:
-                    out = device_fn(out)
-                ev = torch.cuda.Event(blocking=True)  # the host may wait for it (above, close)
-                ev.record(self._stream)
+                try:
+                    if device_fn is not None:
+                        out = device_fn(out)
+                finally:  # even when the transform raised: the copies are queued all the same
+                    ev = torch.cuda.Event(blocking=True)  # the host may wait for it (above, close)
+                    ev.record(self._stream)
+                    # The host tensors hold the slot lease: the slot is refilled only after `ev`.
+                    self._inflight.append((ev, (lease, host)))
             current = torch.cuda.current_stream(self._device)
             current.wait_stream(self._stream)  # the training stream never sees a half copy
             for t in out.values():
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(current)  # output memory is not reused before `current` is done
-            # The host tensors hold the slot lease: the slot is refilled only after `ev`.
-            self._inflight.append((ev, (lease, host)))
             self.copy_s += time.perf_counter() - t0
         return out
 
-    def run_on_stream(self, fn, batch: dict) -> dict:
-        """``fn(batch)`` on the copy stream, after the current stream's work, ordered before
-        the current stream again (``device_transform`` of a batch with GPU-decoded images)."""
+    def run_on_stream(self, fn, batch: dict, events=()) -> dict:
+        """``fn(batch)`` on the copy stream once ``events`` (the GPU-decoded images' copies)
+        have completed — not after the current stream's work, so the transform overlaps the
+        training step — ordered before the current stream again (``device_transform`` of a
+        batch with GPU-decoded images; the raw fields were copied on this stream already)."""
         torch = self._torch
         with guard(self._device):
-            current = torch.cuda.current_stream(self._device)
-            self._stream.wait_stream(current)
+            for ev in events:
+                self._stream.wait_event(ev)
+            for t in batch.values():  # the images were allocated on the runners' copy streams
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(self._stream)
             with torch.cuda.stream(self._stream):
                 out = fn(batch)
+            current = torch.cuda.current_stream(self._device)
             current.wait_stream(self._stream)
             for t in out.values():
                 if isinstance(t, torch.Tensor) and t.is_cuda:
@@ -155,8 +163,9 @@ class CudaDelivery:
         self._pin = False
 
     def close(self) -> None:
-        """Wait for the copies in flight, then unpin every slot. Idempotent."""
-        if not self._inflight and not self._pinned:
+        """Wait for the copies in flight, then unpin every slot and give the stream back.
+        Idempotent."""
+        if not self._inflight and not self._pinned and self._stream is None:
             return
         with guard(self._device):
             if self._inflight:
@@ -169,6 +178,8 @@ class CudaDelivery:
                     logger.warning("fastload: cudaHostUnregister of ring slot %d failed with cudaError %d",
                                    slot, code)
             self._pinned.clear()
+            stream, self._stream = self._stream, None
+            release_stream(stream)
 
     @property
     def pinned(self) -> int:
@@ -213,6 +224,9 @@ class CudaSource(RingFedSource):
         host = None if self._finish is None else self._finish(dict(rb.tensors), req)
         device_fn = self._device_transform(req, index)
         out = self._delivery.deliver(rb, host, None if images else device_fn)
+        if images and device_fn is not None:  # on the copy stream after the images' events (G1)
+            out.update(images)
+            return Ready(self._delivery.run_on_stream(device_fn, out, events), index)
         if images:
             torch = self._torch
             with guard(self._device):
@@ -222,23 +236,34 @@ class CudaSource(RingFedSource):
                 for v in images.values():
                     v.record_stream(cur)  # allocated on a copy stream, used on `cur`
             out.update(images)
-            if device_fn is not None:
-                out = self._delivery.run_on_stream(device_fn, out)
         return Ready(out, index)
 
 
 class StreamHandoff:
     """Orders the consumer's stream after a batch made on another thread's stream (for
     ``ThreadedSource``: a ``batch_transform`` runs the source in a fastload thread):
-    ``record()`` in the producing thread, ``wait(batch, ev)`` in the consumer (which also
-    keeps the batch's memory from reuse until its stream is done). ``device``: the loader's,
-    which the producing thread selects before anything else."""
+    ``start()`` first in the producing thread (it selects the loader's device and makes a
+    private stream of fastload's that thread's current stream, so nothing it does waits on or
+    records into the training stream from the background), ``record()`` there after each
+    batch, ``wait(batch, ev)`` in the consumer (which also keeps the batch's memory from reuse
+    until its stream is done). ``device``: the loader's."""
 
     def __init__(self, device) -> None:
         import torch
 
         self._torch = torch
         self._device = device
+        self._stream = None
+
+    def start(self) -> None:
+        """In the producing thread, before anything else."""
+        import weakref
+
+        select(self._device)
+        with guard(self._device):
+            self._stream = private_stream(self._device)
+        self._torch.cuda.set_stream(self._stream)
+        weakref.finalize(self, release_stream, self._stream)  # back to the free list with the handoff
 
     @property
     def device(self):

@@ -113,6 +113,18 @@ def runner_decoder(runner, dataset, name: str, epoch: int, out: Any, stats) -> C
     it, not a SIGBUS in a DALI thread; one memcpy of the compressed bytes, small beside their
     decode) and their recorded sizes through a DALI runner (writing into ``out`` when given),
     timed into ``stats`` as ``decode_s`` (DALI's work) and ``copy_s`` (its output copied out)."""
+    if hasattr(runner, "run_batch"):  # a sample transform: it reads its fields itself (MultiRunner)
+        def decode_sample(idx: np.ndarray) -> Any:
+            t0 = time.perf_counter()
+            c0 = runner.copy_s
+            try:
+                return runner.run_batch(dataset, idx, epoch, out=out)
+            finally:
+                copied = runner.copy_s - c0
+                stats.add("decode_s", time.perf_counter() - t0 - copied)
+                stats.add("copy_s", copied)
+        return decode_sample
+
     def decode(idx: np.ndarray) -> Any:
         enc = dataset.views(name, idx, copy=True)
         w, h = dataset.image_sizes(name, idx)
@@ -134,8 +146,9 @@ class Decoders:
     runners decode whole batches (``Runner.whole_batches``)."""
 
     def __init__(self, transforms: Mapping[str, Any], *, device: str, device_id: int | None, batch_size: int,
-                 seed: int, checked: bool = False) -> None:
+                 seed: int, checked: bool = False, output_ragged: Mapping[str, Any] | None = None) -> None:
         self._checked = bool(checked)
+        self._output_ragged = dict(output_ragged or {})  # how a sample transform's ragged outputs are delivered
         self._transforms = dict(transforms)
         self._device = device
         self._device_id = device_id
@@ -152,9 +165,10 @@ class Decoders:
     def get(self, field: str, worker: int = 0):
         r = self._runners.get((field, worker))
         if r is None:
-            r = self._transforms[field].runner(device=self._device, batch_size=self._batch_size,
-                                               num_threads=None, prefetch=None, seed=self._seed,
-                                               device_id=self._device_id)
+            t = self._transforms[field]
+            kw = {"ragged": self._output_ragged} if hasattr(t, "outputs") else {}
+            r = t.runner(device=self._device, batch_size=self._batch_size, num_threads=None, prefetch=None,
+                         seed=self._seed, device_id=self._device_id, **kw)
             r.whole_batches = self._checked
             self._runners[(field, worker)] = r
         return r

@@ -148,13 +148,23 @@ class ImageFeeder:
         ds = self._dataset
         # image fields the ring has room for (finished in torch on the host) are decoded into the slot
         arrays = slot.arrays
-        into = {name: torch.from_numpy(arrays[name][:len(idx)]) for name in self._image_fields if name in arrays}
+        into: dict[str, Any] = {}
+        for name in self._image_fields:
+            outputs = getattr(runners[name].transform, "outputs", None)  # a sample transform's, by output
+            if outputs is not None:
+                into[name] = {k: torch.from_numpy(arrays[k][:len(idx)]) for k in outputs if k in arrays}
+            elif name in arrays:
+                into[name] = torch.from_numpy(arrays[name][:len(idx)])
         decoders = {name: runner_decoder(runners[name], ds, name, epoch, into.get(name), self._stats)
                     for name in self._image_fields}
         images, final, replaced = decode_fields(decoders, idx, num_samples=len(ds), on_error=self._on_error,
                                                 describe=ds.describe, known_bad=self._known_bad)
         for name in into:  # in the slot: delivered with the raw fields
-            del images[name]
+            got = images.pop(name)
+            if isinstance(got, dict):  # the other outputs of a sample transform go with the images
+                images.update({k: v for k, v in got.items() if k not in into[name]})
+        for name in [n for n, v in images.items() if isinstance(v, dict)]:
+            images.update(images.pop(name))
         del into, arrays
         # on a GPU each field's last run produced its tensor: its runner's ready event covers it
         events = tuple(ev for ev in (getattr(runners[n], "ready_event", None) for n in self._image_fields)

@@ -126,6 +126,10 @@ class Finish:
             if d.mode != "padded":
                 self._free.update((name, *d.keys(name)))
                 self._tokens.extend(k for k in (name, *d.keys(name)) if not k.endswith("_offsets"))
+        for name, d in getattr(options, "output_ragged", {}).items():  # a sample transform's, shaped by its runner
+            if d.mode != "padded":
+                self._free.update((name, *d.keys(name)))
+                self._tokens.append(name)
         self._list_set = frozenset(self._lists)
         self.names = [_name(w, fn) for w, fn in (("batch_transform", options.batch_transform),
                                                  ("device_transform", options.device_transform)) if fn is not None]

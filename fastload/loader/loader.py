@@ -67,7 +67,10 @@ class Loader:
             environment variables, else a single process.
         fields: fields to deliver (default: every tensor, scalar and image field; string and
             bytes fields are delivered as lists when named here).
-        transforms: ``{image_field: fastload.vision.train(224) | eval(...) | custom(...)}``.
+        transforms: ``{image_field: fastload.vision.train(224) | eval(...) | custom(...)}``, or
+            one transform over several fields: ``fastload.vision.detection(640)``,
+            ``segmentation(512)``, ``custom(build, inputs=..., outputs=...)`` (its outputs
+            replace the fields it reads; ragged outputs follow ``ragged=``/``pad_value=``).
         threads: gather threads (default: this rank's share of the usable cores, i.e. the
             cores divided by ``LOCAL_WORLD_SIZE``, minus one; at least 1, at most 7).
         prefetch: batches in flight (default: enough to keep the gather threads busy, up
@@ -190,6 +193,7 @@ class Loader:
         sampler = self._sampler  # a closure over the sampler, not the Loader: the machinery holds the stats
         self._stats.gauge("epoch", lambda: sampler.epoch)
         self._progress = Progress()
+        self._pass_epoch: int | None = None  # the epoch of the pass that last moved the progress
         from .remote import RemoteShards, remote_members
 
         if remote_members(ds):  # a remote dataset, or a mixture with remote datasets (see remote.py)
@@ -259,6 +263,7 @@ class Loader:
         self._machinery.stop_iter("a new pass over this Loader began (iter(loader)); each Loader runs one pass at "
                               "a time: iterate the new one")
         o = self._options
+        resumed = self._sampler.start_position() > 0  # a loaded position, read before the pass takes it
         if o.pack is None:
             plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
         else:  # the same stream of samples, read as tokens (the position counts tokens)
@@ -274,8 +279,21 @@ class Loader:
                            on_position=self._remote.advance if self._remote is not None else None,
                            owner=self)  # the pass keeps its Loader alive: `for b in Loader(...)` works
         self._machinery.track(it)
+        self._pass_epoch = plan.epoch
         self._sampler.prepare(plan.epoch + 1)  # the next epoch's order, in the background while this one runs
+        if resumed and len(plan) == 0:
+            return self._after_finished_epoch(it, plan.epoch)
         return it
+
+    def _after_finished_epoch(self, it: EpochIterator, epoch: int) -> Iterator[dict[str, Any]]:
+        """The pass of a state loaded at its epoch's end: nothing, unless the sampler was moved
+        to another epoch between ``iter()`` and the first ``next()`` (as PyTorch Lightning does
+        when it resumes from a checkpoint taken at an epoch's last batch: ``iter(loader)``, then
+        ``loader.sampler.set_epoch(epoch + 1)``; a ``DataLoader`` reads its sampler only at the
+        first ``next()``); the pass then is that epoch's."""
+        yield from it
+        if self._sampler.epoch != epoch:
+            yield from iter(self)
 
     # -- resume --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -286,9 +304,12 @@ class Loader:
             "batch_size": self.batch_size,
             "fields": self.fields,
             "transforms": {n: t.describe() for n, t in self._options.transforms.items()},
-            "ragged": {n: d.describe() for n, d in self._options.ragged.items()},
+            "ragged": {n: d.describe() for n, d in {**self._options.ragged, **self._options.output_ragged}.items()},
             "seed": self.seed,
-            "sampler": self._sampler.state_dict(consumed=self._progress.position),
+            # the pass's position, unless the sampler was set to another epoch since (Lightning
+            # calls loader.sampler.set_epoch, not loader.set_epoch): then the sampler's own count
+            "sampler": self._sampler.state_dict(
+                consumed=self._progress.position if self._pass_epoch == self._sampler.epoch else None),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

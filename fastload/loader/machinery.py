@@ -21,6 +21,7 @@ import numpy as np
 
 from ..runtime import lifecycle
 from ..sampling.packing import max_pieces
+from ..pipeline.multi import SampleTransform
 from ..ring.ring import Ring
 from ..runtime.system import IMAGE_FEEDERS, loader_nice, lower_priority
 from .decode import Decoders
@@ -107,9 +108,7 @@ class Machinery:
                 specs[n] = ring_field(ds, n, d, o.slot_rows)
                 sources[n] = [None if remote else _values_offsets(ds.ragged_column(s, n, verify=False))
                               for s in range(ds.num_shards)]
-            for n in slot_images(o):  # written by the feeders, no source
-                t = o.transforms[n]
-                specs[n] = (np.dtype(t.out_dtype), tuple(t.out_shape))
+            specs.update(slot_images(o))  # written by the feeders, no source
             specs[INDEX] = (np.int64, ())
             ring = Ring(specs, rows, sources, index_field=INDEX, threads=o.threads,
                         slots=o.slots, shard_rows=ds.shard_sizes.tolist(),
@@ -148,7 +147,7 @@ class Machinery:
             self._decoders = Decoders(o.transforms, device=o.device.type,
                                       device_id=o.device.index if self.cuda else None,
                                       batch_size=o.slot_rows, seed=o.seed,
-                                      checked=images_checked(self._dataset))
+                                      checked=images_checked(self._dataset), output_ragged=o.output_ragged)
         return self._decoders
 
     def warm(self) -> None:
@@ -261,13 +260,24 @@ def _values_offsets(column: tuple) -> tuple:
     return values, offsets
 
 
-def slot_images(o) -> tuple[str, ...]:
-    """The image fields decoded into ring slots: on the host, those whose transform ends
-    its DALI graph at the decoder and finishes each image in torch, straight into the batch
-    (``Transform.finishes_on_cpu``; a slot outlives nothing the user holds, see ring.py)."""
+def slot_images(o) -> dict[str, tuple]:
+    """``{ring field: (dtype, shape)}`` of the images decoded into ring slots: on the host,
+    those whose transform ends its DALI graph at the decoder and finishes each image in torch,
+    straight into the batch (``Transform.finishes_on_cpu``; a slot outlives nothing the user
+    holds, see ring.py); for a sample transform, its dense outputs made by that finish."""
     if o.device.type == "cuda":
-        return ()
-    return tuple(n for n in o.image_fields if o.transforms[n].finishes_on_cpu)
+        return {}
+    out: dict[str, tuple] = {}
+    for n in o.image_fields:
+        t = o.transforms[n]
+        if not t.finishes_on_cpu:
+            continue
+        if isinstance(t, SampleTransform):
+            out.update({k: (t.outputs[k].np_dtype, tuple(t.outputs[k].shape)) for k in t.graph_outputs()
+                        if not t.outputs[k].ragged})
+        else:
+            out[n] = (np.dtype(t.out_dtype), tuple(t.out_shape))
+    return out
 
 
 def images_checked(dataset) -> bool:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from ..runtime.device import resolve_device
+from ..pipeline.multi import SampleTransform
 from ..pipeline.presets import Transform
 from ..ring.size import (batch_bytes, default_cuda_image_prefetch, default_gather_threads, default_prefetch,
                          ring_slots, slot_bytes)
@@ -49,6 +50,8 @@ class Options:
     on_error: str
     log_every: int | None
     ragged: Mapping[str, RaggedDelivery] = field(default_factory=lambda: MappingProxyType({}))  # ragged fields
+    # the ragged outputs of a sample transform (transforms=vision.detection(...)): shaped by its runner
+    output_ragged: Mapping[str, RaggedDelivery] = field(default_factory=lambda: MappingProxyType({}))
     batch_transform: Callable | None = None  # host, in a fastload thread, before the device copy
     device_transform: Callable | None = None  # on the device, on fastload's stream
     # the order: the Sampler's settings, as given (make_sampler)
@@ -75,16 +78,45 @@ class Options:
     def fixed_size(self) -> bool:
         """True when every batch of a given row count has the same bytes: no list field, and
         no ragged field but the one packed with ``pack_to`` (rows of N tokens; one row of
-        the other keys per piece)."""
-        return not self.list_fields and all(d.mode == "pack" for d in self.ragged.values())
+        the other keys per piece), no ragged output of a sample transform."""
+        return (not self.list_fields and not self.output_ragged
+                and all(d.mode == "pack" for d in self.ragged.values()))
+
+
+def _resolve_sample(ds, fields: Sequence[str] | None, t: SampleTransform) -> tuple[list[str], dict]:
+    """A transform over several fields: its key (first image input) stands for it among the
+    fields; the fields it reads are not delivered as stored (its outputs are); beside them, by
+    default, the dataset's fixed-size fields (ragged ones would no longer match the boxes a
+    crop keeps: name them in ``fields=`` to have them as stored)."""
+    t.bind(ds.fields)
+    consumed = set(t.inputs.values())
+    if fields is None:  # (a field an output replaces is left out; named in fields=, it is an error below)
+        fields = [n for n, f in ds.fields.items()
+                  if f.kind in ("tensor", "scalar") and n != INDEX_KEY and n not in t.outputs]
+    elif isinstance(fields, (str, bytes)):
+        raise ValueError(f"fields={fields!r} must be a list of field names, e.g. fields=[{fields!r}]")
+    for n in fields:
+        if n not in ds.fields and n not in t.outputs:
+            raise ValueError(f"fields: {n!r} is not a field of {ds.path} nor an output of {t!r}; fields are "
+                             f"{list(ds.fields)}, outputs {list(t.outputs)}")
+        if n in ds.fields and ds.fields[n].kind == "image" and n not in consumed:
+            raise ValueError(f"fields: image field {n!r} is not read by {t!r}; leave it out (one transform decodes "
+                             "the images of a sample transform's batch)")
+    if INDEX_KEY in t.outputs:
+        raise ValueError(f"{t!r} declares an output named {INDEX_KEY!r}, which batch['index'] (the global sample "
+                         "indices) would shadow; rename it")
+    return [t.key] + [n for n in fields if n not in consumed and n in ds.fields], {t.key: t}
 
 
 _DECODED = ("image", "video", "audio")  # the kinds a transform decodes (video/audio: see fastload.pipeline.media)
 
 def _resolve_fields(ds, fields: Sequence[str] | None, transforms: Any) -> tuple[list[str], dict]:
+    if isinstance(transforms, SampleTransform):
+        return _resolve_sample(ds, fields, transforms)
     if transforms is not None and not isinstance(transforms, Mapping):
         raise ValueError(f"transforms={transforms!r} must be a dict {{image field: transform}}, "
-                         "e.g. transforms={'image': fastload.vision.train(224)}")
+                         "e.g. transforms={'image': fastload.vision.train(224)}, or one transform over several "
+                         "fields, e.g. transforms=fastload.vision.detection(640)")
     transforms = dict(transforms or {})
     if fields is None:
         fields = [n for n, f in ds.fields.items() if f.kind in ("tensor", "scalar", "ragged", *_DECODED)]
@@ -105,6 +137,9 @@ def _resolve_fields(ds, fields: Sequence[str] | None, transforms: Any) -> tuple[
             raise ValueError(f"field {n!r} of {ds.path} would be shadowed by batch['index'] (the global "
                              "sample indices); leave it out with fields=[...]")
     for n, t in transforms.items():
+        if isinstance(t, SampleTransform):
+            raise ValueError(f"transforms[{n!r}]={t!r} reads several fields; pass it as transforms= itself, "
+                             "not in a dict")
         if n not in ds.fields or ds.fields[n].kind not in _DECODED:
             raise ValueError(f"transforms: {n!r} is not an image, video or audio field of {ds.path}")
         if not isinstance(t, Transform):
@@ -154,9 +189,24 @@ def build_options(ds, world, *, mixture: Any = None, batch_size: Any, seed: Any,
             raise ValueError(f"{name}={fn!r} must be a function batch -> batch (dict of tensors)")
     fields, transforms = _resolve_fields(ds, fields, transforms)
     ragged_names = tuple(n for n in fields if ds.fields[n].ragged)
-    deliveries = resolve_ragged(ds, ragged_names, ragged=ragged, pad_value=pad_value, max_length=max_length,
-                                pad_to_multiple=pad_to_multiple, pack_to=pack_to)
+    sample = next((t for t in transforms.values() if isinstance(t, SampleTransform)), None)
+    outputs = {n: s for n, s in sample.outputs.items() if s.ragged} if sample is not None else {}
+    if outputs:  # ragged outputs take the ragged keywords as ragged fields do
+        shim = SimpleNamespace(path=ds.path, fields={**ds.fields, **{n: _OutputField(s) for n, s in outputs.items()}})
+        every = resolve_ragged(shim, ragged_names + tuple(outputs), ragged=ragged, pad_value=pad_value,
+                               max_length=max_length, pad_to_multiple=pad_to_multiple, pack_to=pack_to)
+        deliveries = {n: d for n, d in every.items() if n not in outputs}
+        out_ragged = {n: d for n, d in every.items() if n in outputs}
+        packs = [n for n, d in out_ragged.items() if d.mode == "pack"]
+        if packs:
+            raise ValueError(f"pack_to packs a stored sequence field; {packs[0]!r} is an output of {sample!r}")
+    else:
+        deliveries = resolve_ragged(ds, ragged_names, ragged=ragged, pad_value=pad_value, max_length=max_length,
+                                    pad_to_multiple=pad_to_multiple, pack_to=pack_to)
+        out_ragged = {}
     _check_keys(ds, fields, deliveries)
+    if sample is not None:
+        _check_output_keys(fields, deliveries, sample, out_ragged)
     if balance and any(d.mode == "pack" for d in deliveries.values()):
         raise ValueError(f"balance={balance!r} makes class-balanced batches of samples, and pack_to= cuts "
                          "documents into rows of tokens, so a packed batch is not class-balanced; use "
@@ -171,7 +221,7 @@ def build_options(ds, world, *, mixture: Any = None, batch_size: Any, seed: Any,
     for n, d in deliveries.items():  # a typical batch: the mean length (rows of N when packing)
         mean = d.pack_to if d.pack_to else float(np.mean(ds.lengths(n))) if len(ds) else 0.0
         host_bytes += int(batch_size * mean * ds.fields[n].item_nbytes)
-    image_bytes = batch_size * sum(_image_row_bytes(t) for t in transforms.values())
+    image_bytes = batch_size * sum(t.row_bytes() for t in transforms.values())
     if prefetch is not None:
         prefetch = check_int("prefetch", prefetch, min=1)
     elif device.type == "cuda" and images:
@@ -181,7 +231,8 @@ def build_options(ds, world, *, mixture: Any = None, batch_size: Any, seed: Any,
     o = Options(batch_size=batch_size, seed=seed, device=device,
                 fields=tuple(fields), raw_fields=raw, image_fields=images, list_fields=lists,
                 transforms=MappingProxyType(transforms), on_error=on_error, log_every=log_every,
-                ragged=MappingProxyType(deliveries), batch_transform=batch_transform,
+                ragged=MappingProxyType(deliveries), output_ragged=MappingProxyType(out_ragged),
+                batch_transform=batch_transform,
                 device_transform=device_transform, shuffle=shuffle, drop_last=drop_last, weights=weights,
                 replacement=replacement, num_draws=num_draws, balance=balance, shuffle_mode=shuffle_mode,
                 window=window, threads=threads, prefetch=prefetch)
@@ -189,8 +240,31 @@ def build_options(ds, world, *, mixture: Any = None, batch_size: Any, seed: Any,
     return _fit_to_epoch(o, ds, sampler), sampler
 
 
-def _image_row_bytes(t: Transform) -> int:
-    return np.dtype(t.out_dtype).itemsize * int(np.prod(t.out_shape))
+class _OutputField:
+    """A ragged output of a sample transform as ``resolve_ragged`` reads a field."""
+
+    ragged = True
+
+    def __init__(self, spec):
+        self.shape, self.np_dtype, self.dtype = spec.item, spec.np_dtype, spec.dtype
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[*{''.join(f',{d}' for d in self.shape)}] (an output)"
+
+
+def _check_output_keys(fields: Sequence[str], deliveries: Mapping[str, RaggedDelivery], t: SampleTransform,
+                       out_ragged: Mapping[str, RaggedDelivery]) -> None:
+    """A sample transform's outputs (and their ragged keys) must not shadow a delivered field
+    or another key."""
+    taken = {n: f"field {n!r}" for n in fields[1:]}
+    taken.update({k: f"a key of ragged field {n!r}" for n, d in deliveries.items() for k in d.keys(n)})
+    for n, s in t.outputs.items():
+        keys = (n, *(out_ragged[n].keys(n) if n in out_ragged else ()))
+        for k in keys:
+            if k in taken:
+                raise ValueError(f"{t!r}: its output key {k!r} would shadow {taken[k]}; leave that field out with "
+                                 "fields=[...] or rename it")
+            taken[k] = f"output {n!r}"
 
 
 def _fit_to_epoch(o: Options, ds, sampler) -> Options:
@@ -205,7 +279,7 @@ def _fit_to_epoch(o: Options, ds, sampler) -> Options:
         rows = o.batch_size
     row_bytes = sum(ds.fields[n].row_nbytes for n in o.raw_fields)
     if o.device.type != "cuda":  # images decoded on the host may be finished into the slot
-        row_bytes += sum(_image_row_bytes(t) for t in o.transforms.values())
+        row_bytes += sum(t.row_bytes() for t in o.transforms.values())
     slots = ring_slots(max(1, min(o.prefetch, sampler.batches_per_epoch)))  # prefetch itself stays as asked
     size = slot_bytes(rows, row_bytes, len(o.raw_fields) + len(o.image_fields))
     check_fits_in_memory(

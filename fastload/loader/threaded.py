@@ -21,8 +21,9 @@ when it has waited ``WAIT_WARN_S`` for one, naming the same.
 
 On CUDA, ``handoff`` orders the consumer's stream after the worker's: an event recorded in
 the worker (``handoff.record()``), waited on by the consumer (``handoff.wait(batch, ev)``);
-and the thread selects the loader's device (``handoff.device``) before it runs anything, so
-a transform that touches CUDA works on the loader's GPU and opens no context on cuda:0.
+and the thread selects the loader's device and a stream of fastload's own (``handoff.start()``)
+before it runs anything, so a transform that touches CUDA works on the loader's GPU, opens no
+context on cuda:0 and queues nothing on the training stream.
 """
 from __future__ import annotations
 
@@ -98,10 +99,8 @@ class ThreadedSource:
 
     def _run(self) -> None:
         if self._handoff is not None:
-            from ..runtime.device import select
-
             try:
-                select(self._handoff.device)  # first: the user's transforms run on the loader's GPU
+                self._handoff.start()  # first: the loader's GPU, on a stream of fastload's own
             except BaseException as e:  # pragma: no cover - a device that vanished
                 self._out.put(e)
                 return

@@ -8,12 +8,18 @@ without building the executor, and with ``device_id=None`` it never touches CUDA
 it fails in ``cuInit``). :func:`check` does that for the graph a runner defines
 (``Runner._define``, the same definition ``Runner`` builds) and reads the serialized
 ``PipelineDef`` back, so the report says where DALI will run every operator.
+
+That is the schema and the placement only: ``serialize()`` builds no operator, so argument
+*values*, supported types and layouts, and the output's shape are not checked. :func:`run_twin`
+builds the graph's *CPU twin* — the same operators with the same arguments, the whole graph in
+DALI on the CPU (``dali_only``), as the GPU runs it — runs one batch of valid JPEGs through
+it and compares the result with the transform's declared ``out_shape``/``out_dtype``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["GraphReport", "Op", "check", "parse_pipeline_def"]
+__all__ = ["GraphReport", "Op", "TwinRun", "check", "parse_pipeline_def", "run_twin"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,73 @@ def check(transform, *, device: str = "cuda", batch_size: int = 8, num_threads: 
         if shutdown is not None:
             shutdown()
         runner.close()
+
+
+@dataclass(frozen=True)
+class TwinRun:
+    """One batch through a graph's CPU twin: the output's shape and dtype, and the time."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    seconds: float
+
+    def summary(self) -> str:
+        return f"{self.shape[0]} JPEGs -> {tuple(self.shape)} {self.dtype}"
+
+
+TWIN_SIZES = ((256, 256), (320, 200))  # the JPEGs of the twin's batch: one square, one not
+
+
+def run_twin(transform, *, seed: int = 0) -> TwinRun:
+    """Build ``transform``'s CPU twin (see the module docstring), run a batch of
+    ``len(TWIN_SIZES)`` valid JPEGs through it, and check the output: RuntimeError naming
+    what DALI refused, or what came out against what the transform declares."""
+    import time
+
+    import numpy as np
+
+    jpegs = [_jpeg(w, h) for w, h in TWIN_SIZES]
+    n = len(jpegs)
+    runner = transform.runner(device="cpu", batch_size=n, num_threads=1, seed=seed, device_id=None, dali_only=True)
+    t0 = time.perf_counter()
+    try:
+        out = runner.run(jpegs, np.array([w for w, _ in TWIN_SIZES], np.int32),
+                         np.array([h for _, h in TWIN_SIZES], np.int32), np.arange(n, dtype=np.int64), 0)
+        shape, dtype = tuple(out.shape), str(out.dtype).replace("torch.", "")
+    except Exception as e:  # DALI's refusal, or BadSamples for every valid image: the graph's fault
+        raise RuntimeError(f"the CPU twin of the graph fails on {n} valid JPEGs: {_reason(e)}") from None
+    finally:
+        runner.close()
+    want = (n, *tuple(transform.out_shape))
+    want_dtype = np.dtype(transform.out_dtype).name
+    if shape != want or dtype != want_dtype:
+        raise RuntimeError(f"the CPU twin of the graph produced {shape} {dtype}; the transform declares {want} "
+                           f"{want_dtype}")
+    return TwinRun(shape, dtype, time.perf_counter() - t0)
+
+
+def _reason(e: BaseException) -> str:
+    from ..errors import BadSamples
+
+    if isinstance(e, BadSamples):
+        return "; ".join(dict.fromkeys(str(r) for r in e.reasons))[:400] or str(e)
+    from .badsamples import reason
+
+    return reason(e)
+
+
+def _jpeg(w: int, h: int):
+    """A valid, smooth ``w`` x ``h`` RGB JPEG (its bytes as a uint8 array)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    x = np.linspace(0, 255, w).astype(np.uint8)[None, :].repeat(h, 0)
+    y = np.linspace(0, 255, h).astype(np.uint8)[:, None].repeat(w, 1)
+    buf = io.BytesIO()
+    Image.fromarray(np.stack([x, y, np.full_like(x, 100)], -1)).save(buf, "JPEG", quality=90)
+    return np.frombuffer(buf.getvalue(), np.uint8)
 
 
 # -- reading DALI's PipelineDef (dali/pipeline/proto/dali.proto) back: protobuf wire format ----

@@ -82,6 +82,11 @@ class Transform:
         """The rest of a ``decoded_only`` graph's work: DALI's decoded images into ``out``."""
         raise NotImplementedError
 
+    def row_bytes(self) -> int:
+        """Bytes of one sample's output(s): what a ring slot holds per row when the CPU finish
+        writes into it."""
+        return np.dtype(self.out_dtype).itemsize * int(np.prod(self.out_shape))
+
     def runner(self, *, device: str = "cpu", batch_size: int, num_threads: int | None = None,
                prefetch: int | None = None, seed: int = 0, device_id: int | None = None,
                dali_only: bool = False) -> Runner:

@@ -19,9 +19,12 @@ their ``write`` pointed at the real standard error for the duration, so a ``prin
 Decoder messages are kept (``captured_messages()``, ``messages_since()``): the runner adds
 them to the reason it reports for a refused image. Native code other than the decoders that
 writes to descriptor 2 during a captured run is kept with them, not shown; so the runner
-captures only runs that can fail: every run of a dataset written without DALI's check, and the
-search for a bad sample. A dataset ``fastload convert`` checked with DALI (its manifest says
-``images_checked``) decodes with descriptor 2 untouched.
+captures only runs that can fail, and only where that costs little: on the CPU every run of a
+dataset written without DALI's check, and the search for a bad sample. On a GPU only that
+search: a GPU feeder runs DALI most of the time, and capturing each run would hold back other
+libraries' native messages (CUDA's, c10's) for most of the job; a bad image then prints the
+decoder's own line once, on the first, failing run. A dataset ``fastload convert`` checked
+with DALI (its manifest says ``images_checked``) decodes with descriptor 2 untouched.
 """
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ from .quiet import decoder_output_captured, messages_since
 
 logger = logging.getLogger("fastload")
 
-__all__ = ["Runner", "default_threads"]
+__all__ = ["Runner", "default_threads", "refuse_sizes"]
 
 
 GPU_PIPELINE_THREADS = 4  # CPU threads of a GPU pipeline: parsing and nvJPEG's host stage
@@ -62,6 +62,20 @@ def default_threads(device: str = "cpu") -> int:
     and feeds the decoder, at most :data:`GPU_PIPELINE_THREADS`."""
     cores = rank_cores()
     return min(GPU_PIPELINE_THREADS, cores) if device == "cuda" else cores
+
+
+def refuse_sizes(widths: np.ndarray, heights: np.ndarray, max_pixels: int, what: str = "") -> None:
+    """BadSamples for the images whose recorded size is invalid or above ``max_pixels``
+    (refused before any decoding); ``what`` prefixes each reason (e.g. the input's name)."""
+    widths, heights = np.asarray(widths), np.asarray(heights)
+    pixels = widths.astype(np.int64) * heights.astype(np.int64)
+    refused = np.flatnonzero((pixels > max_pixels) | (widths <= 0) | (heights <= 0))
+    if len(refused):
+        raise BadSamples(refused, [
+            what + (f"the header declares {int(widths[i])}x{int(heights[i])} pixels, more than max_pixels="
+                    f"{max_pixels} (raise it in the transform if the image is genuine)"
+                    if pixels[i] > max_pixels else f"invalid recorded size {int(widths[i])}x{int(heights[i])}")
+            for i in refused])
 
 
 class Runner(BadSampleSearch):
@@ -226,14 +240,7 @@ class Runner(BadSampleSearch):
             raise ValueError(f"batch of {n} images; this runner takes 1..{self.batch_size}")
         widths = np.asarray(widths)
         heights = np.asarray(heights)
-        pixels = widths.astype(np.int64) * heights.astype(np.int64)
-        refused = np.flatnonzero((pixels > self.max_pixels) | (widths <= 0) | (heights <= 0))
-        if len(refused):
-            raise BadSamples(refused, [
-                f"the header declares {int(widths[i])}x{int(heights[i])} pixels, more than max_pixels="
-                f"{self.max_pixels} (raise it in the transform if the image is genuine)"
-                if pixels[i] > self.max_pixels else f"invalid recorded size {int(widths[i])}x{int(heights[i])}"
-                for i in refused])
+        refuse_sizes(widths, heights, self.max_pixels)
         params = self.transform.params(self.seed, epoch, indices, widths, heights)
         if out is not None or self.host_tail:  # one tensor for every path below
             import torch
@@ -244,7 +251,10 @@ class Runner(BadSampleSearch):
                 out = torch.from_numpy(out)
         if n > self._pipeline_batch():
             return self._run_chunked(encoded, params, n, out)
-        res, err = self._try(encoded, params, capture=not self.whole_batches)
+        # Standard error is captured (quiet.py) for the runs that may fail on a bad image; on a
+        # GPU only the search for a bad sample after a failed run: descriptor 2 is the whole
+        # process's, and a GPU run is most of the time, so other libraries' messages would go.
+        res, err = self._try(encoded, params, capture=not self.whole_batches and self.device != "cuda")
         if err is not None:
             self._raise_bad(self._locate_bad(encoded, params, err), n, err)
         return self._deliver(res, n, out, params)
@@ -313,6 +323,11 @@ class Runner(BadSampleSearch):
 
     def close(self) -> None:
         self._drop_pipeline()
+        stream, self._copy_stream = self._copy_stream, None
+        if stream is not None:
+            from ..runtime.device import release_stream
+
+            release_stream(stream)
         cpu, self._cpu = self._cpu, None
         if cpu is not None:
             cpu.close()

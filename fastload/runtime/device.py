@@ -12,6 +12,14 @@ a few hundred MB on GPU 0 for every rank of the node. So every thread fastload s
 :func:`select` before anything else, and code running in the caller's thread (which must
 not change the caller's current device) wraps its CUDA calls in :func:`guard`.
 
+**Streams of fastload's own.** ``torch.cuda.Stream()`` hands out one of a pool of 32 streams
+per device, round-robin: a stream fastload takes from it can be the very stream the script
+(or another library) uses, and fastload's copies would then queue behind that work.
+:func:`private_stream` creates a stream of its own instead (``cudaStreamCreateWithFlags``,
+non-blocking, through the runtime torch uses), wrapped as ``torch.cuda.ExternalStream``;
+:func:`release_stream` gives it back to fastload's free list (streams are reused, never
+destroyed: a later Loader's stream is ordered after the earlier work on it, which is harmless).
+
 **Errors a call leaves behind.** The CUDA runtime remembers the last error per thread until
 ``cudaGetLastError`` reads it; torch's kernel-launch check reads it after every kernel, so an
 error fastload handled (a failed ``cudaHostRegister``, say) would surface later in the
@@ -21,20 +29,26 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from typing import Any
 
-__all__ = ["clear_cuda_error", "default_cuda_index", "guard", "resolve_device", "select"]
+__all__ = ["clear_cuda_error", "default_cuda_index", "guard", "private_stream", "release_stream", "resolve_device",
+           "select"]
 
 
 def default_cuda_index() -> int:
     """The CUDA device for ``device="cuda"`` / ``None``:
 
     1. the device the script selected with ``torch.cuda.set_device`` (any but 0);
-    2. under torchrun (``LOCAL_RANK`` set), ``LOCAL_RANK`` (modulo the visible devices), but
-       only where that cannot be wrong: one GPU per local rank (``LOCAL_WORLD_SIZE`` equals
-       the device count), or the process has not used CUDA yet (so the script cannot have
-       chosen cuda:0 on purpose);
-    3. else the current device (0): a script that put its model on cuda:0 gets its batches
+    2. under torchrun (``LOCAL_RANK`` set), ``LOCAL_RANK`` (modulo the visible devices) where
+       that cannot be wrong: one GPU per local rank (``LOCAL_WORLD_SIZE`` equals the device
+       count), or the process has not used CUDA yet (so the script cannot have chosen cuda:0
+       on purpose);
+    3. fewer ranks than GPUs (a job on 4 of a node's 8): ``LOCAL_RANK`` when the script has
+       memory on ``cuda:LOCAL_RANK`` and none on cuda:0 (it put its model there with
+       ``.to(f"cuda:{local_rank}")`` and never called ``set_device``); when it has memory on
+       neither, nothing says which it means: the current device, with a warning;
+    4. else the current device (0): a script that put its model on cuda:0 gets its batches
        there too.
 
     "Used CUDA yet" is ``torch.cuda.is_initialized()``, asked *before* anything else:
@@ -53,10 +67,39 @@ def default_cuda_index() -> int:
     if local is None:
         return cur
     count = max(1, torch.cuda.device_count())
-    one_gpu_per_rank = lws == count
-    if one_gpu_per_rank or not used:
+    if lws == count or not used:
         return local % count
+    if lws is not None and lws < count and 0 < local < count:
+        on_local, on_0 = _allocated(torch, local), _allocated(torch, 0)
+        if on_local and not on_0:
+            return local
+        if not on_0:
+            _warn_ambiguous(local, lws, count)
     return cur
+
+
+_warned_ambiguous = False
+
+
+def _allocated(torch, index: int) -> int:
+    """Bytes the script holds on ``cuda:index`` (torch's caching allocator; creates no context)."""
+    try:
+        return int(torch.cuda.memory_allocated(index))
+    except Exception:  # pragma: no cover - a build without the caching allocator's stats
+        return 0
+
+
+def _warn_ambiguous(local: int, lws: int, count: int) -> None:
+    global _warned_ambiguous
+    if _warned_ambiguous:
+        return
+    _warned_ambiguous = True
+    import logging
+
+    logging.getLogger("fastload").warning(
+        "fastload: LOCAL_RANK=%d with LOCAL_WORLD_SIZE=%d on %d GPUs, the script has used CUDA but selected no "
+        "device and holds no memory on cuda:%d yet: delivering to cuda:0. If this rank trains on cuda:%d, call "
+        "torch.cuda.set_device(%d) first (or pass device='cuda:%d')", local, lws, count, local, local, local, local)
 
 
 def resolve_device(device: Any):
@@ -97,6 +140,46 @@ def guard(device):
     import torch
 
     return torch.cuda.device(device)
+
+
+_streams_lock = threading.Lock()
+_free_streams: dict[int, list] = {}  # device index -> fastload's streams not in use
+_ours: set[int] = set()  # cuda_stream handles fastload created
+_CUDA_STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit sync with the legacy default stream
+
+
+def private_stream(device):
+    """A CUDA stream on ``device`` that nothing else uses (see the module docstring): one
+    fastload made and was given back, else a new one; torch's pooled ``torch.cuda.Stream``
+    where the CUDA runtime cannot be reached (a statically linked runtime)."""
+    import torch
+
+    idx = torch.device(device).index if not isinstance(device, int) else device
+    idx = torch.cuda.current_device() if idx is None else idx
+    with _streams_lock:
+        free = _free_streams.get(idx)
+        if free:
+            return free.pop()
+    with guard(idx):
+        lib = _torch_cudart()
+        handle = ctypes.c_void_p()
+        if lib is None or int(lib.cudaStreamCreateWithFlags(ctypes.byref(handle), _CUDA_STREAM_NON_BLOCKING)) != 0 \
+                or not handle.value:
+            if lib is not None:
+                clear_cuda_error()
+            return torch.cuda.Stream(device=idx)
+        stream = torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", idx))
+    with _streams_lock:
+        _ours.add(int(stream.cuda_stream))
+    return stream
+
+
+def release_stream(stream) -> None:
+    """Give a stream of :func:`private_stream` back for reuse (a pooled torch stream: nothing)."""
+    if stream is None or int(stream.cuda_stream) not in _ours:
+        return
+    with _streams_lock:
+        _free_streams.setdefault(stream.device.index, []).append(stream)
 
 
 def clear_cuda_error() -> int | None:

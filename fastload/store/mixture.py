@@ -42,8 +42,8 @@ class Mixture:
             its ``cache_limit`` is the budget of all of them together, shared out by what
             each one's order needs (default: what fits in 80% of the free disk, shared the
             same way).
-        cache_dir, cache_limit, filesystem, storage_options, download_timeout,
-            download_threads: the same settings as keywords (not together with ``remote``).
+        cache_dir, cache_limit, filesystem, storage_options, download_timeout, download_threads: the
+            same settings as keywords (not together with ``remote``).
 
     The Loader's ``shuffle`` decides whether each dataset's passes are in random or natural
     order (the mixture's layout is always random). ``close()`` closes the datasets the

@@ -16,9 +16,10 @@ ENGINES = ("local", "ray", "torch")
 def run_engine(engine: str, kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None,
                shard_size: int, on_error: str, overwrite: bool, resume: bool, progress: bool,
                ray_address: str | None, label: str | None, image_columns, max_pixels: int | None,
-               max_size: int | None = None, quality: int | None = None, **media) -> dict:
+               max_size: int | None = None, quality: int | None = None, source_options: dict | None = None) -> dict:
     opts = dict(shard_size=shard_size, overwrite=overwrite, resume=resume, label=label,
-                image_columns=image_columns, max_pixels=max_pixels, max_size=max_size, quality=quality, **media)
+                image_columns=image_columns, max_pixels=max_pixels, max_size=max_size, quality=quality,
+                source_options=source_options)
     if engine == "ray":
         from .ray_engine import run
         return run(kind, src, dst, workers=workers, on_error=on_error, progress=progress, address=ray_address, **opts)

@@ -145,7 +145,7 @@ def ray_session(address: str | None, workers: int | None):
 
 
 def run(kind, src, dst, *, workers, on_error, progress, address, shard_size, overwrite, resume, label,
-        image_columns, max_pixels, max_size=None, quality=None, **media) -> dict:
+        image_columns, max_pixels, max_size=None, quality=None, source_options=None) -> dict:
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:  # the install hint before any work (not importing
@@ -158,7 +158,7 @@ def run(kind, src, dst, *, workers, on_error, progress, address, shard_size, ove
     with ray_session(address, workers) as (ray, slots):
         plan = make_plan(kind, src, dst, shard_size=shard_size, overwrite=overwrite, resume=resume, label=label,
                          image_columns=image_columns, max_pixels=max_pixels, max_size=max_size, quality=quality,
-                         **media)
+                         source_options=source_options)
         ex = RayExecutor(ray, plan.dst, on_error, slots, memory=2 * int(shard_size))
         t_tasks = time.perf_counter()
         results = drive(plan, ex, range(plan.num_groups), progress=progress, desc=f"convert {kind} (ray)")

@@ -252,7 +252,7 @@ def rank_slots(workers: int | None, rank: int, world: int) -> int:
 
 
 def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, resume, label, image_columns,
-        max_pixels, max_size=None, quality=None, **media) -> dict:
+        max_pixels, max_size=None, quality=None, source_options=None) -> dict:
     if workers is not None and workers < 1:
         raise ValueError(f"workers={workers} must be >= 1 with --engine torch")
     t0 = time.perf_counter()
@@ -265,7 +265,7 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
             try:
                 plan = make_plan(kind, src, dst, shard_size=shard_size, overwrite=overwrite, resume=resume,
                                  label=label, image_columns=image_columns, max_pixels=max_pixels,
-                                 max_size=max_size, quality=quality, **media)
+                                 max_size=max_size, quality=quality, source_options=source_options)
                 _Stop(plan).clear()
                 reused = len(finished_groups(plan, range(plan.num_groups)))  # (as drive() counts them)
             except BaseException as e:
