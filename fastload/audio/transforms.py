@@ -137,8 +137,14 @@ class Mel(Clip):
 
 
 def clip(sample_rate: int = 16000, seconds: float = 1.0, **kw) -> Clip:
+    """A window of ``seconds`` resampled to ``sample_rate``: float32 ``(samples,)`` with
+    ``mono=True`` (channels averaged), else ``(channels, samples)``; from a start drawn per
+    (seed, epoch, index), or the first sample with ``random=False``; zeros past the end."""
     return Clip(sample_rate, seconds, **kw)
 
 
 def mel(n_mels: int = 80, sample_rate: int = 16000, seconds: float = 1.0, **kw) -> Mel:
+    """:func:`clip` (mono), then a log-mel spectrogram ``(n_mels, 1 + samples // hop)`` in
+    decibels on the device: periodic Hann window of ``n_fft`` (default 400), ``hop`` (160),
+    Slaney mel filters from ``f_min`` to ``f_max``, ``10 * log10(max(power, 1e-10))``."""
     return Mel(n_mels, sample_rate, seconds, **kw)

@@ -254,8 +254,16 @@ class Clips(_Video):
 
 
 def clip(frames: int = 16, stride: int = 2, size: int | None = 224, **kw) -> Clip:
+    """One clip per sample: ``frames`` frames ``stride`` apart from a start drawn per (seed,
+    epoch, index); shorter side resized to ``size`` and a ``size`` x ``size`` crop (``crop=
+    "random"`` or ``"center"``; ``size=None`` keeps the frames as decoded), mirrored with
+    probability ``flip``; uint8 as decoded unless ``dtype="float32"``/``"float16"`` with
+    ``mean``/``std`` (0..1 units); ``layout`` ``"THWC"``, ``"TCHW"`` or ``"CTHW"``. A video
+    shorter than the clip repeats its last frame."""
     return Clip(frames, stride, size, **kw)
 
 
 def clips(n: int, frames: int = 16, stride: int = 2, size: int | None = 224, **kw) -> Clips:
+    """``n`` clips per video for evaluation, their starts evenly spaced, centre crop, no flip:
+    ``(n, *clip)`` per sample (the other arguments as :func:`clip`)."""
     return Clips(n, frames, stride, size, **kw)
