@@ -122,3 +122,23 @@ def test_keys_are_injective_backslashes_escaped(tmp_path):
     by_key = {k: bytes(fastload.Dataset(tmp_path / "o")[i]["image"]) for i, k in enumerate(keys)}
     for name, data in raw.items():  # each key names exactly its own file
         assert by_key[escape_key("a/" + os.fsdecode(name))] == data
+
+
+def test_a_table_with_two_path_columns_keys_samples_by_its_first_in_every_process(tmp_path):
+    """The sample key comes from the first path column in the table's order, never from a
+    set's order (which differs between processes with different PYTHONHASHSEEDs)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name in ("a.jpg", "b.jpg", "c.jpg", "d.jpg"):
+        (tmp_path / name).write_bytes(_jpeg(len(name)))
+    pq.write_table(pa.table({"zeta": ["a.jpg", "b.jpg"], "alpha": ["c.jpg", "d.jpg"]}), tmp_path / "t.parquet")
+    code = ("import sys; from fastload.convert.table import TableSource; "
+            "s = TableSource(sys.argv[1]); print(s.key(0), s.key(1))")
+    seen = set()
+    for seed in range(8):
+        p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t.parquet")], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}, timeout=120)
+        assert p.returncode == 0, p.stderr
+        seen.add(p.stdout.split("\n")[0].strip())
+    assert seen == {"a.jpg b.jpg"}, seen

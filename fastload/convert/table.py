@@ -198,7 +198,9 @@ class TableSource(Source):
                          metadata={"source": "table", "file": path.name}, max_pixels=max_pixels,
                          max_size=max_size, quality=quality)
         self.path = path
-        self._key_col = next((n for n in self.image_paths), None)
+        # the first path column in the table's order: a set's order depends on PYTHONHASHSEED, and
+        # every process and engine must key the samples alike
+        self._key_col = next((n for n in table.column_names if n in self.image_paths), None)
         self.opened = opened
 
     def inputs(self) -> list[str]:
