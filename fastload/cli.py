@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow --shard-size below 1 MB (one shard per few samples)")
     c.add_argument("--engine", choices=["local", "ray", "torch"], default="local",
                    help="local: this machine's process pool (default); ray: one Ray task per group of about "
-                        "one shard; torch: the ranks of torchrun share the groups (see README: converting at scale)")
+                        "one shard; torch: the ranks of torchrun share the groups (see docs/how-to/convert-at-scale.md)")
     c.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
                    help="--engine ray: join this Ray cluster (default: a private Ray on this machine, 127.0.0.1 only)")
     c.add_argument("--resume", action="store_true",

@@ -8,7 +8,7 @@
                  re-exports the three below
     timing.py    round-robin repeats, Spread (median with min–max), paired ratios, cold starts
     machine.py   the machine description (CPU, cores, memory, GPU, versions)
-    headlines.py README headlines (median (min–max), paired ratios, first batches) and the table
+    headlines.py the headlines of docs/benchmarks.md (median (min–max), paired ratios, first batches) and the table
 
 Importing this package imports nothing (building ``fastload --help`` stays light); import the
 module you need.

@@ -1,7 +1,7 @@
 """The baseline that ``fastload bench --compare torch``, ``fastload demo`` and
 ``bench/bench_jpeg.py`` measure fastload against: ``torch.utils.data.DataLoader`` doing the
 same work per image with PIL, as a user without fastload writes it (torchvision itself is not
-used; see the README).
+used; see docs/benchmarks.md).
 
 The work per image is the work of the fastload transform it stands beside:
 

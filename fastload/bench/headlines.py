@@ -1,4 +1,4 @@
-"""Headlines: each bench/ script's main figure, for README's results table.
+"""Headlines: each bench/ script's main figure, for the results table of docs/benchmarks.md.
 
 ``headline(...)`` records fastload's figure, the baseline people use today and the limit,
 all measured in one run, each a number or a :class:`~fastload.bench.timing.Spread` (median
@@ -125,7 +125,7 @@ def _first_batch(fb: dict) -> str:
 
 
 def markdown_table(records: list[dict]) -> str:
-    """The README's results table: one row per recorded headline. A figure with a spread
+    """The the results table of docs/benchmarks.md: one row per recorded headline. A figure with a spread
     reads ``median (min–max)``; ratios are the medians' ratio with the spread of the
     per-round ratios where the script recorded it."""
     lines = ["| workload (command) | fastload | baseline | limit | vs baseline | vs limit |",

@@ -1,5 +1,5 @@
 """The machine a benchmark ran on: ``machine_info()`` (a dict: CPU, usable cores, memory,
-GPU, versions) and ``system_info()`` (the same as one line, for tables and the README).
+GPU, versions) and ``system_info()`` (the same as one line, for tables and docs/benchmarks.md).
 
 Only the standard library at import time; torch is imported by ``machine_info`` (for the
 GPU's name) when it is called.
@@ -68,7 +68,7 @@ def machine_info() -> dict[str, Any]:
 
 def system_info(info: dict | None = None) -> str:
     """One line describing the machine and library versions (for benchmark output and the
-    README's results table)."""
+    the results table of docs/benchmarks.md)."""
     m = info or machine_info()
     mem = f", {m['memory_gib']:.0f} GiB RAM" if m["memory_gib"] is not None else ""
     parts = [f"{m['cpu']}, {m['cores']} cores{mem}", f"Python {m['python']}"]

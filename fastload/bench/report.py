@@ -16,7 +16,7 @@
   limit row, so every result is printed beside the hardware's limit; figures with a spread
   read ``median (min–max)``;
 * headlines (:mod:`fastload.bench.headlines`): ``headline(...)`` records a script's main
-  figure for README's results table, which ``markdown_table(records)`` renders
+  figure for the results table of docs/benchmarks.md, which ``markdown_table(records)`` renders
   (``bench/run_all.py --readme``).
 
 Only the standard library at import time; torch is imported by ``machine_info`` (for the

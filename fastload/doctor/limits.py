@@ -103,7 +103,7 @@ def check_threads(f: Facts) -> Check:
 
 
 def check_torch_threads(f: Facts) -> Check:
-    """torch's intra-op threads beside fastload's, as the policy has them (README "Threads,
+    """torch's intra-op threads beside fastload's, as the policy has them (docs/how-to/tune-threads.md, "Threads,
     cores and the training step"): fastload never changes torch's threads, and its own run at
     nice ``loader_nice`` below the loop, so on a CPU job they only take the cores the step
     leaves idle. A WARN only where that cannot help: torch alone asks for more threads than

@@ -23,7 +23,7 @@ __all__ = ["CACHE_ENV", "IMAGE_FEEDERS", "LOADER_NICE", "available_memory", "cac
 # core the loop's (torch's OpenMP team, which spins at its barriers) wins, and loading fills
 # the gaps. Nothing starves: the consumer gathers late batches itself (the ring's "help"
 # path), and DALI's threads still get the cores whenever the loop waits. The measurement:
-# ``FASTLOAD_NICE=N bench/bench_loop.py`` (its figures are in the README).
+# ``FASTLOAD_NICE=N bench/bench_loop.py`` (its figures are in docs/how-to/tune-threads.md).
 LOADER_NICE = 19
 
 # Image feeder threads per Loader (host and CUDA), each with its own DALI pipelines: while one
