@@ -1,6 +1,7 @@
 """The keyed random streams and the uniform orders: ``(seed, epoch, purpose)`` entropy,
-:func:`permutation` (fastload's C++ Fisher–Yates) and :func:`window_permutation` (shards in a
-random order, samples shuffled within windows of shards).
+:func:`permutation` (the full shuffle: a keyed bijection, see ``bijection.py``) and
+:func:`window_permutation` (shards in a random order, samples shuffled within windows of
+shards), both materialised from their per-position streams (``order.py``).
 
 Every random stream fastload draws from a generator is a pure function of (seed, epoch,
 purpose) (:func:`seed_sequence`, :func:`generator`). The purposes are named here, one per
@@ -62,32 +63,19 @@ def _index_dtype(n: int):
 
 
 def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    """A uniformly random permutation of ``0..n-1`` keyed by (seed, epoch)."""
-    from .. import _C
+    """The keyed permutation of ``0..n-1`` (seed, epoch) materialised: the full shuffle's
+    stream (``order.Shuffled``, a keyed bijection computed per position) as an array."""
+    from .order import Shuffled
 
-    key = seed_sequence(seed, epoch, PERMUTATION).generate_state(2, np.uint64)
-    out = np.empty(n, dtype=_index_dtype(n))
-    _C.permutation(out, int(key[0]), int(key[1]))
-    return out
+    return np.asarray(Shuffled(n, seed, epoch))
 
 
 def window_permutation(shard_sizes: Sequence[int], window: int, seed: int, epoch: int) -> np.ndarray:
-    """Shards in random order; samples shuffled within each window of ``window`` shards.
+    """Shards in random order; samples shuffled within each window of ``window`` shards,
+    materialised (``order.Windowed``).
 
     Memory: at most ``window`` shards are being read at any time (by all ranks together),
     at the price of a less random order (samples from the same window are close together)."""
-    sizes = np.asarray(shard_sizes, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    n = int(sizes.sum())
-    rng = generator(seed, epoch, WINDOW)
-    order = rng.permutation(len(sizes))
-    dt = _index_dtype(n)
-    out = np.empty(n, dtype=dt)
-    pos = 0
-    for w0 in range(0, len(order), window):
-        chunk = [np.arange(starts[s], starts[s] + sizes[s], dtype=dt) for s in order[w0:w0 + window]]
-        block = np.concatenate(chunk) if chunk else np.empty(0, dt)
-        rng.shuffle(block)
-        out[pos:pos + len(block)] = block
-        pos += len(block)
-    return out
+    from .order import Windowed
+
+    return np.asarray(Windowed(shard_sizes, window, seed, epoch))

@@ -1,0 +1,201 @@
+"""An epoch's stream as a function of the position: :class:`Stream` and its kinds.
+
+A :class:`Stream` is the epoch's sequence of ``M`` global sample indices, identical on every
+rank, without being stored: ``stream.at(positions)`` computes the indices of the positions
+asked for (those of the batches in flight), so memory and the time to the first batch do
+not grow with ``M``. It reads like an array where that is cheap (``len``, ``stream[i]``,
+``stream[a:b]``, ``stream[positions]``), and ``np.asarray(stream)`` materialises it (``M``
+indices: what a remote cache's download plan or a packing plan still reads whole).
+
+The kinds:
+
+* :class:`Natural`: ``0..N-1`` (``shuffle=False``);
+* :class:`Shuffled`: a keyed bijection of ``[0, N)`` (:mod:`.bijection`), keyed by
+  (seed, epoch): the full shuffle;
+* :class:`Windowed`: ``shuffle_mode="window"``: shards in the order of a keyed bijection of
+  the shards, cut into windows of ``window`` consecutive shards of that order, each
+  window's samples in the order of its own keyed bijection. Memory: a few integers per shard
+  (the shard order and where each window starts), nothing per sample;
+* :class:`Drawn`: an array computed whole (weighted and class-balanced draws).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .bijection import bijection, derive_keys, round_keys
+from .streams import PERMUTATION, WINDOW
+
+__all__ = ["Drawn", "Natural", "Shuffled", "Stream", "Windowed", "index_dtype"]
+
+CHUNK = 1 << 16  # positions computed per call when materialising or walking a long range
+FIRST_CHUNK = 1 << 12  # positions of a pass's first call (about as fast as one batch's)
+
+
+def index_dtype(n: int):
+    """The narrowest index dtype of a materialised stream over ``n`` samples."""
+    return np.int32 if n < 2**31 else np.int64
+
+
+class Stream:
+    """An epoch's stream of global sample indices, computed per position (see the module
+    docstring). Subclasses define ``__len__``, ``num_samples``, :meth:`_at` and ``_key``
+    (what makes two streams the same)."""
+
+    num_samples: int
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _at(self, pos: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    @property
+    def _key(self) -> tuple:
+        raise NotImplementedError
+
+    def at(self, positions) -> np.ndarray:
+        """Global sample indices (int64) of ``positions`` (each in ``[0, len)``)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= len(self)):
+            raise IndexError(f"stream positions must lie in [0, {len(self)}); got {int(pos.min())}.."
+                             f"{int(pos.max())}")
+        return self._at(pos.ravel()).reshape(pos.shape)
+
+    def __getitem__(self, key):
+        m = len(self)
+        if isinstance(key, slice):
+            return self.at(np.arange(*key.indices(m), dtype=np.int64))
+        if isinstance(key, (int, np.integer)):
+            k = int(key) + (m if int(key) < 0 else 0)
+            return int(self.at(np.array([k]))[0])
+        pos = np.asarray(key, dtype=np.int64)
+        return self.at(np.where(pos < 0, pos + m, pos))
+
+    def __array__(self, dtype=None, copy=None):
+        m = len(self)
+        out = np.empty(m, dtype=index_dtype(self.num_samples))
+        for a in range(0, m, CHUNK):
+            b = min(m, a + CHUNK)
+            out[a:b] = self._at(np.arange(a, b, dtype=np.int64))
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def tolist(self) -> list[int]:
+        return np.asarray(self).tolist()
+
+    def copy(self) -> np.ndarray:
+        """The stream materialised (a new array)."""
+        return np.asarray(self)
+
+    def same(self, other: object) -> bool:
+        """True when ``other`` (a Stream or an array) holds the same indices."""
+        if isinstance(other, Stream) and type(other) is type(self) and not isinstance(self, Drawn):
+            return self._key == other._key
+        if len(other) != len(self):  # type: ignore[arg-type]
+            return False
+        return bool(np.array_equal(np.asarray(self), np.asarray(other)))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(len={len(self)})"
+
+
+class Natural(Stream):
+    """``0..n-1``."""
+
+    def __init__(self, n: int) -> None:
+        self.num_samples = int(n)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _at(self, pos: np.ndarray) -> np.ndarray:
+        return pos.copy()
+
+    @property
+    def _key(self) -> tuple:
+        return (self.num_samples,)
+
+
+class Shuffled(Stream):
+    """A keyed bijection of ``[0, n)``, keyed by (seed, epoch)."""
+
+    def __init__(self, n: int, seed: int, epoch: int, purpose: int = PERMUTATION) -> None:
+        self.num_samples = int(n)
+        self.seed, self.epoch = int(seed), int(epoch)
+        self.keys = round_keys(seed, epoch, purpose)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _at(self, pos: np.ndarray) -> np.ndarray:
+        return bijection(pos, self.num_samples, self.keys)
+
+    @property
+    def _key(self) -> tuple:
+        return (self.num_samples, tuple(self.keys.tolist()))
+
+
+class Windowed(Stream):
+    """Shards in a keyed random order, samples shuffled within each window of ``window``
+    consecutive shards of that order (each window by its own keyed bijection)."""
+
+    def __init__(self, shard_sizes: Sequence[int], window: int, seed: int, epoch: int) -> None:
+        sizes = np.asarray(shard_sizes, dtype=np.int64)
+        self.num_samples = int(sizes.sum())
+        self.window = int(window)
+        self._sizes = tuple(sizes.tolist())
+        starts = np.zeros(len(sizes) + 1, np.int64)
+        np.cumsum(sizes, out=starts[1:])
+        keys = round_keys(seed, epoch, WINDOW)
+        self._shard_keys = keys
+        order = bijection(np.arange(len(sizes)), len(sizes), keys) if len(sizes) else np.zeros(0, np.int64)
+        self.order = order  # shards in reading order
+        self._first = starts[:-1][order]  # first global index of each shard, in reading order
+        self._ocum = np.zeros(len(sizes) + 1, np.int64)  # positions where each shard (reading order) begins
+        np.cumsum(sizes[order], out=self._ocum[1:])
+        nwin = -(-len(sizes) // self.window)
+        self._wstart = self._ocum[np.minimum(np.arange(nwin + 1) * self.window, len(sizes))]  # windows' first positions
+        self._wkeys = derive_keys(keys, np.arange(nwin))  # (ROUNDS, windows): each window's own bijection
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _at(self, pos: np.ndarray) -> np.ndarray:
+        w = np.searchsorted(self._wstart, pos, side="right") - 1
+        base = self._wstart[w]
+        local = bijection(pos - base, self._wstart[w + 1] - base, self._wkeys[:, w])
+        off = base + local  # the sample's offset in the shards' reading order
+        s = np.searchsorted(self._ocum, off, side="right") - 1
+        return self._first[s] + (off - self._ocum[s])
+
+    @property
+    def _key(self) -> tuple:
+        return (self._sizes, self.window, tuple(self._shard_keys.tolist()))
+
+
+class Drawn(Stream):
+    """A stream computed whole: an array of global sample indices."""
+
+    def __init__(self, array: np.ndarray, num_samples: int | None = None) -> None:
+        self.array = np.asarray(array)
+        self.num_samples = int(num_samples if num_samples is not None
+                               else (int(self.array.max()) + 1 if self.array.size else 0))
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def _at(self, pos: np.ndarray) -> np.ndarray:
+        return self.array[pos].astype(np.int64)
+
+    def __array__(self, dtype=None, copy=None):
+        return self.array if dtype is None else self.array.astype(dtype, copy=False)
+
+    @property
+    def _key(self) -> tuple:
+        return (id(self.array),)
+
+    def same(self, other: object) -> bool:
+        if isinstance(other, Drawn) and other.array is self.array:
+            return True
+        return len(other) == len(self) and bool(np.array_equal(self.array, np.asarray(other)))  # type: ignore[arg-type]
