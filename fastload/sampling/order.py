@@ -16,7 +16,11 @@ The kinds:
   the shards, cut into windows of ``window`` consecutive shards of that order, each
   window's samples in the order of its own keyed bijection. Memory: a few integers per shard
   (the shard order and where each window starts), nothing per sample;
-* :class:`Drawn`: an array computed whole (weighted and class-balanced draws).
+* :class:`Weighted`: weighted draws with replacement: position ``p``'s uniform is a
+  counter-based hash of (key, p), inverted through the cumulative weights (built once per
+  sampler, 8 bytes per sample; nothing per draw);
+* :class:`Drawn`: an array computed whole (weighted draws without replacement,
+  class-balanced draws).
 """
 from __future__ import annotations
 
@@ -25,9 +29,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from .bijection import bijection, derive_keys, round_keys
-from .streams import PERMUTATION, WINDOW
+from .streams import GOLDEN_GAMMA, PERMUTATION, WEIGHTED, WINDOW, splitmix64
 
-__all__ = ["Drawn", "Natural", "Shuffled", "Stream", "Windowed", "index_dtype"]
+__all__ = ["Drawn", "Natural", "Shuffled", "Stream", "Weighted", "Windowed", "index_dtype", "uniforms", "weight_table"]
 
 CHUNK = 1 << 16  # positions computed per call when materialising or walking a long range
 FIRST_CHUNK = 1 << 12  # positions of a pass's first call (about as fast as one batch's)
@@ -172,6 +176,78 @@ class Windowed(Stream):
     @property
     def _key(self) -> tuple:
         return (self._sizes, self.window, tuple(self._shard_keys.tolist()))
+
+
+def uniforms(key: int, positions: np.ndarray) -> np.ndarray:
+    """A uniform float64 in [0, 1) per position, a pure function of (key, position):
+    SplitMix64's output at step ``position`` of a generator seeded with ``key``, top 53 bits."""
+    with np.errstate(over="ignore"):
+        z = positions.astype(np.uint64) * GOLDEN_GAMMA + np.uint64(key)
+        return (splitmix64(z) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+class Weighted(Stream):
+    """``num_draws`` draws with replacement with probability proportional to the weights
+    whose cumulative sums are ``cdf`` (float64), keyed by (seed, epoch): position ``p`` draws
+    the index whose cumulative interval holds ``uniforms(key, p) * cdf[-1]`` (inverse CDF:
+    exact for any number of samples). The search starts from a guide table (Chen and Asau's
+    indexed search: for each of ``len(cdf)`` equal slices of ``[0, cdf[-1])``, the first index
+    whose interval reaches into it), so a draw costs a few steps, not ``log2 N`` cache misses.
+    ``table``: ``(cdf, guide, last)`` from :func:`weight_table` (built once per sampler)."""
+
+    def __init__(self, table: tuple[np.ndarray, np.ndarray, int], num_draws: int, seed: int, epoch: int) -> None:
+        self.table = table
+        self.cdf, self.guide, self.last = table
+        self.num_samples, self.num_draws = len(self.cdf), int(num_draws)
+        self.key = int(round_keys(seed, epoch, WEIGHTED)[0])
+
+    def __len__(self) -> int:
+        return self.num_draws
+
+    def _at(self, pos: np.ndarray) -> np.ndarray:
+        cdf, guide = self.cdf, self.guide
+        total, g = float(cdf[-1]), len(guide) - 1
+        u = uniforms(self.key, pos) * total
+        order = np.argsort(u)  # sorted, the lookups below walk the tables in order (cache-friendly)
+        u = u[order]
+        b = np.minimum((u * (g / total)).astype(np.int64), g - 1)
+        # the answer, searchsorted(cdf, u, "right"), lies in [guide[b], guide[b + 1]]; one slice
+        # more on each side absorbs the rounding of b
+        lo = guide[np.maximum(b - 1, 0)].astype(np.int64)
+        hi = guide[np.minimum(b + 2, g)].astype(np.int64)
+        while True:  # bisection of every bracket at once
+            act = np.flatnonzero(lo < hi)
+            if not act.size:
+                break
+            mid = (lo[act] + hi[act]) >> 1
+            right = cdf[mid] <= u[act]
+            lo[act[right]] = mid[right] + 1
+            hi[act[~right]] = mid[~right]
+        np.minimum(lo, self.last, out=lo)  # u rounded up to cdf[-1]: the last positive weight
+        out = np.empty_like(lo)
+        out[order] = lo
+        return out
+
+    @property
+    def _key(self) -> tuple:
+        return (id(self.cdf), self.num_draws, self.key)
+
+
+def weight_table(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(cdf, guide, last)`` of :class:`Weighted`: the cumulative weights (float64), the guide
+    table (``len(weights) + 1`` entries) and the last index with a positive weight. 12 bytes
+    per sample below 2^31 samples (16 above), built once."""
+    cdf = np.cumsum(weights, dtype=np.float64)
+    n = len(cdf)
+    total = float(cdf[-1])
+    # guide[j] = #{i: cdf[i] < j * total / n}, up to the rounding of the slice of each cdf[i]
+    # (the lookup widens each bracket by one slice): one pass, no search
+    c = (cdf * (n / total)).astype(np.int64)
+    np.clip(c, 0, n, out=c)
+    guide = np.zeros(n + 1, dtype=index_dtype(n + 1))
+    np.cumsum(np.bincount(c, minlength=n + 1)[:n], out=guide[1:])
+    guide[n] = n
+    return cdf, guide, int(np.flatnonzero(weights)[-1])
 
 
 class Drawn(Stream):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .draws import balanced_draws, weighted_draws
-from .order import CHUNK, FIRST_CHUNK, Drawn, Natural, Shuffled, Stream, Windowed
+from .order import CHUNK, FIRST_CHUNK, Drawn, Natural, Shuffled, Stream, Weighted, Windowed, weight_table
 
 
 def per_rank_count(remaining: int, world_size: int, drop_last: bool) -> int:
@@ -98,13 +98,16 @@ def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool = True
                 weights: np.ndarray | None = None, replacement: bool = True, num_draws: int | None = None,
                 balance_labels: np.ndarray | None = None, batch_size: int = 1,
                 shuffle_mode: str = "full", shard_sizes: Sequence[int] | None = None,
-                window: int = 1) -> Stream:
+                window: int = 1, table: tuple | None = None) -> Stream:
     """The epoch's stream of global sample indices as a :class:`~fastload.sampling.order.Stream`
-    (see the package docstring): computed per position, except weighted and class-balanced
-    draws (computed whole)."""
+    (see the package docstring): computed per position, except weighted draws without
+    replacement and class-balanced draws (computed whole). ``table``: ``weights``'
+    :func:`~fastload.sampling.order.weight_table`, when the caller keeps it across epochs."""
     m = num_samples if num_draws is None else num_draws
     if balance_labels is not None:
         return Drawn(balanced_draws(balance_labels, m, batch_size, seed, epoch), num_samples)
+    if weights is not None and replacement:
+        return Weighted(weight_table(weights) if table is None else table, m, seed, epoch)
     if weights is not None:
         return Drawn(weighted_draws(weights, m, replacement, seed, epoch), num_samples)
     if not shuffle:

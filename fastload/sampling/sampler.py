@@ -14,7 +14,7 @@ import numpy as np
 from ..runtime.system import check_fits_in_memory
 from ..validate import check_bool, check_int, check_seed
 from .draws import check_balance_labels, check_weights
-from .order import Drawn, Stream
+from .order import Drawn, Stream, weight_table
 from .plan import EpochPlan, RankBatches, epoch_order, epoch_stream, per_rank_count
 from .state import SAMPLER_STATE_VERSION, check_state, digest
 
@@ -86,8 +86,10 @@ class Sampler:
             if self.weights is None and self.labels is None:
                 raise ValueError("num_draws applies to weighted or class-balanced sampling only")
             num_draws = _int("num_draws", num_draws, 1)
-            check_fits_in_memory(num_draws * _DRAW_BYTES, f"num_draws={num_draws:,} (the epoch's stream of draws)",
-                                 "lower num_draws (it is the number of samples drawn per epoch, all ranks together)")
+            if self.labels is not None or not self.replacement:  # (draws with replacement: per position)
+                    check_fits_in_memory(num_draws * _DRAW_BYTES, f"num_draws={num_draws:,} (the epoch's stream of draws)",
+                                     "lower num_draws (it is the number of samples drawn per epoch, all ranks "
+                                     "together)")
             if self.weights is not None and not self.replacement and num_draws > positive:
                 raise ValueError(f"num_draws={num_draws} without replacement exceeds the {positive} "
                                  "samples with a positive weight")
@@ -116,6 +118,7 @@ class Sampler:
         self._resume_pending = False
         self._cache: dict[int, np.ndarray] = {}  # the materialised streams of the current epoch and the next
         self._orders: dict[int, Stream] = {}  # the per-position streams of the current epoch and the next
+        self._table: tuple | None = None  # draws with replacement: order.weight_table(weights)
         self._materialised = False  # stream() was asked for a per-position order: prepare() computes ahead
         self._ahead: _Ahead | None = None  # an epoch's stream computed in the background (prepare)
         self._identity_cache: dict | None = None
@@ -128,9 +131,9 @@ class Sampler:
 
     @property
     def _drawn(self) -> bool:
-        """True when the stream is computed whole (weighted or class-balanced draws), not
-        per position."""
-        return self.weights is not None or self.labels is not None
+        """True when the stream is computed whole (weighted draws without replacement,
+        class-balanced draws), not per position."""
+        return self.labels is not None or (self.weights is not None and not self.replacement)
 
     def order_stream(self, epoch: int | None = None) -> Stream:
         """The epoch's stream as a :class:`~fastload.sampling.order.Stream` (identical on every
@@ -141,8 +144,11 @@ class Sampler:
             return Drawn(self.stream(e), self.num_samples)
         o = self._orders.get(e)
         if o is None:
-            o = epoch_order(self.num_samples, seed=self.seed, epoch=e, shuffle=self.shuffle,
-                            shuffle_mode=self.shuffle_mode, shard_sizes=self.shard_sizes, window=self.window)
+            if self.weights is not None and self._table is None:  # once per sampler, not per epoch
+                self._table = weight_table(self.weights)
+            o = epoch_order(self.num_samples, seed=self.seed, epoch=e, shuffle=self.shuffle, weights=self.weights,
+                            num_draws=self.num_draws, shuffle_mode=self.shuffle_mode, shard_sizes=self.shard_sizes,
+                            window=self.window, table=self._table)
             keep = (self.epoch, self.epoch + 1)
             if e in keep:
                 self._orders = {k: v for k, v in self._orders.items() if k in keep}
@@ -183,8 +189,9 @@ class Sampler:
     def prepare(self, epoch: int) -> None:
         """Compute ``stream(epoch)`` now in a background thread (at the loader's priority), so
         that the pass over that epoch does not wait for its order: a Loader asks for the next
-        epoch's as each epoch starts. Only streams computed whole are prepared: weighted and
-        class-balanced draws (seconds at 10^7), and the per-position orders only once
+        epoch's as each epoch starts. Only streams computed whole are prepared: weighted draws
+        without replacement and class-balanced draws (seconds at 10^7), and the per-position
+        orders (weighted draws with replacement included) only once
         :meth:`stream` has been asked for one (a remote cache's plan reads them whole; ~30 ns
         per sample). An order cheaper to compute than :data:`PREPARE_MIN_NS` (a thread's
         start costs about as much) and the natural order (``shuffle=False``) are computed when
