@@ -12,13 +12,17 @@ sample; 10^10 would need 74.5 GiB: not run). And a Loader over a generated datas
 one-byte rows: its open time and first-batch time (``--rows``; ``--full``: 10^8 rows in
 1,000 shards, 100 MB on disk, which takes minutes to write).
 
-    python bench/bench_scale.py [--smoke] [--full] [--rows 10000000 --shards 100]
+And the open time of a dataset of ``--manifest-shards`` (100,000) shards, with a Loader's
+first batch over it.
+
+    python bench/bench_scale.py [--smoke] [--full] [--rows 10000000 --shards 100] [--manifest-shards 100000]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -136,6 +140,55 @@ def child_loader(rows: int, shards: int, folder: str) -> dict:
             "rss_growth": max(0, _peak() - before), "write_s": t_write}
 
 
+def child_manifest(shards: int, folder: str) -> dict:
+    """A dataset of ``shards`` shards (hard links to one shard of 1,000 one-byte rows, so that
+    it is made in seconds; the manifest lists each under its own name): its open time, and a
+    Loader's first batch over it (rank 0 of 1,024)."""
+    import os
+
+    import fastload
+    from fastload.store.manifest import manifest_bytes
+
+    one = Path(folder) / "one"
+    with fastload.ShardWriter(one, {"x": "uint8"}) as w:
+        w.write_batch({"x": (np.arange(1000) % 251).astype(np.uint8)})
+    with fastload.Loader(fastload.Dataset(one), batch_size=4, device="cpu") as lo:  # warm the imports
+        next(iter(lo))
+    m = json.loads((one / "manifest.json").read_text())
+    entry = m["shards"][0]
+    path = Path(folder) / f"shards-{shards}"
+    path.mkdir()
+    t0 = time.perf_counter()
+    for i in range(shards):
+        if i % 50_000 == 0:  # a file takes at most ~65,000 links
+            src = path / f"source-{i}.arrow"
+            shutil.copyfile(one / entry["file"], src)
+        os.link(src, path / f"shard-{i:06d}.arrow")
+    m["shards"] = [{**entry, "file": f"shard-{i:06d}.arrow"} for i in range(shards)]
+    m["num_samples"] = entry["num_samples"] * shards
+    m["total_bytes"] = entry["bytes"] * shards
+    m.pop("manifest_checksum", None)
+    (path / "manifest.json").write_bytes(manifest_bytes(m))
+    t_make = time.perf_counter() - t0
+    before = _reset_peak()
+    t0 = time.perf_counter()
+    ds = fastload.Dataset(path)
+    open_s = time.perf_counter() - t0
+    assert len(ds) == 1000 * shards
+    t0 = time.perf_counter()
+    first_s, error = None, None
+    try:  # (the Loader maps every shard when it starts: beyond vm.max_map_count shards it fails)
+        with fastload.Loader(ds, batch_size=BATCH, world_size=WORLD, rank=0, device="cpu", seed=1) as lo:
+            batch = next(iter(lo))
+            first_s = time.perf_counter() - t0
+        assert len(batch["x"]) == BATCH
+    except Exception as e:  # noqa: BLE001 - reported, not hidden
+        error = f"{type(e).__name__}: {e}"[:300]
+    return {"shards": shards, "open_s": open_s, "first_s": first_s, "error": error,
+            "rss_growth": max(0, _peak() - before),
+            "manifest_mb": (path / "manifest.json").stat().st_size / 2**20, "make_s": t_make}
+
+
 def _run_child(*args: str, timeout: float = 600) -> dict:
     p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
@@ -151,6 +204,8 @@ def main(argv=None) -> list:
     ap.add_argument("--rows", type=int, default=10_000_000, help="one-byte rows of the Loader's dataset")
     ap.add_argument("--shards", type=int, default=100)
     ap.add_argument("--full", action="store_true", help="the Loader part at 10^8 rows in 1,000 shards")
+    ap.add_argument("--manifest-shards", type=int, default=100_000,
+                    help="shards of the dataset whose open time is measured (hard links: seconds to make)")
     ap.add_argument("--folder", default=None, help="where the generated dataset goes (kept; default: a temp dir)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -161,12 +216,15 @@ def main(argv=None) -> list:
             out = child_sampler(int(float(rest[0])), float(rest[1]))
         elif kind == "baseline":
             out = child_baseline(int(float(rest[0])))
+        elif kind == "manifest":
+            out = child_manifest(int(rest[0]), rest[1])
         else:
             out = child_loader(int(rest[0]), int(rest[1]), rest[2])
         print(json.dumps(out))
         return []
     if a.smoke:
         a.sizes, a.seconds, a.baseline_max, a.rows, a.shards = "1e6,1e10", 0.2, 1e6, 100_000, 10
+        a.manifest_shards = 1000
     if a.full:
         a.rows, a.shards = 100_000_000, 1000
     from fastload.bench.report import headline, system_info
@@ -189,6 +247,12 @@ def main(argv=None) -> list:
     print(f"Loader over {lo['rows']:,} one-byte rows in {lo['shards']:,} shards (rank 0 of {WORLD}): "
           f"open {lo['open_s'] * 1e3:.1f} ms, first batch {lo['first_s'] * 1e3:.1f} ms "
           f"(peak RSS +{lo['rss_growth'] / 2**20:.1f} MB; written in {lo['write_s']:.1f} s)")
+    with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
+        mf = _run_child("--child", "manifest", str(a.manifest_shards), tmp, timeout=3600)
+    first = (f"Loader's first batch {mf['first_s'] * 1e3:.0f} ms" if mf["error"] is None else
+             f"the Loader FAILED: {mf['error']}")
+    print(f"Dataset of {mf['shards']:,} shards ({mf['manifest_mb']:.1f} MB manifest): open {mf['open_s'] * 1e3:.0f} ms, "
+          f"{first} (rank 0 of {WORLD}; peak RSS +{mf['rss_growth'] / 2**20:.1f} MB)")
     big, _ = rows[-1]
     base = [(r, b) for r, b in rows if b is not None][-1]
     slowest = min(r["samples_per_s"] for r, _ in rows)
@@ -198,7 +262,8 @@ def main(argv=None) -> list:
              baseline=(f"v2 sampler (materialised permutation) at N={base[1]['n']:.0e}", base[1]["first_s"] * 1e3),
              note=f"peak RSS +{big['rss_growth'] / 2**20:.1f} MB; resume {big['resume_s'] * 1e3:.2f} ms; "
                   f"slowest rate {slowest:,.0f} samples/s; Loader over {lo['rows']:,} rows: open "
-                  f"{lo['open_s'] * 1e3:.0f} ms, first batch {lo['first_s'] * 1e3:.0f} ms")
+                  f"{lo['open_s'] * 1e3:.0f} ms, first batch {lo['first_s'] * 1e3:.0f} ms; {mf['shards']:,} shards: "
+                  f"open {mf['open_s'] * 1e3:.0f} ms")
     return rows
 
 

@@ -51,6 +51,15 @@ def test_per_element_domains_and_keys_equal_one_bijection_each():
         at += s
 
 
+def test_the_inverse_undoes_the_bijection():
+    for n in (1, 2, 3, 10, 1024, 1025, 99_991, BIG):
+        k = round_keys(3, n % 1000, PERMUTATION)
+        x = np.arange(min(n, 50_000)) + (n - min(n, 50_000)) // 2
+        y = bijection(x, n, k)
+        assert np.array_equal(bijection(y, n, k, inverse=True), x), n
+        assert np.array_equal(bijection(bijection(x, n, k, inverse=True), n, k), x), n
+
+
 def test_large_domains_are_injective_on_samples_and_in_range():
     for n in (2**31 - 1, 2**31, 2**33 + 1, BIG, 2**62 - 3):
         s = Shuffled(n, 5, 2)

@@ -82,13 +82,15 @@ def _bits(n):
     return lo, b - lo
 
 
-def _network(x: np.ndarray, lo, hi, keys: np.ndarray, rounds: int) -> np.ndarray:
-    """The Feistel network of ``rounds`` rounds over ``[0, 2^(lo+hi))`` applied to ``x`` (uint64)."""
+def _network(x: np.ndarray, lo, hi, keys: np.ndarray, rounds: int, inverse: bool = False) -> np.ndarray:
+    """The Feistel network of ``rounds`` rounds over ``[0, 2^(lo+hi))`` applied to ``x``
+    (uint64); ``inverse``: its inverse (the same rounds in reverse order: each round xors one
+    part with a function of the other, which it leaves unchanged)."""
     low = x & ((np.uint64(1) << lo) - np.uint64(1))
     high = x >> lo
     shift_lo, shift_hi = _U64 - lo, _U64 - hi
     z = np.empty_like(x)
-    for r in range(rounds):
+    for r in (reversed(range(rounds)) if inverse else range(rounds)):
         src, dst, shift = (high, low, shift_lo) if r % 2 == 0 else (low, high, shift_hi)
         np.bitwise_xor(src, keys[r], out=z)
         z *= MIX_C1
@@ -100,24 +102,25 @@ def _network(x: np.ndarray, lo, hi, keys: np.ndarray, rounds: int) -> np.ndarray
     return high
 
 
-def _walk(x: np.ndarray, n, lo, hi, keys: np.ndarray, rounds: int) -> np.ndarray:
-    """The network restricted to ``[0, n)`` by cycle walking; ``n``, ``lo``, ``hi`` scalars
-    or arrays like ``x``, ``keys`` ``(ROUNDS,)`` or ``(ROUNDS, len(x))``."""
-    out = _network(x, lo, hi, keys, rounds)
+def _walk(x: np.ndarray, n, lo, hi, keys: np.ndarray, rounds: int, inverse: bool = False) -> np.ndarray:
+    """The network (or its inverse) restricted to ``[0, n)`` by cycle walking; ``n``, ``lo``,
+    ``hi`` scalars or arrays like ``x``, ``keys`` ``(ROUNDS,)`` or ``(ROUNDS, len(x))``."""
+    out = _network(x, lo, hi, keys, rounds, inverse)
     todo = np.flatnonzero(out >= n)
     per = np.ndim(n) > 0
     while todo.size:  # fewer than 2 passes on average: at most half the domain lies outside [0, n)
         k = keys[:, todo] if keys.ndim == 2 else keys
-        sub = _network(out[todo], lo[todo] if per else lo, hi[todo] if per else hi, k, rounds)
+        sub = _network(out[todo], lo[todo] if per else lo, hi[todo] if per else hi, k, rounds, inverse)
         out[todo] = sub
         todo = todo[sub >= (n[todo] if per else n)]
     return out
 
 
-def bijection(positions, n, keys: np.ndarray) -> np.ndarray:
+def bijection(positions, n, keys: np.ndarray, *, inverse: bool = False) -> np.ndarray:
     """The images of ``positions`` (each in ``[0, n)``) under the keyed permutation of
     ``[0, n)``: int64. ``n`` is an int or an array like ``positions``; ``keys`` has shape
-    ``(ROUNDS,)`` (one permutation) or ``(ROUNDS, len(positions))`` (one per element)."""
+    ``(ROUNDS,)`` (one permutation) or ``(ROUNDS, len(positions))`` (one per element).
+    ``inverse``: the inverse permutation (where each index lands)."""
     x = np.asarray(positions, dtype=np.int64).astype(np.uint64)
     keys = np.asarray(keys, dtype=np.uint64)
     if x.size == 0:
@@ -125,7 +128,7 @@ def bijection(positions, n, keys: np.ndarray) -> np.ndarray:
     if np.ndim(n) == 0:
         lo, hi = _bits(n)
         rounds = ROUNDS if int(lo + hi) <= SMALL_BITS else FEW_ROUNDS
-        return _walk(x, np.uint64(n), lo, hi, keys, rounds).astype(np.int64)
+        return _walk(x, np.uint64(n), lo, hi, keys, rounds, inverse).astype(np.int64)
     n = np.asarray(n, dtype=np.uint64)
     lo, hi = _bits(n)
     out = np.empty(x.shape, np.int64)
@@ -133,5 +136,5 @@ def bijection(positions, n, keys: np.ndarray) -> np.ndarray:
     for sel, rounds in ((np.flatnonzero(~small), FEW_ROUNDS), (np.flatnonzero(small), ROUNDS)):
         if sel.size:
             k = keys[:, sel] if keys.ndim == 2 else keys
-            out[sel] = _walk(x[sel], n[sel], lo[sel], hi[sel], k, rounds).astype(np.int64)
+            out[sel] = _walk(x[sel], n[sel], lo[sel], hi[sel], k, rounds, inverse).astype(np.int64)
     return out

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .streams import BALANCED, WEIGHTED, _index_dtype, generator
+from .streams import WEIGHTED, _index_dtype, generator
 
 
 def weighted_draws(weights: np.ndarray, num_draws: int, replacement: bool, seed: int, epoch: int) -> np.ndarray:
@@ -38,37 +38,13 @@ def weighted_draws(weights: np.ndarray, num_draws: int, replacement: bool, seed:
 def balanced_draws(labels: np.ndarray, num_draws: int, batch_size: int, seed: int, epoch: int) -> np.ndarray:
     """``num_draws`` indices in which every run of ``batch_size`` positions holds each class
     ``batch_size // C`` times, the ``batch_size % C`` extra slots rotating over the classes
-    in random order (so over the epoch every class is drawn equally often). Each class's
-    samples are read in reshuffled passes (minority classes repeat, majority classes are
-    subsampled)."""
-    rng = generator(seed, epoch, BALANCED)
-    classes, inverse = np.unique(labels, return_inverse=True)
-    c = len(classes)
-    nchunks = -(-num_draws // batch_size)
-    per, extra = divmod(batch_size, c)
-    chunk_cls = np.empty((nchunks, batch_size), dtype=np.int32)
-    if per:
-        chunk_cls[:, :per * c] = np.tile(np.arange(c, dtype=np.int32), per)
-    if extra:
-        need = nchunks * extra
-        perms = rng.permuted(np.tile(np.arange(c, dtype=np.int32), (-(-need // c), 1)), axis=1)
-        chunk_cls[:, per * c:] = perms.ravel()[:need].reshape(nchunks, extra)
-    chunk_cls = rng.permuted(chunk_cls, axis=1).ravel()[:num_draws]
-    n = len(labels)
-    out = np.empty(num_draws, dtype=_index_dtype(n))
-    members_of = np.argsort(inverse, kind="stable")
-    mbounds = np.concatenate([[0], np.cumsum(np.bincount(inverse, minlength=c))])
-    slots_of = np.argsort(chunk_cls, kind="stable")
-    sbounds = np.concatenate([[0], np.cumsum(np.bincount(chunk_cls, minlength=c))])
-    for k in range(c):
-        members = members_of[mbounds[k]:mbounds[k + 1]]
-        where = slots_of[sbounds[k]:sbounds[k + 1]]
-        if not len(where):
-            continue
-        reps = -(-len(where) // len(members))
-        passes = rng.permuted(np.broadcast_to(members, (reps, len(members))), axis=1)
-        out[where] = passes.ravel()[:len(where)]
-    return out
+    in random order (so over the epoch every class is drawn equally often): the materialised
+    :class:`~fastload.sampling.order.Balanced` stream. Each class's samples are read in
+    reshuffled passes (minority classes repeat, majority classes are subsampled)."""
+    from .order import Balanced, balance_table
+
+    stream = Balanced(balance_table(labels), num_draws, batch_size, seed, epoch)
+    return np.asarray(stream).astype(_index_dtype(len(labels)), copy=False)
 
 
 def check_weights(weights: Any, num_samples: int) -> tuple[np.ndarray, int]:

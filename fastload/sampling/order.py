@@ -19,8 +19,10 @@ The kinds:
 * :class:`Weighted`: weighted draws with replacement: position ``p``'s uniform is a
   counter-based hash of (key, p), inverted through the cumulative weights (built once per
   sampler, 8 bytes per sample; nothing per draw);
-* :class:`Drawn`: an array computed whole (weighted draws without replacement,
-  class-balanced draws).
+* :class:`Balanced`: class-balanced draws: each run of ``batch_size`` positions holds
+  every class equally often, each class's samples read in passes of their own keyed
+  bijection (a table of the samples grouped by class, 8 bytes per sample, built once);
+* :class:`Drawn`: an array computed whole (weighted draws without replacement).
 """
 from __future__ import annotations
 
@@ -29,9 +31,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from .bijection import bijection, derive_keys, round_keys
-from .streams import GOLDEN_GAMMA, PERMUTATION, WEIGHTED, WINDOW, splitmix64
+from .streams import BALANCED, GOLDEN_GAMMA, PERMUTATION, WEIGHTED, WINDOW, splitmix64
 
-__all__ = ["Drawn", "Natural", "Shuffled", "Stream", "Weighted", "Windowed", "index_dtype", "uniforms", "weight_table"]
+__all__ = ["Balanced", "Drawn", "Natural", "Shuffled", "Stream", "Weighted", "Windowed", "index_dtype", "balance_table", "uniforms", "weight_table"]
 
 CHUNK = 1 << 16  # positions computed per call when materialising or walking a long range
 FIRST_CHUNK = 1 << 12  # positions of a pass's first call (about as fast as one batch's)
@@ -248,6 +250,90 @@ def weight_table(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     np.cumsum(np.bincount(c, minlength=n + 1)[:n], out=guide[1:])
     guide[n] = n
     return cdf, guide, int(np.flatnonzero(weights)[-1])
+
+
+class Balanced(Stream):
+    """``num_draws`` class-balanced draws (``batch_size`` ``B``, ``C`` classes), per position.
+
+    Chunk ``c`` (positions ``cB..cB+B-1``, one rank's batch) holds ``B // C`` slots of every
+    class plus ``B % C`` extra slots; the extra slots of all chunks, one after the other,
+    are passes of keyed permutations of the classes (so over the epoch every class gets the
+    same number, within one). A keyed bijection of the chunk's ``B`` slots (its own key)
+    shuffles them. The ``t``-th slot of class ``k`` in stream order (counted from the
+    chunks before, in O(1), plus the rank inside the chunk) reads sample ``t mod n_k`` of
+    pass ``t // n_k`` over class ``k``'s ``n_k`` samples, each pass a keyed bijection: minority
+    classes repeat in fresh orders, majority classes are subsampled.
+    ``table``: ``(members, starts)`` from :func:`balance_table`."""
+
+    def __init__(self, table: tuple[np.ndarray, np.ndarray], num_draws: int, batch_size: int, seed: int,
+                 epoch: int) -> None:
+        self.members, self.starts = table
+        self.sizes = np.diff(self.starts)
+        self.classes = len(self.sizes)
+        self.num_samples, self.num_draws, self.batch = len(self.members), int(num_draws), int(batch_size)
+        self.per, self.extra = divmod(self.batch, self.classes)
+        keys = round_keys(seed, epoch, BALANCED)
+        self._keys = keys
+        self._slot_keys = keys  # a chunk's layout: derive_keys(., chunk)
+        sub = derive_keys(keys, np.array([1, 2], np.uint64) << np.uint64(62))
+        self._class_keys, self._member_keys = sub[:, 0].copy(), sub[:, 1].copy()
+
+    def __len__(self) -> int:
+        return self.num_draws
+
+    def _extra_class(self, q: np.ndarray) -> np.ndarray:
+        """The class of extra slot ``q`` (passes of keyed permutations of the classes)."""
+        c = self.classes
+        return bijection(q % c, c, derive_keys(self._class_keys, q // c))
+
+    def _extra_before(self, k: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """How many of the extra slots ``0..q-1`` hold class ``k``: one per whole pass, plus
+        one if ``k`` comes before ``q mod C`` in the pass ``q`` is in."""
+        c = self.classes
+        p, r = q // c, q % c
+        where = bijection(k, c, derive_keys(self._class_keys, p), inverse=True)
+        return p + (where < r)
+
+    def _at(self, pos: np.ndarray) -> np.ndarray:
+        b, c = self.batch, self.classes
+        chunks = np.unique(pos // b)  # every slot of the chunks asked for: ranks inside a chunk need them all
+        ch = np.repeat(chunks, b)
+        j = np.tile(np.arange(b, dtype=np.int64), len(chunks))
+        m = bijection(j, np.full(len(j), b), np.repeat(derive_keys(self._slot_keys, chunks), b, axis=1))
+        cls = m % c
+        ext = np.flatnonzero(m >= self.per * c)
+        if ext.size:
+            cls[ext] = self._extra_class(ch[ext] * self.extra + (m[ext] - self.per * c))
+        # the rank of each slot among its chunk's slots of the same class, in stream order
+        order = np.lexsort((j, cls, ch))
+        key = ch[order] * c + cls[order]
+        first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        rank = np.empty(len(j), np.int64)
+        rank[order] = np.arange(len(j)) - np.repeat(first, np.diff(np.r_[first, len(j)]))
+        t = ch * self.per + rank
+        if self.extra:
+            t += self._extra_before(cls, ch * self.extra)
+        n_k = self.sizes[cls]
+        passes, i = t // n_k, t % n_k
+        mem = bijection(i, n_k, derive_keys(self._member_keys, passes * c + cls))
+        sample = self.members[self.starts[cls] + mem]
+        return sample[np.searchsorted(chunks, pos // b) * b + pos % b]
+
+    @property
+    def _key(self) -> tuple:
+        return (id(self.members), self.num_draws, self.batch, tuple(self._keys.tolist()))
+
+
+def balance_table(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(members, starts)`` of :class:`Balanced`: the sample indices grouped by class (in
+    the order of ``np.unique(labels)``, ascending within a class) and where each class's
+    group starts (``C + 1`` entries). 8 bytes per sample, built once."""
+    _, inverse = np.unique(labels, return_inverse=True)
+    inverse = inverse.ravel()
+    members = np.argsort(inverse, kind="stable").astype(np.int64)
+    starts = np.zeros(int(inverse.max()) + 2, np.int64)
+    np.cumsum(np.bincount(inverse), out=starts[1:])
+    return members, starts
 
 
 class Drawn(Stream):

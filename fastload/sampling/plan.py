@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .draws import balanced_draws, weighted_draws
-from .order import CHUNK, FIRST_CHUNK, Drawn, Natural, Shuffled, Stream, Weighted, Windowed, weight_table
+from .draws import weighted_draws
+from .order import (CHUNK, FIRST_CHUNK, Balanced, Drawn, Natural, Shuffled, Stream, Weighted, Windowed, balance_table,
+                    weight_table)
 
 
 def per_rank_count(remaining: int, world_size: int, drop_last: bool) -> int:
@@ -101,11 +102,12 @@ def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool = True
                 window: int = 1, table: tuple | None = None) -> Stream:
     """The epoch's stream of global sample indices as a :class:`~fastload.sampling.order.Stream`
     (see the package docstring): computed per position, except weighted draws without
-    replacement and class-balanced draws (computed whole). ``table``: ``weights``'
-    :func:`~fastload.sampling.order.weight_table`, when the caller keeps it across epochs."""
+    replacement (computed whole). ``table``: the :func:`~fastload.sampling.order.weight_table`
+    of ``weights`` or the :func:`~fastload.sampling.order.balance_table` of
+    ``balance_labels``, when the caller keeps it across epochs."""
     m = num_samples if num_draws is None else num_draws
     if balance_labels is not None:
-        return Drawn(balanced_draws(balance_labels, m, batch_size, seed, epoch), num_samples)
+        return Balanced(balance_table(balance_labels) if table is None else table, m, batch_size, seed, epoch)
     if weights is not None and replacement:
         return Weighted(weight_table(weights) if table is None else table, m, seed, epoch)
     if weights is not None:

@@ -14,7 +14,7 @@ import numpy as np
 from ..runtime.system import check_fits_in_memory
 from ..validate import check_bool, check_int, check_seed
 from .draws import check_balance_labels, check_weights
-from .order import Drawn, Stream, weight_table
+from .order import Drawn, Stream, balance_table, weight_table
 from .plan import EpochPlan, RankBatches, epoch_order, epoch_stream, per_rank_count
 from .state import SAMPLER_STATE_VERSION, check_state, digest
 
@@ -86,7 +86,7 @@ class Sampler:
             if self.weights is None and self.labels is None:
                 raise ValueError("num_draws applies to weighted or class-balanced sampling only")
             num_draws = _int("num_draws", num_draws, 1)
-            if self.labels is not None or not self.replacement:  # (draws with replacement: per position)
+            if self.weights is not None and not self.replacement:  # (the others: per position)
                     check_fits_in_memory(num_draws * _DRAW_BYTES, f"num_draws={num_draws:,} (the epoch's stream of draws)",
                                      "lower num_draws (it is the number of samples drawn per epoch, all ranks "
                                      "together)")
@@ -118,7 +118,7 @@ class Sampler:
         self._resume_pending = False
         self._cache: dict[int, np.ndarray] = {}  # the materialised streams of the current epoch and the next
         self._orders: dict[int, Stream] = {}  # the per-position streams of the current epoch and the next
-        self._table: tuple | None = None  # draws with replacement: order.weight_table(weights)
+        self._table: tuple | None = None  # order.weight_table(weights) or order.balance_table(labels)
         self._materialised = False  # stream() was asked for a per-position order: prepare() computes ahead
         self._ahead: _Ahead | None = None  # an epoch's stream computed in the background (prepare)
         self._identity_cache: dict | None = None
@@ -131,9 +131,9 @@ class Sampler:
 
     @property
     def _drawn(self) -> bool:
-        """True when the stream is computed whole (weighted draws without replacement,
-        class-balanced draws), not per position."""
-        return self.labels is not None or (self.weights is not None and not self.replacement)
+        """True when the stream is computed whole (weighted draws without replacement), not
+        per position."""
+        return self.weights is not None and not self.replacement
 
     def order_stream(self, epoch: int | None = None) -> Stream:
         """The epoch's stream as a :class:`~fastload.sampling.order.Stream` (identical on every
@@ -144,11 +144,13 @@ class Sampler:
             return Drawn(self.stream(e), self.num_samples)
         o = self._orders.get(e)
         if o is None:
-            if self.weights is not None and self._table is None:  # once per sampler, not per epoch
-                self._table = weight_table(self.weights)
+            if self._table is None:  # once per sampler, not per epoch
+                self._table = (weight_table(self.weights) if self.weights is not None else
+                               balance_table(self.labels) if self.labels is not None else None)
             o = epoch_order(self.num_samples, seed=self.seed, epoch=e, shuffle=self.shuffle, weights=self.weights,
-                            num_draws=self.num_draws, shuffle_mode=self.shuffle_mode, shard_sizes=self.shard_sizes,
-                            window=self.window, table=self._table)
+                            num_draws=self.num_draws, balance_labels=self.labels, batch_size=self.batch_size,
+                            shuffle_mode=self.shuffle_mode, shard_sizes=self.shard_sizes, window=self.window,
+                            table=self._table)
             keep = (self.epoch, self.epoch + 1)
             if e in keep:
                 self._orders = {k: v for k, v in self._orders.items() if k in keep}
