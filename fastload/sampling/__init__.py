@@ -45,22 +45,22 @@ remaining batches equal an uninterrupted run's.
 
 The package
 -----------
-``streams`` (the keyed random streams, :func:`permutation`, :func:`window_permutation`),
-``bijection`` (the keyed bijection), ``order`` (an epoch's stream as a function of the
-position: :class:`~fastload.sampling.order.Stream`), ``draws`` (:func:`weighted_draws`,
-:func:`balanced_draws`), ``plan`` (:func:`epoch_order`, :func:`epoch_stream`, the rank
-partition :class:`RankBatches`, :class:`EpochPlan`), ``state`` (the resume state and its checks),
-``sampler`` (the :class:`Sampler` object). Every name is importable from here.
+``streams`` (the keyed random streams), ``bijection`` (the keyed bijection), ``order`` (an
+epoch's stream as a function of the position: :class:`~fastload.sampling.order.Stream`;
+:func:`permutation`, :func:`window_permutation` materialise one), ``draws``
+(:func:`weighted_draws`, :func:`balanced_draws`), ``plan`` (:func:`epoch_order`,
+:func:`epoch_stream`, the rank partition :class:`RankBatches`, :class:`EpochPlan`),
+``state`` (the resume state and its checks), ``sampler`` (the :class:`Sampler` object).
+Every name is importable from here.
 """
 from __future__ import annotations
 
 from . import streams
 from .draws import balanced_draws, weighted_draws
-from .order import Stream
+from .order import Stream, permutation, window_permutation
 from .plan import EpochPlan, RankBatches, epoch_order, epoch_stream, per_rank_count, rank_batch_bounds
 from .sampler import SHUFFLE_MODES, Sampler
 from .state import SAMPLER_STATE_VERSION
-from .streams import permutation, window_permutation
 
 __all__ = ["SAMPLER_STATE_VERSION", "SHUFFLE_MODES", "EpochPlan", "RankBatches", "Sampler", "Stream",
            "balanced_draws", "epoch_order", "epoch_stream", "per_rank_count", "permutation", "rank_batch_bounds",

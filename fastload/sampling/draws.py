@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from .order import Balanced, Weighted, balance_table, weight_table
 from .streams import WEIGHTED, _index_dtype, generator
 
 
@@ -20,8 +21,6 @@ def weighted_draws(weights: np.ndarray, num_draws: int, replacement: bool, seed:
     sequential sampling without replacement."""
     n = len(weights)
     if replacement:
-        from .order import Weighted, weight_table
-
         stream = Weighted(weight_table(weights), num_draws, seed, epoch)
         return np.asarray(stream).astype(_index_dtype(n), copy=False)
     rng = generator(seed, epoch, WEIGHTED)
@@ -41,8 +40,6 @@ def balanced_draws(labels: np.ndarray, num_draws: int, batch_size: int, seed: in
     in random order (so over the epoch every class is drawn equally often): the materialised
     :class:`~fastload.sampling.order.Balanced` stream. Each class's samples are read in
     reshuffled passes (minority classes repeat, majority classes are subsampled)."""
-    from .order import Balanced, balance_table
-
     stream = Balanced(balance_table(labels), num_draws, batch_size, seed, epoch)
     return np.asarray(stream).astype(_index_dtype(len(labels)), copy=False)
 

@@ -33,7 +33,8 @@ import numpy as np
 from .bijection import bijection, derive_keys, round_keys
 from .streams import BALANCED, GOLDEN_GAMMA, PERMUTATION, WEIGHTED, WINDOW, splitmix64
 
-__all__ = ["Balanced", "Drawn", "Natural", "Shuffled", "Stream", "Weighted", "Windowed", "index_dtype", "balance_table", "uniforms", "weight_table"]
+__all__ = ["Balanced", "Drawn", "Natural", "Shuffled", "Stream", "Weighted", "Windowed", "permutation",
+           "window_permutation", "index_dtype", "balance_table", "uniforms", "weight_table"]
 
 CHUNK = 1 << 16  # positions computed per call when materialising or walking a long range
 FIRST_CHUNK = 1 << 12  # positions of a pass's first call (about as fast as one batch's)
@@ -361,3 +362,18 @@ class Drawn(Stream):
         if isinstance(other, Drawn) and other.array is self.array:
             return True
         return len(other) == len(self) and bool(np.array_equal(self.array, np.asarray(other)))  # type: ignore[arg-type]
+
+
+def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The keyed permutation of ``0..n-1`` (seed, epoch) materialised: the full shuffle's
+    stream (:class:`Shuffled`) as an array."""
+    return np.asarray(Shuffled(n, seed, epoch))
+
+
+def window_permutation(shard_sizes: Sequence[int], window: int, seed: int, epoch: int) -> np.ndarray:
+    """Shards in random order; samples shuffled within each window of ``window`` shards,
+    materialised (:class:`Windowed`).
+
+    Memory: at most ``window`` shards are being read at any time (by all ranks together),
+    at the price of a less random order (samples from the same window are close together)."""
+    return np.asarray(Windowed(shard_sizes, window, seed, epoch))

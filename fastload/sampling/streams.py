@@ -1,14 +1,13 @@
-"""The keyed random streams and the uniform orders: ``(seed, epoch, purpose)`` entropy,
-:func:`permutation` (the full shuffle: a keyed bijection, see ``bijection.py``) and
-:func:`window_permutation` (shards in a random order, samples shuffled within windows of
-shards), both materialised from their per-position streams (``order.py``).
+"""The keyed random streams: ``(seed, epoch, purpose)`` entropy for every random order
+(the uniform orders themselves, ``permutation`` and ``window_permutation``, are in
+``order.py``: keyed bijections computed per position, see ``bijection.py``).
 
 Every random stream fastload draws from a generator is a pure function of (seed, epoch,
 purpose) (:func:`seed_sequence`, :func:`generator`). The purposes are named here, one per
 kind of stream, so that no two kinds ever read the same numbers:
 
-    PERMUTATION      0  a shuffled pass (:func:`permutation`)
-    WINDOW           1  shards and windows of ``shuffle_mode="window"`` (:func:`window_permutation`)
+    PERMUTATION      0  a shuffled pass (``order.permutation``)
+    WINDOW           1  shards and windows of ``shuffle_mode="window"`` (``order.window_permutation``)
     WEIGHTED         2  weighted draws (``draws.weighted_draws``)
     BALANCED         3  class-balanced draws (``draws.balanced_draws``)
     DATASET_PASSES   4  a mixed dataset's own passes (``mixture.dataset_draws``: the epoch slot
@@ -22,13 +21,10 @@ uint64 arrays (``pipeline/crops.py``, ``loader/finish.py``).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 __all__ = ["BALANCED", "DATASET_PASSES", "GOLDEN_GAMMA", "MIXTURE_BATCHES", "MIXTURE_EPOCH", "MIX_C1", "MIX_C2",
-           "PERMUTATION", "WEIGHTED", "WINDOW", "generator", "permutation", "seed_sequence", "splitmix64",
-           "window_permutation"]
+           "PERMUTATION", "WEIGHTED", "WINDOW", "generator", "seed_sequence", "splitmix64"]
 
 # the purposes of the keyed streams (see the module docstring); never reuse or renumber one:
 # the orders of every seed depend on them
@@ -60,22 +56,3 @@ def generator(seed: int, epoch: int, purpose: int) -> np.random.Generator:
 
 def _index_dtype(n: int):
     return np.int32 if n < 2**31 else np.int64
-
-
-def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    """The keyed permutation of ``0..n-1`` (seed, epoch) materialised: the full shuffle's
-    stream (``order.Shuffled``, a keyed bijection computed per position) as an array."""
-    from .order import Shuffled
-
-    return np.asarray(Shuffled(n, seed, epoch))
-
-
-def window_permutation(shard_sizes: Sequence[int], window: int, seed: int, epoch: int) -> np.ndarray:
-    """Shards in random order; samples shuffled within each window of ``window`` shards,
-    materialised (``order.Windowed``).
-
-    Memory: at most ``window`` shards are being read at any time (by all ranks together),
-    at the price of a less random order (samples from the same window are close together)."""
-    from .order import Windowed
-
-    return np.asarray(Windowed(shard_sizes, window, seed, epoch))
