@@ -81,19 +81,25 @@ class Stream:
         return self.at(np.where(pos < 0, pos + m, pos))
 
     def __array__(self, dtype=None, copy=None):
-        m = len(self)
-        out = np.empty(m, dtype=index_dtype(self.num_samples))
-        for a in range(0, m, CHUNK):
-            b = min(m, a + CHUNK)
-            out[a:b] = self._at(np.arange(a, b, dtype=np.int64))
+        """The stream materialised (read-only), computed once and kept with the stream: a
+        remote cache plans each pass from it (the sampler's own batches never need it)."""
+        out = self.__dict__.get("_array")
+        if out is None:
+            m = len(self)
+            out = np.empty(m, dtype=index_dtype(self.num_samples))
+            for a in range(0, m, CHUNK):
+                b = min(m, a + CHUNK)
+                out[a:b] = self._at(np.arange(a, b, dtype=np.int64))
+            out.flags.writeable = False
+            self._array = out
         return out if dtype is None else out.astype(dtype, copy=False)
 
     def tolist(self) -> list[int]:
         return np.asarray(self).tolist()
 
     def copy(self) -> np.ndarray:
-        """The stream materialised (a new array)."""
-        return np.asarray(self)
+        """The stream materialised (a new, writable array)."""
+        return np.array(np.asarray(self))
 
     def same(self, other: object) -> bool:
         """True when ``other`` (a Stream or an array) holds the same indices."""

@@ -184,7 +184,7 @@ class Sampler:
                              replacement=self.replacement, num_draws=self.num_draws, balance_labels=self.labels,
                              batch_size=self.batch_size)
         else:
-            s = np.asarray(self.order_stream(e))
+            s = np.asarray(self.order_stream(e))  # (kept with the stream: computed once per epoch)
         s.flags.writeable = False
         return s
 
