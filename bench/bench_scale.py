@@ -92,7 +92,8 @@ def child_sampler(n: int, seconds: float) -> dict:
         it = iter(s)
     rate_s = time.perf_counter() - t0
     return {"n": n, "first_s": first_s, "rss_growth": growth, "resume_s": resume_s,
-            "samples_per_s": count / rate_s if count else 0.0, "batches_per_s": count / BATCH / rate_s if count else 0.0}
+            "samples_per_s": count / rate_s if count else 0.0,
+            "batches_per_s": count / BATCH / rate_s if count else 0.0}
 
 
 def child_baseline(n: int) -> dict:
@@ -253,7 +254,8 @@ def main(argv=None) -> list:
         mf = _run_child("--child", "manifest", str(a.manifest_shards), tmp, timeout=3600)
     first = (f"Loader's first batch {mf['first_s'] * 1e3:.0f} ms" if mf["error"] is None else
              f"the Loader FAILED: {mf['error']}")
-    print(f"Dataset of {mf['shards']:,} shards ({mf['manifest_mb']:.1f} MB manifest): open {mf['open_s'] * 1e3:.0f} ms, "
+    print(f"Dataset of {mf['shards']:,} shards ({mf['manifest_mb']:.1f} MB manifest): "
+          f"open {mf['open_s'] * 1e3:.0f} ms, "
           f"{first} (rank 0 of {WORLD}; peak RSS +{mf['rss_growth'] / 2**20:.1f} MB)")
     big, _ = rows[-1]
     base = [(r, b) for r, b in rows if b is not None][-1]

@@ -87,7 +87,7 @@ class Sampler:
                 raise ValueError("num_draws applies to weighted or class-balanced sampling only")
             num_draws = _int("num_draws", num_draws, 1)
             if self.weights is not None and not self.replacement:  # (the others: per position)
-                    check_fits_in_memory(num_draws * _DRAW_BYTES, f"num_draws={num_draws:,} (the epoch's stream of draws)",
+                check_fits_in_memory(num_draws * _DRAW_BYTES, f"num_draws={num_draws:,} (the epoch's stream of draws)",
                                      "lower num_draws (it is the number of samples drawn per epoch, all ranks "
                                      "together)")
             if self.weights is not None and not self.replacement and num_draws > positive:
