@@ -50,7 +50,10 @@ LOADER_BAD = [
     (dict(on_error="ignore"), "on_error='ignore' must be one of"),
     (dict(verify="sometimes"), "verify='sometimes' must be one of"),
     (dict(verify=True), "verify=True must be one of"),
-    (dict(num_draws=10**12, weights=np.ones(N)), r"num_draws=1,000,000,000,000 .* needs .* of memory"),
+    # (draws without replacement are an array per epoch; with replacement they are computed
+    # per position and any num_draws fits: tests/test_sampling_draws_scale.py)
+    (dict(num_draws=10**12, weights=np.ones(N), replacement=False),
+     r"num_draws=1,000,000,000,000 .* needs .* of memory"),
     (dict(fields=["x", "x", "label"]), r"fields: \['x'\] named more than once"),
 ]
 

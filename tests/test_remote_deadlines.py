@@ -212,12 +212,12 @@ def test_the_admission_lock_of_a_stopped_process_is_waited_for_until_the_deadlin
 KW = dict(batch_size=50, seed=3, shuffle_mode="window", window=1, device="cpu", prefetch=2, threads=1)
 
 
-def _minimum_limit(url: str, cache_dir: Path) -> int:
+def _minimum_limit(url: str, cache_dir: Path, kw: dict = KW) -> int:
     limit = 1
     for _ in range(4):
         try:
             with fastload.Dataset(url, cache_dir=cache_dir, cache_limit=limit) as ds, \
-                    fastload.Loader(ds, **KW):
+                    fastload.Loader(ds, **kw):
                 return limit
         except CacheTooSmall as e:
             limit = e.minimum
@@ -229,15 +229,18 @@ def test_a_restart_after_kill_9_mid_download_reclaims_the_dead_process_budget(re
     SIGKILL while downloads were in flight: the restart got one batch, then DownloadTimeout,
     because the dead process's partial downloads still held the budget. Now the restart
     takes their room back (their shards' flocks are free) and completes the epoch."""
-    with fastload.Loader(local_ds, **KW) as lo:
+    # an order whose minimum budget holds two downloads at once when the stalls begin (seed 3's
+    # window order, since sampler state version 3, reaches them one at a time there)
+    kw = {**KW, "seed": 4}
+    with fastload.Loader(local_ds, **kw) as lo:
         want = batches(lo, epochs=None)
-    limit = _minimum_limit(remote_url, tmp_path / "probe")
+    limit = _minimum_limit(remote_url, tmp_path / "probe", kw)
     cache_dir = tmp_path / "c"
     # the first 6 shard GETs pass; every later one sends half the shard and stalls
     proxy.add("stall_body", r"shard-", method="GET", times=-1, skip=6, seconds=120)
     code = (f"import fastload\n"
             f"lo = fastload.Loader({remote_url!r}, cache_dir={str(cache_dir)!r}, cache_limit={limit}, "
-            f"download_timeout=60, **{KW!r})\n"
+            f"download_timeout=60, **{kw!r})\n"
             "for i, b in enumerate(lo):\n"
             "    print('batch', i, flush=True)\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -255,7 +258,7 @@ def test_a_restart_after_kill_9_mid_download_reclaims_the_dead_process_budget(re
     assert len(left) >= 2, left
     proxy.release_stalls()
     with fastload.Dataset(remote_url, cache_dir=cache_dir, cache_limit=limit, download_timeout=10) as ds, \
-            fastload.Loader(ds, **KW) as lo:
+            fastload.Loader(ds, **kw) as lo:
         with DiskSampler(ds.cache.dir) as disk:
             got = batches(lo, epochs=None)
     assert_same(got, want)

@@ -34,7 +34,9 @@ def _shard_bytes(local_ds) -> int:
 def test_the_epoch_completes_with_identical_batches_under_faults(remote_url, proxy, local_ds, tmp_path):
     with fastload.Loader(local_ds, **KW) as lo:
         want = batches(lo, epochs=None)
-    proxy.add("slowdown", r"shard-0000[0-4]", times=6)
+    # (5 SlowDowns: fewer than a file's 6 attempts, so whichever of these shards the order
+    # reads first survives them all, even when no other one is downloading beside it)
+    proxy.add("slowdown", r"shard-0000[0-4]", times=5)
     proxy.add("cut", r"shard-0000[5-9]", times=3)
     proxy.add("corrupt", r"shard-00010", times=1)
     proxy.add("reset", r"shard-0001[3-6]", times=3)
@@ -49,7 +51,7 @@ def test_the_epoch_completes_with_identical_batches_under_faults(remote_url, pro
             got = batches(lo, epochs=None, on_batch=disappear)
         st = lo.stats()
     assert_same(got, want)
-    assert sum(1 for r in proxy.log if r.fault) >= 13, "the faults were met"
+    assert sum(1 for r in proxy.log if r.fault) >= 12, "the faults were met"
     assert st["retries"] >= 5 and st["evictions"] > 0
     if disk.peak > limit:  # KNOWN DEFECT, open: see the closing note of the stop that marked it
         pytest.xfail(f"the cache held {disk.peak} bytes on disk against cache_limit={limit} (one shard over) "

@@ -59,6 +59,7 @@ def test_lengths_are_read_with_byte_ranges_and_kept(tok, proxy, tmp_path):
     m = _manifest(local)
     with fastload.Dataset(url, cache_dir=tmp_path / "c") as ds:
         assert np.array_equal(ds.lengths("tokens"), lengths)
+        assert isinstance(ds.lengths("tokens"), np.memmap)  # mapped from the cache: shared by the node's ranks
         cache = ds.cache
         assert not list(cache.dir.glob("*.arrow")), "no shard was downloaded"
         assert (cache.dir / "lengths-tokens.npy").exists()
@@ -77,7 +78,7 @@ def test_lengths_are_read_with_byte_ranges_and_kept(tok, proxy, tmp_path):
     # a second open (another run, another rank) reads them from the cache: no request at all
     proxy.log.clear()
     with fastload.Dataset(url, cache_dir=tmp_path / "c") as ds:
-        assert np.array_equal(ds.lengths("tokens"), lengths)
+        assert np.array_equal(ds.lengths("tokens"), lengths) and isinstance(ds.lengths("tokens"), np.memmap)
         assert np.array_equal(ds[17]["tokens"], 17_000 + np.arange(lengths[17], dtype=np.int32))  # checked on map
     assert [r for r in proxy.log if "shard-" in r.path and r.method == "GET"] == _shard_gets(proxy.log, "shard-00000.arrow")
 

@@ -387,9 +387,13 @@ def test_permutation_is_uniform_and_pinned_across_machines():
     from fastload import _C
     from fastload.sampling import permutation
 
-    # The stream is part of the resume contract: the same on every machine and release.
-    assert permutation(12, 0, 0).tolist() == [1, 7, 6, 4, 5, 9, 8, 0, 10, 3, 11, 2]
-    assert permutation(12, 7, 3).tolist() == [1, 11, 6, 4, 0, 5, 7, 10, 3, 2, 8, 9]
+    from fastload.sampling.order import Shuffled
+
+    # The stream is part of the resume contract: the same on every machine and release
+    # (sampler state version 3: the keyed bijection of bijection.py).
+    assert permutation(12, 0, 0).tolist() == [3, 8, 0, 9, 5, 1, 7, 4, 6, 11, 2, 10]
+    assert permutation(12, 7, 3).tolist() == [5, 1, 7, 4, 3, 6, 9, 2, 11, 8, 0, 10]
+    assert Shuffled(10**10, 0, 0).at([0, 1, 9_999_999_999]).tolist() == [1888803818, 3237225046, 8868358798]
     a32, a64 = np.empty(1000, np.int32), np.empty(1000, np.int64)
     _C.permutation(a32, 5, 6)
     _C.permutation(a64, 5, 6)
@@ -446,6 +450,9 @@ def test_the_next_epochs_order_is_prepared_in_the_background_and_equal(monkeypat
 
     fresh = Sampler(10_000, batch_size=32, seed=5)
     s = Sampler(10_000, batch_size=32, seed=5, weights=None)
+    s.prepare(1)  # a per-position order: nothing to compute until someone reads whole streams
+    assert s._ahead is None
+    s.stream(0)  # (a remote cache's plan does)
     calls = []
     real = s._compute
     s._compute = lambda e: calls.append((e, threading.current_thread().name)) or real(e)
@@ -463,7 +470,8 @@ def test_the_next_epochs_order_is_prepared_in_the_background_and_equal(monkeypat
     assert natural._ahead is None
     monkeypatch.undo()
     cheap = Sampler(10_000, batch_size=4, seed=5)
-    cheap.prepare(1)  # 10,000 samples: ~0.1 ms to permute, less than starting a thread
+    cheap.stream(0)
+    cheap.prepare(1)  # 10,000 samples: ~0.3 ms to compute, less than starting a thread
     assert cheap._ahead is None
     monkeypatch.setattr(sampler_mod, "PREPARE_MIN_NS", 0)
     weighted = Sampler(1000, batch_size=8, weights=np.arange(1000) + 1.0, seed=2)
@@ -478,6 +486,7 @@ def test_a_prepared_order_that_failed_is_computed_again_where_it_is_asked_for(mo
 
     monkeypatch.setattr(sampler_mod, "PREPARE_MIN_NS", 0)
     s = Sampler(1000, batch_size=8, seed=1)
+    s.stream(0)  # whole streams are read: prepare() computes them ahead
     real = s._compute
     boom = {"n": 0}
 

@@ -38,6 +38,7 @@ def test_crops_and_batch_seeds_use_the_one_finaliser():
 
 
 def test_the_mixture_and_draws_read_their_named_streams():
+    from fastload.sampling import permutation
     from fastload.sampling.draws import weighted_draws
     from fastload.sampling.mixture import dataset_draws, mixture_layout
 
@@ -47,7 +48,7 @@ def test_the_mixture_and_draws_read_their_named_streams():
     generator(3, 2, MIXTURE_EPOCH).shuffle(expect)
     assert ids.tolist() == expect.tolist()
     key = int(seed_sequence(11, 2, DATASET_PASSES).generate_state(1, np.uint64)[0] >> 1)
-    assert dataset_draws(50, 11, 2, 0, 50, True).tolist() == streams.permutation(50, key, 0).tolist()
+    assert dataset_draws(50, 11, 2, 0, 50, True).tolist() == permutation(50, key, 0).tolist()
     w = np.ones(10)
     keys = generator(1, 2, WEIGHTED).standard_exponential(10) / w
     assert weighted_draws(w, 10, False, 1, 2).tolist() == np.argsort(keys, kind="stable").tolist()

@@ -9,12 +9,15 @@ An epoch is a **stream**: a sequence of ``M`` global sample indices, identical o
 and every machine for the same arguments (random streams keyed by ``(seed, epoch)`` through
 numpy's ``SeedSequence``):
 
-* plain: a permutation of ``0..N-1`` (``shuffle=False``: the natural order), ``M = N``,
-  made by fastload's C++ Fisher–Yates (xoshiro256**, Lemire's unbiased bounded integers,
-  csrc/permute.h): ~6x faster than numpy's ``Generator.permutation`` and independent of the
-  numpy version;
-* ``shuffle_mode="window"``: shards in a random order, samples shuffled within each window of
-  ``window`` consecutive shards of that order (locality for data bigger than RAM);
+* plain: a permutation of ``0..N-1`` (``shuffle=False``: the natural order), ``M = N``: a
+  keyed bijection of ``[0, N)`` (a Feistel network with cycle walking, keyed by seed and
+  epoch; ``bijection.py``) computed **per position**, so a rank computes only the indices of
+  its batches in flight: no memory per sample, the first batch in microseconds at any ``N``,
+  ~30 ns per index (docs/explanation/sampling-order.md);
+* ``shuffle_mode="window"``: shards in a random order (a keyed bijection of the shards),
+  samples shuffled within each window of ``window`` consecutive shards of that order (each
+  window by its own keyed bijection), also per position (locality for data bigger than
+  RAM);
 * weighted: ``M = num_draws`` (default ``N``) draws by ``weights``, with replacement (inverse
   CDF over float64 cumulative weights, so any ``N``) or without (Efraimidis–Spirakis keys);
 * class-balanced: ``M = num_draws`` draws where every run of ``batch_size`` stream positions
@@ -42,20 +45,24 @@ remaining batches equal an uninterrupted run's.
 
 The package
 -----------
-``streams`` (the keyed random streams, :func:`permutation`, :func:`window_permutation`),
-``draws`` (:func:`weighted_draws`, :func:`balanced_draws`), ``plan`` (:func:`epoch_stream`,
-the rank partition, :class:`EpochPlan`), ``state`` (the resume state and its checks),
-``sampler`` (the :class:`Sampler` object). Every name is importable from here.
+``streams`` (the keyed random streams), ``bijection`` (the keyed bijection), ``order`` (an
+epoch's stream as a function of the position: :class:`~fastload.sampling.order.Stream`;
+:func:`permutation`, :func:`window_permutation` materialise one), ``draws``
+(:func:`weighted_draws`, :func:`balanced_draws`), ``plan`` (:func:`epoch_order`,
+:func:`epoch_stream`, the rank partition :class:`RankBatches`, :class:`EpochPlan`),
+``state`` (the resume state and its checks), ``sampler`` (the :class:`Sampler` object).
+Every name is importable from here.
 """
 from __future__ import annotations
 
 from . import streams
 from .draws import balanced_draws, weighted_draws
-from .plan import EpochPlan, epoch_stream, per_rank_count, rank_batch_bounds
+from .order import Stream, permutation, window_permutation
+from .plan import EpochPlan, RankBatches, epoch_order, epoch_stream, per_rank_count, rank_batch_bounds
 from .sampler import SHUFFLE_MODES, Sampler
 from .state import SAMPLER_STATE_VERSION
-from .streams import permutation, window_permutation
 
-__all__ = ["EpochPlan", "Sampler", "SAMPLER_STATE_VERSION", "SHUFFLE_MODES", "balanced_draws", "epoch_stream",
-           "per_rank_count", "permutation", "rank_batch_bounds", "weighted_draws", "window_permutation"]
+__all__ = ["SAMPLER_STATE_VERSION", "SHUFFLE_MODES", "EpochPlan", "RankBatches", "Sampler", "Stream",
+           "balanced_draws", "epoch_order", "epoch_stream", "per_rank_count", "permutation", "rank_batch_bounds",
+           "weighted_draws", "window_permutation"]
 

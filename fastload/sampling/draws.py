@@ -7,30 +7,23 @@ from typing import Any
 
 import numpy as np
 
-from .streams import BALANCED, WEIGHTED, _index_dtype, generator
+from .order import Balanced, Weighted, balance_table, weight_table
+from .streams import WEIGHTED, _index_dtype, generator
 
 
 def weighted_draws(weights: np.ndarray, num_draws: int, replacement: bool, seed: int, epoch: int) -> np.ndarray:
     """``num_draws`` indices drawn with probability proportional to ``weights``.
 
-    With replacement: inverse CDF (float64 cumulative sum + binary search), exact for any
-    number of samples (``torch.multinomial`` stops at 2^24). Without: Efraimidis–Spirakis (the ``num_draws`` smallest
-    ``Exp(1) / w`` keys), which is sequential sampling without replacement."""
-    rng = generator(seed, epoch, WEIGHTED)
+    With replacement: the materialised :class:`~fastload.sampling.order.Weighted` stream
+    (inverse CDF over float64 cumulative weights of a uniform per position: exact for any
+    number of samples, where ``torch.multinomial`` stops at 2^24). Without:
+    Efraimidis–Spirakis (the ``num_draws`` smallest ``Exp(1) / w`` keys), which is
+    sequential sampling without replacement."""
     n = len(weights)
     if replacement:
-        cdf = np.cumsum(weights, dtype=np.float64)
-        # Sorted uniforms make the binary searches cache-friendly (10x faster at 10^7);
-        # shuffling the result afterwards gives back an i.i.d. sequence.
-        u = rng.random(num_draws)
-        u.sort()
-        u *= cdf[-1]
-        idx = np.searchsorted(cdf, u, side="right")
-        del u
-        rng.shuffle(idx)
-        # u can round up to cdf[-1]: such a draw goes to the last positive weight
-        np.minimum(idx, int(np.flatnonzero(weights)[-1]), out=idx)
-        return idx.astype(_index_dtype(n), copy=False)
+        stream = Weighted(weight_table(weights), num_draws, seed, epoch)
+        return np.asarray(stream).astype(_index_dtype(n), copy=False)
+    rng = generator(seed, epoch, WEIGHTED)
     with np.errstate(divide="ignore"):
         keys = rng.standard_exponential(n) / weights  # weight 0 -> inf: never chosen
     if num_draws < n:
@@ -44,37 +37,11 @@ def weighted_draws(weights: np.ndarray, num_draws: int, replacement: bool, seed:
 def balanced_draws(labels: np.ndarray, num_draws: int, batch_size: int, seed: int, epoch: int) -> np.ndarray:
     """``num_draws`` indices in which every run of ``batch_size`` positions holds each class
     ``batch_size // C`` times, the ``batch_size % C`` extra slots rotating over the classes
-    in random order (so over the epoch every class is drawn equally often). Each class's
-    samples are read in reshuffled passes (minority classes repeat, majority classes are
-    subsampled)."""
-    rng = generator(seed, epoch, BALANCED)
-    classes, inverse = np.unique(labels, return_inverse=True)
-    c = len(classes)
-    nchunks = -(-num_draws // batch_size)
-    per, extra = divmod(batch_size, c)
-    chunk_cls = np.empty((nchunks, batch_size), dtype=np.int32)
-    if per:
-        chunk_cls[:, :per * c] = np.tile(np.arange(c, dtype=np.int32), per)
-    if extra:
-        need = nchunks * extra
-        perms = rng.permuted(np.tile(np.arange(c, dtype=np.int32), (-(-need // c), 1)), axis=1)
-        chunk_cls[:, per * c:] = perms.ravel()[:need].reshape(nchunks, extra)
-    chunk_cls = rng.permuted(chunk_cls, axis=1).ravel()[:num_draws]
-    n = len(labels)
-    out = np.empty(num_draws, dtype=_index_dtype(n))
-    members_of = np.argsort(inverse, kind="stable")
-    mbounds = np.concatenate([[0], np.cumsum(np.bincount(inverse, minlength=c))])
-    slots_of = np.argsort(chunk_cls, kind="stable")
-    sbounds = np.concatenate([[0], np.cumsum(np.bincount(chunk_cls, minlength=c))])
-    for k in range(c):
-        members = members_of[mbounds[k]:mbounds[k + 1]]
-        where = slots_of[sbounds[k]:sbounds[k + 1]]
-        if not len(where):
-            continue
-        reps = -(-len(where) // len(members))
-        passes = rng.permuted(np.broadcast_to(members, (reps, len(members))), axis=1)
-        out[where] = passes.ravel()[:len(where)]
-    return out
+    in random order (so over the epoch every class is drawn equally often): the materialised
+    :class:`~fastload.sampling.order.Balanced` stream. Each class's samples are read in
+    reshuffled passes (minority classes repeat, majority classes are subsampled)."""
+    stream = Balanced(balance_table(labels), num_draws, batch_size, seed, epoch)
+    return np.asarray(stream).astype(_index_dtype(len(labels)), copy=False)
 
 
 def check_weights(weights: Any, num_samples: int) -> tuple[np.ndarray, int]:

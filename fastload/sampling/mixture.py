@@ -50,8 +50,9 @@ from typing import Any
 
 import numpy as np
 
+from .bijection import bijection, round_keys
 from .sampler import Sampler
-from .streams import DATASET_PASSES, MIXTURE_BATCHES, MIXTURE_EPOCH, generator, permutation, seed_sequence
+from .streams import DATASET_PASSES, MIXTURE_BATCHES, MIXTURE_EPOCH, PERMUTATION, generator, seed_sequence
 
 __all__ = ["MixtureOrder", "MixtureSampler", "batch_counts", "dataset_draws", "mixture_layout"]
 
@@ -134,18 +135,21 @@ def _apportion(total: int, weights: np.ndarray) -> np.ndarray:
 
 def dataset_draws(size: int, seed: int, dataset: int, first: int, count: int, shuffle: bool) -> np.ndarray:
     """Positions ``first..first+count-1`` of one dataset's own stream: its passes one after
-    the other, each a fresh permutation keyed by (seed, dataset, pass)."""
+    the other, each a fresh keyed bijection of the dataset keyed by (seed, dataset, pass),
+    computed per position (``permutation(size, key, pass)`` materialises one pass)."""
     if count == 0:
         return np.empty(0, np.int64)
+    pos = np.arange(first, first + count, dtype=np.int64)
+    if not shuffle:
+        return pos % size
     key = int(seed_sequence(seed, dataset, DATASET_PASSES).generate_state(1, np.uint64)[0] >> 1)
-    out = []
+    out = np.empty(count, np.int64)
     p0, p1 = first // size, (first + count - 1) // size
-    for p in range(p0, p1 + 1):
-        perm = permutation(size, key, p) if shuffle else np.arange(size)
-        a = first - p * size if p == p0 else 0
-        b = first + count - p * size if p == p1 else size
-        out.append(perm[a:b].astype(np.int64))
-    return np.concatenate(out)
+    for p in range(p0, p1 + 1):  # one pass after the other (a few: count is at most an epoch)
+        a = max(first, p * size) - first
+        b = min(first + count, (p + 1) * size) - first
+        out[a:b] = bijection(pos[a:b] - p * size, size, round_keys(key, p, PERMUTATION))
+    return out
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,8 @@ class MixtureSampler(Sampler):
                          shuffle=shuffle, seed=seed, drop_last=drop_last)
         self._layout: np.ndarray | None = None  # per="batch": the same every epoch
         self._mlen = len(self._layout_for(0))
+
+    _drawn = True  # the stream is computed whole (its layout is an array per epoch)
 
     @property
     def stream_len(self) -> int:

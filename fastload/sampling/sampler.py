@@ -14,7 +14,8 @@ import numpy as np
 from ..runtime.system import check_fits_in_memory
 from ..validate import check_bool, check_int, check_seed
 from .draws import check_balance_labels, check_weights
-from .plan import EpochPlan, epoch_stream, per_rank_count, rank_batch_bounds
+from .order import Drawn, Stream, balance_table, weight_table
+from .plan import EpochPlan, RankBatches, epoch_order, epoch_stream, per_rank_count
 from .state import SAMPLER_STATE_VERSION, check_state, digest
 
 SHUFFLE_MODES = ("full", "window")
@@ -85,8 +86,10 @@ class Sampler:
             if self.weights is None and self.labels is None:
                 raise ValueError("num_draws applies to weighted or class-balanced sampling only")
             num_draws = _int("num_draws", num_draws, 1)
-            check_fits_in_memory(num_draws * _DRAW_BYTES, f"num_draws={num_draws:,} (the epoch's stream of draws)",
-                                 "lower num_draws (it is the number of samples drawn per epoch, all ranks together)")
+            if self.weights is not None and not self.replacement:  # (the others: per position)
+                check_fits_in_memory(num_draws * _DRAW_BYTES, f"num_draws={num_draws:,} (the epoch's stream of draws)",
+                                     "lower num_draws (it is the number of samples drawn per epoch, all ranks "
+                                     "together)")
             if self.weights is not None and not self.replacement and num_draws > positive:
                 raise ValueError(f"num_draws={num_draws} without replacement exceeds the {positive} "
                                  "samples with a positive weight")
@@ -113,7 +116,10 @@ class Sampler:
         self.epoch = 0
         self._consumed = 0
         self._resume_pending = False
-        self._cache: dict[int, np.ndarray] = {}  # the streams of the current epoch and the next
+        self._cache: dict[int, np.ndarray] = {}  # the materialised streams of the current epoch and the next
+        self._orders: dict[int, Stream] = {}  # the per-position streams of the current epoch and the next
+        self._table: tuple | None = None  # order.weight_table(weights) or order.balance_table(labels)
+        self._materialised = False  # stream() was asked for a per-position order: prepare() computes ahead
         self._ahead: _Ahead | None = None  # an epoch's stream computed in the background (prepare)
         self._identity_cache: dict | None = None
 
@@ -123,14 +129,46 @@ class Sampler:
         """``M``: stream positions per epoch (before padding)."""
         return self.num_samples if self.num_draws is None else self.num_draws
 
+    @property
+    def _drawn(self) -> bool:
+        """True when the stream is computed whole (weighted draws without replacement), not
+        per position."""
+        return self.weights is not None and not self.replacement
+
+    def order_stream(self, epoch: int | None = None) -> Stream:
+        """The epoch's stream as a :class:`~fastload.sampling.order.Stream` (identical on every
+        rank): computed per position (nothing per sample is held) except weighted and
+        class-balanced draws, whose array :meth:`stream` computes."""
+        e = self.epoch if epoch is None else int(epoch)
+        if self._drawn:
+            return Drawn(self.stream(e), self.num_samples)
+        o = self._orders.get(e)
+        if o is None:
+            if self._table is None:  # once per sampler, not per epoch
+                self._table = (weight_table(self.weights) if self.weights is not None else
+                               balance_table(self.labels) if self.labels is not None else None)
+            o = epoch_order(self.num_samples, seed=self.seed, epoch=e, shuffle=self.shuffle, weights=self.weights,
+                            num_draws=self.num_draws, balance_labels=self.labels, batch_size=self.batch_size,
+                            shuffle_mode=self.shuffle_mode, shard_sizes=self.shard_sizes, window=self.window,
+                            table=self._table)
+            keep = (self.epoch, self.epoch + 1)
+            if e in keep:
+                self._orders = {k: v for k, v in self._orders.items() if k in keep}
+                self._orders[e] = o
+        return o
+
     def stream(self, epoch: int | None = None) -> np.ndarray:
-        """The epoch's full stream (identical on every rank). Cached for the current epoch and
-        the next (a remote dataset's cache plans the next epoch's downloads from it while this
-        one runs: then :meth:`prepare` has nothing left to compute)."""
+        """The epoch's full stream materialised (identical on every rank): ``M`` indices, what
+        a remote dataset's cache plans its downloads from; the sampler's own batches never
+        need it (:meth:`order_stream`). Cached for the current epoch and the next (the cache plans
+        the next epoch's downloads while this one runs: then :meth:`prepare` has nothing
+        left to compute)."""
         e = self.epoch if epoch is None else int(epoch)
         s = self._cache.get(e)
         if s is not None:
             return s
+        if not self._drawn:
+            self._materialised = True  # someone reads whole streams: prepare() computes them ahead
         s = self._take_ahead(e)
         if s is None:
             s = self._compute(e)
@@ -141,27 +179,32 @@ class Sampler:
         return s
 
     def _compute(self, e: int) -> np.ndarray:
-        s = epoch_stream(self.num_samples, seed=self.seed, epoch=e, shuffle=self.shuffle, weights=self.weights,
-                         replacement=self.replacement, num_draws=self.num_draws, balance_labels=self.labels,
-                         batch_size=self.batch_size, shuffle_mode=self.shuffle_mode,
-                         shard_sizes=self.shard_sizes, window=self.window)
+        if self._drawn:
+            s = epoch_stream(self.num_samples, seed=self.seed, epoch=e, weights=self.weights,
+                             replacement=self.replacement, num_draws=self.num_draws, balance_labels=self.labels,
+                             batch_size=self.batch_size)
+        else:
+            s = np.asarray(self.order_stream(e))  # (kept with the stream: computed once per epoch)
         s.flags.writeable = False
         return s
 
     def prepare(self, epoch: int) -> None:
         """Compute ``stream(epoch)`` now in a background thread (at the loader's priority), so
         that the pass over that epoch does not wait for its order: a Loader asks for the next
-        epoch's as each epoch starts. A permutation of 10^7 samples takes ~0.1 s, weighted
-        draws seconds. An order cheaper to compute than :data:`PREPARE_MIN_NS` (a thread's
+        epoch's as each epoch starts. Only streams computed whole are prepared: weighted draws
+        without replacement and class-balanced draws (seconds at 10^7), and the per-position
+        orders (weighted draws with replacement included) only once
+        :meth:`stream` has been asked for one (a remote cache's plan reads them whole; ~30 ns
+        per sample). An order cheaper to compute than :data:`PREPARE_MIN_NS` (a thread's
         start costs about as much) and the natural order (``shuffle=False``) are computed when
         asked for. Only the latest prepared epoch is kept."""
         e = _int("epoch", epoch, 0)
-        drawn = self.weights is not None or self.labels is not None
-        if not (self.shuffle or drawn):
+        drawn = self._drawn
+        if not (self.shuffle or drawn) or not (drawn or self._materialised):
             return
-        # Only where it pays: starting a thread costs ~0.1-0.3 ms, a permutation ~10 ns per
-        # sample (C++), weighted or balanced draws ~200 ns.
-        if self.stream_len * (200 if drawn else 10) < PREPARE_MIN_NS:
+        # Only where it pays: starting a thread costs ~0.1-0.3 ms, a per-position order ~30 ns
+        # per sample, weighted or balanced draws ~200 ns.
+        if self.stream_len * (200 if drawn else 30) < PREPARE_MIN_NS:
             return
         if e in self._cache or (self._ahead is not None and self._ahead.epoch == e):
             return
@@ -181,8 +224,8 @@ class Sampler:
         self._ahead = None
         return ahead.wait()  # None: it failed or this is a forked child (then computed here)
 
-    def _bounds(self, start: int) -> list[tuple[int, int, int]]:
-        return rank_batch_bounds(start, self.stream_len, self.world_size, self.rank, self.batch_size,
+    def _bounds(self, start: int) -> RankBatches:
+        return RankBatches(start, self.stream_len, self.world_size, self.rank, self.batch_size,
                                  self.drop_last, self.drop_last_batch)
 
     @property
@@ -215,22 +258,27 @@ class Sampler:
     def epoch_plan(self) -> EpochPlan:
         """Begin a pass over the current epoch (from a loaded mid-epoch position, if any)
         and return it as a value; what ``iter(sampler)`` walks through."""
-        epoch, start, stream = self.begin_pass()
-        return EpochPlan(epoch, start, stream, tuple(self._bounds(start)))
+        start = self._begin()
+        return EpochPlan(self.epoch, start, self.order_stream(self.epoch), self._bounds(start))
 
     def plan(self, epoch: int) -> EpochPlan:
         """A whole pass over ``epoch`` as a value, leaving the sampler's state as it is (a
         loader requests the next pass's first batches with it while this one ends)."""
         epoch = _int("epoch", epoch, 0)
-        return EpochPlan(epoch, 0, self.stream(epoch), tuple(self._bounds(0)))
+        return EpochPlan(epoch, 0, self.order_stream(epoch), self._bounds(0))
 
     def begin_pass(self) -> tuple[int, int, np.ndarray]:
         """Begin a pass: ``(epoch, consumed count it starts at, the epoch's stream)``. The
-        count is the caller's unit (stream positions; tokens for a packing loader)."""
+        count is the caller's unit (stream positions; tokens for a packing loader). The
+        stream is materialised (a packing plan reads it whole)."""
+        start = self._begin()
+        return self.epoch, start, self.stream(self.epoch)
+
+    def _begin(self) -> int:
         start = self.start_position()
         self._resume_pending = False
         self._consumed = start
-        return self.epoch, start, self.stream(self.epoch)
+        return start
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self._generate(self.epoch_plan())

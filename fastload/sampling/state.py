@@ -11,7 +11,9 @@ import numpy as np
 from ..validate import check_int
 from .plan import per_rank_count
 
-SAMPLER_STATE_VERSION = 2  # 2: plain permutations by fastload._C.permutation (1: numpy's)
+# 3: full and window shuffles are keyed bijections computed per position (bijection.py);
+# 2: plain permutations by fastload._C.permutation; 1: numpy's
+SAMPLER_STATE_VERSION = 3
 
 
 def digest(a: np.ndarray | None) -> str | None:
@@ -30,8 +32,15 @@ def check_state(state: Mapping[str, Any], identity: dict, stream_len: int,
     (default: ``stream_len`` stream positions, padded to whole steps of the saved world size)."""
     if not isinstance(state, Mapping):
         raise ValueError(f"sampler state must be a dict, got {type(state).__name__}")
-    if state.get("version") != SAMPLER_STATE_VERSION:
-        raise ValueError(f"sampler state version {state.get('version')!r} is not {SAMPLER_STATE_VERSION} "
+    version = state.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version < SAMPLER_STATE_VERSION:
+        raise ValueError(f"sampler state version {version} was saved by an older fastload, whose orders differ "
+                         f"from this one's (version {SAMPLER_STATE_VERSION}: shuffles computed per position, "
+                         "bijection.py), so its position cannot be continued here: start the epoch afresh "
+                         "(set_epoch(state['epoch']) without load_state_dict), or finish the run with the "
+                         "fastload that saved it")
+    if version != SAMPLER_STATE_VERSION:
+        raise ValueError(f"sampler state version {version!r} is not {SAMPLER_STATE_VERSION} "
                          "(saved by another fastload version)")
     for key, mine in identity.items():
         if key not in state:

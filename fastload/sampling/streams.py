@@ -1,13 +1,13 @@
-"""The keyed random streams and the uniform orders: ``(seed, epoch, purpose)`` entropy,
-:func:`permutation` (fastload's C++ Fisher–Yates) and :func:`window_permutation` (shards in a
-random order, samples shuffled within windows of shards).
+"""The keyed random streams: ``(seed, epoch, purpose)`` entropy for every random order
+(the uniform orders themselves, ``permutation`` and ``window_permutation``, are in
+``order.py``: keyed bijections computed per position, see ``bijection.py``).
 
 Every random stream fastload draws from a generator is a pure function of (seed, epoch,
 purpose) (:func:`seed_sequence`, :func:`generator`). The purposes are named here, one per
 kind of stream, so that no two kinds ever read the same numbers:
 
-    PERMUTATION      0  a shuffled pass (:func:`permutation`)
-    WINDOW           1  shards and windows of ``shuffle_mode="window"`` (:func:`window_permutation`)
+    PERMUTATION      0  a shuffled pass (``order.permutation``)
+    WINDOW           1  shards and windows of ``shuffle_mode="window"`` (``order.window_permutation``)
     WEIGHTED         2  weighted draws (``draws.weighted_draws``)
     BALANCED         3  class-balanced draws (``draws.balanced_draws``)
     DATASET_PASSES   4  a mixed dataset's own passes (``mixture.dataset_draws``: the epoch slot
@@ -21,13 +21,10 @@ uint64 arrays (``pipeline/crops.py``, ``loader/finish.py``).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 __all__ = ["BALANCED", "DATASET_PASSES", "GOLDEN_GAMMA", "MIXTURE_BATCHES", "MIXTURE_EPOCH", "MIX_C1", "MIX_C2",
-           "PERMUTATION", "WEIGHTED", "WINDOW", "generator", "permutation", "seed_sequence", "splitmix64",
-           "window_permutation"]
+           "PERMUTATION", "WEIGHTED", "WINDOW", "generator", "seed_sequence", "splitmix64"]
 
 # the purposes of the keyed streams (see the module docstring); never reuse or renumber one:
 # the orders of every seed depend on them
@@ -59,35 +56,3 @@ def generator(seed: int, epoch: int, purpose: int) -> np.random.Generator:
 
 def _index_dtype(n: int):
     return np.int32 if n < 2**31 else np.int64
-
-
-def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    """A uniformly random permutation of ``0..n-1`` keyed by (seed, epoch)."""
-    from .. import _C
-
-    key = seed_sequence(seed, epoch, PERMUTATION).generate_state(2, np.uint64)
-    out = np.empty(n, dtype=_index_dtype(n))
-    _C.permutation(out, int(key[0]), int(key[1]))
-    return out
-
-
-def window_permutation(shard_sizes: Sequence[int], window: int, seed: int, epoch: int) -> np.ndarray:
-    """Shards in random order; samples shuffled within each window of ``window`` shards.
-
-    Memory: at most ``window`` shards are being read at any time (by all ranks together),
-    at the price of a less random order (samples from the same window are close together)."""
-    sizes = np.asarray(shard_sizes, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    n = int(sizes.sum())
-    rng = generator(seed, epoch, WINDOW)
-    order = rng.permutation(len(sizes))
-    dt = _index_dtype(n)
-    out = np.empty(n, dtype=dt)
-    pos = 0
-    for w0 in range(0, len(order), window):
-        chunk = [np.arange(starts[s], starts[s] + sizes[s], dtype=dt) for s in order[w0:w0 + window]]
-        block = np.concatenate(chunk) if chunk else np.empty(0, dt)
-        rng.shuffle(block)
-        out[pos:pos + len(block)] = block
-        pos += len(block)
-    return out

@@ -115,7 +115,7 @@ class DatasetReader(Gathering):
         m = self.manifest
         self.fields: dict[str, Field] = manifest_fields(m, Path(str(self.path)))  # (checked with the manifest)
         self.schema = arrow_schema(self.fields)
-        self.shard_files = [base / s["file"] for s in m["shards"]]
+        self.shard_files = ShardPaths(base, [s["file"] for s in m["shards"]])
         self.shard_sizes = np.array([s["num_samples"] for s in m["shards"]], dtype=np.int64)
         self._starts = np.zeros(len(self.shard_sizes) + 1, dtype=np.int64)
         np.cumsum(self.shard_sizes, out=self._starts[1:])
@@ -346,6 +346,22 @@ class DatasetReader(Gathering):
         if verify and not self._verifier.all_verified and idx.size:
             self.ensure_verified(shard)
         return shard, idx - self._starts[shard]
+
+
+class ShardPaths(Sequence):
+    """The shards' paths, each made when asked for: a manifest of 100,000 shards opens
+    without building 100,000 Path objects (about a second of its open time)."""
+
+    def __init__(self, base: Path, names: list[str]) -> None:
+        self.base, self.names = base, names
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.base / n for n in self.names[i]]
+        return self.base / self.names[i]
 
 
 def remember_verified(path: Path, checksum: str) -> None:

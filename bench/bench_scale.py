@@ -1,0 +1,275 @@
+"""The sampler past a billion samples (issue 30): for N = 10^6, 10^8 and 10^10 stream
+positions split over 1,024 ranks (batch 256, rank 0), each in a fresh process:
+
+* time to the first batch (``Sampler(...)`` then ``next(iter(sampler))``) and the peak RSS
+  growth it costs (peak resident memory minus the resident memory before, after imports);
+* time to resume at a random position (a new Sampler, ``load_state_dict``, the next batch);
+* the sampler alone's rate (samples/s of ready batches on one core, ~1 s of batches).
+
+Beside it, the sampler of state version 2 (before the per-position shuffle): its first batch
+waited for a materialised permutation of N (fastload's C++ Fisher-Yates, 4 bytes per
+sample; 10^10 would need 74.5 GiB: not run). And a Loader over a generated dataset of
+one-byte rows: its open time and first-batch time (``--rows``; ``--full``: 10^8 rows in
+1,000 shards: 100 MB of values, ~1.1 GB on disk with each row's key; about a minute to
+write). Its first batch verifies each shard it touches whole (``verify="first-use"``), and a
+full shuffle's first batch of 256 touches ~230 of the 1,000 shards.
+
+And the open time of a dataset of ``--manifest-shards`` (100,000) shards, with a Loader's
+first batch over it.
+
+    python bench/bench_scale.py [--smoke] [--full] [--rows 10000000 --shards 100] [--manifest-shards 100000]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+WORLD, BATCH = 1024, 256
+
+
+def _rss() -> int:
+    """Resident bytes now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _reset_peak() -> int:
+    """Reset the peak resident memory (Linux: ``5`` to /proc/self/clear_refs resets VmHWM)
+    and return the resident bytes now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _rss()
+
+
+def _peak() -> int:
+    """Peak resident bytes since :func:`_reset_peak` (VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def child_sampler(n: int, seconds: float) -> dict:
+    """Measured in this (fresh) process: first batch, its memory, resume, rate."""
+    from fastload import Sampler
+
+    warm = Sampler(1000, batch_size=4)  # the imports and numpy's first calls, not the order
+    next(iter(warm))
+    before = _reset_peak()
+    t0 = time.perf_counter()
+    s = Sampler(n, batch_size=BATCH, world_size=WORLD, rank=0, seed=1)
+    it = iter(s)
+    first = next(it)
+    first_s = time.perf_counter() - t0
+    growth = max(0, _peak() - before)
+    assert len(first) == min(BATCH, -(-n // WORLD))
+    steps = len(s)
+    rng = np.random.default_rng(n % 997)
+    state = s.state_dict(consumed=int(rng.integers(0, steps)) * BATCH * WORLD)
+    t0 = time.perf_counter()
+    r = Sampler(n, batch_size=BATCH, world_size=WORLD, rank=0, seed=1)
+    r.load_state_dict(state)
+    next(iter(r))
+    resume_s = time.perf_counter() - t0
+    count, epoch, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:  # whole epochs of this rank when they are short
+        for b in it:
+            count += len(b)
+            if time.perf_counter() - t0 > seconds:
+                break
+        epoch += 1
+        s.set_epoch(epoch)
+        it = iter(s)
+    rate_s = time.perf_counter() - t0
+    return {"n": n, "first_s": first_s, "rss_growth": growth, "resume_s": resume_s,
+            "samples_per_s": count / rate_s if count else 0.0,
+            "batches_per_s": count / BATCH / rate_s if count else 0.0}
+
+
+def child_baseline(n: int) -> dict:
+    """The version-2 sampler's first batch: a permutation of N materialised first."""
+    from fastload import _C
+
+    before = _reset_peak()
+    t0 = time.perf_counter()
+    perm = np.empty(n, np.int32 if n < 2**31 else np.int64)
+    _C.permutation(perm, 1, 0)
+    first = perm[:BATCH].astype(np.int64)
+    return {"n": n, "first_s": time.perf_counter() - t0, "rss_growth": max(0, _peak() - before),
+            "check": int(first.sum())}
+
+
+def child_loader(rows: int, shards: int, folder: str) -> dict:
+    """Write (once) a dataset of ``rows`` one-byte rows in ``shards`` shards; open it and
+    read the first batch of rank 0 of 1,024."""
+    import fastload
+
+    def write(path: Path, rows: int, shards: int) -> float:
+        if (path / "manifest.json").exists():
+            return 0.0
+        t0 = time.perf_counter()
+        per = -(-rows // shards)
+        with fastload.ShardWriter(path, {"x": "uint8"}, shard_size=per) as w:  # one byte per row: a shard per `per`
+            for a in range(0, rows, per):
+                w.write_batch({"x": (np.arange(a, min(rows, a + per)) % 251).astype(np.uint8)})
+        return time.perf_counter() - t0
+
+    path = Path(folder) / f"bytes-{rows}-{shards}"
+    t_write = write(path, rows, shards)
+    warm = Path(folder) / "bytes-warm"  # the first open imports pyarrow and the loader's parts (seconds)
+    write(warm, 1000, 2)
+    with fastload.Loader(fastload.Dataset(warm), batch_size=4, device="cpu") as lo:
+        next(iter(lo))
+    before = _reset_peak()
+    t0 = time.perf_counter()
+    ds = fastload.Dataset(path)
+    open_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with fastload.Loader(ds, batch_size=BATCH, world_size=WORLD, rank=0, device="cpu", seed=1) as lo:
+        batch = next(iter(lo))
+        first_s = time.perf_counter() - t0
+    assert len(batch["x"]) == min(BATCH, -(-rows // WORLD))
+    return {"rows": rows, "shards": len(ds.shard_sizes), "open_s": open_s, "first_s": first_s,
+            "rss_growth": max(0, _peak() - before), "write_s": t_write}
+
+
+def child_manifest(shards: int, folder: str) -> dict:
+    """A dataset of ``shards`` shards (hard links to one shard of 1,000 one-byte rows, so that
+    it is made in seconds; the manifest lists each under its own name): its open time, and a
+    Loader's first batch over it (rank 0 of 1,024)."""
+    import os
+
+    import fastload
+    from fastload.store.manifest import manifest_bytes
+
+    one = Path(folder) / "one"
+    with fastload.ShardWriter(one, {"x": "uint8"}) as w:
+        w.write_batch({"x": (np.arange(1000) % 251).astype(np.uint8)})
+    with fastload.Loader(fastload.Dataset(one), batch_size=4, device="cpu") as lo:  # warm the imports
+        next(iter(lo))
+    m = json.loads((one / "manifest.json").read_text())
+    entry = m["shards"][0]
+    path = Path(folder) / f"shards-{shards}"
+    path.mkdir()
+    t0 = time.perf_counter()
+    for i in range(shards):
+        if i % 50_000 == 0:  # a file takes at most ~65,000 links
+            src = path / f"source-{i}.arrow"
+            shutil.copyfile(one / entry["file"], src)
+        os.link(src, path / f"shard-{i:06d}.arrow")
+    m["shards"] = [{**entry, "file": f"shard-{i:06d}.arrow"} for i in range(shards)]
+    m["num_samples"] = entry["num_samples"] * shards
+    m["total_bytes"] = entry["bytes"] * shards
+    m.pop("manifest_checksum", None)
+    (path / "manifest.json").write_bytes(manifest_bytes(m))
+    t_make = time.perf_counter() - t0
+    before = _reset_peak()
+    t0 = time.perf_counter()
+    ds = fastload.Dataset(path)
+    open_s = time.perf_counter() - t0
+    assert len(ds) == 1000 * shards
+    t0 = time.perf_counter()
+    first_s, error = None, None
+    try:  # (the Loader maps every shard when it starts: beyond vm.max_map_count shards it fails)
+        with fastload.Loader(ds, batch_size=BATCH, world_size=WORLD, rank=0, device="cpu", seed=1) as lo:
+            batch = next(iter(lo))
+            first_s = time.perf_counter() - t0
+        assert len(batch["x"]) == BATCH
+    except Exception as e:  # noqa: BLE001 - reported, not hidden
+        error = f"{type(e).__name__}: {e}"[:300]
+    return {"shards": shards, "open_s": open_s, "first_s": first_s, "error": error,
+            "rss_growth": max(0, _peak() - before),
+            "manifest_mb": (path / "manifest.json").stat().st_size / 2**20, "make_s": t_make}
+
+
+def _run_child(*args: str, timeout: float = 600) -> dict:
+    p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise SystemExit(f"bench_scale child {args} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> list:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1e6,1e8,1e10", help="stream positions N, comma-separated")
+    ap.add_argument("--seconds", type=float, default=1.0, help="how long to read batches for the rate")
+    ap.add_argument("--baseline-max", type=float, default=1e8, help="largest N the v2 baseline materialises")
+    ap.add_argument("--rows", type=int, default=10_000_000, help="one-byte rows of the Loader's dataset")
+    ap.add_argument("--shards", type=int, default=100)
+    ap.add_argument("--full", action="store_true", help="the Loader part at 10^8 rows in 1,000 shards")
+    ap.add_argument("--manifest-shards", type=int, default=100_000,
+                    help="shards of the dataset whose open time is measured (hard links: seconds to make)")
+    ap.add_argument("--folder", default=None, help="where the generated dataset goes (kept; default: a temp dir)")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        kind, *rest = a.child
+        if kind == "sampler":
+            out = child_sampler(int(float(rest[0])), float(rest[1]))
+        elif kind == "baseline":
+            out = child_baseline(int(float(rest[0])))
+        elif kind == "manifest":
+            out = child_manifest(int(rest[0]), rest[1])
+        else:
+            out = child_loader(int(rest[0]), int(rest[1]), rest[2])
+        print(json.dumps(out))
+        return []
+    if a.smoke:
+        a.sizes, a.seconds, a.baseline_max, a.rows, a.shards = "1e6,1e10", 0.2, 1e6, 100_000, 10
+        a.manifest_shards = 1000
+    if a.full:
+        a.rows, a.shards = 100_000_000, 1000
+    from fastload.bench.report import headline, system_info
+
+    sizes = [int(float(x)) for x in a.sizes.split(",")]
+    print(f"Sampler(N, batch_size={BATCH}, world_size={WORLD}, rank=0), each N in a fresh process; {system_info()}")
+    print(f"{'N':>16} {'first batch':>12} {'peak RSS +':>11} {'resume':>9} {'batches/s':>10} {'samples/s':>12}"
+          f"   | v2: {'first batch':>11} {'peak RSS +':>11}")
+    rows = []
+    for n in sizes:
+        r = _run_child("--child", "sampler", str(n), str(a.seconds))
+        b = _run_child("--child", "baseline", str(n)) if n <= a.baseline_max else None
+        rows.append((r, b))
+        v2 = (f"{b['first_s'] * 1e3:>9.1f} ms {b['rss_growth'] / 2**20:>8.1f} MB" if b else
+              f"{'not run (' + format(n * (4 if n < 2**31 else 8) / 2**30, '.1f') + ' GiB)':>24}")
+        print(f"{n:>16,} {r['first_s'] * 1e3:>9.2f} ms {r['rss_growth'] / 2**20:>8.1f} MB "
+              f"{r['resume_s'] * 1e3:>6.2f} ms {r['batches_per_s']:>10,.0f} {r['samples_per_s']:>12,.0f}   | {v2}")
+    with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
+        lo = _run_child("--child", "loader", str(a.rows), str(a.shards), a.folder or tmp, timeout=3600)
+    print(f"Loader over {lo['rows']:,} one-byte rows in {lo['shards']:,} shards (rank 0 of {WORLD}): "
+          f"open {lo['open_s'] * 1e3:.1f} ms, first batch {lo['first_s'] * 1e3:.1f} ms "
+          f"(peak RSS +{lo['rss_growth'] / 2**20:.1f} MB; written in {lo['write_s']:.1f} s)")
+    with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
+        mf = _run_child("--child", "manifest", str(a.manifest_shards), tmp, timeout=3600)
+    first = (f"Loader's first batch {mf['first_s'] * 1e3:.0f} ms" if mf["error"] is None else
+             f"the Loader FAILED: {mf['error']}")
+    print(f"Dataset of {mf['shards']:,} shards ({mf['manifest_mb']:.1f} MB manifest): "
+          f"open {mf['open_s'] * 1e3:.0f} ms, "
+          f"{first} (rank 0 of {WORLD}; peak RSS +{mf['rss_growth'] / 2**20:.1f} MB)")
+    big, _ = rows[-1]
+    base = [(r, b) for r, b in rows if b is not None][-1]
+    slowest = min(r["samples_per_s"] for r, _ in rows)
+    headline(f"sampler: first batch at N={big['n']:.0e}, rank 0 of {WORLD}, batch {BATCH}", script="bench_scale.py",
+             unit="ms", lower_is_better=True, smoke=a.smoke,
+             ours=(f"Sampler at N={big['n']:.0e}", big["first_s"] * 1e3),
+             baseline=(f"v2 sampler (materialised permutation) at N={base[1]['n']:.0e}", base[1]["first_s"] * 1e3),
+             note=f"peak RSS +{big['rss_growth'] / 2**20:.1f} MB; resume {big['resume_s'] * 1e3:.2f} ms; "
+                  f"slowest rate {slowest:,.0f} samples/s; Loader over {lo['rows']:,} rows: open "
+                  f"{lo['open_s'] * 1e3:.0f} ms, first batch {lo['first_s'] * 1e3:.0f} ms; {mf['shards']:,} shards: "
+                  f"open {mf['open_s'] * 1e3:.0f} ms")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
