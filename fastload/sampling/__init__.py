@@ -49,7 +49,7 @@ the rank partition, :class:`EpochPlan`), ``state`` (the resume state and its che
 """
 from __future__ import annotations
 
-from . import streams
+from . import streams  # noqa: F401  (the submodule, named in the docstring)
 from .draws import balanced_draws, weighted_draws
 from .plan import EpochPlan, epoch_stream, per_rank_count, rank_batch_bounds
 from .sampler import SHUFFLE_MODES, Sampler
