@@ -15,8 +15,8 @@ Every engine row runs `fastload.convert` in a fresh process and times the whole 
 task phase only, without the engine's start), and reports the peak
 memory (RSS) of one converting worker: a Ray worker or a torch task process (each reads,
 PIL-validates and DALI-checks its images); for local, the larger of the writer process (which
-reads and DALI-checks the images) and its PIL validation processes, both shown. `--shard-size` is chosen so the source makes about 16 groups (4 with --smoke,
-which also leaves out ray w=1).
+reads and DALI-checks the images) and its PIL validation processes, both shown. `--shard-size` is chosen so the source
+makes about 16 groups (4 with --smoke, which also leaves out ray w=1).
 
     python bench/bench_convert.py [--images 2000] [--repeats 3] [--smoke]
 """

@@ -46,7 +46,7 @@ def _private_dirty(pid: int) -> int:
     opposed to the clean file pages of mapped shards, which USS also counts when unshared."""
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
-            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("Private_Dirty:"))
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Private_Dirty:"))
     except (OSError, StopIteration):
         return 0
 

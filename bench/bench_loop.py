@@ -350,8 +350,8 @@ def summarize(results: dict, rows_n: int, images: int, smoke: bool) -> None:
                 line += (f" — target: wait <= 5% (a DataLoader waits {100 * dl_wait:.0f}%): "
                          f"{_verdict(ours.wait_fraction <= 0.05)}")
                 if vb < 1:  # then it is no bound: the loop's CPU counted OpenMP's spin-waits as work
-                    line += (f"; fastload beats the CPU bound, which therefore overstates the loop's work here "
-                             f"(its CPU time includes OpenMP's spin-waits) and proves nothing")
+                    line += ("; fastload beats the CPU bound, which therefore overstates the loop's work here "
+                             "(its CPU time includes OpenMP's spin-waits) and proves nothing")
                 elif b["min_wait"] > 0.05:
                     line += (f"; not reachable on {b['cores']} CPU cores with this decoder if the loop needs all "
                              f"its CPU time: the bound implies >= {100 * b['min_wait']:.0f}%")

@@ -25,6 +25,7 @@ same delay line when ``--streaming-venv DIR`` names a venv with ``mosaicml-strea
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -174,7 +175,8 @@ def main(argv=None) -> dict:
                     for label, limit in (("dataset", None), ("4 shards", 4 * shard_bytes)):
                         cache = tmp / f"cache-{delay:g}-{label.replace(' ', '')}"
                         url = f"s3://fastload-bench/ds?endpoint_override={px.endpoint}&scheme=http"
-                        r = _epoch(lambda: fastload.Loader(url, cache_dir=cache, cache_limit=limit, **kw), step_s)
+                        make = functools.partial(fastload.Loader, url, cache_dir=cache, cache_limit=limit, **kw)
+                        r = _epoch(make, step_s)
                         r["one_shard_s"], r["rtt_s"], r["manifest_s"] = one, 2 * delay / 1e3, manifest
                         results[f"{delay:g} ms, cache {label}"] = r
                         shutil.rmtree(cache, ignore_errors=True)

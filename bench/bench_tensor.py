@@ -375,7 +375,7 @@ def sweep(repeats: int, smoke: bool) -> None:
                 plans = Plans(n, np.array([n]), repeats + 2, seed=threads * 10 + slots)
                 with Ring(fields, batch, {"x": [x], "y": [y]}, threads=threads, slots=slots) as r:
                     secs = interleaved_medians(
-                        {"ring": lambda: ring_epoch_many(r, *plans.next()), "memcpy": memcpy_epoch},
+                        {"ring": lambda plans=plans: ring_epoch_many(r, *plans.next()), "memcpy": memcpy_epoch},
                         repeats=repeats, warmup=1)
                 cells.append(f"{100 * secs['memcpy'] / secs['ring']:6.0f}% ")
             print(f"{threads:7d} " + " ".join(cells))

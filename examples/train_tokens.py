@@ -99,18 +99,18 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = fastload.Loader(data, batch_size=a.rows, pack_to=a.seq_len, seed=0, batch_transform=labels_and_segments)
     ckpt = Path(a.checkpoint) if a.checkpoint else None
-    epoch, step = 0, 0
+    start_epoch, step = 0, 0
     if ckpt is not None and ckpt.exists():
         state = torch.load(ckpt, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        epoch, step = state["epoch"], state["step"]
+        start_epoch, step = state["epoch"], state["step"]
         loader.load_state_dict(json.loads(state["loader"]))
-        print(f"resumed at epoch {epoch}, step {step}, {loader.state_dict()['sampler']['consumed']} tokens of the "
+        print(f"resumed at epoch {start_epoch}, step {step}, {loader.state_dict()['sampler']['consumed']} tokens of the "
               "epoch already read")
     t0, tokens = time.perf_counter(), 0
     with loader:
-        for epoch in range(epoch, a.epochs):
+        for epoch in range(start_epoch, a.epochs):
             loader.set_epoch(epoch)
             losses = []
             for b in loader:

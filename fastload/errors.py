@@ -134,7 +134,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
-def parse_bytes(value, what: str = "size", *, maximum: int | None = None, maximum_text: str | None = None) -> int:
+def parse_bytes(value: object, what: str = "size", *, maximum: int | None = None, maximum_text: str | None = None) -> int:
     """A byte count from ``'256MB'``, ``'1.5GiB'``, ``'4096'`` or an int (decimal kB/MB/GB/TB,
     binary KiB/MiB/GiB/TiB), > 0 and at most ``maximum``; ValueError naming ``what``
     otherwise. The one parser of sizes (``shard_size``, ``cache_limit``, ...)."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -50,9 +51,16 @@ def _aws_sdk_event_loop():
                       region="us-east-1")
 
 
+@pytest.fixture(scope="session")
+def _local_ds_template(tmp_path_factory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("local-ds") / "local")
+
+
 @pytest.fixture
-def local_ds(tmp_path) -> Path:
-    return make_dataset(tmp_path / "local")
+def local_ds(tmp_path, _local_ds_template) -> Path:
+    """``make_dataset``'s dataset in this test's own directory: a copy of one made once per
+    session (the same bytes; the test may change its copy)."""
+    return Path(shutil.copytree(_local_ds_template, tmp_path / "local"))
 
 
 @pytest.fixture

@@ -18,7 +18,11 @@ suite means the same on a GPU host as here; ``cuda`` tests run only where there 
 Fixtures several test files share (a file may define its own of the same name instead):
 ``fake`` (a fake ``torch.cuda`` with two GPUs, tests/fake_cuda.py, this process outside
 torchrun) and ``image_ds`` (60 real photo crops as JPEG with labels, in several shards; one
-per test module).
+per test module). Two plugins add theirs: tests/_remote.py (``moto``, ``proxy``, ``s3_env``,
+``local_ds``, ``remote_url``: the servers of the remote-dataset tests) and tests/_convert.py
+(``images``, ``reference``: one image folder and its conversion for the whole session).
+Fixtures live in conftest.py or a plugin, never imported into a test module: an imported
+fixture is a separate fixture per module (a session-scoped one would be made again in each).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ import threading
 import time
 
 import pytest
+
+pytest_plugins = ["_remote", "_convert"]
 
 _GRACE_S = 2.0
 _TASK_DIR = "/proc/self/task"

@@ -171,7 +171,7 @@ class Copy:
     dst: str
     nbytes: int
     non_blocking: bool
-    stream: "FakeStream"
+    stream: FakeStream
     src_pinned: bool
 
 
@@ -199,7 +199,7 @@ class FakeStream:
     ``torch.cuda.Stream`` (a subclass bound to its :class:`FakeCuda`), so ``isinstance``
     checks hold for created and current streams alike."""
 
-    _fake: "FakeCuda"
+    _fake: FakeCuda
 
     def __init__(self, device=None, priority: int = 0, *, _handle: int | None = None, **kw):
         fake = self._fake
@@ -226,13 +226,13 @@ class FakeStream:
             fake.streams.append(self)
 
     # -- torch.cuda.Stream API --------------------------------------------------------------
-    def wait_event(self, event: "FakeEvent") -> None:
+    def wait_event(self, event: FakeEvent) -> None:
         event.wait(self)
 
-    def wait_stream(self, stream: "FakeStream") -> None:
+    def wait_stream(self, stream: FakeStream) -> None:
         self.wait_event(stream.record_event())
 
-    def record_event(self, event: "FakeEvent | None" = None) -> "FakeEvent":
+    def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
         if event is None:
             event = self._fake.Event()
         event.record(self)
@@ -291,7 +291,7 @@ class FakeEvent:
     """A CUDA event: a position in one stream's queue, once recorded. Installed as
     ``torch.cuda.Event`` (a subclass bound to its :class:`FakeCuda`)."""
 
-    _fake: "FakeCuda"
+    _fake: FakeCuda
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
                  external: bool = False):
@@ -337,7 +337,7 @@ class FakeEvent:
         stream._enqueue(_Op("wait", wait_for=(self.stream, self.position)))
         stream._merge(self.stream._clock_at(self.position))
 
-    def elapsed_time(self, end: "FakeEvent") -> float:
+    def elapsed_time(self, end: FakeEvent) -> float:
         """Milliseconds of modelled GPU time between two events of one stream (the kernels of
         known length between them, e.g. ``torch.cuda._sleep`` at ``FakeCuda.clock_hz``)."""
         if self.stream is None or end.stream is not self.stream:
@@ -399,7 +399,7 @@ class _LeasedView:
 class _DeviceContext:
     """``torch.cuda.device(d)``: select ``d`` inside the block, restore on exit."""
 
-    def __init__(self, fake: "FakeCuda", device):
+    def __init__(self, fake: FakeCuda, device):
         self._fake = fake
         self.idx = fake._index(device, optional=True)
         self.prev = None
@@ -424,7 +424,7 @@ class _StreamContext:
     """``torch.cuda.stream(s)`` as torch's ``StreamContext``: current stream (and device) is
     ``s``'s inside the block; the previous streams and device come back on exit."""
 
-    def __init__(self, fake: "FakeCuda", stream: FakeStream | None):
+    def __init__(self, fake: FakeCuda, stream: FakeStream | None):
         self._fake = fake
         self.stream = stream
 
@@ -455,7 +455,7 @@ class _FakeCudart:
     """``torch.cuda.cudart()``: the runtime bindings fastload uses, plus
     ``cudaGetLastError`` (not bound by torch; here so tests can check it gets cleared)."""
 
-    def __init__(self, fake: "FakeCuda"):
+    def __init__(self, fake: FakeCuda):
         self._fake = fake
         self.cudaError = types.SimpleNamespace(success=CudaError(SUCCESS))
 
@@ -573,7 +573,7 @@ class FakeCuda:
 
     # -- installing ---------------------------------------------------------------------------
     @classmethod
-    def install(cls, monkeypatch, device_count: int = 2, *, outside_torchrun: bool = False, **kw) -> "FakeCuda":
+    def install(cls, monkeypatch, device_count: int = 2, *, outside_torchrun: bool = False, **kw) -> FakeCuda:
         """Patch torch.cuda for the test; ``outside_torchrun``: also unset the launcher's
         rank variables, so that device selection sees a single process."""
         if outside_torchrun:

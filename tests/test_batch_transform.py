@@ -10,7 +10,7 @@ import torch
 import fastload
 from fastload.errors import TransformError
 from fastload.loader.finish import BatchInfo, derive_seeds, takes_info
-from _resume import as_numpy, check_resume
+from _resume import check_resume
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """fastload convert: every source kind, the Python entry point and the CLI, bad input."""
 import io
 import json
-import os
 import subprocess
 import sys
 import tarfile
@@ -198,7 +197,7 @@ def test_webdataset_tar(folder, tmp_path):
     classes, files = _files(folder)
     tar_path = tmp_path / "shard-000.tar"
     with tarfile.open(tar_path, "w") as tf:
-        for i, (k, ci, data) in enumerate(files[:10]):
+        for i, (_k, ci, data) in enumerate(files[:10]):
             for ext, payload in (("jpg", data), ("cls", str(ci).encode()), ("txt", f"caption {i}".encode())):
                 info = tarfile.TarInfo(f"s{i:04d}.{ext}")
                 info.size = len(payload)

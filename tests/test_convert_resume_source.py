@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fastload.convert import ConvertError, convert
+from fastload.convert import convert
 from fastload.convert.commit import commit
 from fastload.convert.plan import load_plan, make_plan
 from fastload.convert.sourcestate import SourceChanged
@@ -32,7 +31,6 @@ from fastload.convert.task import run_group
 from fastload.demo.photos import make_image_folder
 
 from _convert import assert_same_rows, load
-from _remote import _aws_sdk_event_loop, moto, s3_env  # noqa: F401 (fixtures)
 
 PARTS = ".fastload-parts"
 HERE = Path(__file__).resolve().parent

@@ -14,14 +14,14 @@ import pyarrow.fs as pafs
 import pytest
 
 import fastload
-from _remote import _aws_sdk_event_loop, BUCKET, moto, s3_env  # noqa: F401
+from _remote import BUCKET
 from fastload.convert import ConvertError, convert
 from fastload.convert.commit import commit
 from fastload.convert.plan import load_plan, make_plan
 from fastload.convert.task import run_group
 from fastload.convert.publish import prefetch
 from test_convert_scale import (PARTS, SHARD, _npz, assert_same, corrupt_copy, dali_threads, have_ray,  # noqa: F401
-                                heavy_modules, images, inline, reference, run_engine)
+                                heavy_modules, inline, run_engine)
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ from fastload.convert import ConvertError, convert
 from fastload.convert.commit import commit
 from fastload.convert.plan import PLAN, load_plan, make_plan
 from fastload.convert.task import run_group
-from fastload.demo.photos import make_image_folder
 from fastload.store import verify
 
 from _convert import assert_same_rows
@@ -165,20 +164,6 @@ def dali_threads(tmp: Path) -> list[int]:
 
 def started_groups(tmp: Path) -> set[int]:
     return {int(p.name.split("-")[1]) for p in (tmp / "heavy").glob("started-*")}
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("scale") / "images"
-    make_image_folder(root, 300, seed=3, min_side=64, max_side=160)
-    return root
-
-
-@pytest.fixture(scope="module")
-def reference(images, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ref") / "ds"
-    convert("imagefolder", images, out, workers=0, progress=False)
-    return out
 
 
 def corrupt_copy(images: Path, tmp: Path, which: int) -> tuple[Path, str]:

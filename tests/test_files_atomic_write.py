@@ -35,7 +35,7 @@ def test_bytes_text_and_a_writer_callback(tmp_path, fsyncs):
     atomic_write(p, b"\x00\x01")
     assert p.read_bytes() == b"\x00\x01"
     atomic_write(p, "é\n")
-    assert p.read_bytes() == "é\n".encode("utf-8")
+    assert p.read_bytes() == "é\n".encode()
     atomic_write(p, lambda f: np.save(f, np.arange(3), allow_pickle=False))
     assert np.load(p).tolist() == [0, 1, 2]
     assert sorted(x.name for x in tmp_path.iterdir()) == ["a.bin"]  # no temporary file left

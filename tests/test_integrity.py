@@ -770,7 +770,7 @@ def test_ranks_that_opened_different_generations_of_a_dataset_refuse_to_start(tm
     for rank, r in enumerate(results):
         assert r["agreed"] == 4  # the same dataset on every rank: no error
         assert r["errors"], f"rank {rank} trained on a dataset other ranks did not open"
-        for when, error in r["errors"]:  # every error names both versions, the ranks and this rank
+        for _when, error in r["errors"]:  # every error names both versions, the ranks and this rank
             assert "different versions of ds" in error and f"this is rank {rank})" in error
             assert f"ranks 0, 2: {fo}; rank 1: {fn}" in error
     # exactly one rank built its Loader last; it refused at construction, the others at their first epoch

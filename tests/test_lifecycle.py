@@ -3,7 +3,6 @@ a live iterator, os.fork() with a live Loader, Ctrl-C to convert's process group
 deadlines on every wait, and the decoders' own error lines kept off the terminal."""
 import errno
 import io
-import json
 import logging
 import os
 import re

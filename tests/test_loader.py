@@ -94,7 +94,7 @@ def test_early_break_exception_del_and_ctrl_c_leave_no_threads(raw_ds):
     with pytest.raises(ZeroDivisionError):
         for i, _ in enumerate(loader):
             if i == 2:
-                1 / 0
+                1 / 0  # noqa: B018  (raises)
     del loader
     gc.collect()
     loader = Loader(ds, batch_size=32)

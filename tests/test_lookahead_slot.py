@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import weakref
 
-import numpy as np
 
 import fastload
 from fastload.loader.epoch import LookAhead
@@ -80,7 +79,7 @@ def test_disabled_or_closed_requests_nothing():
     assert look.after(0) is None and not made
     _, look, made = _look()
     request = look.after(0)
-    ahead = request()
+    _ahead = request()  # held until close()
     look.close()
     assert made[-1].closed and request() is None
 

@@ -72,7 +72,7 @@ def test_train_crop_matches_reference_pil_crop_resize_flip(images):
     out = run(t, enc, w, h, idx=idx, epoch=3, seed=5)
     anchor, shape, flip = train_params(5, 3, idx, w, h, t.scale, t.ratio, t.flip)
     assert flip.min() == 0 or flip.max() == 1
-    for i, a in enumerate(arrays):
+    for i, _a in enumerate(arrays):
         x, y = (int(v) for v in anchor[i])
         cw, ch = (int(v) for v in shape[i])
         ref_src = np.asarray(Image.open(io.BytesIO(enc[i].tobytes())).convert("RGB"))

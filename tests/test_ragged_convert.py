@@ -96,7 +96,9 @@ def test_webdataset_npy_members_of_varying_length(tmp_path):
 
 def test_cli_converts_and_inspect_shows_ragged_specs(tmp_path):
     np.savez(tmp_path / "a.npz", tokens=np.concatenate(TOKENS), tokens_offsets=np.concatenate([[0], np.cumsum(LENS)]))
-    run = lambda *a: subprocess.run([sys.executable, "-m", "fastload", *map(str, a)], capture_output=True, text=True)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "fastload", *map(str, a)], capture_output=True, text=True)
+
     p = run("convert", "arrays", tmp_path / "a.npz", tmp_path / "ds")
     assert p.returncode == 0, p.stderr
     _check(tmp_path / "ds", boxes=None)

@@ -79,7 +79,7 @@ def test_pack_to_with_weights_reads_the_weighted_stream(tmp_path):
     w = np.where(np.arange(60) % 4 == 0, 0.0, 1.0 + np.arange(60) % 3)  # every 4th document never drawn
     ds = _write(tmp_path / "ds", docs, w=(w * 10).astype(np.int64))
     for kw in ({"weights": w}, {"weights": w, "replacement": False, "num_draws": 30}, {"weights": "w"}):
-        def make(**extra):
+        def make(kw=kw, **extra):
             return fastload.Loader(ds, batch_size=3, pack_to=16, seed=8, fields=["tokens"], **kw, **extra)
 
         with make() as loader:

@@ -8,10 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from _remote import (  # noqa: F401  (fixtures)
-    _aws_sdk_event_loop, BUCKET, DiskSampler, local_ds, make_cache, moto, open_remote, proxy, read_pass, s3_env, s3_url, shard_starts,
-    upload, window_stream,
-)
+from _remote import BUCKET, DiskSampler, make_cache, open_remote, read_pass, s3_url, shard_starts, upload, window_stream
 from fastload.errors import CacheTooSmall, DownloadError, FormatError, RemoteError
 from fastload.remote import RemoteDataset, epoch_uses, manifest_fingerprint
 from fastload.store.full_check import file_checksum

@@ -8,9 +8,6 @@ import re
 import pytest
 
 import fastload
-from _remote import (  # noqa: F401  (fixtures)
-    remote_url, _aws_sdk_event_loop, local_ds, moto, proxy, s3_env,
-)
 from fastload.errors import CacheTooSmall
 
 KW = dict(batch_size=50, seed=3, shuffle_mode="window", device="cpu", prefetch=2, threads=1)

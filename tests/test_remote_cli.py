@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fastload
-from _remote import _aws_sdk_event_loop, BUCKET, local_ds, make_dataset, moto, s3_env  # noqa: F401
+from _remote import BUCKET, make_dataset
 from fastload.cli import main
 
 

@@ -21,10 +21,7 @@ import numpy as np
 import pytest
 
 import fastload
-from _remote import (  # noqa: F401  (fixtures)
-    _aws_sdk_event_loop, BUCKET, DiskSampler, assert_same, batches, local_ds, make_cache, moto, open_remote, proxy,
-    remote_url, s3_env, s3_url, shard_starts, upload,
-)
+from _remote import DiskSampler, assert_same, batches, make_cache, open_remote, shard_starts, upload
 from fastload.errors import CacheTooSmall, DownloadTimeout, RemoteError
 from fastload.remote import RemoteDataset, RetryPolicy, epoch_uses
 from _servers import FaultProxy, HttpFileServer

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from _remote import _aws_sdk_event_loop  # noqa: F401  (the AWS SDK thread, before any snapshot)
 from fastload.errors import DownloadError, HostUnreachable
 from fastload.remote.url import FaultKind, Transport, classify
 
@@ -62,7 +61,7 @@ def test_classify_unreachable_stdlib():
     (OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 28, Timeout was reached"),
      FaultKind.TRANSIENT),
     (ConnectionResetError(104, "Connection reset by peer"), FaultKind.TRANSIENT),
-    (socket.timeout("timed out"), FaultKind.TRANSIENT),
+    (TimeoutError("timed out"), FaultKind.TRANSIENT),
     (OSError("AWS Error SLOW_DOWN during GetObject operation: Please reduce your request rate (503)"),
      FaultKind.THROTTLE),
     (OSError("AWS Error INTERNAL_FAILURE during GetObject operation: 500 Internal Server Error"), FaultKind.TRANSIENT),

@@ -10,10 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from _remote import (  # noqa: F401  (fixtures)
-    _aws_sdk_event_loop, BUCKET, DiskSampler, FAST_RETRY, local_ds, make_cache, moto, open_remote, proxy, read_pass,
-    s3_env, shard_starts, window_stream,
-)
+from _remote import BUCKET, DiskSampler, make_cache, open_remote, read_pass, shard_starts, window_stream
 from fastload.errors import ChecksumMismatch, DownloadError, DownloadTimeout, RemoteError
 from fastload.remote import RemoteDataset, RetryPolicy, epoch_uses
 from fastload.store.full_check import file_checksum

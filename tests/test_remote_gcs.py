@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fastload
-from _remote import DiskSampler, local_ds  # noqa: F401  (fixtures)
+from _remote import DiskSampler
 from _servers import GcsEmulator, upload_dir
 
 pytestmark = pytest.mark.skipif(GcsEmulator.binary() is None, reason="gcp-storage-emulator is not installed")

@@ -9,10 +9,7 @@ import numpy as np
 import pytest
 
 import fastload
-from _remote import (  # noqa: F401  (fixtures)
-    assert_same, batches, remote_url,
-    _aws_sdk_event_loop, BUCKET, DiskSampler, local_ds, moto, proxy, s3_env, s3_url, upload,
-)
+from _remote import assert_same, batches, BUCKET, DiskSampler
 from fastload.errors import CacheTooSmall
 
 

@@ -9,10 +9,7 @@ import time
 import pytest
 
 import fastload
-from _remote import (  # noqa: F401  (fixtures)
-    assert_same, batches, remote_url,
-    _aws_sdk_event_loop, BUCKET, DiskSampler, local_ds, moto, proxy, s3_env, s3_url,
-)
+from _remote import assert_same, batches, BUCKET, DiskSampler, s3_url
 from fastload.errors import ChecksumMismatch, DownloadTimeout
 from _servers import s3_filesystem, upload_dir
 from _images import write_photo_crops

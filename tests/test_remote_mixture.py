@@ -8,10 +8,7 @@ import json
 import pytest
 
 import fastload
-from _remote import (  # noqa: F401  (fixtures)
-    assert_same, batches,
-    _aws_sdk_event_loop, BUCKET, DiskSampler, make_dataset, moto, proxy, s3_env, s3_url,
-)
+from _remote import assert_same, batches, BUCKET, DiskSampler, make_dataset, s3_url
 from fastload.errors import CacheTooSmall
 from _servers import s3_filesystem, upload_dir
 

@@ -2,6 +2,7 @@
 with its own state; one object-store client for reading and converting."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import pickle
 import threading
@@ -11,10 +12,7 @@ import weakref
 import numpy as np
 import pytest
 
-from _remote import (  # noqa: F401  (fixtures)
-    _aws_sdk_event_loop, BUCKET, local_ds, make_cache, moto, open_remote, proxy, s3_env, s3_url, shard_starts,
-    upload,
-)
+from _remote import BUCKET, make_cache, open_remote, s3_url, shard_starts, upload
 import fastload
 from fastload.remote import RemoteOptions, epoch_uses
 
@@ -28,7 +26,7 @@ def test_remote_options_are_checked_once_when_made():
     assert "hunter2" not in repr(o) and "region" in repr(o)  # a logged value carries no secret
     assert o.retry_policy().timeout_s == 3.0
     assert o.given() == ["cache_dir", "cache_limit", "storage_options", "download_timeout", "download_threads"]
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         o.cache_limit = 5  # frozen
     assert pickle.loads(pickle.dumps(o)) == o
     for bad, name in ((dict(cache_limit="lots"), "cache_limit"), (dict(download_timeout=0), "download_timeout"),

@@ -7,16 +7,12 @@ import os
 import pickle
 import select
 import signal
-import time
 
 import numpy as np
 import pytest
 
 import fastload
-from _remote import (  # noqa: F401  (fixtures)
-    remote_url,
-    _aws_sdk_event_loop, BUCKET, local_ds, moto, proxy, s3_env, s3_url, upload,
-)
+from _remote import BUCKET
 from fastload.errors import RemoteError
 from _servers import s3_filesystem, upload_dir
 

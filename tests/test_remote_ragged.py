@@ -12,10 +12,7 @@ import numpy as np
 import pytest
 
 import fastload
-from _remote import (  # noqa: F401  (fixtures)
-    assert_same, batches,
-    _aws_sdk_event_loop, BUCKET, DiskSampler, moto, proxy, s3_env, s3_url,
-)
+from _remote import assert_same, batches, BUCKET, DiskSampler, s3_url
 from fastload.errors import FormatError
 from _servers import s3_filesystem, upload_dir
 from fastload.store import ShardWriter

@@ -15,11 +15,7 @@ import pytest
 
 import fastload
 from _dist import run_ranks
-from _remote import (  # noqa: F401  (fixtures)
-    remote_url,
-    _aws_sdk_event_loop, BUCKET, FAST_RETRY, local_ds, make_cache, moto, open_remote, proxy, read_pass, s3_env,
-    s3_url, shard_starts, window_stream,
-)
+from _remote import make_cache, open_remote, shard_starts, window_stream
 from fastload.remote import epoch_uses
 
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import fastload
-from _remote import _aws_sdk_event_loop, local_ds, make_dataset  # noqa: F401  (fixtures)
 from fastload.errors import RemoteError
 from fastload.remote import RemoteDataset
 from _servers import DelayProxy, SeaweedFS, upload_dir, weed_binary

@@ -352,7 +352,7 @@ def test_external_fill_errors_reach_the_consumer(shards):
     with Ring(FIELDS, 4, sources, threads=1, slots=2) as ring:
         with pytest.raises(ZeroDivisionError) as inside:
             with ring.acquire():
-                1 / 0
+                1 / 0  # noqa: B018  (raises)
         with pytest.raises(ZeroDivisionError, match="division by zero") as e:  # the block's own error
             ring.get()
         assert e.value is inside.value
@@ -409,7 +409,7 @@ def test_early_break_and_close_join_all_threads(shards):
     with Ring(FIELDS, 32, sources, threads=3) as ring:
         for idx in batches_of(order, 32):
             ring.submit(*locate(sizes, idx))
-        for i, batch in enumerate(ring):
+        for i, _batch in enumerate(ring):
             if i == 2:
                 break
     assert ring.closed and ring.pending == len(batches_of(order, 32)) - 3

@@ -14,7 +14,7 @@ from fastload import manifest_checksum
 from fastload.errors import FormatError
 from fastload.store import DatasetReader
 
-from _remote import _aws_sdk_event_loop, BUCKET, moto, s3_env, s3_url  # noqa: F401
+from _remote import BUCKET, s3_url
 
 KEY = "manifest_checksum"
 V1 = Path(__file__).resolve().parent / "data" / "v1"  # written before the key existed

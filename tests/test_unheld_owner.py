@@ -12,7 +12,6 @@ import fastload
 from fastload.errors import PassEnded
 from fastload.store.values import Ragged
 
-from _remote import _aws_sdk_event_loop, local_ds, moto, proxy, remote_url, s3_env  # noqa: F401  (fixtures)
 
 N = 120
 

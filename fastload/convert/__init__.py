@@ -12,7 +12,7 @@ import os
 import sys
 import types
 from collections.abc import Mapping
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..errors import ConvertError
 from .common import run_convert
@@ -100,15 +100,16 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
         raise ConvertError(f"{src}: no such file or directory")
     remote = is_remote(dst)
     if remote:
-        Store(dst)  # an object store fastload writes to (not http), before any work
+        Store(str(dst))  # an object store fastload writes to (not http), before any work
     s_abs, d_abs = (None, None) if in_memory or remote else (os.path.realpath(src), os.path.realpath(dst))
-    if s_abs is not None and os.path.isdir(s_abs) and (d_abs == s_abs or d_abs.startswith(s_abs.rstrip(os.sep) + os.sep)):
+    if (s_abs is not None and d_abs is not None and os.path.isdir(s_abs)
+            and (d_abs == s_abs or d_abs.startswith(s_abs.rstrip(os.sep) + os.sep))):
         raise ConvertError(f"{dst} is inside the source {src}; choose a destination outside it "
                            "(the dataset would become part of its own source)")
     if remote and engine == "local":  # converted in a local staging directory, then uploaded, manifest last
         from .publish import convert_to_remote
 
-        return convert_to_remote(convert, kind, src, dst, overwrite=overwrite, workers=workers,
+        return convert_to_remote(convert, kind, src, str(dst), overwrite=overwrite, workers=workers,
                                  shard_size=shard_size, on_error=on_error, label=label, image_columns=image_columns,
                                  max_pixels=max_pixels, progress=progress, allow_small_shards=allow_small_shards,
                                  max_size=max_size, quality=quality, **source_options)
@@ -145,7 +146,7 @@ def _source_options(**given) -> dict:
 
 
 class _CallablePackage(types.ModuleType):
-    def __call__(self, *args, **kwargs) -> dict:
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
         return convert(*args, **kwargs)
 
 

@@ -191,7 +191,7 @@ def commit(plan: Plan, on_error: str = "raise", target: Any = None) -> dict:
     target = target if target is not None else LocalTarget(dst)
     shards: list[dict] = []
     try:
-        for g, rec, m in parts:
+        for g, _rec, m in parts:
             if m is None:
                 continue
             for s in m["shards"]:

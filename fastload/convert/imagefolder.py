@@ -148,7 +148,7 @@ class ImageFolderSource(Source):
     @classmethod
     def from_listing(cls, root: str | os.PathLike, classes: list[str], paths, labels, ignored: int,
                      max_pixels: int | None = None, repeated_dirs: int = 0, *, max_size: int | None = None,
-                     quality: int | None = None) -> "ImageFolderSource":
+                     quality: int | None = None) -> ImageFolderSource:
         """The source of an already walked folder (or a slice of its listing: the distributed
         convert's tasks read their row range of the listing instead of walking SRC again)."""
         self = cls.__new__(cls)
@@ -173,7 +173,7 @@ class ImageFolderSource(Source):
     def key(self, i: int) -> str:
         return str(self.paths[i])
 
-    def inputs(self) -> "Files":
+    def inputs(self) -> Files:
         return Files(self.root, self.paths)
 
     def read(self, i: int) -> dict:

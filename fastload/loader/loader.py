@@ -18,10 +18,10 @@ from __future__ import annotations
 import functools
 import os
 import weakref
-from typing import Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence, cast
 
 from ..store.mixture import Mixture
-from ..sampling.packing import pack_plan
+from ..sampling.packing import PackPlan, pack_plan
 from ..store import Dataset, DatasetReader
 from ..remote.options import REMOTE_KEYWORDS, RemoteOptions
 from ..remote.manifest import dataset_fingerprint
@@ -33,17 +33,27 @@ from .options import Options, as_mixture, build_options
 from .ranks import DatasetCheck
 from .stats import Stats
 
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from ..sampling import EpochPlan, Sampler
+    from ..store.concat import ConcatReader
+    from .remote import RemoteShards
+
 __all__ = ["LOADER_STATE_VERSION", "Loader", "dataset_fingerprint"]
 
 LOADER_STATE_VERSION = 1
 
 
-def packed_pass(ds, sampler, options: Options, epoch: int, start: int, stream=None):
+def packed_pass(ds: Any, sampler: Sampler, options: Options, epoch: int, start: int,
+                stream: np.ndarray | None = None) -> PackPlan:
     """The PackPlan of a pass over ``epoch`` from token ``start`` (a function of values, not
     of the Loader: remote.py plans the cache's downloads with it)."""
+    assert options.pack is not None  # (packed passes only)
     name, d = options.pack
     stream = sampler.stream(epoch) if stream is None else stream
-    return pack_plan(epoch, start, stream, ds.lengths(name), rows=options.batch_size, length=d.pack_to,
+    return pack_plan(epoch, start, stream, ds.lengths(name), rows=options.batch_size, length=cast(int, d.pack_to),
                      world_size=sampler.world_size, rank=sampler.rank, drop_last=sampler.drop_last,
                      max_length=d.max_length)
 
@@ -129,8 +139,8 @@ class Loader:
 
     def __init__(self, dataset: DatasetReader | Mixture | Sequence | str | os.PathLike, *, batch_size: int,
                  shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False, device=None, rank: int | None = None,
-                 world_size: int | None = None, fields: Sequence[str] | None = None,
+                 seed: int = 0, drop_last: bool = False, device: str | torch.device | None = None,
+                 rank: int | None = None, world_size: int | None = None, fields: Sequence[str] | None = None,
                  transforms: Mapping[str, Any] | None = None, threads: int | None = None,
                  prefetch: int | None = None, weights: Any = None, replacement: bool = True,
                  num_draws: int | None = None, balance: bool | str = False, shuffle_mode: str = "full",
@@ -144,9 +154,10 @@ class Loader:
         keywords = dict(locals())  # every keyword above, as named there: build_options checks and freezes them
         del keywords["self"], keywords["dataset"]
         self._closed = True  # until fully built (__del__ / close() of a half-built Loader)
-        self._machinery = None
-        self._lookahead: LookAhead | None = None
-        self._remote = None
+        # None only until built (close() and __del__ of a half-built Loader check); set by _make_machinery
+        self._machinery: Machinery = None  # type: ignore[assignment]
+        self._lookahead: LookAhead = None  # type: ignore[assignment]
+        self._remote: RemoteShards | None = None
         # the remote keywords (cache_dir, cache_limit, ...): one frozen value, checked here once
         remote = RemoteOptions.from_keywords(**{k: v for k, v in keywords.items() if k in REMOTE_KEYWORDS})
         mixed = isinstance(dataset, (list, tuple, Mapping))  # a mixture opened here (remote= for its URLs)
@@ -159,13 +170,15 @@ class Loader:
                                  "fastload.Mixture(...) (or a list of URLs and mix= to the Loader)")
             raise ValueError(f"{' / '.join(remote.given())} go with a URL; a Dataset passed in has its own "
                              "(fastload.Dataset(url, cache_dir=..., cache_limit=..., filesystem=...))")
+        ds: DatasetReader | ConcatReader  # the dataset, or the mixture's reader
         if self._mixture is not None or isinstance(dataset, DatasetReader):
-            ds = self._mixture.reader if self._mixture is not None else dataset
+            ds = self._mixture.reader if self._mixture is not None else cast(DatasetReader, dataset)
             if verify is not None and verify != ds.verify_policy:
                 raise ValueError(f"verify={verify!r}: the dataset was opened with verify={ds.verify_policy!r}; open it "
                                  f"with fastload.Dataset(path, verify={verify!r}) or pass the path")
         else:
-            ds = Dataset(dataset, remote=remote, verify=DEFAULT_VERIFY if verify is None else verify)
+            ds = Dataset(cast("str | os.PathLike", dataset), remote=remote,
+                         verify=DEFAULT_VERIFY if verify is None else verify)
         owned = (self._mixture if mixed else ds) if self._owns_dataset else None  # closed with the Loader
         if self._mixture is None and getattr(ds, "transform", None) is not None:
             if owned is not None:
@@ -186,7 +199,7 @@ class Loader:
                 owned.close()
             raise
 
-    def _make_machinery(self, ds, owned) -> None:
+    def _make_machinery(self, ds: DatasetReader | ConcatReader, owned: Any) -> None:
         """The stats, a remote dataset's downloads, the machinery and the look-ahead, from the
         options and the sampler: values handed down, none holding the Loader."""
         self._stats = Stats()
@@ -203,7 +216,7 @@ class Loader:
                                         stats=self._stats, mixture=self._mixture,
                                         pack=None if pack is None else functools.partial(
                                             packed_pass, ds, self._sampler, self._options),
-                                        pack_to=1 if pack is None else pack[1].pack_to)
+                                        pack_to=1 if pack is None else cast(int, pack[1].pack_to))
         # Threads, the ring and DALI pipelines live in the Machinery, which holds no reference
         # to the Loader: the finalizer can then run when the Loader is garbage collected.
         self._machinery = Machinery(ds, self._options, self._stats, remote=self._remote, owned=owned)
@@ -218,7 +231,11 @@ class Loader:
     mixture = property(lambda self: self._mixture)  # the Mixture being read, or None
     sampler = property(lambda self: self._sampler)
     world = property(lambda self: self._world)
-    options: Options = property(lambda self: self._options)
+
+    @property
+    def options(self) -> Options:
+        return self._options
+
     batch_size = property(lambda self: self._options.batch_size)
     seed = property(lambda self: self._options.seed)
     device = property(lambda self: self._options.device)
@@ -239,7 +256,7 @@ class Loader:
         s = self._sampler
         return len(self._pack_plan(s.epoch, s.start_position(), s.stream(s.epoch)))  # a loaded position, or 0
 
-    def _pack_plan(self, epoch: int, start: int, stream):
+    def _pack_plan(self, epoch: int, start: int, stream: np.ndarray) -> PackPlan:
         return packed_pass(self._dataset, self._sampler, self._options, epoch, start, stream)
 
     @property
@@ -264,6 +281,7 @@ class Loader:
                               "a time: iterate the new one")
         o = self._options
         resumed = self._sampler.start_position() > 0  # a loaded position, read before the pass takes it
+        plan: EpochPlan | PackPlan
         if o.pack is None:
             plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
         else:  # the same stream of samples, read as tokens (the position counts tokens)
@@ -369,7 +387,7 @@ class Loader:
     def __enter__(self) -> Loader:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __del__(self):

@@ -219,7 +219,9 @@ class RemoteShards:
         last use."""
         self._ring, self._fields, self._ragged = ring, tuple(fields), tuple(ragged)
         for c, base, _ in self._members:
-            hook = (lambda s, base=base: self._drop(s + base))
+            def hook(s: int, base: int = base) -> None:
+                self._drop(s + base)
+
             c.on_release(hook)
             self._hooks.append((c, hook))
 

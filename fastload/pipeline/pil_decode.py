@@ -13,16 +13,19 @@ GPU when there is one: this helper is for per-sample Python pipelines.
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["decode"]
 
 _MODES = {"RGB": 3, "L": 1, "RGBA": 4}
 
 
-def decode(data: Any, *, mode: str = "RGB", layout: str = "HWC", min_size: int | None = None):
+def decode(data: Any, *, mode: str = "RGB", layout: str = "HWC", min_size: int | None = None) -> torch.Tensor:
     """``data`` (bytes, a uint8 numpy array or tensor, e.g. ``ds[i]["image"]``) -> uint8 tensor.
 
     mode: "RGB" (3 channels), "L" (grey, 1 channel) or "RGBA". layout: "HWC" or "CHW".
@@ -40,11 +43,11 @@ def decode(data: Any, *, mode: str = "RGB", layout: str = "HWC", min_size: int |
     if isinstance(data, np.ndarray):
         if data.dtype != np.uint8 or data.ndim != 1:
             raise ValueError(f"decode takes encoded bytes; got an array of {data.dtype} {data.shape}")
-        data = memoryview(np.ascontiguousarray(data))
+        data = np.ascontiguousarray(data).data  # a memoryview of the bytes, no copy
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"decode takes encoded image bytes, not {type(data).__name__}")
     try:
-        im = Image.open(io.BytesIO(data))
+        im: Image.Image = Image.open(io.BytesIO(data))
         if min_size is not None and im.format == "JPEG":
             w, h = im.size
             scale = min(w, h) / max(int(min_size), 1)

@@ -75,10 +75,10 @@ class Transform:
     def params(self, seed: int, epoch: int, index: np.ndarray, width: np.ndarray, height: np.ndarray) -> dict:
         return {}
 
-    def graph(self, encoded, params: dict, *, decode_device: str, device: str, decoded_only: bool = False):
+    def graph(self, encoded: Any, params: dict, *, decode_device: str, device: str, decoded_only: bool = False) -> Any:
         raise NotImplementedError
 
-    def finish(self, decoded, params: dict, out) -> None:
+    def finish(self, decoded: Any, params: dict, out: Any) -> None:
         """The rest of a ``decoded_only`` graph's work: DALI's decoded images into ``out``."""
         raise NotImplementedError
 
@@ -98,7 +98,7 @@ class Transform:
         kind = d.pop("kind")
         return f"fastload.vision.{kind}({', '.join(f'{k}={v!r}' for k, v in d.items())})"
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Transform) and self.describe() == other.describe()
 
     def __hash__(self) -> int:
@@ -133,12 +133,12 @@ class _Normalized(Transform):
                 "std": list(self.std) if self.std else None, "dtype": self.dtype, "layout": self.layout,
                 "max_pixels": self.max_pixels}
 
-    def _normalize(self, images, *, device: str, mirror=None, crop=None):
+    def _normalize(self, images: Any, *, device: str, mirror: Any = None, crop: Any = None) -> Any:
         from nvidia.dali import fn, types
 
         kw: dict[str, Any] = {"device": device, "output_layout": self.layout,
                               "dtype": {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}[self.dtype]}
-        if self.mean is not None:
+        if self.mean is not None and self.std is not None:  # both or neither
             kw["mean"] = [255.0 * m for m in self.mean]
             kw["std"] = [255.0 * s for s in self.std]
         if mirror is not None:
@@ -151,7 +151,7 @@ class _Normalized(Transform):
 
     finishes_on_cpu = True  # torch's resize is ~4x cheaper than DALI's on the CPU (host_tail.py)
 
-    def finish(self, decoded, params, out) -> None:
+    def finish(self, decoded: Any, params: dict, out: Any) -> None:
         from .host_tail import finish_batch
 
         finish_batch(self, decoded, params, out)
@@ -162,9 +162,10 @@ class Train(_Normalized):
     ImageNet recipe; the crop is decoded directly (ROI decoding) where the decoder allows. On
     the CPU the resize, flip and normalize run in torch (``finish``, host_tail.py)."""
 
-    def __init__(self, size=224, *, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
-                 mean=None, std=None, dtype: str = "float32", layout: str = "CHW",
-                 max_pixels: int = DEFAULT_MAX_PIXELS):
+    def __init__(self, size: int | Sequence[int] = 224, *, scale: Sequence[float] = (0.08, 1.0),
+                 ratio: Sequence[float] = (3 / 4, 4 / 3), flip: float = 0.5,
+                 mean: Sequence[float] | None = None, std: Sequence[float] | None = None, dtype: str = "float32",
+                 layout: str = "CHW", max_pixels: int = DEFAULT_MAX_PIXELS):
         super().__init__(size, mean, std, dtype, layout, max_pixels)
         self.scale = _pair("scale", scale, 0.0, positive=True)
         if self.scale[1] > 1:
@@ -205,7 +206,8 @@ class Eval(_Normalized):
     normalize: the ImageNet evaluation recipe. On the CPU all but the decode run in torch
     (``finish``, host_tail.py)."""
 
-    def __init__(self, size=224, *, resize: int | None = None, mean=None, std=None, dtype: str = "float32",
+    def __init__(self, size: int | Sequence[int] = 224, *, resize: int | None = None,
+                 mean: Sequence[float] | None = None, std: Sequence[float] | None = None, dtype: str = "float32",
                  layout: str = "CHW", max_pixels: int = DEFAULT_MAX_PIXELS):
         super().__init__(size, mean, std, dtype, layout, max_pixels)
         if resize is None:
@@ -227,7 +229,7 @@ class Eval(_Normalized):
         images = fn.resize(images, device=device, resize_shorter=self.resize, antialias=True)
         return self._normalize(images, device=device, crop=self.size)
 
-    def finish(self, decoded, params, out) -> None:
+    def finish(self, decoded: Any, params: dict, out: Any) -> None:
         from .host_tail import finish_batch
 
         finish_batch(self, decoded, params, out, resize_shorter=self.resize)  # then the center crop
@@ -265,13 +267,13 @@ class Custom(Transform):
         return self.build(encoded, device=device)
 
 
-def train(size=224, **kw) -> Train:
+def train(size: int | Sequence[int] = 224, **kw: Any) -> Train:
     return Train(size, **kw)
 
 
-def eval(size=224, **kw) -> Eval:  # noqa: A001 - the name users expect
+def eval(size: int | Sequence[int] = 224, **kw: Any) -> Eval:  # noqa: A001 - the name users expect
     return Eval(size, **kw)
 
 
-def custom(build: Callable, *, shape: Sequence[int], dtype: str = "float32", **kw) -> Custom:
+def custom(build: Callable, *, shape: Sequence[int], dtype: str = "float32", **kw: Any) -> Custom:
     return Custom(build, shape=shape, dtype=dtype, **kw)

@@ -21,7 +21,6 @@ returns (at the latest when the client's own timeouts end it) and write nothing 
 from __future__ import annotations
 
 import queue
-import socket
 import threading
 import time
 from typing import Any, Callable
@@ -84,7 +83,7 @@ def call_within(fn: Callable[[], Any], deadline: float, *, what: str, stop: thre
         box["gone"] = True  # too late now: a result arriving after this goes to on_late
     if why == "stop":
         raise Cancelled()
-    raise socket.timeout(f"{what}: no answer by the deadline (the request was left behind)")
+    raise TimeoutError(f"{what}: no answer by the deadline (the request was left behind)")
 
 
 class StreamPump:
@@ -151,7 +150,7 @@ class StreamPump:
                 raise Cancelled()
             left = self._deadline - time.monotonic()
             if left <= 0:
-                raise socket.timeout(f"{self._what}: no data by the deadline (the transfer was left behind)")
+                raise TimeoutError(f"{self._what}: no data by the deadline (the transfer was left behind)")
             try:
                 kind, v = self._q.get(timeout=min(_POLL_S, left))
             except queue.Empty:

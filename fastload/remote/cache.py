@@ -350,7 +350,7 @@ class ShardCache:
         self.ranks.close()
         self.files.close()
 
-    def __enter__(self) -> "ShardCache":
+    def __enter__(self) -> ShardCache:
         return self
 
     def __exit__(self, *exc) -> None:

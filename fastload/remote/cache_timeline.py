@@ -232,7 +232,7 @@ class Eviction:
     """Releasing and deleting the shards of ``files`` as ``timeline`` says, the node's ranks
     being ``ranks``. Owns the ``on_release`` callbacks and the ``evictions`` counter."""
 
-    def __init__(self, files: "CacheFiles", timeline: Timeline, ranks: "NodeRanks"):
+    def __init__(self, files: CacheFiles, timeline: Timeline, ranks: NodeRanks):
         self._files, self._timeline, self._ranks = files, timeline, ranks
         self._hooks: list[Callable[[int], None]] = []
         self.evictions = 0

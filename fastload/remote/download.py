@@ -172,7 +172,7 @@ class Downloader:
                             "check the credentials (environment, credential files, role) for shard "
                             f"{label}", shard=label, url=url) from None
                     try:  # a new client: pyarrow's waits for the S3 requests in flight (bounded here)
-                        again = call_within(lambda: self.transport.rebuild(generation), deadline,
+                        again = call_within(lambda g=generation: self.transport.rebuild(g), deadline,
                                             what="reloading credentials", stop=self.stop)
                     except TimeoutError:
                         continue  # the deadline: raised at the loop's top
@@ -250,7 +250,7 @@ class Downloader:
                     if self._cancelled():
                         raise Cancelled()
                     if time.monotonic() >= deadline:
-                        raise socket.timeout("deadline reached while byte ranges were being fetched")
+                        raise TimeoutError("deadline reached while byte ranges were being fetched")
                 if job.error is not None and (error is None or isinstance(error, Cancelled)):
                     error = job.error
             if error is not None:

@@ -67,7 +67,7 @@ class _Table:
         o = self._slot(i)
         return _at(fmt, self.buf, self.pos + o) if o else default
 
-    def table(self, i: int) -> "_Table | None":
+    def table(self, i: int) -> _Table | None:
         o = self._slot(i)
         if not o:
             return None
@@ -86,7 +86,7 @@ class _Table:
             raise LayoutError("a flatbuffer vector runs past its buffer")
         return p + 4, n
 
-    def tables(self, i: int) -> list["_Table"]:
+    def tables(self, i: int) -> list[_Table]:
         start, n = self.vector(i, 4)
         return [_Table(self.buf, start + 4 * k + _at("<I", self.buf, start + 4 * k)) for k in range(n)]
 

@@ -161,7 +161,7 @@ def fetch_offsets(transport, name: str, *, size: int, rows: int, field: str, pol
                                     "or was moved", shard=name, url=url) from None
             if kind == FaultKind.AUTH and not rebuilt:
                 try:  # a new client: pyarrow's waits for the S3 requests in flight (bounded here)
-                    again = call_within(lambda: transport.rebuild(generation), deadline, what="reloading credentials",
+                    again = call_within(lambda g=generation: transport.rebuild(g), deadline, what="reloading credentials",
                                         stop=stop)
                 except TimeoutError:
                     continue  # the deadline: raised at the loop's top

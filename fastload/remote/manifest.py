@@ -150,7 +150,7 @@ class RemoteDataset:
                 if kind == FaultKind.AUTH:
                     if not rebuilt:
                         try:
-                            again = call_within(lambda: self.transport.rebuild(gen), deadline,
+                            again = call_within(lambda g=gen: self.transport.rebuild(g), deadline,
                                                 what="reloading credentials")
                         except TimeoutError:  # the deadline: raised at the loop's top
                             last = e

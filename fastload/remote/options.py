@@ -82,7 +82,7 @@ class RemoteOptions:
             put("download_threads", check_int("download_threads", self.download_threads, min=1))
 
     @classmethod
-    def from_keywords(cls, remote: "RemoteOptions | None" = None, **keywords: Any) -> "RemoteOptions":
+    def from_keywords(cls, remote: RemoteOptions | None = None, **keywords: Any) -> RemoteOptions:
         """One RemoteOptions from ``remote=`` or from the separate keywords (``cache_dir=``,
         ``cache_limit=``, ...; ``None`` means not given), never both; checked here."""
         unknown = sorted(set(keywords) - set(REMOTE_KEYWORDS))
@@ -114,7 +114,7 @@ class RemoteOptions:
         """The names of the settings that are set (not ``None``), in field order."""
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
 
-    def replace(self, **changes: Any) -> "RemoteOptions":
+    def replace(self, **changes: Any) -> RemoteOptions:
         """A copy with ``changes`` (checked like the original)."""
         return dataclasses.replace(self, **changes)
 

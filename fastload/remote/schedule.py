@@ -47,7 +47,7 @@ class EpochUses:
     def __len__(self) -> int:
         return len(self.shards)
 
-    def same_as(self, other: "EpochUses | None") -> bool:
+    def same_as(self, other: EpochUses | None) -> bool:
         return (other is not None and self.epoch == other.epoch and self.start == other.start
                 and self.end == other.end and np.array_equal(self.shards, other.shards)
                 and np.array_equal(self.first, other.first) and np.array_equal(self.last, other.last))

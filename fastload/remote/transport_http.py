@@ -46,7 +46,7 @@ class _HttpStream:
 class _HttpRanged:
     """``read_at`` over ``Range`` requests (no request until the first read)."""
 
-    def __init__(self, transport: "HttpTransport", name: str):
+    def __init__(self, transport: HttpTransport, name: str):
         self._t, self._name = transport, name
 
     def read_at(self, nbytes: int, offset: int) -> bytes:

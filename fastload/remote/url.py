@@ -112,8 +112,8 @@ def unreachable_message(where: str, exc: BaseException) -> str:
             "its host name and port, that the server runs, and the network (DNS, proxy, firewall)")
 
 
-_THROTTLE_RE = re.compile(r"SLOW_DOWN|SlowDown|SERVICE_UNAVAILABLE|ServiceUnavailable|\b503\b|Service Unavailable|\b429\b|Too Many Requests|"
-                          r"TooManyRequests|RequestLimitExceeded|Throttl", re.I)
+_THROTTLE_RE = re.compile(r"SLOW_DOWN|SlowDown|SERVICE_UNAVAILABLE|ServiceUnavailable|\b503\b|Service Unavailable|"
+                          r"\b429\b|Too Many Requests|TooManyRequests|RequestLimitExceeded|Throttl", re.I)
 _AUTH_RE = re.compile(r"EXPIRED_TOKEN|ExpiredToken|TokenRefreshRequired|RequestExpired|ACCESS_DENIED|"
                       r"AccessDenied|InvalidAccessKeyId|INVALID_ACCESS_KEY_ID|SignatureDoesNotMatch|"
                       r"SIGNATURE_DOES_NOT_MATCH|InvalidToken|\b401\b|\b403\b|Unauthenticated|"

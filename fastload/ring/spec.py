@@ -13,8 +13,8 @@ import numpy as np
 
 from ..validate import is_int as _is_int
 
-__all__ = ["RaggedField", "as_index", "batch_dict", "check_source", "pad_as", "pad_check", "parse_fields", "parse_ragged", "parse_sources", "ragged_descs",
-           "row_args", "shard_sources", "window_args"]
+__all__ = ["RaggedField", "as_index", "batch_dict", "check_source", "pad_as", "pad_check", "parse_fields", "parse_ragged",
+           "parse_sources", "ragged_descs", "row_args", "shard_sources", "window_args"]
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ def parse_ragged(fields: Mapping[str, Any], names: list[str], dtypes: list[np.dt
     """Per field: its checked RaggedField, or None for a fixed field."""
     out: list[RaggedField | None] = []
     taken = set(names)
-    for name, dt, shape in zip(names, dtypes, shapes):
+    for name, dt, _shape in zip(names, dtypes, shapes):
         spec = fields[name]
         if not isinstance(spec, RaggedField):
             out.append(None)

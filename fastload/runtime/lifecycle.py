@@ -27,7 +27,7 @@ __all__ = ["close_at_exit", "forked", "generation", "track", "untrack"]
 
 logger = logging.getLogger("fastload")
 
-_live: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()
 _exit_hook_after: set[str] = set()  # modules our exit hook was registered after
 EXIT_DEADLINE_S = 10.0

@@ -50,7 +50,7 @@ class World:
 
     @classmethod
     def detect(cls, rank: int | None = None, world_size: int | None = None, *,
-               local_rank: int | None = None, local_world_size: int | None = None) -> "World":
+               local_rank: int | None = None, local_world_size: int | None = None) -> World:
         if rank is not None:
             rank = check_int("rank", rank, min=0)
         if world_size is not None:

@@ -55,7 +55,7 @@ Every name is importable from here.
 """
 from __future__ import annotations
 
-from . import streams
+from . import streams  # noqa: F401  (the submodule, named in the docstring)
 from .draws import balanced_draws, weighted_draws
 from .order import Stream, permutation, window_permutation
 from .plan import EpochPlan, RankBatches, epoch_order, epoch_stream, per_rank_count, rank_batch_bounds

@@ -341,14 +341,14 @@ class _Ahead:
     the error surfaces there) or if this is a child forked after the thread started (whose
     copy of the thread does not exist)."""
 
-    def __init__(self, epoch: int, compute) -> None:
+    def __init__(self, epoch: int, compute: Callable[[int], np.ndarray]) -> None:
         self.epoch = epoch
         self._out: list = []
         self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, args=(compute,), name="fastload-order", daemon=True)
         self._thread.start()
 
-    def _run(self, compute) -> None:
+    def _run(self, compute: Callable[[int], np.ndarray]) -> None:
         from ..runtime.system import lower_priority
 
         try:

@@ -157,7 +157,7 @@ class Field:
         return d
 
     @classmethod
-    def from_json(cls, d: Any) -> "Field":
+    def from_json(cls, d: Any) -> Field:
         """The field a manifest (or a shard's Arrow metadata) describes. Strict: ValueError
         for anything :meth:`to_json` would not have written (a shape of strings or floats, an
         unknown key, a dtype on an image field...)."""

@@ -3,8 +3,8 @@
 
 The manifest is checked on reading (:func:`~fastload.store.reader.read_manifest` raises a
 FormatError naming the bad key); a manifest whose content does not match its own checksum
-(``manifest_checksum``) is reported as the first problem, naming it and what to do. Each shard is mapped like a reader maps it (regular files
-only, no descriptor kept), hashed in C++ with the GIL released, several shards at once.
+(``manifest_checksum``) is reported as the first problem, naming it and what to do. Each shard is mapped like a reader maps
+it (regular files only, no descriptor kept), hashed in C++ with the GIL released, several shards at once.
 Shards that pass are added to the node's verified record (see
 :mod:`fastload.store.verified_record`), so a Loader with ``verify="first-use"`` on this node does not
 hash them again.

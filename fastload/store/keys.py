@@ -26,10 +26,10 @@ def _escape(m: re.Match) -> str:
         return _NAMED[ch]
     c = ord(ch)
     if 0xDC80 <= c <= 0xDCFF:  # an undecodable byte, as os.fsdecode carries it
-        return "\\x%02x" % (c - 0xDC00)
+        return f"\\x{c - 0xDC00:02x}"
     if c < 0x80:
-        return "\\x%02x" % c
-    return "\\u%04x" % c
+        return f"\\x{c:02x}"
+    return f"\\u{c:04x}"
 
 
 def escape_key(name: str | bytes | os.PathLike) -> str:

@@ -74,7 +74,7 @@ class Mixture:
             raise ValueError("a Mixture needs at least one dataset")
         if len(set(names)) != len(names):
             names = [f"{n}#{i}" for i, n in enumerate(names)]
-        self.cache_limit = None  # the budget shared by the caches of the URLs this mixture opened
+        self.cache_limit: int | None = None  # the budget shared by the caches of the URLs this mixture opened
         self.shared_caches: list = []  # those caches (a Loader shares the budget again by their needs)
         self._opened: list = []  # readers opened here (closed by close())
         try:
@@ -104,7 +104,7 @@ class Mixture:
             self.close()
             raise
 
-    def _open(self, items: list, remote, reader_type) -> list:
+    def _open(self, items: list, remote: Any, reader_type: type) -> list:
         from ..remote.url import is_remote
 
         urls = [d for d in items if is_remote(d)]
@@ -139,7 +139,7 @@ class Mixture:
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}: {w:.3g}" for n, w in zip(self.names, self.weights))
-        epoch = f"epoch_size={self.epoch_size}" if self.epoch_size else f"stop_on={self.names[self.stop_on]!r}"
+        epoch = f"epoch_size={self.epoch_size}" if self.stop_on is None else f"stop_on={self.names[self.stop_on]!r}"
         return f"fastload.Mixture({{{parts}}}, {epoch}, per={self.per!r})"
 
 

@@ -65,6 +65,7 @@ class DatasetReader(Gathering):
     """
 
     _repr_name = "fastload.store.DatasetReader"
+    path: str | Path  # the directory; for a remote dataset, its display URL
 
     def __init__(self, path: str | os.PathLike, *, transform: Callable[[dict], Any] | None = None,
                  cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
@@ -90,7 +91,7 @@ class DatasetReader(Gathering):
         if is_remote(path) or remote.filesystem is not None:
             from ..remote import open_cache
 
-            self.cache = open_cache(path, remote)
+            self.cache = open_cache(str(path), remote)
             self.url = self.path = self.cache.url
             try:
                 self.manifest = check_manifest(self.cache.remote.manifest, f"{self.url}/{MANIFEST}")
@@ -101,7 +102,12 @@ class DatasetReader(Gathering):
             # The cache's hooks hold this reader weakly: a dropped Dataset is freed at once (no
             # cycle through its cache), so the cache's finalizer joins the download threads.
             me = weakref.ref(self)
-            self.cache.on_release(lambda i: (ds := me()) is not None and ds._release_shard(i))
+            def release(i: int) -> None:
+                ds = me()
+                if ds is not None:
+                    ds._release_shard(i)
+
+            self.cache.on_release(release)
             if self.verify_policy == "first-use":  # the download was hashed: no second hash at first use
                 checksums = [s["checksum"] for s in self.manifest["shards"]]
                 self.cache.on_fetched(lambda i, p: remember_verified(p, checksums[i]))
@@ -145,7 +151,8 @@ class DatasetReader(Gathering):
                                 filesystem=where.get("filesystem"), storage_options=where.get("storage_options"),
                                 download_timeout=state.get("download_timeout"),
                                 download_threads=state.get("download_threads"))
-        self.__init__(where.get("url", state["path"]), transform=state.get("transform"), remote=options,
+        self.__init__(where.get("url", state["path"]),  # type: ignore[misc]  # (a subclass's own __init__)
+                      transform=state.get("transform"), remote=options,
                       verify=state.get("verify", DEFAULT_VERIFY))
         if self.cache is not None and state.get("fingerprint") not in (None, self.cache.remote.fingerprint):
             self.close()
@@ -171,7 +178,7 @@ class DatasetReader(Gathering):
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -235,6 +242,7 @@ class DatasetReader(Gathering):
 
     def _remote_shard(self, i: int) -> MappedShard:
         """Map shard ``i`` of a remote dataset, fetching it into the cache first (blocking)."""
+        assert self.cache is not None  # (remote datasets only)
         for attempt in range(3):
             self.cache.ensure(i)  # outside the lock: other shards map meanwhile
             with self._lock:

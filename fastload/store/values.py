@@ -87,7 +87,7 @@ class Ragged:
         self.offsets = offsets
 
     @classmethod
-    def from_lengths(cls, values: Any, lengths: Any) -> "Ragged":
+    def from_lengths(cls, values: Any, lengths: Any) -> Ragged:
         lengths = np.asarray(lengths)
         if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or (lengths < 0).any():
             raise ValueError("Ragged lengths must be a 1-d array of integers >= 0")

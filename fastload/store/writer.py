@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import numpy as np
 import pyarrow as pa
@@ -155,10 +155,10 @@ class ShardWriter:
             else:
                 b = encoded(name, f, v, key)
                 if f.kind == "image" and image_sizes and name in image_sizes:
-                    sizes[name] = tuple(int(x) for x in image_sizes[name])
+                    sizes[name] = cast("tuple[int, int]", tuple(int(x) for x in image_sizes[name]))
                 elif f.kind == "image":
                     try:
-                        sizes[name] = image_size(b)
+                        sizes[name] = image_size(cast(bytes, b))  # an image field's value is bytes
                     except Exception as e:
                         raise SampleError(f"field {name!r} of sample {key!r} is not a readable image: {e}") from None
                 if f.kind in MEDIA_KINDS:
@@ -215,7 +215,7 @@ class ShardWriter:
         starts = {name: np.concatenate([[0], np.cumsum(lens)]) for name, (_, lens) in ragged.items()}
         for i in range(n):
             sample = {}
-            for name, f in self.fields.items():
+            for name in self.fields:
                 if name in fixed:
                     sample[name] = fixed[name][i]
                 elif name in ragged:
@@ -229,7 +229,7 @@ class ShardWriter:
         per-sample Python work."""
         row_bytes = np.full(n, sum(f.row_nbytes for f in self.fields.values() if f.fixed), dtype=np.int64)
         item_starts = {}
-        for name, (values, lens) in ragged.items():
+        for name, (_values, lens) in ragged.items():
             row_bytes += lens * self.fields[name].item_nbytes + 8
             starts = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(lens, out=starts[1:])
@@ -374,10 +374,10 @@ class ShardWriter:
         self._closed = True
         self._txn.abort()
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if exc_type is not None:
             self.abort()
         elif not self._closed:

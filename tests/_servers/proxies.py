@@ -144,7 +144,7 @@ class FaultProxy(Service):
                     return f
         return None
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         self._unstall.clear()
         if not self.port:
             self.port = free_port()
@@ -314,7 +314,7 @@ class DelayProxy(ProcessService):
     def endpoint(self) -> str:
         return f"{HOST}:{self.port}"
 
-    def start(self) -> "DelayProxy":
+    def start(self) -> DelayProxy:
         self.port = free_port()
         args = [sys.executable, _DELAY_SCRIPT, "delay", str(self.port), self.upstream,
                 str(self.delay_ms), str(self.seconds)]

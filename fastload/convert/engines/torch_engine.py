@@ -313,7 +313,8 @@ def run(kind, src, dst, *, workers, on_error, progress, shard_size, overwrite, r
             else:
                 with open(Path(plan.dst) / MANIFEST, encoding="utf-8") as f:
                     m = json.load(f)
-            res = {"dst": Store(plan.dst).display if plan.remote else plan.dst, "num_samples": m["num_samples"], "num_shards": len(m["shards"]),
+            res = {"dst": Store(plan.dst).display if plan.remote else plan.dst, "num_samples": m["num_samples"],
+                   "num_shards": len(m["shards"]),
                    "bytes": m["total_bytes"], "skipped": None, "report": None, "num_groups": plan.num_groups}
         res.update(rank=ranks.rank, world_size=ranks.world, tasks_seconds=t_tasks)
         res = summary(res, t0, results, "torch", slots, plan if ranks.rank == 0 else None)  # worker figures: this rank's tasks
