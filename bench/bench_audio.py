@@ -15,7 +15,8 @@ spectrogram (n_fft 400, hop 160: (B, 80, 101)). Rows:
     resampler to 16 kHz mono), cutting the window in numpy; for the mel row, ``torch.stft``
     and the same mel filter bank in the workers (the usual torchaudio-style recipe).
 
-Figures are samples/s of the second of two epochs (pipelines built, workers started), one run per row (``--repeats`` for more, median shown), and each
+Figures are samples/s of the second of two epochs (pipelines built, workers started),
+one run per row (``--repeats`` for more, median shown), and each
 fastload row's ratio to the DataLoader doing the same work.
 """
 from __future__ import annotations

@@ -21,7 +21,8 @@ batch 8, one epoch per row, batches consumed as torch tensors. Rows:
   * PyAV in 2 threads of this process (FFmpeg releases the GIL while decoding), H.264: what a
     PyAV decode path inside the Loader could reach on the CPU.
 
-Figures are clips/s of the second of two epochs (decoders built, workers started), one run per row (``--repeats`` for more, median shown), and each
+Figures are clips/s of the second of two epochs (decoders built, workers started),
+one run per row (``--repeats`` for more, median shown), and each
 row's ratio to the DataLoader on the same codec.
 """
 from __future__ import annotations

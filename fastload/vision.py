@@ -37,7 +37,7 @@ __all__ = ["decode", "train", "eval", "custom", "detection", "segmentation", "Sp
 
 def custom(build: Callable, *, shape: Sequence[int] | None = None, dtype: str = "float32",
            inputs: Mapping[str, str] | None = None, outputs: Mapping[str, Any] | None = None,
-           **kw) -> Custom | CustomSample:
+           **kw: Any) -> Custom | CustomSample:
     """Your own DALI graph. One field: ``custom(build, shape=..., dtype=...)``, ``build(encoded,
     device=...)`` returns one node (``transforms={field: ...}``). Several fields:
     ``custom(build, inputs={graph input: field}, outputs={name: Spec(shape, dtype)})``,
@@ -55,7 +55,7 @@ def custom(build: Callable, *, shape: Sequence[int] | None = None, dtype: str = 
     return Custom(build, shape=shape, dtype=dtype, **kw)
 
 
-def detection(size=512, **kw) -> Detection:
+def detection(size: int | Sequence[int] = 512, **kw: Any) -> Detection:
     """Object detection: an SSD-style IoU crop of ``image`` with its ``boxes`` (float32
     ``[*, 4]`` xyxy pixels of the stored image) and ``labels``, resized to ``size`` (square; or
     ``letterbox=True``: aspect kept, padded at the bottom/right), flipped with probability
@@ -70,7 +70,7 @@ def detection(size=512, **kw) -> Detection:
     return Detection(size, **kw)
 
 
-def segmentation(size=512, **kw) -> Segmentation:
+def segmentation(size: int | Sequence[int] = 512, **kw: Any) -> Segmentation:
     """Semantic segmentation: ``image`` and ``mask`` (a single-channel PNG field, one class id
     per pixel) cropped (RandomResizedCrop: ``scale=(0.25, 1.0)``, ``ratio``) and flipped
     (``flip=0.5``) with the same window; the image resized antialiased and normalized, the mask

@@ -142,7 +142,7 @@ class _Block:
 
     __slots__ = ("buf", "device", "stream", "nbytes", "alloc_pos", "recorded", "uses", "free_events")
 
-    def __init__(self, buf: torch.Tensor, device: int, stream: "FakeStream", nbytes: int):
+    def __init__(self, buf: torch.Tensor, device: int, stream: FakeStream, nbytes: int):
         self.buf = buf  # uint8 host memory standing for the device memory (owned by the allocator)
         self.device = device
         self.stream = stream  # the allocation stream
@@ -276,7 +276,7 @@ class FakeStream:
         self._hist_pos.append(len(self.ops))
         self._hist_clock.append(dict(self.clock))
 
-    def after(self, other: "FakeStream", pos: int) -> bool:
+    def after(self, other: FakeStream, pos: int) -> bool:
         """Whether work enqueued on this stream now runs after ``other``'s first ``pos`` ops."""
         return other == self or self.clock.get(other, -1) >= pos  # a wait at or after `pos`
 
@@ -377,7 +377,7 @@ class _PoisonLease:
     """Holds a ring batch (and so its slot's lease); when the last view of the batch goes,
     poisons the slot's bytes *before* the slot is released (no producer can be filling it)."""
 
-    def __init__(self, fake: "FakeCuda", rb):
+    def __init__(self, fake: FakeCuda, rb):
         self.fake = fake
         self.rb = rb
 
@@ -516,7 +516,7 @@ class _FakeRuntimeLib:
     """The process's ``libcudart`` as fastload reaches it through ctypes
     (``fastload.runtime.device._torch_cudart``): the calls it makes there."""
 
-    def __init__(self, fake: "FakeCuda"):
+    def __init__(self, fake: FakeCuda):
         self._fake = fake
 
     def cudaStreamCreateWithFlags(self, ref, flags) -> int:

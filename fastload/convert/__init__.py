@@ -135,7 +135,7 @@ def convert(kind: str, src: str | os.PathLike, dst: str | os.PathLike, *, worker
             close()
 
 
-def _source_options(**given) -> dict:
+def _source_options(**given: Any) -> dict:
     """The options of one source kind (coco: ``images``, ``masks``, ``skip_empty``) that were
     given (not None or False), paths made absolute: what the plan of a distributed conversion
     records and its tasks open the source with."""

@@ -215,7 +215,7 @@ def parse_instances(path: Path, root: Path, *, masks: bool, skip_empty: bool) ->
             clipped += ann[3]
             e["anns"].append((aid if _is_int(aid) else -1, ann))
     rows: dict[str, list] = {c: [] for c in _TABLE.names}
-    for who, aid, iid in orphans:
+    for who, _aid, iid in orphans:
         _row(rows, key=who, file=None, iid=iid if _is_int(iid) else -1, w=0, h=0, anns=[], masks=masks,
              error=f"its image_id {iid!r} is not the id of any image in {path.name}")
     empty = 0

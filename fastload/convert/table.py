@@ -219,7 +219,7 @@ class TableSource(Source):
 
     def read(self, i: int) -> dict:
         out = {}
-        for name in self.fields:
+        for name, f in self.fields.items():
             col = self.columns[name]
             if name in self.image_paths:
                 p = Path(str(col[i]))

@@ -258,7 +258,7 @@ def _check_output_keys(fields: Sequence[str], deliveries: Mapping[str, RaggedDel
     or another key."""
     taken = {n: f"field {n!r}" for n in fields[1:]}
     taken.update({k: f"a key of ragged field {n!r}" for n, d in deliveries.items() for k in d.keys(n)})
-    for n, s in t.outputs.items():
+    for n in t.outputs:
         keys = (n, *(out_ragged[n].keys(n) if n in out_ragged else ()))
         for k in keys:
             if k in taken:

@@ -49,7 +49,7 @@ class MediaTransform(Transform):
     _ds: Any = None
     _field: str | None = None
 
-    def for_dataset(self, ds, name: str) -> "MediaTransform":
+    def for_dataset(self, ds, name: str) -> MediaTransform:
         """A copy bound to field ``name`` of ``ds`` (the dataset whose global indices the
         Loader hands to ``params``); ValueError when the field is not of this transform's kind."""
         kind = ds.fields[name].kind

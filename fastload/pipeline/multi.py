@@ -140,7 +140,7 @@ class SampleTransform(Transform):
 
     def runner(self, *, device: str = "cpu", batch_size: int, num_threads: int | None = None,
                prefetch: int | None = None, seed: int = 0, device_id: int | None = None,
-               dali_only: bool = False, ragged: Mapping | None = None) -> "MultiRunner":
+               dali_only: bool = False, ragged: Mapping | None = None) -> MultiRunner:
         return MultiRunner(self, device=device, batch_size=batch_size, num_threads=num_threads, prefetch=prefetch,
                            seed=seed, device_id=device_id, dali_only=dali_only, ragged=ragged)
 

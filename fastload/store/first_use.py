@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class ShardVerifier:
     and ``where`` the dataset (path or URL), for messages. ``all_verified`` is True once
     nothing is left to check (at once with ``"off"``)."""
 
-    def __init__(self, policy: str, entries: list[dict], files: list[Path], where: Any) -> None:
+    def __init__(self, policy: str, entries: list[dict], files: Sequence[Path], where: Any) -> None:
         n = len(entries)
         off = policy == "off"
         self.policy = policy

@@ -162,7 +162,7 @@ class ShardWriter:
                     except Exception as e:
                         raise SampleError(f"field {name!r} of sample {key!r} is not a readable image: {e}") from None
                 if f.kind in MEDIA_KINDS:
-                    media[name] = _media_info(name, f.kind, b, (media_info or {}).get(name), key)
+                    media[name] = _media_info(name, f.kind, cast(bytes, b), (media_info or {}).get(name), key)
                 row[name] = b
                 nbytes += len(b) if isinstance(b, bytes) else len(b.encode())
         nbytes += len(key)
