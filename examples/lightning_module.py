@@ -11,8 +11,9 @@ What Lightning does with the Loader, unchanged:
   its own share of every epoch. Lightning adds no ``DistributedSampler``: it does that only to
   a ``torch.utils.data.DataLoader``.
 * Epochs: Lightning calls ``set_epoch`` on the loader's ``sampler`` before each epoch (the
-  order is a function of seed and epoch, the same on every rank); ``train_dataloader()`` sets
-  the epoch a fit begins with itself (see there).
+  order is a function of seed and epoch, the same on every rank). When a fit begins or
+  resumes, and when it reloads its dataloaders, it does so just after ``iter(loader)``: like a
+  ``DataLoader``, a pass follows its sampler's epoch up to its first batch.
 * Resume: the Loader has ``state_dict()``/``load_state_dict()``, so Lightning saves its
   position inside every checkpoint (the fit loop's ``combined_loader`` state) and loads it back
   when ``trainer.fit(ckpt_path=...)`` resumes; the resumed run reads exactly the samples the
@@ -63,11 +64,6 @@ class FastloadData(L.LightningDataModule):
             # delivered on this process's device, so Lightning's own device copy has nothing to do
             self.loader = fastload.Loader(self.path, batch_size=self.batch_size, seed=self.seed,
                                           fields=["x", "label"], device=self.trainer.strategy.root_device)
-        # When a fit begins, Lightning calls iter(loader) before it sets the epoch on
-        # loader.sampler (a DataLoader reads its sampler at the first batch; a fastload pass is
-        # planned at iter()): set the epoch here, so that a run resumed at an epoch boundary reads
-        # that epoch's order. A checkpoint's mid-epoch position is loaded after this, and wins.
-        self.loader.set_epoch(self.trainer.current_epoch)
         return self.loader
 
     def teardown(self, stage: str) -> None:
@@ -107,6 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoints", default="checkpoints", help="directory of Lightning checkpoints")
     ap.add_argument("--save-every", type=int, default=10, help="steps between checkpoints")
     ap.add_argument("--resume", default=None, help="a checkpoint to continue from, or 'last'")
+    ap.add_argument("--reload-every", type=int, default=0,
+                    help="Lightning's reload_dataloaders_every_n_epochs (calls train_dataloader() again)")
     ap.add_argument("--record", default=None, help="append each rank's sample indices to DIR/rankN.jsonl")
     a = ap.parse_args(argv)
 
@@ -124,7 +122,7 @@ def main(argv=None) -> int:
     trainer = L.Trainer(accelerator=a.accelerator, devices=a.devices,
                         strategy="ddp" if a.devices > 1 else "auto", max_epochs=a.epochs, max_steps=a.max_steps,
                         callbacks=[checkpoints], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+                        enable_model_summary=False, reload_dataloaders_every_n_epochs=a.reload_every)
     dm = FastloadData(data, a.batch_size)
     trainer.fit(Classifier(a.record), datamodule=dm, ckpt_path=a.resume)
     if trainer.is_global_zero:

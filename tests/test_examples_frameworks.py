@@ -142,6 +142,38 @@ def test_lightning_resumed_from_an_epoch_end_checkpoint_trains_the_next_epoch(tm
     assert_each_once(indices(a), 96, "epoch 0")
     assert_each_once(indices(b), 96, "epoch 1")
     assert indices(a) != indices(b)  # a new order
+    assert [r["index"] for r in b] == epoch_order(tmp_path / "ds", 1)  # the sampler's epoch 1
+
+
+def epoch_order(ds: Path, epoch: int, batch_size: int = 16) -> list[list[int]]:
+    """The batches' indices of ``epoch`` as the example's Loader reads them in one process."""
+    import fastload
+
+    with fastload.Loader(ds, batch_size=batch_size, seed=0, fields=["x", "label"], device="cpu") as lo:
+        lo.set_epoch(epoch)
+        return epoch_indices(lo)
+
+
+@pytest.mark.slow
+def test_lightning_reloading_its_dataloader_every_epoch_reads_each_epochs_order(tmp_path):
+    """reload_dataloaders_every_n_epochs=1: Lightning calls train_dataloader() and iter(loader)
+    before it sets each epoch on loader.sampler (in a resumed fit, with no second iter()):
+    every epoch is still the sampler's own, in a fit and in a fit resumed at an epoch's end."""
+    pytest.importorskip("lightning", reason="pip install 'fastload[test]' (lightning)")
+    common = ["--data", tmp_path / "ds", "--batch-size", "16", "--reload-every", "1", "--checkpoints",
+              tmp_path / "ck", "--save-every", "100"]
+    out = run(LIGHTNING, *common, "--make-data", "96", "--epochs", "2", "--record", tmp_path / "a", cwd=tmp_path)
+    assert "trained to epoch 2, step 12" in out
+    out = run(LIGHTNING, *common, "--epochs", "3", "--resume", tmp_path / "ck" / "last.ckpt",
+              "--record", tmp_path / "b", cwd=tmp_path)
+    assert "trained to epoch 3, step 18" in out
+    (a,), (b,) = records(tmp_path / "a").values(), records(tmp_path / "b").values()
+    assert [r["epoch"] for r in b] == [2] * 6
+    orders = [[r["index"] for r in a + b if r["epoch"] == e] for e in range(3)]
+    for e in range(3):
+        assert orders[e] == epoch_order(tmp_path / "ds", e), f"epoch {e}"
+        assert_each_once([i for batch in orders[e] for i in batch], 96, f"epoch {e}")
+    assert orders[0] != orders[1] != orders[2] != orders[0]
 
 
 # -- Ray Train ---------------------------------------------------------------------------------------

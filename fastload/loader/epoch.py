@@ -15,6 +15,10 @@ one Ahead slot (built by the Loader with its sampler and its machinery's ``sourc
 pass's iterator takes the ``Ahead`` over (its requests, its source) when its plan is the same
 pass (``EpochPlan.same_pass``); one that does not match is closed unused.
 
+A pass is planned at ``iter()`` (its first batches requested at once), but like a
+``DataLoader``'s it follows the sampler at its first ``next()``: the Loader's ``replan`` then
+re-plans a pass whose sampler was moved to another epoch in between (``discard``, ``restart``).
+
 Never silently nothing: the iterator holds its ``owner`` (the Loader), so
 ``for batch in Loader(path, ...)`` — a Loader nobody else holds — delivers its whole epoch.
 A pass ends quietly (``StopIteration``) only when its data ran out; a pass ended by anything
@@ -177,39 +181,68 @@ def look_ahead_pays(options, remote: bool) -> bool:
 
 
 class EpochIterator:
+    """One pass (see the module docstring). ``replan(iterator)``, if given, is called at the
+    first ``next()``, before any batch is taken: it may :meth:`discard` this pass's requests and
+    :meth:`restart` it over another plan (the Loader does, when the sampler was moved to another
+    epoch since ``iter()``: a ``DataLoader`` reads its sampler only at the first ``next()``)."""
+
     def __init__(self, plan: EpochPlan | PackPlan, source: BatchSource, *, prefetch: int, stats: Stats,
                  progress: Progress, fixed_size: bool = True, log_every: int | None = None,
-                 on_position=None, ahead: Ahead | None = None, lookahead=None, owner: Any = None) -> None:
+                 on_position=None, ahead: Ahead | None = None, lookahead=None, replan=None,
+                 owner: Any = None) -> None:
         self._owner = owner  # the Loader: alive as long as one of its passes is iterated
         self._ended: str | None = None  # why the pass ended before its data ran out (None: it did not)
         self._taken = 0  # batches handed over in this pass
-        self._plan = plan
-        self._batches = plan.requests() if ahead is None else ahead.batches
-        self._source = source if ahead is None else ahead.source
         self._prefetch = prefetch
         self._half = prefetch // 2  # an amortizing source is refilled in runs of about this many
-        self._amortize = source.amortize
         self._stats = stats
         self._progress = progress
         self._fixed_size = fixed_size  # every batch of a row count has the same bytes
         self._log_every = log_every
         self._on_position = on_position  # a remote dataset's cache: evicts after last uses
-        self._pending: collections.deque = collections.deque(() if ahead is None else ahead.afters)
         self._nbytes: dict[int, int] = {}  # batch bytes by row count
+        self._replan = replan  # (this iterator) -> None, asked once, at the first next()
+        self.closed = False
+        self._generation = lifecycle.generation  # changes in a forked child (no syscall per batch)
+        self.restart(plan, source, ahead=ahead, lookahead=lookahead)
+
+    @property
+    def plan(self) -> EpochPlan | PackPlan:
+        return self._plan
+
+    def restart(self, plan: EpochPlan | PackPlan, source: BatchSource, *, ahead: Ahead | None = None,
+                lookahead=None) -> None:
+        """Begin the pass over ``plan``: from ``ahead``'s requests (and source) when it is that
+        pass requested ahead, else from nothing on ``source``. Called by ``__init__``, and by a
+        ``replan`` after :meth:`discard`."""
+        self._plan = plan
+        self._batches = plan.requests() if ahead is None else ahead.batches
+        self._source = source if ahead is None else ahead.source
+        self._amortize = self._source.amortize
+        self._pending: collections.deque = collections.deque(() if ahead is None else ahead.afters)
         self._done_sampling = ahead is not None and ahead.done
         self._lookahead = lookahead  # () -> the next pass's Ahead, or None (asked once)
         self._next: Ahead | None = None
-        self.closed = False
-        self._generation = lifecycle.generation  # changes in a forked child (no syscall per batch)
-        progress.position = plan.start
-        stats.begin_epoch()
+        self._progress.position = plan.start
+        self._stats.begin_epoch()
         if ahead is not None:
-            stats.add("batches_ahead", len(ahead.afters))
+            self._stats.add("batches_ahead", len(ahead.afters))
         try:
             self._fill()
         except BaseException:
             self.close()
             raise
+
+    def discard(self) -> None:
+        """Drop this pass's requests before its first batch (its source joins its threads and
+        drains what it was asked for), leaving the iterator open for :meth:`restart`."""
+        if self._taken:
+            raise RuntimeError("a pass that handed over batches cannot be discarded")
+        self._pending.clear()
+        self._done_sampling = True
+        self._lookahead = None
+        self._stats.end_epoch()
+        self._source.close()
 
     def _fill(self) -> None:
         """Request batches up to ``prefetch`` in flight. ``__next__`` calls it only when at most
@@ -244,6 +277,8 @@ class EpochIterator:
                                "this process. Create a new fastload.Loader in the child process.")
         if self._ended is not None:
             raise PassEnded(self._ended)
+        if self._replan is not None:
+            self._first_next()
         if self.closed or not self._pending:
             finished = not self.closed
             self.close()
@@ -285,6 +320,19 @@ class EpochIterator:
                         s["batches"], s["samples_per_s"], 100 * s["wait_fraction"], _download_line(s))
         return batch
 
+    def _first_next(self) -> None:
+        """Ask ``replan`` (once) whether this pass still stands; an error there ends the pass."""
+        replan, self._replan = self._replan, None
+        if self.closed:
+            return
+        try:
+            replan(self)
+        except BaseException as e:
+            self._ended = (f"planning this pass at its first next() failed with {type(e).__name__}: {e}; "
+                           "start a new pass (iter(loader))")
+            self.close()
+            raise
+
     def close(self, reason: str | None = None) -> None:
         """End this pass: stats stop their clock, the source joins its threads and drains
         (in a forked child, whose copy of the source has no threads: nothing). ``reason``:
@@ -296,6 +344,7 @@ class EpochIterator:
         self.closed = True
         self._owner = None
         self._lookahead = None
+        self._replan = None
         if lifecycle.generation != self._generation:
             return
         self._stats.end_epoch()

@@ -280,38 +280,49 @@ class Loader:
         self._machinery.stop_iter("a new pass over this Loader began (iter(loader)); each Loader runs one pass at "
                               "a time: iterate the new one")
         o = self._options
-        resumed = self._sampler.start_position() > 0  # a loaded position, read before the pass takes it
+        fixed = o.fixed_size and o.batch_transform is None and o.device_transform is None
+        plan, source, ahead, lookahead = self._begin_pass()
+        it = EpochIterator(plan, source, prefetch=o.prefetch, stats=self._stats, progress=self._progress,
+                           fixed_size=fixed, log_every=o.log_every, ahead=ahead, lookahead=lookahead,
+                           on_position=self._remote.advance if self._remote is not None else None,
+                           replan=self._replan,
+                           owner=self)  # the pass keeps its Loader alive: `for b in Loader(...)` works
+        self._machinery.track(it)
+        self._sampler.prepare(plan.epoch + 1)  # the next epoch's order, in the background while this one runs
+        return it
+
+    def _begin_pass(self) -> tuple[EpochPlan | PackPlan, Any, Any, Any]:
+        """A pass over the sampler's epoch (from a loaded mid-epoch position, if any): its plan,
+        its source, the Ahead requested for it (if any: taken over) and its iterator's look-ahead;
+        a remote dataset's cache follows the plan."""
         plan: EpochPlan | PackPlan
-        if o.pack is None:
+        if self._options.pack is None:
             plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
         else:  # the same stream of samples, read as tokens (the position counts tokens)
             plan = self._pack_plan(*self._sampler.begin_pass())
             self._machinery.check_pieces(plan)
         if self._remote is not None:
             self._remote.begin(plan)
-        fixed = o.fixed_size and o.batch_transform is None and o.device_transform is None
         ahead = self._lookahead.take(plan)  # before any new request: a stale one is closed first
-        it = EpochIterator(plan, ahead.source if ahead is not None else self._machinery.source(plan.epoch),
-                           prefetch=o.prefetch, stats=self._stats, progress=self._progress, fixed_size=fixed,
-                           log_every=o.log_every, ahead=ahead, lookahead=self._lookahead.after(plan.epoch),
-                           on_position=self._remote.advance if self._remote is not None else None,
-                           owner=self)  # the pass keeps its Loader alive: `for b in Loader(...)` works
-        self._machinery.track(it)
+        source = ahead.source if ahead is not None else self._machinery.source(plan.epoch)
         self._pass_epoch = plan.epoch
-        self._sampler.prepare(plan.epoch + 1)  # the next epoch's order, in the background while this one runs
-        if resumed and len(plan) == 0:
-            return self._after_finished_epoch(it, plan.epoch)
-        return it
+        return plan, source, ahead, self._lookahead.after(plan.epoch)
 
-    def _after_finished_epoch(self, it: EpochIterator, epoch: int) -> Iterator[dict[str, Any]]:
-        """The pass of a state loaded at its epoch's end: nothing, unless the sampler was moved
-        to another epoch between ``iter()`` and the first ``next()`` (as PyTorch Lightning does
-        when it resumes from a checkpoint taken at an epoch's last batch: ``iter(loader)``, then
-        ``loader.sampler.set_epoch(epoch + 1)``; a ``DataLoader`` reads its sampler only at the
-        first ``next()``); the pass then is that epoch's."""
-        yield from it
-        if self._sampler.epoch != epoch:
-            yield from iter(self)
+    def _replan(self, it: EpochIterator) -> None:
+        """At a pass's first ``next()``: if the sampler was moved to another epoch since ``iter()``,
+        the pass is that epoch's, from its start, as a ``DataLoader``'s would be (it reads its
+        sampler only at the first ``next()``). PyTorch Lightning does this: ``iter(loader)``, then
+        ``loader.sampler.set_epoch(epoch)``, when a fit begins or resumes and when it reloads its
+        dataloaders. The epoch set to the pass's own keeps its plan (a loaded mid-epoch
+        position included)."""
+        epoch = self._sampler.epoch
+        if epoch == it.plan.epoch:
+            return
+        it.discard()  # what was requested for the old epoch is dropped, its threads joined
+        self._lookahead.set_epoch(epoch)  # the script moves the epochs: the next pass is guessed epoch + 1
+        plan, source, ahead, lookahead = self._begin_pass()
+        it.restart(plan, source, ahead=ahead, lookahead=lookahead)
+        self._sampler.prepare(plan.epoch + 1)
 
     # -- resume --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
