@@ -3,6 +3,7 @@
 resets, a server that disappears for a while, HTTP servers with and without Range."""
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import time
@@ -93,6 +94,46 @@ def test_wrong_bytes_are_downloaded_again_then_reported(proxy, remote, tmp_path)
     assert e.value.expected == remote.checksums[2] and e.value.expected in msg
     assert e.value.actual.startswith("xxh3_128:") and e.value.actual != e.value.expected and e.value.actual in msg
     assert len(_gets(proxy, remote.shard_files[2])) == 2
+
+
+@pytest.mark.parametrize("server", ["s3", "http"])
+def test_a_download_again_after_wrong_bytes_keeps_its_room_in_the_budget(server, request, local_ds, tmp_path):
+    """The partial file is a download's room in the budget (admitted once): a shard
+    downloaded again after wrong bytes keeps it through the pause before its second try. Were
+    it deleted there, another shard asking for room meanwhile would be admitted, and the
+    second try's bytes would come on top of it: one shard over cache_limit."""
+    with contextlib.ExitStack() as stack:
+        if server == "s3":
+            px, r = request.getfixturevalue("proxy"), request.getfixturevalue("remote")
+        else:
+            srv = stack.enter_context(HttpFileServer(request.getfixturevalue("http_root"), ranges=True))
+            px = stack.enter_context(FaultProxy(srv.url.split("//")[1]))
+            r = RemoteDataset(f"{px.url}/ds")
+        a, b = 1, 2
+        px.add("corrupt", re.escape(r.shard_files[a]), times=1)
+        limit = max(r.shard_bytes)  # room for one shard
+        c = stack.enter_context(make_cache(r, tmp_path / "c", limit=limit))
+        opened, meanwhile = [], []
+        open_read = r.transport.open_read
+
+        def second_try_opens(name, offset=0):
+            if name == r.shard_files[a]:
+                opened.append(name)
+                if len(opened) == 2:  # the second try, after the wrong bytes and the pause
+                    meanwhile.append(c.files.part(a).exists())
+                    try:
+                        c.ensure(b, timeout=0.5)
+                        meanwhile.append("admitted")
+                    except DownloadTimeout as e:
+                        meanwhile.append(str(e))
+            return open_read(name, offset)
+
+        request.getfixturevalue("monkeypatch").setattr(r.transport, "open_read", second_try_opens)
+        assert file_checksum(c.ensure(a)) == r.checksums[a]
+        assert c.stats()["checksum_failures"] == 1 and len(opened) == 2
+        assert meanwhile[0] is True, "the partial file (the shard's room in the budget) was deleted before the retry"
+        assert "waited until its deadline for room in the cache" in meanwhile[1], meanwhile[1]
+        assert not c.path(b).exists() and c.disk_usage() <= limit
 
 
 def test_expired_credentials_reload_the_filesystem_once(proxy, remote, tmp_path):

@@ -139,14 +139,19 @@ class Downloader:
             except _Mismatch as m:
                 mismatches += 1
                 self.counters.incr("checksum_failures")
-                _unlink(part)
                 done.clear()
                 if mismatches >= 2:
+                    _unlink(part)  # the download is over: its room in a cache's budget is free again
                     raise ChecksumMismatch(
                         f"shard {label} downloaded from {url} twice has checksum {m.actual}, but the manifest "
                         f"says {checksum}: the remote dataset changed (or is damaged) since its manifest was "
                         "written; convert or upload it again, then run `fastload verify` on the URL",
                         shard=label, url=url, expected=checksum, actual=m.actual) from None
+                # from scratch, in the same file: a cache counts the partial file as this
+                # download's room in its budget (admitted once), so it must exist from the
+                # admission to the rename; deleted, the room would go to another shard
+                # during the pause, and the next attempt's bytes would come on top
+                _truncate(part)
                 last = RuntimeError(f"checksum {m.actual} != {checksum}")
             except (Cancelled, DownloadError):
                 raise
@@ -271,8 +276,7 @@ class Downloader:
         h = xxhash.xxh3_128()
         have = part.stat().st_size if part.exists() else 0
         if have > size:
-            _unlink(part)
-            have = 0
+            have = 0  # start over ("wb" below empties it; kept: it is the download's room, see fetch)
         # the stream is opened and read by a pump thread: every wait for the server ends at
         # the deadline (or when the cache stops), whatever the client's own timeouts are
         pump = StreamPump(lambda: self.transport.open_read(name, have), size=size, block=self.chunk, depth=2,
@@ -363,6 +367,13 @@ def file_checksum_of(path: Path, chunk: int = 8 << 20) -> str:
                 break
             h.update(b)
     return CHECKSUM_PREFIX + h.hexdigest()
+
+
+def _truncate(p: Path) -> None:
+    try:
+        os.truncate(p, 0)
+    except FileNotFoundError:
+        pass
 
 
 def _unlink(p: Path) -> None:
