@@ -182,3 +182,16 @@ def test_a_loader_reads_100000_shards_with_a_bounded_number_of_mappings(tmp_path
         assert most <= 2 * limit + 64 * 16, (most, limit)
         assert lo.stats()["ring"]["shards_installed"] <= limit + 64 * 16
     assert ds.mapped_shards <= limit
+
+
+def test_the_schema_check_remembers_only_a_schema_that_holds_the_fields():
+    from fastload.store.format import arrow_schema, parse_field
+    from fastload.store.shard import SchemaCheck
+
+    good = {"x": parse_field("float32[16]", "x")}
+    other = {"x": parse_field("float32[8,2]", "x")}  # the same Arrow type, another shape in the metadata
+    check = SchemaCheck(good)
+    assert check(arrow_schema(other)) is not None  # nothing remembered from a mismatch
+    assert check(arrow_schema(good)) is None
+    assert check(arrow_schema(good)) is None  # (remembered)
+    assert "x" in check(arrow_schema(other))  # still refused once a good schema is remembered

@@ -34,7 +34,7 @@ from .gather import Gathering
 from .verified_record import DEFAULT_VERIFY, VERIFY_POLICIES
 from .manifest import check_manifest, manifest_fields, read_manifest
 from .mapped import ShardMaps, mapped_shard_limit
-from .shard import MappedShard
+from .shard import MappedShard, SchemaCheck
 from .first_use import ShardVerifier
 
 if TYPE_CHECKING:
@@ -124,6 +124,7 @@ class DatasetReader(Gathering):
         np.cumsum(self.shard_sizes, out=self._starts[1:])
         self._shards: list[MappedShard | None] = [None] * len(self.shard_files)
         self._maps = ShardMaps(self._shards, mapped_shard_limit())  # a local dataset's, bounded
+        self._schema_check = SchemaCheck(self.fields)
         self._lock = threading.Lock()
         self._verifier = ShardVerifier(self.verify_policy, m["shards"], self.shard_files, self.path)
         lifecycle.track(self)
@@ -206,7 +207,7 @@ class DatasetReader(Gathering):
             with self._lock:
                 s = self._shards[i]
                 if s is None:
-                    s = MappedShard(self.shard_files[i], self.manifest["shards"][i], self.fields)
+                    s = MappedShard(self.shard_files[i], self.manifest["shards"][i], self.fields, self._schema_check)
                     self._maps.add(i, s, lambda j: str(self.shard_files[j]))
         elif self.cache is None:
             self._maps.touch(i)
