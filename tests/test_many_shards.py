@@ -195,3 +195,27 @@ def test_the_schema_check_remembers_only_a_schema_that_holds_the_fields():
     assert check(arrow_schema(good)) is None
     assert check(arrow_schema(good)) is None  # (remembered)
     assert "x" in check(arrow_schema(other))  # still refused once a good schema is remembered
+
+
+def test_an_undecodable_image_replaced_from_a_dropped_shard_is_installed_again(tmp_path, monkeypatch):
+    """on_error="skip" replaces an undecodable image by the next sample: here the last
+    sample's replacement is sample 0, whose shard the ring dropped long before."""
+    from _images import jpeg
+
+    from fastload import vision
+
+    monkeypatch.setenv(ENV_LIMIT, "1")
+    rng = np.random.default_rng(0)
+    with fastload.ShardWriter(tmp_path / "ds", {"image": "image", "label": "int64"}, shard_size=1) as wr:
+        for i in range(6):
+            if i == 5:  # its own shard; bytes that are not an image, with a plausible recorded size
+                wr.write({"image": b"\xff\xd8\xff" + b"junk" * 50, "label": 5}, image_sizes={"image": (64, 64)})
+            else:
+                wr.write({"image": jpeg(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)), "label": i})
+    ds = fastload.Dataset(tmp_path / "ds")
+    assert ds.num_shards == 6
+    with fastload.Loader(ds, batch_size=1, shuffle=False, prefetch=1, device="cpu", on_error="skip",
+                         transforms={"image": vision.eval(16, resize=16)}) as lo:
+        got = [(int(b["index"][0]), int(b["label"][0])) for b in lo]
+        assert lo.stats()["replaced_samples"] == 1
+    assert got == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (0, 0)]  # the raw field follows the replacement
