@@ -32,10 +32,10 @@ MOST = 4096  # a few thousand at most: far below the default vm.max_map_count
 MAP_SHARE = 4  # at most this share of vm.max_map_count (the ring's sources, the process, its libraries)
 
 
-def mapped_shard_limit() -> int:
+def mapped_shard_limit(max_map_count: int | None = None) -> int:
     """Shards a reader (and, separately, a Loader's ring) keeps mapped at most:
     ``$FASTLOAD_MAPPED_SHARDS`` if set, else the smaller of 4096 and a quarter of
-    ``vm.max_map_count`` (at least 16)."""
+    ``vm.max_map_count`` (this process's, unless given; at least 16)."""
     v = os.environ.get(ENV_LIMIT, "").strip()
     if v:
         try:
@@ -45,12 +45,13 @@ def mapped_shard_limit() -> int:
         if n < 1:
             raise ValueError(f"{ENV_LIMIT}={v!r} must be an int >= 1 (the most shards kept memory-mapped at once)")
         return n
-    try:
-        with open("/proc/sys/vm/max_map_count") as fh:
-            count = int(fh.read().strip())
-    except (OSError, ValueError):
-        return MOST
-    return max(16, min(MOST, count // MAP_SHARE))
+    if max_map_count is None:
+        try:
+            with open("/proc/sys/vm/max_map_count") as fh:
+                max_map_count = int(fh.read().strip())
+        except (OSError, ValueError):
+            return MOST
+    return max(16, min(MOST, max_map_count // MAP_SHARE))
 
 
 def identity(mm: Any) -> int:
