@@ -15,7 +15,8 @@ write). Its first batch verifies each shard it touches whole (``verify="first-us
 full shuffle's first batch of 256 touches ~230 of the 1,000 shards.
 
 And the open time of a dataset of ``--manifest-shards`` (100,000) shards, with a Loader's
-first batch over it.
+first batch over it and 50 more (each of 256 shards), and the shard mappings the process
+holds (bounded: fastload.store.mapped).
 
     python bench/bench_scale.py [--smoke] [--full] [--rows 10000000 --shards 100] [--manifest-shards 100000]
 """
@@ -179,17 +180,37 @@ def child_manifest(shards: int, folder: str) -> dict:
     open_s = time.perf_counter() - t0
     assert len(ds) == 1000 * shards
     t0 = time.perf_counter()
-    first_s, error = None, None
-    try:  # (the Loader maps every shard when it starts: beyond vm.max_map_count shards it fails)
+    first_s, more_s, more, maps, error = None, None, 0, [], None
+    # (past fastload.store.mapped.mapped_shard_limit() shards the ring installs shards as batches
+    # need them; before, it mapped every shard when it started and failed past vm.max_map_count)
+    try:
         with fastload.Loader(ds, batch_size=BATCH, world_size=WORLD, rank=0, device="cpu", seed=1) as lo:
-            batch = next(iter(lo))
+            it = iter(lo)
+            batch = next(it)
             first_s = time.perf_counter() - t0
-        assert len(batch["x"]) == BATCH
+            assert len(batch["x"]) == BATCH
+            maps.append(_maps(path))
+            t0 = time.perf_counter()
+            for _, b in zip(range(MORE_BATCHES), it):  # each of 256 shards: the mappings stay bounded
+                assert np.array_equal(b["x"].numpy(), (b["index"].numpy() % 1000) % 251)
+                more += 1
+            more_s = time.perf_counter() - t0
+            maps.append(_maps(path))
     except Exception as e:  # noqa: BLE001 - reported, not hidden
         error = f"{type(e).__name__}: {e}"[:300]
-    return {"shards": shards, "open_s": open_s, "first_s": first_s, "error": error,
-            "rss_growth": max(0, _peak() - before),
+    return {"shards": shards, "open_s": open_s, "first_s": first_s, "error": error, "more_s": more_s, "more": more,
+            "maps": maps, "rss_growth": max(0, _peak() - before),
             "manifest_mb": (path / "manifest.json").stat().st_size / 2**20, "make_s": t_make}
+
+
+MORE_BATCHES = 50  # read after the first one over the dataset of many shards
+
+
+def _maps(folder: Path) -> int:
+    """Memory mappings of this process onto files of ``folder`` (/proc/self/maps)."""
+    prefix = str(folder.resolve()) + "/"
+    with open("/proc/self/maps") as fh:
+        return sum(1 for line in fh if prefix in line)
 
 
 def _run_child(*args: str, timeout: float = 600) -> dict:
@@ -252,7 +273,8 @@ def main(argv=None) -> list:
           f"(peak RSS +{lo['rss_growth'] / 2**20:.1f} MB; written in {lo['write_s']:.1f} s)")
     with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
         mf = _run_child("--child", "manifest", str(a.manifest_shards), tmp, timeout=3600)
-    first = (f"Loader's first batch {mf['first_s'] * 1e3:.0f} ms" if mf["error"] is None else
+    first = (f"Loader's first batch {mf['first_s'] * 1e3:.0f} ms, {mf['more']} more in {mf['more_s']:.1f} s "
+             f"(shard mappings {' then '.join(map(str, mf['maps']))})" if mf["error"] is None else
              f"the Loader FAILED: {mf['error']}")
     print(f"Dataset of {mf['shards']:,} shards ({mf['manifest_mb']:.1f} MB manifest): "
           f"open {mf['open_s'] * 1e3:.0f} ms, "

@@ -66,6 +66,14 @@ def test_epoch_end_is_what_the_ranks_consume():
                 assert got >= n
 
 
+def test_epoch_end_dropping_the_last_batch_builds_no_list_of_batches():
+    # 10^13 positions over 1,024 ranks: ~38 million batches a rank (a list of them: gigabytes)
+    n, w, b = 10**13 + 12345, 1024, 256
+    got = epoch_end(n, world_size=w, batch_size=b, drop_last_batch=True, start=7)
+    per = -(-(n - 7) // w)  # padded to a multiple of the ranks
+    assert got == 7 + (per // b) * b * w
+
+
 def test_sampler_uses_cover_every_rank_of_the_node():
     sizes = [100] * 10
     s = Sampler(1000, batch_size=16, world_size=4, rank=2, shuffle_mode="window", shard_sizes=sizes, window=2, seed=5)

@@ -38,7 +38,9 @@ def check_nofile(f: Facts) -> Check:
     """Shards are memory-mapped without keeping a file descriptor (``fastload._C.map_file``
     closes it right after ``mmap``), so ``ulimit -n`` does not bound their number: each is
     one memory mapping (one VMA, never split: the mapping is read-only and never advised),
-    and the limit on those is ``vm.max_map_count``. The open-file limit only has to leave
+    and the limit on those is ``vm.max_map_count``; a reader and a Loader's ring each keep at
+    most :func:`~fastload.store.mapped.mapped_shard_limit` shards mapped (a quarter of it, at
+    most 4096; ``$FASTLOAD_MAPPED_SHARDS``). The open-file limit only has to leave
     the process its own descriptors (:data:`FD_RESERVE`)."""
     if f.nofile is None:
         return Check(WARN, "open files", "cannot read RLIMIT_NOFILE (ulimit -n)")
@@ -50,14 +52,24 @@ def check_nofile(f: Facts) -> Check:
                      f"and sockets; {_raise_nofile(soft, hard)}")
     if f.shards is None:
         return Check(OK, "open files", f"{base} (pass a DATASET to compare its shards with vm.max_map_count)")
-    need = f.shards + MAP_RESERVE
+    from ..store.mapped import ENV_LIMIT, mapped_shard_limit
+
+    try:
+        most = mapped_shard_limit(f.max_map_count)
+    except ValueError as e:  # a bad $FASTLOAD_MAPPED_SHARDS
+        return Check(WARN, "open files", f"{base}; {e}")
+    # every shard mapped once; past the limit, the reader's and the ring's (mostly the same shards)
+    need = (f.shards if f.shards <= most else 2 * most) + MAP_RESERVE
     msg = f"{base}; the dataset's {f.shards} shard(s) are {f.shards} memory mapping(s)"
+    if f.shards > most:
+        msg = (f"{base}; of the dataset's {f.shards} shards at most {most} are kept memory-mapped at once (the "
+               f"least recently used are unmapped; ${ENV_LIMIT} sets it)")
     if f.max_map_count is None or need <= f.max_map_count:
         limit = "" if f.max_map_count is None else f" (vm.max_map_count {f.max_map_count})"
         return Check(OK, "open files", msg + limit)
-    return Check(WARN, "open files", f"{msg}, more than vm.max_map_count {f.max_map_count} allows with "
-                 f"{MAP_RESERVE} for the process; raise it (sysctl -w vm.max_map_count={need * 2}) or convert "
-                 "with a larger --shard-size")
+    return Check(WARN, "open files", f"{msg}: up to {need} mappings with {MAP_RESERVE} for the process, more than "
+                 f"vm.max_map_count {f.max_map_count} allows; raise it (sysctl -w vm.max_map_count={need * 2}) or "
+                 f"lower ${ENV_LIMIT}")
 
 
 def _raise_nofile(soft: int, hard: int, want: int = 4096) -> str:

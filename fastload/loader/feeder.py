@@ -49,8 +49,9 @@ class ImageFeeder:
     first, so every CUDA call of the thread goes to the loader's GPU), or None on the host."""
 
     def __init__(self, *, ring, dataset, image_fields: Sequence[str], decoders: Decoders,
-                 on_error: str, stats, workers: int = IMAGE_FEEDERS, device=None) -> None:
+                 on_error: str, stats, workers: int = IMAGE_FEEDERS, device=None, ensure=None) -> None:
         self._ring = ring
+        self._ensure = ensure  # installs a replacement's shard in the ring (LocalShards.ensure), or None
         self._dataset = dataset
         self._device = device
         self._image_fields = list(image_fields)
@@ -169,6 +170,8 @@ class ImageFeeder:
         # on a GPU each field's last run produced its tensor: its runner's ready event covers it
         events = tuple(ev for ev in (getattr(runners[n], "ready_event", None) for n in self._image_fields)
                        if ev is not None)
+        if self._ensure is not None and replaced:  # a replacement may lie in a shard the batch did not need
+            self._ensure(final)
         slot.gather(*ds.locate(final), index=final)  # raw fields + the indices delivered
         with self._done_lock:
             self._done[slot.seq] = (images, events, replaced)

@@ -23,6 +23,7 @@ from ..runtime import lifecycle
 from ..sampling.packing import max_pieces
 from ..pipeline.multi import SampleTransform
 from ..ring.ring import Ring
+from ..store.mapped import mapped_shard_limit
 from ..runtime.system import IMAGE_FEEDERS, loader_nice, lower_priority
 from .decode import Decoders
 from .finish import Finish
@@ -31,6 +32,7 @@ from .host import HostSource
 from .ragged import ring_field
 from .threaded import ThreadedSource
 from .options import Options
+from .shards import LocalShards
 from .source import INDEX, BatchSource
 from .stats import Stats
 
@@ -45,6 +47,7 @@ class Machinery:
     def __init__(self, dataset, options: Options, stats: Stats, *, remote=None, owned=None) -> None:
         self._dataset = dataset
         self._remote = remote  # RemoteShards for a remote dataset (remote.py), else None
+        self._local: LocalShards | None = None  # a local dataset of many shards: installed lazily (shards.py)
         self._owned = owned  # a dataset the Loader opened (a path, a URL, a mixture): closed with it
         self._opts = options
         self._stats = stats
@@ -94,19 +97,23 @@ class Machinery:
             specs: dict[str, Any] = {}
             sources: dict[str, list] = {}
             remote = self._remote is not None
+            # past the limit on mapped shards, a local dataset's shards are installed as batches
+            # need them (LocalShards), like a remote dataset's as they arrive (RemoteShards)
+            limit = mapped_shard_limit()
+            lazy = remote or ds.num_shards > limit
             for n in o.raw_fields:
                 f = ds.fields[n]
                 specs[n] = (f.np_dtype, f.shape)
                 # a remote dataset's shards become sources as they arrive (RemoteShards.prepare);
                 # views of every shard, each verified before a batch reads it (locate)
-                sources[n] = [None if remote else ds.column(s, n, verify=False) for s in range(ds.num_shards)]
+                sources[n] = [None if lazy else ds.column(s, n, verify=False) for s in range(ds.num_shards)]
             rows = o.slot_rows
             pack = o.pack
             if pack is not None:  # one row per piece: at most this many pieces per batch
                 rows = max_pieces(ds.lengths(pack[0]), o.batch_size, pack[1].pack_to, pack[1].max_length)
             for n, d in o.ragged.items():
                 specs[n] = ring_field(ds, n, d, o.slot_rows)
-                sources[n] = [None if remote else _values_offsets(ds.ragged_column(s, n, verify=False))
+                sources[n] = [None if lazy else _values_offsets(ds.ragged_column(s, n, verify=False))
                               for s in range(ds.num_shards)]
             specs.update(slot_images(o))  # written by the feeders, no source
             specs[INDEX] = (np.int64, ())
@@ -116,6 +123,8 @@ class Machinery:
             self._ring = ring
             if self._remote is not None:
                 self._remote.attach_ring(ring, o.raw_fields, tuple(o.ragged))
+            elif lazy and (o.raw_fields or o.ragged):
+                self._local = LocalShards(ring, ds, o.raw_fields, tuple(o.ragged), limit)
             self._stats.attach("ring", lambda: {"gather_s": ring.stats()["gather_ns"] / 1e9})
         return self._ring
 
@@ -139,6 +148,8 @@ class Machinery:
         s = ring.stats()
         if self._delivery is not None:
             s["pinned"] = self._delivery.pinned
+        if self._local is not None:
+            s["shards_installed"] = self._local.installed
         return s
 
     def decoders(self) -> Decoders:
@@ -199,7 +210,8 @@ class Machinery:
         if self._feeder is None or self._feeder.closed:
             self._feeder = ImageFeeder(ring=self.ring(), dataset=self._dataset, image_fields=o.image_fields,
                                        decoders=self.decoders(), on_error=o.on_error, stats=self._stats,
-                                       device=o.device if self.cuda else None)
+                                       device=o.device if self.cuda else None,
+                                       ensure=self._local.ensure if self._local is not None else None)
         return self._feeder
 
     def source(self, epoch: int) -> BatchSource:
@@ -207,8 +219,11 @@ class Machinery:
         thread when the user's transforms must run off the training loop's thread."""
         o = self._opts
         finish = Finish(dataset=self._dataset, options=o, epoch=epoch, on_host_device=not self.cuda)
-        common = dict(ring=self.ring(), dataset=self._dataset, feeder=self.feeder(), epoch=epoch, finish=finish,
-                      prepare=self._remote.prepare if self._remote is not None else None)
+        ring = self.ring()
+        prepare = (self._remote.prepare if self._remote is not None
+                   else self._local.prepare if self._local is not None else None)
+        common = dict(ring=ring, dataset=self._dataset, feeder=self.feeder(), epoch=epoch, finish=finish,
+                      prepare=prepare)
         threaded = o.batch_transform is not None or o.device_transform is not None
         if self.cuda:
             from .cuda import CudaSource, StreamHandoff
@@ -243,6 +258,7 @@ class Machinery:
             self._decoders = None
             logger.warning("fastload: building the DALI pipelines did not finish within %.0f s; closing without "
                            "them (the daemon thread is left behind and does not keep the process alive)", WARM_JOIN_S)
+        self._local = None
         for name in ("_decoders", "_delivery", "_remote", "_ring", "_owned"):  # in this order: users first
             self._take(name, "close")
 

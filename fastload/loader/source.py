@@ -90,7 +90,7 @@ class RingFedSource:
         self._dataset = dataset
         self._feeder = feeder
         self._epoch = epoch
-        self._prepare = prepare  # a remote dataset: make the batches' shards local first
+        self._prepare = prepare  # a remote dataset or many local shards: install the batches' shards first
         self.amortize = feeder is None
         self._closed = False
         self._requests: collections.deque = collections.deque()  # put, not yet taken: in order
@@ -103,11 +103,11 @@ class RingFedSource:
         return self._feeder is not None and not self._feeder.closed
 
     def put(self, batches: Sequence[Request]) -> None:
-        if self._prepare is not None and batches:
-            self._prepare([b.index for b in batches])
-        elif batches and not self._dataset.fully_verified:  # their shards hashed ahead, in order of use
+        if batches and not self._dataset.fully_verified:  # their shards hashed ahead, in order of use
             idx = np.concatenate([b.index for b in batches]) if len(batches) > 1 else batches[0].index
-            self._dataset.verify_ahead(self._dataset.locate(idx, check=False, verify=False)[0])
+            self._dataset.verify_ahead(self._dataset.locate(idx, check=False, verify=False)[0])  # (not remote)
+        if self._prepare is not None and batches:  # their shards local and installed in the ring first
+            self._prepare([b.index for b in batches])
         self._requests.extend(batches)  # before the ring can deliver them
         if self._feeder is not None:
             for req in batches:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..sampling import per_rank_count, rank_batch_bounds
+from ..sampling import RankBatches, per_rank_count
 
 __all__ = ["EpochUses", "epoch_end", "epoch_uses", "pack_uses", "plan_uses", "sampler_uses", "minimum_budget",
            "admission_times", "token_uses"]
@@ -58,8 +58,8 @@ def epoch_end(stream_len: int, *, world_size: int, batch_size: int, drop_last: b
     """The global position after the last one the ranks read this pass (padding included:
     positions ``>= stream_len`` wrap around to the stream's start)."""
     if drop_last_batch:
-        b = rank_batch_bounds(start, stream_len, world_size, 0, batch_size, drop_last, True)
-        return b[-1][2] if b else start
+        b = RankBatches(start, stream_len, world_size, 0, batch_size, drop_last, True)  # O(1): not a list
+        return b[-1][2] if len(b) else start
     return start + per_rank_count(stream_len - start, world_size, drop_last) * world_size
 
 

@@ -4,7 +4,9 @@ Opening reads ``manifest.json`` only (:mod:`fastload.store.manifest`). Shards ar
 memory-mapped on first use, one record batch each (:mod:`fastload.store.shard`), so every
 tensor or scalar column of a shard is a single zero-copy numpy view of shape
 ``(rows, *shape)``; each shard is verified against the manifest's checksum before any of
-its rows is delivered (:mod:`fastload.store.first_use`). The global index -> (shard, row)
+its rows is delivered (:mod:`fastload.store.first_use`); at most a few thousand stay
+mapped, the least recently used dropped first (:mod:`fastload.store.mapped`: a process may
+hold only ``vm.max_map_count`` mappings). The global index -> (shard, row)
 map is one cumulative-count numpy array: no per-sample Python object exists, so forked
 DataLoader workers do not grow by copy-on-write. A remote dataset's shards come from a
 node-local cache (:mod:`fastload.remote`), mapped when they arrive and dropped when the
@@ -31,7 +33,8 @@ from .format import MANIFEST, Field, arrow_schema
 from .gather import Gathering
 from .verified_record import DEFAULT_VERIFY, VERIFY_POLICIES
 from .manifest import check_manifest, manifest_fields, read_manifest
-from .shard import MappedShard
+from .mapped import ShardMaps, mapped_shard_limit
+from .shard import MappedShard, SchemaCheck
 from .first_use import ShardVerifier
 
 if TYPE_CHECKING:
@@ -126,6 +129,8 @@ class DatasetReader(Gathering):
         self._starts = np.zeros(len(self.shard_sizes) + 1, dtype=np.int64)
         np.cumsum(self.shard_sizes, out=self._starts[1:])
         self._shards: list[MappedShard | None] = [None] * len(self.shard_files)
+        self._maps = ShardMaps(self._shards, mapped_shard_limit())  # a local dataset's, bounded
+        self._schema_check = SchemaCheck(self.fields)
         self._lock = threading.Lock()
         self._verifier = ShardVerifier(self.verify_policy, m["shards"], self.shard_files, self.path)
         lifecycle.track(self)
@@ -199,6 +204,9 @@ class DatasetReader(Gathering):
 
     # -- shards --------------------------------------------------------------------------
     def shard(self, i: int) -> MappedShard:
+        """Shard ``i``, memory-mapped (on first use; a local dataset keeps at most
+        :func:`~fastload.store.mapped.mapped_shard_limit` shards mapped, see
+        :mod:`fastload.store.mapped`)."""
         s = self._shards[i]
         if s is None:
             if self.cache is not None:
@@ -206,9 +214,16 @@ class DatasetReader(Gathering):
             with self._lock:
                 s = self._shards[i]
                 if s is None:
-                    s = MappedShard(self.shard_files[i], self.manifest["shards"][i], self.fields)
-                    self._shards[i] = s
+                    s = MappedShard(self.shard_files[i], self.manifest["shards"][i], self.fields, self._schema_check)
+                    self._maps.add(i, s, lambda j: str(self.shard_files[j]))
+        elif self.cache is None:
+            self._maps.touch(i)
         return s
+
+    @property
+    def mapped_shards(self) -> int:
+        """Shards this reader holds mapped now (views handed out may keep others mapped)."""
+        return len(self._maps) if self.cache is None else sum(s is not None for s in self._shards)
 
     def ensure_verified(self, shards: Any) -> None:
         """Check the bytes of these shards against the manifest's checksums (as the

@@ -21,7 +21,28 @@ from ..errors import FormatError, MissingFileError
 from ..files import printable
 from .format import Field, schema_mismatch
 
-__all__ = ["MappedShard"]
+__all__ = ["MappedShard", "SchemaCheck"]
+
+
+class SchemaCheck:
+    """:func:`schema_mismatch` against ``fields``, remembering the last schema that held them:
+    a shard whose schema equals it (metadata included) passes without the full comparison
+    (a reader of many shards maps thousands of them, all with the same schema)."""
+
+    __slots__ = ("fields", "_ok")
+
+    def __init__(self, fields: dict[str, Field]) -> None:
+        self.fields = fields
+        self._ok: pa.Schema | None = None
+
+    def __call__(self, schema: pa.Schema) -> str | None:
+        ok = self._ok
+        if ok is not None and schema.equals(ok, check_metadata=True):
+            return None
+        why = schema_mismatch(schema, self.fields)
+        if why is None:
+            self._ok = schema
+        return why
 
 
 class MappedShard:
@@ -30,7 +51,7 @@ class MappedShard:
 
     __slots__ = ("batch", "views", "mm")
 
-    def __init__(self, path: Path, entry: dict, fields: dict[str, Field]):
+    def __init__(self, path: Path, entry: dict, fields: dict[str, Field], check: SchemaCheck | None = None):
         from .. import _C
 
         try:
@@ -49,7 +70,7 @@ class MappedShard:
             if reader.num_record_batches != 1:
                 raise FormatError(f"shard {path} holds {reader.num_record_batches} record batches; "
                                   "fastload shards hold exactly one (run `fastload verify`)")
-            why = schema_mismatch(reader.schema, fields)
+            why = schema_mismatch(reader.schema, fields) if check is None else check(reader.schema)
             if why is not None:
                 raise FormatError(f"shard {path} does not hold the manifest's fields: {why}; the dataset is "
                                   "damaged (run `fastload verify`)")
