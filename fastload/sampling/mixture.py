@@ -194,6 +194,7 @@ class MixtureSampler(Sampler):
         self._mlen = len(self._layout_for(0))
 
     _drawn = True  # the stream is computed whole (its layout is an array per epoch)
+    reads_every_sample_once = False  # datasets are read again or partly
 
     @property
     def stream_len(self) -> int:
