@@ -9,7 +9,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from fastload.sampling.mixture import BatchCounts, MixtureLayout, MixtureOrder, MixtureSampler, dataset_draws
+from fastload.sampling.mixture import BatchCounts, MixtureOrder, MixtureSampler, dataset_draws
 
 
 def test_the_counts_before_a_run_equal_the_runs_summed():
