@@ -108,3 +108,19 @@ def test_a_plan_over_1e8_documents_reaches_its_first_rows_fast_and_small():
     assert first.positions.tolist() == d.tolist() and first.start.tolist() == f.tolist()
     assert first.count.tolist() == c.tolist() and first.index.tolist() == head[d].tolist()
     assert int(resumed.count.sum()) == 8 * 4096 and resumed.position == 5 * plan.bounds.step + 12345 + 1000 * 8 * 4096
+
+
+def test_a_counted_total_is_kept_with_its_stream(monkeypatch):
+    """A stream that does not read every sample once (a mixture's, weighted draws) has its
+    token count counted by one pass over it: once per stream, not once per plan (len(loader)
+    and each pass make one)."""
+    lengths = np.arange(50) % 7
+    stream = Shuffled(50, seed=1, epoch=0)
+    first = pack_plan(0, 0, stream, lengths, rows=2, length=8, world_size=1, rank=0, drop_last=False)
+    assert first.total == int(lengths.sum())
+    monkeypatch.setattr(packing.TokenStream, "_tokens", lambda *a: pytest.fail("counted again"))
+    again = pack_plan(0, 0, stream, lengths, rows=2, length=8, world_size=1, rank=0, drop_last=False)
+    assert again.total == first.total and len(again) == len(first)
+    other = Shuffled(50, seed=1, epoch=1)  # another epoch's stream: counted (fails here)
+    with pytest.raises(pytest.fail.Exception):
+        pack_plan(0, 0, other, lengths, rows=2, length=8, world_size=1, rank=0, drop_last=False)

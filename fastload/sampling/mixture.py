@@ -210,6 +210,17 @@ class MixtureLayout:
             occ += np.where(hit, np.cumsum(hit, axis=1) - 1, 0)
         return ids, occ
 
+    def _before(self, runs: np.ndarray) -> np.ndarray:
+        """``(len(runs), n)``: each dataset's count in the runs before each of ``runs``
+        (sorted): floor sums for the first, then the counts of the runs between summed when
+        they are few (a stretch of the stream), else floor sums for each (a rank's batches)."""
+        first, last = int(runs[0]), int(runs[-1])
+        if last - first > 4 * len(runs) + 64:
+            return np.stack([self.counts.before(c) for c in runs.tolist()])
+        span = np.zeros((last - first + 1, self.n), np.int64)
+        np.cumsum(self.counts.counts(np.arange(first, last, dtype=np.int64)), axis=0, out=span[1:])
+        return self.counts.before(first)[None, :] + span[runs - first]
+
     def locate(self, pos: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """``(dataset, draw of that dataset's stream)`` of the epoch's ``pos`` positions."""
         if self.per == "epoch":
@@ -220,7 +231,7 @@ class MixtureLayout:
         run = pos // self.batch_size
         runs, inv = np.unique(run, return_inverse=True)
         ids, occ = self._runs(runs)
-        before = np.stack([self.counts.before(c) for c in runs.tolist()])  # (runs, n)
+        before = self._before(runs)
         off = pos - run * self.batch_size
         d = ids[inv, off]
         return d, epoch * self.per_epoch[d] + before[inv, d] + occ[inv, off]

@@ -116,6 +116,7 @@ class TokenBatches(Sequence):
 
 
 _TOTALS: dict[tuple[int, int | None], int] = {}
+_STREAM_TOTALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stream -> {(lengths, max_length): tokens}
 
 
 def token_total(lengths: np.ndarray, max_length: int | None = None) -> int:
@@ -189,11 +190,23 @@ class TokenStream:
     @property
     def total(self) -> int:
         if self._total is None:
+            key = (id(self.lengths), len(self.lengths), self.max_length)
+            try:
+                known = _STREAM_TOTALS.get(self.stream, {}).get(key)
+            except TypeError:  # an array: not kept
+                known = None
             with self._lock:
+                if known is not None:
+                    self._total = known
+                    return known
                 while len(self._ck) <= self.chunks:  # one pass, the sums kept (a resume reads them)
                     j = len(self._ck) - 1
                     self._ck.append(self._ck[j] + int(self._tokens(j).sum()))
                 self._total = self._ck[-1]
+            try:  # kept with the stream (a sampler keeps its epochs' streams): counted once per epoch
+                _STREAM_TOTALS.setdefault(self.stream, {})[key] = self._total
+            except TypeError:
+                pass
         return self._total
 
     def window(self, lo: int, hi: int) -> tuple[int, np.ndarray]:
