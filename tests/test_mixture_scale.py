@@ -104,3 +104,20 @@ def test_a_mixture_epoch_of_1e10_positions_reaches_any_batch_fast_and_small(per)
     old = {**state, "mixture": {k: v for k, v in state["mixture"].items() if k != "order"}}
     with pytest.raises(ValueError, match="saved with mixture=.*'order': 'per-position'"):
         r.load_state_dict(old)  # a state of the array layout (before) is refused, naming the difference
+
+
+@pytest.mark.parametrize("per,stop_on", [("batch", None), ("batch", 2), ("epoch", None), ("epoch", 0)])
+def test_a_mixture_epochs_token_count_equals_its_stream_summed(per, stop_on):
+    """Packing over a mixture counts the epoch's tokens from each dataset's passes (whole
+    passes from the lengths' sum): equal to the lengths of the stream's samples summed."""
+    order = _order([37, 11, 5], [0.5, 0.3, 0.2], per=per, epoch_size=None if stop_on is not None else 301,
+                   stop_on=stop_on)
+    lengths = np.random.default_rng(4).integers(0, 50, 53)
+    for shuffle in (True, False):
+        s = MixtureSampler(order, batch_size=8, seed=3, shuffle=shuffle)
+        for e in (0, 1, 5):
+            st = s.order_stream(e)
+            for max_length in (None, 20):
+                tok = lengths[np.asarray(st)]
+                want = int((tok if max_length is None else np.minimum(tok, max_length)).sum())
+                assert st.token_total(lengths, max_length) == want, (shuffle, e, max_length)

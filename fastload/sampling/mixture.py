@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from .bijection import bijection, derive_keys, round_keys
-from .order import Stream
+from .order import CHUNK, Stream
 from .sampler import Sampler
 from .streams import DATASET_PASSES, MIXTURE_BATCHES, MIXTURE_EPOCH, PERMUTATION, seed_sequence
 
@@ -290,6 +290,37 @@ class MixtureStream(Stream):
             sel = ids == i
             out[sel] = self.starts[i] + dataset_samples(int(self.sizes[i]), self.seed, i, draws[sel], self.shuffle)
         return out
+
+    def token_total(self, lengths, max_length: int | None = None) -> int:
+        """The tokens the epoch reads (``lengths`` by global index, truncated to
+        ``max_length``): dataset ``i`` reads draws ``e * E_i .. (e + 1) * E_i - 1`` of its
+        stream, so its whole passes count its lengths' sum and only a partial pass (or its
+        complement, whichever is shorter) is computed draw by draw, in chunks."""
+        def tokens(idx) -> int:
+            tok = np.asarray(lengths[idx], dtype=np.int64)
+            return int((tok if max_length is None else np.minimum(tok, max_length)).sum())
+
+        total = 0
+        for i, count in enumerate(self.layout.per_epoch.tolist()):
+            size, start = int(self.sizes[i]), int(self.starts[i])
+            if not count or not size:
+                continue
+            whole = tokens(slice(start, start + size))
+            a, b = self.epoch * count, (self.epoch + 1) * count
+            for p in range(a // size, (b - 1) // size + 1):  # each pass of the dataset the epoch reads
+                lo, hi = max(a, p * size), min(b, (p + 1) * size)
+                if hi - lo == size:
+                    total += whole
+                    continue
+                inside = hi - lo <= size // 2
+                ranges = [(lo, hi)] if inside else [(p * size, lo), (hi, (p + 1) * size)]
+                part = 0
+                for r0, r1 in ranges:
+                    for c in range(r0, r1, CHUNK):
+                        draws = np.arange(c, min(r1, c + CHUNK), dtype=np.int64)
+                        part += tokens(start + dataset_samples(size, self.seed, i, draws, self.shuffle))
+                total += part if inside else whole - part
+        return total
 
     @property
     def _key(self) -> tuple:
