@@ -60,3 +60,17 @@ def test_a_small_dataset_holds_them_in_memory(ds, monkeypatch):
     v = fastload.Dataset(path).lengths("tokens")
     assert not isinstance(v, np.memmap) and np.array_equal(v, want)
     assert not lengths_mod.local_lengths_path(fastload.Dataset(path), "tokens").exists()
+
+
+def test_a_mixtures_lengths_are_kept_and_mapped_too(ds, tmp_path):
+    path, want = ds
+    docs = [np.arange(i % 5, dtype=np.int32) for i in range(40)]
+    with ShardWriter(tmp_path / "small", {"tokens": "int32[]"}, shard_size=16) as w:
+        w.write_batch({"tokens": docs})
+    mix = fastload.Mixture({"a": fastload.Dataset(path), "b": fastload.Dataset(tmp_path / "small")}, [0.5, 0.5],
+                           epoch_size=100)
+    v = mix.reader.lengths("tokens")
+    assert isinstance(v, np.memmap) and np.array_equal(v, np.concatenate([want, [len(d) for d in docs]]))
+    again = fastload.Mixture({"a": fastload.Dataset(path), "b": fastload.Dataset(tmp_path / "small")}, [0.5, 0.5],
+                             epoch_size=100).reader.lengths("tokens")
+    assert isinstance(again, np.memmap) and again.filename == v.filename  # the same file, once per node

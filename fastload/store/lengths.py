@@ -12,7 +12,8 @@ run and rank of the node (the page cache is shared). Ranks that start together m
 the offsets once; the renames replace equal files. A file of the wrong type or shape is
 read again; without a usable cache directory the lengths are read into memory (a warning
 says so). The remote path keeps them the same way in its own cache
-(:mod:`fastload.remote.lengths`).
+(:mod:`fastload.remote.lengths`); a mixture's (the datasets' lengths one after the other) are
+kept here too, keyed by its datasets' manifests (:func:`concat_lengths`).
 """
 from __future__ import annotations
 
@@ -28,21 +29,30 @@ import numpy as np
 from ..files import temp_path
 from ..runtime.system import cache_root
 
-__all__ = ["MAP_MIN", "local_lengths", "local_lengths_path"]
+__all__ = ["MAP_MIN", "concat_lengths", "kept_lengths", "kept_path", "local_lengths", "local_lengths_path"]
 
 logger = logging.getLogger("fastload")
 
 MAP_MIN = 1 << 20  # samples: smaller datasets' lengths (8 MB at most) are read into memory
 
 
-def local_lengths_path(reader, field: str) -> Path | None:
-    """Where ``field``'s lengths of a local dataset are kept (None: no cache directory)."""
+def _key(manifests: list) -> str:
+    return hashlib.sha256(json.dumps(manifests, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def kept_path(manifests: list, field: str) -> Path | None:
+    """Where ``field``'s lengths of the dataset(s) of ``manifests`` are kept (None: no cache
+    directory)."""
     root = cache_root()
     if root is None:
         return None
-    key = hashlib.sha256(json.dumps(reader.manifest, sort_keys=True, default=str).encode()).hexdigest()[:32]
     safe = field if re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", field) else hashlib.sha1(field.encode()).hexdigest()
-    return root / "lengths" / key / f"lengths-{safe}.npy"
+    return root / "lengths" / _key(manifests) / f"lengths-{safe}.npy"
+
+
+def local_lengths_path(reader, field: str) -> Path | None:
+    """Where ``field``'s lengths of a local dataset are kept (None: no cache directory)."""
+    return kept_path([reader.manifest], field)
 
 
 def _fill(reader, field: str, out: np.ndarray) -> np.ndarray:
@@ -71,12 +81,11 @@ def _remove(tmp: Path) -> None:
         pass
 
 
-def local_lengths(reader, field: str) -> np.ndarray:
-    """Items per sample of ragged ``field`` of a local dataset (see the module docstring)."""
-    n = len(reader)
-    path = local_lengths_path(reader, field) if n >= MAP_MIN else None
+def kept_lengths(path: Path | None, n: int, field: str, fill) -> np.ndarray:
+    """``n`` lengths memory-mapped from ``path``, written there by ``fill(out)`` first when
+    missing or wrong (see the module docstring); ``path`` None: ``fill`` into memory."""
     if path is None:
-        return _fill(reader, field, np.empty(n, np.int64))
+        return fill(np.empty(n, np.int64))
     v = _load(path, n)
     if v is not None:
         return v
@@ -85,7 +94,7 @@ def local_lengths(reader, field: str) -> np.ndarray:
         path.parent.mkdir(parents=True, exist_ok=True)
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(n,))
         try:
-            _fill(reader, field, out)
+            fill(out)
             out.flush()
         finally:
             del out
@@ -94,9 +103,35 @@ def local_lengths(reader, field: str) -> np.ndarray:
         _remove(tmp)
         logger.warning("fastload: could not keep the lengths of %r in %s (%s); they are held in memory (8 bytes "
                        "per sample); set FASTLOAD_CACHE to a writable directory", field, path.parent, e)
-        return _fill(reader, field, np.empty(n, np.int64))
+        return fill(np.empty(n, np.int64))
     except BaseException:
         _remove(tmp)
         raise
     v = _load(path, n)
-    return v if v is not None else _fill(reader, field, np.empty(n, np.int64))
+    return v if v is not None else fill(np.empty(n, np.int64))
+
+
+def local_lengths(reader, field: str) -> np.ndarray:
+    """Items per sample of ragged ``field`` of a local dataset (see the module docstring)."""
+    n = len(reader)
+    path = local_lengths_path(reader, field) if n >= MAP_MIN else None
+    return kept_lengths(path, n, field, lambda out: _fill(reader, field, out))
+
+
+def concat_lengths(readers, field: str) -> np.ndarray:
+    """The lengths of several datasets one after the other (a mixture's), kept the same way
+    past :data:`MAP_MIN` samples (copied from each dataset's, in chunks)."""
+    n = sum(len(r) for r in readers)
+
+    def fill(out: np.ndarray) -> np.ndarray:
+        at = 0
+        for r in readers:
+            v = r.lengths(field)
+            for a in range(0, len(v), 1 << 24):
+                b = min(len(v), a + (1 << 24))
+                out[at + a:at + b] = v[a:b]
+            at += len(v)
+        return out
+
+    path = kept_path([r.manifest for r in readers], field) if n >= MAP_MIN else None
+    return kept_lengths(path, n, field, fill)

@@ -30,6 +30,7 @@ from ..validate import check_choice, check_index_array
 from .format import MANIFEST, Field, arrow_schema
 from .gather import Gathering
 from .verified_record import DEFAULT_VERIFY, VERIFY_POLICIES
+from .lengths import local_lengths
 from .manifest import check_manifest, manifest_fields, read_manifest
 from .shard import MappedShard
 from .first_use import ShardVerifier
@@ -319,8 +320,6 @@ class DatasetReader(Gathering):
                 v = remote_lengths(self, field, lambda s: MappedShard(self.shard_files[s], self.manifest["shards"][s],
                                                                       self.fields))
             else:  # memory-mapped from the node's cache directory past a million samples
-                from .lengths import local_lengths
-
                 v = local_lengths(self, field)
             if v.flags.writeable:
                 v.flags.writeable = False
