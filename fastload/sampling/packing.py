@@ -369,7 +369,7 @@ def max_pieces(lengths: np.ndarray, rows: int, length: int, max_length: int | No
     Counted with a histogram of the lengths up to ``rows * length`` (longer documents never
     fit in the rest), in chunks: no sorted copy of the lengths."""
     size = rows * length
-    hist = np.zeros(size + 1, np.int64)  # documents of each length 1..size (0: unused)
+    hist = np.zeros(1, np.int64)  # documents of each length 0..size seen (grown to the longest <= size)
     total = nonzero = 0
     for a in range(0, len(lengths), CHUNK * 16):
         tok = np.asarray(lengths[a:a + CHUNK * 16], dtype=np.int64)
@@ -377,15 +377,18 @@ def max_pieces(lengths: np.ndarray, rows: int, length: int, max_length: int | No
             tok = np.minimum(tok, max_length)
         total += int(tok.sum())
         nonzero += int(np.count_nonzero(tok))
-        hist += np.bincount(tok[tok <= size], minlength=size + 1)
+        h = np.bincount(tok[tok <= size])
+        if len(h) > len(hist):
+            hist = np.concatenate([hist, np.zeros(len(h) - len(hist), np.int64)])
+        hist[:len(h)] += h
     if total == 0:
         return max(1, rows)  # no token: no batch
     passes, rest = divmod(size, total)
     hist[0] = 0
-    tokens_upto = np.cumsum(hist * np.arange(size + 1))  # tokens of all documents of length <= v
+    tokens_upto = np.cumsum(hist * np.arange(len(hist)))  # tokens of all documents of length <= v
     v = int(np.searchsorted(tokens_upto, rest, side="right"))  # the first length not all of whose documents fit
     fit = int(hist[:v].sum())
-    if v <= size:
+    if v < len(hist):
         fit += (rest - int(tokens_upto[v - 1])) // v  # and as many of length v as fit
     whole = passes * nonzero + fit
     return int(min(size, rows + whole + 1))
