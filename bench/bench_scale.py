@@ -18,7 +18,14 @@ And the open time of a dataset of ``--manifest-shards`` (100,000) shards, with a
 first batch over it and 50 more (each of 256 shards), and the shard mappings the process
 holds (bounded: fastload.store.mapped).
 
+Also a mixture's stream (``--mix-sizes``: epochs of 10^6, 10^8, 10^10 positions over three
+datasets): first batch, memory, resume, rate; and a packed pass (``--pack-sizes``: 10^6 and
+10^8 documents of generated lengths, rows of 8 x 4,096 tokens): the epoch's token count,
+first batch, memory, a resume at a random step (it reads the lengths up to there), the
+plan's rate.
+
     python bench/bench_scale.py [--smoke] [--full] [--rows 10000000 --shards 100] [--manifest-shards 100000]
+                                [--mix-sizes 1e6,1e8,1e10] [--pack-sizes 1e6,1e8]
 """
 from __future__ import annotations
 
@@ -95,6 +102,103 @@ def child_sampler(n: int, seconds: float) -> dict:
     return {"n": n, "first_s": first_s, "rss_growth": growth, "resume_s": resume_s,
             "samples_per_s": count / rate_s if count else 0.0,
             "batches_per_s": count / BATCH / rate_s if count else 0.0}
+
+
+class GeneratedLengths:
+    """Document lengths 1..2048 hashed from the document's index, computed when read (nothing
+    held: 10^8 of them would be 800 MB as an array); indexable by slices and index arrays."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key) -> np.ndarray:
+        from fastload.sampling.streams import splitmix64
+
+        idx = np.arange(*key.indices(self.n), dtype=np.int64) if isinstance(key, slice) else np.asarray(key)
+        with np.errstate(over="ignore"):
+            return (splitmix64(idx.astype(np.uint64)) % np.uint64(2048)).astype(np.int64) + 1
+
+
+PACK_ROWS, PACK_LEN = 8, 4096
+
+
+def child_pack(n: int, seconds: float) -> dict:
+    """A packed pass over ``n`` documents of :class:`GeneratedLengths` (mean 1,024.5 tokens),
+    rank 0 of 1,024, rows of 8 x 4,096 tokens: the epoch's token count (once per dataset),
+    the first batch and its memory, a resume at a random token, the rate of the plan alone."""
+    from fastload import Sampler
+    from fastload.sampling.packing import pack_plan, token_total
+
+    lengths = GeneratedLengths(n)
+    s = Sampler(n, batch_size=PACK_ROWS, world_size=WORLD, rank=0, seed=1)
+    t0 = time.perf_counter()
+    total = token_total(lengths)
+    total_s = time.perf_counter() - t0
+
+    def plan(start: int):
+        return pack_plan(0, start, s.order_stream(0), lengths, rows=PACK_ROWS, length=PACK_LEN, world_size=WORLD,
+                         rank=0, drop_last=True, total=total)
+
+    warm = plan(0)
+    warm.request(0)
+    before = _reset_peak()
+    t0 = time.perf_counter()
+    p = plan(0)
+    first = p.request(0)
+    first_s = time.perf_counter() - t0
+    growth = max(0, _peak() - before)
+    assert int(first.count.sum()) == PACK_ROWS * PACK_LEN
+    at = int(np.random.default_rng(n % 997).integers(0, len(p))) * p.bounds.step
+    t0 = time.perf_counter()
+    plan(at).request(0)
+    resume_s = time.perf_counter() - t0
+    count, t0 = 0, time.perf_counter()
+    for _req, _ in p.requests():
+        count += 1
+        if time.perf_counter() - t0 > seconds:
+            break
+    rate_s = time.perf_counter() - t0
+    return {"n": n, "total_s": total_s, "first_s": first_s, "rss_growth": growth, "resume_s": resume_s,
+            "resume_docs": at * n // total, "batches_per_s": count / rate_s,
+            "docs_per_s": count * p.bounds.step * n / total / rate_s}
+
+
+def child_mixture(n: int, seconds: float) -> dict:
+    """A mixture epoch of ``n`` positions over three datasets of 0.6, 0.3 and 0.1 x n samples
+    (weights 0.5, 0.3, 0.2; per="batch"), rank 0 of 1,024: first batch, its memory, a resume
+    at a random step, the sampler alone's rate."""
+    from fastload.sampling.mixture import MixtureOrder, MixtureSampler
+
+    sizes = np.array([n * 6 // 10, n * 3 // 10, n // 10], dtype=np.int64)
+    order = MixtureOrder(("a", "b", "c"), sizes, np.concatenate([[0], np.cumsum(sizes)[:-1]]),
+                         np.array([0.5, 0.3, 0.2]), "batch", n, None)
+    warm = MixtureSampler(order, batch_size=4, seed=0)
+    next(iter(warm))
+    before = _reset_peak()
+    t0 = time.perf_counter()
+    s = MixtureSampler(order, batch_size=BATCH, world_size=WORLD, rank=0, seed=1)
+    it = iter(s)
+    first = next(it)
+    first_s = time.perf_counter() - t0
+    growth = max(0, _peak() - before)
+    assert len(first) == min(BATCH, -(-n // WORLD))
+    state = s.state_dict(consumed=int(np.random.default_rng(n % 997).integers(0, len(s))) * BATCH * WORLD)
+    t0 = time.perf_counter()
+    r = MixtureSampler(order, batch_size=BATCH, world_size=WORLD, rank=0, seed=1)
+    r.load_state_dict(state)
+    next(iter(r))
+    resume_s = time.perf_counter() - t0
+    count, t0 = 0, time.perf_counter()
+    for b in it:
+        count += len(b)
+        if time.perf_counter() - t0 > seconds:
+            break
+    rate_s = time.perf_counter() - t0
+    return {"n": n, "first_s": first_s, "rss_growth": growth, "resume_s": resume_s,
+            "samples_per_s": count / rate_s if count else 0.0}
 
 
 def child_baseline(n: int) -> dict:
@@ -223,6 +327,8 @@ def _run_child(*args: str, timeout: float = 600) -> dict:
 def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1e6,1e8,1e10", help="stream positions N, comma-separated")
+    ap.add_argument("--mix-sizes", default="1e6,1e8,1e10", help="positions of the mixture epochs, comma-separated")
+    ap.add_argument("--pack-sizes", default="1e6,1e8", help="documents of the packed passes, comma-separated")
     ap.add_argument("--seconds", type=float, default=1.0, help="how long to read batches for the rate")
     ap.add_argument("--baseline-max", type=float, default=1e8, help="largest N the v2 baseline materialises")
     ap.add_argument("--rows", type=int, default=10_000_000, help="one-byte rows of the Loader's dataset")
@@ -240,6 +346,10 @@ def main(argv=None) -> list:
             out = child_sampler(int(float(rest[0])), float(rest[1]))
         elif kind == "baseline":
             out = child_baseline(int(float(rest[0])))
+        elif kind == "mixture":
+            out = child_mixture(int(float(rest[0])), float(rest[1]))
+        elif kind == "pack":
+            out = child_pack(int(float(rest[0])), float(rest[1]))
         elif kind == "manifest":
             out = child_manifest(int(rest[0]), rest[1])
         else:
@@ -248,6 +358,7 @@ def main(argv=None) -> list:
         return []
     if a.smoke:
         a.sizes, a.seconds, a.baseline_max, a.rows, a.shards = "1e6,1e10", 0.2, 1e6, 100_000, 10
+        a.pack_sizes, a.mix_sizes = "1e6", "1e6"
         a.manifest_shards = 1000
     if a.full:
         a.rows, a.shards = 100_000_000, 1000
@@ -266,6 +377,22 @@ def main(argv=None) -> list:
               f"{'not run (' + format(n * (4 if n < 2**31 else 8) / 2**30, '.1f') + ' GiB)':>24}")
         print(f"{n:>16,} {r['first_s'] * 1e3:>9.2f} ms {r['rss_growth'] / 2**20:>8.1f} MB "
               f"{r['resume_s'] * 1e3:>6.2f} ms {r['batches_per_s']:>10,.0f} {r['samples_per_s']:>12,.0f}   | {v2}")
+    print(f"Mixture epochs of N positions (3 datasets, weights 0.5/0.3/0.2, per='batch'; rank 0 of {WORLD}, "
+          f"batch {BATCH}), each N in a fresh process")
+    print(f"{'N':>16} {'first batch':>12} {'peak RSS +':>11} {'resume':>9} {'samples/s':>12}")
+    for n in [int(float(x)) for x in a.mix_sizes.split(",") if x]:
+        mx = _run_child("--child", "mixture", str(n), str(a.seconds))
+        print(f"{n:>16,} {mx['first_s'] * 1e3:>9.2f} ms {mx['rss_growth'] / 2**20:>8.1f} MB "
+              f"{mx['resume_s'] * 1e3:>6.2f} ms {mx['samples_per_s']:>12,.0f}")
+    print(f"Packed pass (pack_to={PACK_LEN}, {PACK_ROWS} rows, rank 0 of {WORLD}) over N documents of 1-2048 "
+          f"tokens, each N in a fresh process")
+    print(f"{'N':>16} {'token count':>12} {'first batch':>12} {'peak RSS +':>11} {'resume (docs before)':>26} "
+          f"{'batches/s':>10} {'documents/s':>12}")
+    for n in [int(float(x)) for x in a.pack_sizes.split(",") if x]:
+        pk = _run_child("--child", "pack", str(n), str(a.seconds))
+        print(f"{n:>16,} {pk['total_s']:>10.2f} s {pk['first_s'] * 1e3:>9.2f} ms {pk['rss_growth'] / 2**20:>8.1f} MB "
+              f"{pk['resume_s']:>8.2f} s ({pk['resume_docs']:>13,}) {pk['batches_per_s']:>10,.1f} "
+              f"{pk['docs_per_s']:>12,.0f}")
     with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
         lo = _run_child("--child", "loader", str(a.rows), str(a.shards), a.folder or tmp, timeout=3600)
     print(f"Loader over {lo['rows']:,} one-byte rows in {lo['shards']:,} shards (rank 0 of {WORLD}): "

@@ -265,19 +265,27 @@ def test_pack_to_mixes_documents_and_weights_over_mean_lengths_give_token_shares
 
 
 def test_the_next_epochs_mixture_stream_is_prepared_ahead_and_equal(datasets, monkeypatch):
-    """A Loader prepares the next epoch's order while an epoch runs: for a mixture too (its own
-    stream, not a plain permutation), equal to the stream computed when asked for."""
+    """A mixture's stream is computed per position: nothing is prepared in the background
+    for the Loader's own batches; once a whole stream is asked for (a remote cache's plan),
+    the next epoch's is prepared ahead, equal to the stream computed when asked for."""
     from fastload.sampling import sampler as sampler_mod
 
     monkeypatch.setattr(sampler_mod, "PREPARE_MIN_NS", 0)  # (a small order is otherwise computed when asked for)
     kw = dict(mix=[0.6, 0.3, 0.1], epoch_size=600, batch_size=20, seed=3)
     with fastload.Loader(list(datasets.values()), **kw) as loader:
-        first = _read(loader, epochs=2)
+        first = _read(loader, epochs=1)
+        assert loader.sampler._ahead is None  # per position: no epoch's array to prepare
+        loader.sampler.stream(0)  # a whole stream asked for: the next ones are prepared ahead
+        loader.set_epoch(1)
+        for b in loader:
+            first[0].append(b["source"].numpy())
+            first[1].append(b["index"].numpy())
         ahead = loader.sampler._ahead
         assert ahead is not None and ahead.epoch == 2  # the epoch after the last one read
     with fastload.Loader(list(datasets.values()), **kw) as fresh:
         fresh.sampler.prepare = lambda epoch: None  # nothing prepared: every stream computed when asked
         again = _read(fresh, epochs=2)
         assert np.array_equal(ahead.wait(), fresh.sampler.stream(2))  # the mixture's order, not a permutation
+    assert len(first[0]) == len(again[0])
     assert all(np.array_equal(a, b) for a, b in zip(first[1], again[1]))
     assert all(np.array_equal(a, b) for a, b in zip(first[0], again[0]))

@@ -21,7 +21,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence, cast
 
 from ..store.mixture import Mixture
-from ..sampling.packing import PackPlan, pack_plan
+from ..sampling.packing import PackPlan, pack_plan, token_total
 from ..store import Dataset, DatasetReader
 from ..remote.options import REMOTE_KEYWORDS, RemoteOptions
 from ..remote.manifest import dataset_fingerprint
@@ -34,7 +34,6 @@ from .ranks import DatasetCheck
 from .stats import Stats
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
     from ..sampling import EpochPlan, Sampler
@@ -47,15 +46,17 @@ LOADER_STATE_VERSION = 1
 
 
 def packed_pass(ds: Any, sampler: Sampler, options: Options, epoch: int, start: int,
-                stream: np.ndarray | None = None) -> PackPlan:
+                stream: Any = None) -> PackPlan:
     """The PackPlan of a pass over ``epoch`` from token ``start`` (a function of values, not
     of the Loader: remote.py plans the cache's downloads with it)."""
     assert options.pack is not None  # (packed passes only)
     name, d = options.pack
-    stream = sampler.stream(epoch) if stream is None else stream
-    return pack_plan(epoch, start, stream, ds.lengths(name), rows=options.batch_size, length=cast(int, d.pack_to),
+    stream = sampler.order_stream(epoch) if stream is None else stream
+    lengths = ds.lengths(name)
+    total = token_total(lengths, d.max_length) if sampler.reads_every_sample_once else None
+    return pack_plan(epoch, start, stream, lengths, rows=options.batch_size, length=cast(int, d.pack_to),
                      world_size=sampler.world_size, rank=sampler.rank, drop_last=sampler.drop_last,
-                     max_length=d.max_length)
+                     max_length=d.max_length, total=total)
 
 
 class Loader:
@@ -254,9 +255,9 @@ class Loader:
         if self._options.pack is None:
             return len(self._sampler)
         s = self._sampler
-        return len(self._pack_plan(s.epoch, s.start_position(), s.stream(s.epoch)))  # a loaded position, or 0
+        return len(self._pack_plan(s.epoch, s.start_position(), s.order_stream(s.epoch)))  # a loaded position, or 0
 
-    def _pack_plan(self, epoch: int, start: int, stream: np.ndarray) -> PackPlan:
+    def _pack_plan(self, epoch: int, start: int, stream: Any) -> PackPlan:
         return packed_pass(self._dataset, self._sampler, self._options, epoch, start, stream)
 
     @property
@@ -364,8 +365,8 @@ class Loader:
         d = self._options.pack[1]
 
         def epoch_end(epoch: int, world: int, drop_last: bool) -> int:
-            plan = self._pack_plan(epoch, 0, self._sampler.stream(epoch))
-            return int(plan.cum[-1]) + world * self.batch_size * d.pack_to
+            plan = self._pack_plan(epoch, 0, self._sampler.order_stream(epoch))
+            return plan.total + world * self.batch_size * d.pack_to
         return epoch_end
 
     # -- stats and lifetime --------------------------------------------------------------------

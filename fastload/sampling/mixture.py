@@ -24,6 +24,16 @@ the datasets so that over many batches each dataset gets its share (within a few
 holds dataset ``i`` exactly ``round(p_i * M)`` times (largest remainders), in a random order
 per epoch, so batches vary around the proportions.
 
+Computed per position (:class:`MixtureLayout`; nothing per position is held).
+``per="batch"``: run ``c``'s counts come from its golden-ratio point in 64-bit fixed point
+(:class:`BatchCounts`), the counts of all runs before it from floor sums in O(log c); its
+``B`` slots, laid out dataset after dataset, are shuffled by a keyed bijection of the run,
+and the run is computed whole (``B`` positions) to number each dataset's positions in
+stream order. ``per="epoch"``: a keyed bijection of the epoch's ``M`` positions onto slots
+laid out dataset after dataset; slot ``s`` of dataset ``i`` reads that epoch's draw
+``s - first slot of i``, so within an epoch a dataset's draws come in a random order (every
+one once; a dataset read more than once per epoch may repeat a sample before its pass ends).
+
 An epoch is ``epoch_size`` positions, or — ``stop_on=name`` — as many as it takes to read
 every sample of that dataset once (each epoch then is exactly one pass over it).
 
@@ -44,83 +54,83 @@ lengths give proportions of tokens (see the README).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .bijection import bijection, round_keys
+from .bijection import bijection, derive_keys, round_keys
+from .order import CHUNK, Stream
 from .sampler import Sampler
-from .streams import DATASET_PASSES, MIXTURE_BATCHES, MIXTURE_EPOCH, PERMUTATION, generator, seed_sequence
+from .streams import DATASET_PASSES, MIXTURE_BATCHES, MIXTURE_EPOCH, PERMUTATION, seed_sequence
 
-__all__ = ["MixtureOrder", "MixtureSampler", "batch_counts", "dataset_draws", "mixture_layout"]
+__all__ = ["BatchCounts", "MixtureLayout", "MixtureOrder", "MixtureSampler", "MixtureStream", "batch_counts",
+           "dataset_draws", "dataset_samples", "mixture_layout"]
 
-_GOLDEN = (math.sqrt(5) - 1) / 2
+_WEYL = 0x9E3779B97F4A7C15  # round(2^64 * (sqrt(5) - 1) / 2), odd: run c's point is frac((c + 1) * golden)
+_M64 = 1 << 64
+ORDER = "per-position"  # in the identity: a state of the array layout (before) is refused, naming it
+
+
+def _floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """``sum(floor((a * k + b) / m) for k in range(n))`` exactly, in O(log m) steps (Python
+    integers, ``a, b >= 0``): the Euclid-like reduction of the floor sum."""
+    total = 0
+    while True:
+        if a >= m:
+            total += (n - 1) * n // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        y = a * n + b
+        if y < m:
+            return total
+        n, b, m, a = y // m, y % m, a, m
+
+
+class BatchCounts:
+    """The counts of ``per="batch"``: run ``c`` of ``batch_size`` positions holds dataset ``i``
+    ``floor(B * p_i)`` times, plus one when one of the points ``u_c + j`` (``j = 0..extra-1``,
+    ``u_c = frac((c + 1) * golden)`` in 64-bit fixed point) falls in its share of the
+    fractions (systematic sampling with golden-ratio offsets): every count is the floor or the
+    ceiling, every run sums to ``B``, and each dataset's ceilings come at the rate of its
+    fraction. The counts of runs ``0..c-1`` together take O(log) from ``c`` (floor sums)."""
+
+    def __init__(self, weights: np.ndarray, batch_size: int) -> None:
+        ideal = np.asarray(weights, dtype=np.float64) * batch_size
+        self.batch_size = int(batch_size)
+        self.base = np.floor(ideal).astype(np.int64)
+        extra = self.batch_size - int(self.base.sum())
+        bounds = np.concatenate([[0.0], np.cumsum(ideal - self.base)])
+        fixed = [int(x * _M64) for x in bounds[:-1].tolist()] + [extra * _M64]  # floats times 2^64: exact
+        for i in range(1, len(fixed)):
+            fixed[i] = max(fixed[i], fixed[i - 1])
+        self._q = np.array([f >> 64 for f in fixed], dtype=np.int64)
+        self._r = [f & (_M64 - 1) for f in fixed]
+        self._r64 = np.array(self._r, dtype=np.uint64)
+        self._per_run = self.base + np.diff(self._q)
+
+    def counts(self, runs) -> np.ndarray:
+        """``(len(runs), n)``: each dataset's count in each run of ``runs``."""
+        k = np.asarray(runs, dtype=np.uint64) + np.uint64(1)
+        with np.errstate(over="ignore"):
+            u = k * np.uint64(_WEYL)  # wraps: frac((c + 1) * golden) * 2^64
+        above = (self._r64[None, :] > u[:, None]).astype(np.int64)
+        return self._per_run[None, :] + np.diff(above, axis=1)
+
+    def before(self, c: int) -> np.ndarray:
+        """Each dataset's count in runs ``0..c-1`` together (O(log c) per dataset)."""
+        c = int(c)
+        f0 = _floor_sum(c + 1, _M64, _WEYL, 0)
+        below = [f0 - _floor_sum(c + 1, _M64, _WEYL, _M64 - r) + (r == 0) + c for r in self._r]  # u_1..u_c < r
+        return c * self._per_run + np.diff(np.array(below, dtype=np.int64))
 
 
 def batch_counts(weights: np.ndarray, batch_size: int, chunks: int) -> np.ndarray:
-    """``(chunks, n)`` samples of each dataset in each run of ``batch_size`` positions: the
-    floor of ``B * p_i`` plus one for the datasets whose fractions the chunk's rotating
-    points fall in (systematic sampling with golden-ratio offsets): every count is the floor
-    or the ceiling, every row sums to ``B``, and each dataset's ceilings come at the rate of
-    its fraction."""
-    ideal = weights * batch_size
-    base = np.floor(ideal).astype(np.int64)
-    frac = ideal - base
-    extra = batch_size - int(base.sum())
-    bounds = np.concatenate([[0.0], np.cumsum(frac)])
-    bounds[-1] = extra  # exactly: the fractions add up to the whole number of extras
-    u = ((np.arange(chunks) + 1) * _GOLDEN) % 1.0
-    # points u + j (j = 0..extra-1) in [bounds[i], bounds[i+1]): at most one per dataset
-    hits = np.ceil(bounds[None, 1:] - u[:, None]) - np.ceil(bounds[None, :-1] - u[:, None])
-    return base[None, :] + hits.astype(np.int64)
-
-
-def _within_chunks(ids: np.ndarray, batch_size: int, rng: np.random.Generator) -> np.ndarray:
-    """``ids`` (grouped by dataset inside each chunk) shuffled within each chunk."""
-    keys = rng.random(len(ids)) + np.arange(len(ids)) // batch_size
-    return ids[np.argsort(keys, kind="stable")]
-
-
-def mixture_layout(weights: np.ndarray, sizes: np.ndarray, *, batch_size: int, per: str, seed: int, epoch: int,
-                   epoch_size: int | None, stop_on: int | None) -> np.ndarray:
-    """The dataset of each of the epoch's positions (int8/int16/int32), see the module
-    docstring. ``per="batch"`` layouts do not depend on the epoch."""
-    n = len(weights)
-    dt = np.int8 if n < 128 else np.int32
-    if per == "epoch":
-        if stop_on is not None:
-            j = stop_on
-            m = max(int(round(sizes[j] / weights[j])), int(sizes[j]))
-            rest = np.delete(weights, j)
-            counts = np.insert(_apportion(m - int(sizes[j]), rest / rest.sum()) if n > 1 else np.zeros(0, np.int64),
-                               j, sizes[j])
-        else:
-            counts = _apportion(epoch_size, weights)
-        ids = np.repeat(np.arange(n, dtype=dt), counts)
-        generator(seed, epoch, MIXTURE_EPOCH).shuffle(ids)
-        return ids
-    rng = generator(seed, 0, MIXTURE_BATCHES)  # the same every epoch
-    if stop_on is None:
-        chunks = -(-epoch_size // batch_size)
-        counts = batch_counts(weights, batch_size, chunks)
-        ids = np.repeat(np.tile(np.arange(n, dtype=dt), chunks), counts.ravel())
-        return _within_chunks(ids, batch_size, rng)[:epoch_size]
-    j = stop_on
-    need = int(sizes[j])
-    per_chunk = weights[j] * batch_size
-    chunks = int(need / per_chunk) + 2
-    while True:
-        counts = batch_counts(weights, batch_size, chunks)
-        if counts[:, j].sum() >= need:
-            break
-        chunks *= 2
-    chunks = int(np.searchsorted(np.cumsum(counts[:, j]), need)) + 1  # the chunk holding the last one
-    ids = np.repeat(np.tile(np.arange(n, dtype=dt), chunks), counts[:chunks].ravel())
-    ids = _within_chunks(ids, batch_size, rng)
-    last = int(np.flatnonzero(ids == j)[need - 1])
-    return ids[:last + 1]
+    """``(chunks, n)`` samples of each dataset in each of the first ``chunks`` runs of
+    ``batch_size`` positions (:class:`BatchCounts`)."""
+    return BatchCounts(weights, batch_size).counts(np.arange(chunks))
 
 
 def _apportion(total: int, weights: np.ndarray) -> np.ndarray:
@@ -133,23 +143,188 @@ def _apportion(total: int, weights: np.ndarray) -> np.ndarray:
     return out
 
 
-def dataset_draws(size: int, seed: int, dataset: int, first: int, count: int, shuffle: bool) -> np.ndarray:
-    """Positions ``first..first+count-1`` of one dataset's own stream: its passes one after
-    the other, each a fresh keyed bijection of the dataset keyed by (seed, dataset, pass),
-    computed per position (``permutation(size, key, pass)`` materialises one pass)."""
-    if count == 0:
-        return np.empty(0, np.int64)
-    pos = np.arange(first, first + count, dtype=np.int64)
-    if not shuffle:
-        return pos % size
-    key = int(seed_sequence(seed, dataset, DATASET_PASSES).generate_state(1, np.uint64)[0] >> 1)
-    out = np.empty(count, np.int64)
-    p0, p1 = first // size, (first + count - 1) // size
-    for p in range(p0, p1 + 1):  # one pass after the other (a few: count is at most an epoch)
-        a = max(first, p * size) - first
-        b = min(first + count, (p + 1) * size) - first
-        out[a:b] = bijection(pos[a:b] - p * size, size, round_keys(key, p, PERMUTATION))
+class MixtureLayout:
+    """Which dataset each position of a mixture epoch reads and which draw of that dataset
+    it is, per position (see the module docstring): ``length`` positions per epoch, of which
+    ``per_epoch[i]`` read dataset ``i``. Built once per sampler: O(datasets) memory."""
+
+    def __init__(self, weights: np.ndarray, sizes: np.ndarray, *, batch_size: int, per: str, seed: int,
+                 epoch_size: int | None, stop_on: int | None) -> None:
+        self.n = len(weights)
+        self.per, self.seed, self.batch_size = per, int(seed), int(batch_size)
+        if per == "epoch":
+            if stop_on is not None:
+                j = stop_on
+                m = max(int(round(sizes[j] / weights[j])), int(sizes[j]))
+                rest = np.delete(weights, j)
+                counts = np.insert(_apportion(m - int(sizes[j]), rest / rest.sum()) if self.n > 1 else
+                                   np.zeros(0, np.int64), j, sizes[j])
+            else:
+                counts = _apportion(epoch_size, weights)
+            self.per_epoch = np.asarray(counts, dtype=np.int64)
+            self._cum = np.concatenate([[0], np.cumsum(self.per_epoch)])
+            self.length = int(self._cum[-1])
+            return
+        self.counts = BatchCounts(weights, batch_size)
+        self._keys = round_keys(self.seed, 0, MIXTURE_BATCHES)  # the same every epoch
+        if stop_on is None:
+            self.length = int(epoch_size)
+        else:  # up to the run holding dataset j's size-th draw, and in it that draw's position
+            j = stop_on
+            need = int(sizes[j])
+            hi = 1
+            while self.counts.before(hi)[j] < need:
+                hi *= 2
+            lo = 0  # the first c with before(c + 1)[j] >= need
+            while lo < hi - 1:
+                mid = (lo + hi) // 2
+                if self.counts.before(mid)[j] >= need:
+                    hi = mid
+                else:
+                    lo = mid
+            run = lo
+            left = need - int(self.counts.before(run)[j])
+            ids, _ = self._runs(np.array([run]))
+            self.length = run * self.batch_size + int(np.flatnonzero(ids[0] == j)[left - 1]) + 1
+        full, rem = divmod(self.length, self.batch_size)
+        tail = np.zeros(self.n, np.int64)
+        if rem:
+            ids, _ = self._runs(np.array([full]))
+            tail = np.bincount(ids[0, :rem], minlength=self.n)
+        self.per_epoch = self.counts.before(full) + tail
+
+    def _runs(self, runs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(dataset, occurrence)`` of every offset of the runs ``runs``: ``(len(runs), B)``
+        each; occurrence: how many offsets before it in its run read the same dataset. A run's
+        slots are its counts laid out dataset after dataset, shuffled by a keyed bijection of
+        the run (keyed by the run's number)."""
+        b = self.batch_size
+        cum = np.cumsum(self.counts.counts(runs), axis=1)  # (runs, n): each dataset's end slot
+        keys = derive_keys(self._keys, runs)
+        offsets = np.tile(np.arange(b, dtype=np.int64), len(runs))
+        slots = bijection(offsets, b, np.repeat(keys, b, axis=1)).reshape(len(runs), b)
+        ids = (slots[:, :, None] >= cum[:, None, :]).sum(axis=2)  # the dataset whose slots hold it
+        occ = np.zeros_like(ids)
+        for i in range(self.n):
+            hit = ids == i
+            occ += np.where(hit, np.cumsum(hit, axis=1) - 1, 0)
+        return ids, occ
+
+    def _before(self, runs: np.ndarray) -> np.ndarray:
+        """``(len(runs), n)``: each dataset's count in the runs before each of ``runs``
+        (sorted): floor sums for the first, then the counts of the runs between summed when
+        they are few (a stretch of the stream), else floor sums for each (a rank's batches)."""
+        first, last = int(runs[0]), int(runs[-1])
+        if last - first > 4 * len(runs) + 64:
+            return np.stack([self.counts.before(c) for c in runs.tolist()])
+        span = np.zeros((last - first + 1, self.n), np.int64)
+        np.cumsum(self.counts.counts(np.arange(first, last, dtype=np.int64)), axis=0, out=span[1:])
+        return self.counts.before(first)[None, :] + span[runs - first]
+
+    def locate(self, pos: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(dataset, draw of that dataset's stream)`` of the epoch's ``pos`` positions."""
+        if self.per == "epoch":
+            keys = round_keys(self.seed, epoch, MIXTURE_EPOCH)
+            slot = bijection(pos, self.length, keys)
+            ids = np.searchsorted(self._cum, slot, side="right") - 1
+            return ids, epoch * self.per_epoch[ids] + slot - self._cum[ids]
+        run = pos // self.batch_size
+        runs, inv = np.unique(run, return_inverse=True)
+        ids, occ = self._runs(runs)
+        before = self._before(runs)
+        off = pos - run * self.batch_size
+        d = ids[inv, off]
+        return d, epoch * self.per_epoch[d] + before[inv, d] + occ[inv, off]
+
+
+def mixture_layout(weights: np.ndarray, sizes: np.ndarray, *, batch_size: int, per: str, seed: int, epoch: int,
+                   epoch_size: int | None, stop_on: int | None) -> np.ndarray:
+    """The dataset of each of the epoch's positions, materialised (:class:`MixtureLayout`
+    computes it per position)."""
+    lay = MixtureLayout(weights, sizes, batch_size=batch_size, per=per, seed=seed, epoch_size=epoch_size,
+                        stop_on=stop_on)
+    return lay.locate(np.arange(lay.length, dtype=np.int64), epoch)[0]
+
+
+def _dataset_key(seed: int, dataset: int) -> int:
+    return int(seed_sequence(seed, dataset, DATASET_PASSES).generate_state(1, np.uint64)[0] >> 1)
+
+
+def dataset_samples(size: int, seed: int, dataset: int, draws: np.ndarray, shuffle: bool) -> np.ndarray:
+    """The samples of draws ``draws`` of one dataset's own stream: its passes one after the
+    other, each a fresh keyed bijection of the dataset keyed by (seed, dataset, pass),
+    computed per draw (``permutation(size, key, pass)`` materialises one pass)."""
+    draws = np.asarray(draws, dtype=np.int64)
+    if not shuffle or not len(draws):
+        return draws % size
+    key = _dataset_key(seed, dataset)
+    passes = draws // size
+    out = np.empty(len(draws), np.int64)
+    for p in np.unique(passes).tolist():  # a few: the draws of a batch or a chunk of the stream
+        sel = passes == p
+        out[sel] = bijection(draws[sel] - p * size, size, round_keys(key, p, PERMUTATION))
     return out
+
+
+def dataset_draws(size: int, seed: int, dataset: int, first: int, count: int, shuffle: bool) -> np.ndarray:
+    """Draws ``first..first+count-1`` of one dataset's own stream (:func:`dataset_samples`)."""
+    return dataset_samples(size, seed, dataset, np.arange(first, first + count, dtype=np.int64), shuffle)
+
+
+class MixtureStream(Stream):
+    """A mixture epoch's stream per position: global indices into the mixture's reader."""
+
+    def __init__(self, layout: MixtureLayout, sizes: np.ndarray, starts: np.ndarray, seed: int, epoch: int,
+                 shuffle: bool) -> None:
+        self.layout, self.sizes, self.starts = layout, sizes, starts
+        self.seed, self.epoch, self.shuffle = int(seed), int(epoch), bool(shuffle)
+        self.num_samples = int(np.sum(sizes))
+
+    def __len__(self) -> int:
+        return self.layout.length
+
+    def _at(self, pos: np.ndarray) -> np.ndarray:
+        ids, draws = self.layout.locate(pos, self.epoch)
+        out = np.empty(len(pos), np.int64)
+        for i in np.unique(ids).tolist():
+            sel = ids == i
+            out[sel] = self.starts[i] + dataset_samples(int(self.sizes[i]), self.seed, i, draws[sel], self.shuffle)
+        return out
+
+    def token_total(self, lengths, max_length: int | None = None) -> int:
+        """The tokens the epoch reads (``lengths`` by global index, truncated to
+        ``max_length``): dataset ``i`` reads draws ``e * E_i .. (e + 1) * E_i - 1`` of its
+        stream, so its whole passes count its lengths' sum and only a partial pass (or its
+        complement, whichever is shorter) is computed draw by draw, in chunks."""
+        def tokens(idx) -> int:
+            tok = np.asarray(lengths[idx], dtype=np.int64)
+            return int((tok if max_length is None else np.minimum(tok, max_length)).sum())
+
+        total = 0
+        for i, count in enumerate(self.layout.per_epoch.tolist()):
+            size, start = int(self.sizes[i]), int(self.starts[i])
+            if not count or not size:
+                continue
+            whole = tokens(slice(start, start + size))
+            a, b = self.epoch * count, (self.epoch + 1) * count
+            for p in range(a // size, (b - 1) // size + 1):  # each pass of the dataset the epoch reads
+                lo, hi = max(a, p * size), min(b, (p + 1) * size)
+                if hi - lo == size:
+                    total += whole
+                    continue
+                inside = hi - lo <= size // 2
+                ranges = [(lo, hi)] if inside else [(p * size, lo), (hi, (p + 1) * size)]
+                part = 0
+                for r0, r1 in ranges:
+                    for c in range(r0, r1, CHUNK):
+                        draws = np.arange(c, min(r1, c + CHUNK), dtype=np.int64)
+                        part += tokens(start + dataset_samples(size, self.seed, i, draws, self.shuffle))
+                total += part if inside else whole - part
+        return total
+
+    @property
+    def _key(self) -> tuple:
+        return (id(self.layout), self.epoch, self.shuffle)
 
 
 @dataclass(frozen=True)
@@ -175,7 +350,7 @@ class MixtureOrder:
         """What defines the mixture's streams (a resumed state must match it)."""
         return {"datasets": list(self.names), "sizes": self.sizes.tolist(), "weights": self.weights.tolist(),
                 "per": self.per, "epoch_size": self.epoch_size, "stop_on": self.stop_on,
-                "mix_batch_size": batch_size if self.per == "batch" else None}
+                "mix_batch_size": batch_size if self.per == "batch" else None, "order": ORDER}
 
 
 class MixtureSampler(Sampler):
@@ -190,37 +365,27 @@ class MixtureSampler(Sampler):
         self.order = order
         super().__init__(int(order.sizes.sum()), batch_size=batch_size, world_size=world_size, rank=rank,
                          shuffle=shuffle, seed=seed, drop_last=drop_last)
-        self._layout: np.ndarray | None = None  # per="batch": the same every epoch
-        self._mlen = len(self._layout_for(0))
+        self.layout = MixtureLayout(order.weights, order.sizes, batch_size=batch_size, per=order.per, seed=seed,
+                                    epoch_size=order.epoch_size, stop_on=order.stop_on)
+        self._mlen = self.layout.length
 
-    _drawn = True  # the stream is computed whole (its layout is an array per epoch)
+    _drawn = False  # computed per position (MixtureLayout)
+    reads_every_sample_once = False  # datasets are read again or partly
 
     @property
     def stream_len(self) -> int:
         return getattr(self, "_mlen", 0) or self.num_samples
 
-    def _layout_for(self, epoch: int) -> np.ndarray:
-        m = self.order
-        if m.per == "batch" and self._layout is not None:
-            return self._layout
-        ids = mixture_layout(m.weights, m.sizes, batch_size=self.batch_size, per=m.per, seed=self.seed,
-                             epoch=epoch, epoch_size=m.epoch_size, stop_on=m.stop_on)
-        if m.per == "batch":
-            self._layout = ids
-        return ids
-
-    def _compute(self, e: int) -> np.ndarray:
-        """The mixture's stream of epoch ``e`` (cached and prepared ahead by Sampler.stream/prepare)."""
-        m = self.order
-        ids = self._layout_for(e)
-        counts = np.bincount(ids, minlength=len(m.sizes))
-        out = np.empty(len(ids), dtype=np.int64)
-        for i, size in enumerate(m.sizes.tolist()):
-            where = np.flatnonzero(ids == i)
-            local = dataset_draws(size, self.seed, i, e * int(counts[i]), len(where), self.shuffle)
-            out[where] = local + m.starts[i]
-        out.flags.writeable = False
-        return out
+    def order_stream(self, epoch: int | None = None) -> Stream:
+        e = self.epoch if epoch is None else int(epoch)
+        o = self._orders.get(e)
+        if o is None:
+            o = MixtureStream(self.layout, self.order.sizes, self.order.starts, self.seed, e, self.shuffle)
+            keep = (self.epoch, self.epoch + 1)
+            if e in keep:
+                self._orders = {k: v for k, v in self._orders.items() if k in keep}
+                self._orders[e] = o
+        return o
 
     def _compute_identity(self) -> dict:
         return {**super()._compute_identity(), "mixture": self.order.identity(self.batch_size)}

@@ -18,19 +18,28 @@ to the start of the epoch's token stream (every row is full; the first tokens ar
 again — several times when one batch is longer than the whole stream), with
 ``drop_last=True`` the tokens of an incomplete last step are not read.
 
-A pass's pieces are computed for all its batches at once, vectorised, when it begins
-(:func:`epoch_pieces`); the ring is sized once for the most pieces any batch can have in any
-order of the documents (:func:`max_pieces`).
+A pass reads the stream in chunks as it advances (:class:`TokenStream`): a batch's pieces
+are computed when it is asked for, from the chunks holding its tokens, and nothing per
+document of the epoch is held (the token count before each chunk: 8 bytes per 65,536
+documents). Resuming at token ``t`` reads the stream's lengths up to ``t``. The ring is sized
+once for the most pieces any batch can have in any order of the documents
+(:func:`max_pieces`, from a histogram of the lengths).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+import threading
+import weakref
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Iterator, NamedTuple
 
 import numpy as np
 
-__all__ = ["PackPlan", "Request", "epoch_pieces", "max_pieces", "pack_bounds", "pack_plan", "pieces"]
+from .order import CHUNK
+
+__all__ = ["PackPlan", "Request", "TokenBatches", "TokenStream", "epoch_pieces", "max_pieces", "pack_bounds",
+           "pack_plan", "pieces", "token_total"]
 
 
 class Request(NamedTuple):
@@ -54,18 +63,8 @@ def pack_bounds(start: int, total: int, world_size: int, rank: int, rows: int, l
                 drop_last: bool) -> list[tuple[int, int, int]]:
     """This rank's batches from token ``start`` of a ``total``-token stream: a list of
     ``(first token, end token, tokens consumed after the step)`` (positions past ``total``
-    wrap around to the stream's start)."""
-    if total <= 0 or start >= total:
-        return []
-    per_rank = rows * length
-    step = per_rank * world_size
-    left = total - start
-    steps = left // step if drop_last else -(-left // step)
-    out = []
-    for k in range(steps):
-        s0 = start + k * step
-        out.append((s0 + rank * per_rank, s0 + (rank + 1) * per_rank, s0 + step))
-    return out
+    wrap around to the stream's start); :class:`TokenBatches` computes them without a list."""
+    return list(TokenBatches(start, total, world_size, rank, rows, length, drop_last))
 
 
 def pieces(cum: np.ndarray, begin: int, end: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -87,55 +86,226 @@ def pieces(cum: np.ndarray, begin: int, end: int, length: int) -> tuple[np.ndarr
     return docs.astype(np.int64), first_tok - cum[docs], np.diff(at)
 
 
-@dataclass(frozen=True)
+class TokenBatches(Sequence):
+    """This rank's batches of a packed pass, arithmetic (nothing per batch is held):
+    batch ``k`` is ``(first token, end token, tokens consumed after the step)``, see
+    :func:`pack_bounds` (the same values, as a list)."""
+
+    def __init__(self, start: int, total: int, world_size: int, rank: int, rows: int, length: int,
+                 drop_last: bool) -> None:
+        self.start, self.total, self.rank = int(start), int(total), int(rank)
+        self.per_rank = rows * length
+        self.step = self.per_rank * world_size
+        left = self.total - self.start
+        if self.total <= 0 or left <= 0:
+            self._n = 0
+        else:
+            self._n = left // self.step if drop_last else -(-left // self.step)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self._n))]
+        k = int(k) + (self._n if int(k) < 0 else 0)
+        if not 0 <= k < self._n:
+            raise IndexError(f"batch {k} of a pass of {self._n}")
+        s0 = self.start + k * self.step
+        return (s0 + self.rank * self.per_rank, s0 + (self.rank + 1) * self.per_rank, s0 + self.step)
+
+
+_TOTALS: dict[tuple[int, int | None], int] = {}
+_STREAM_TOTALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stream -> {(lengths, max_length): tokens}
+
+
+def token_total(lengths: np.ndarray, max_length: int | None = None) -> int:
+    """The tokens of all documents (each truncated to ``max_length``): an epoch's token
+    count when its stream reads every sample once. Summed in chunks (``lengths`` may be
+    memory-mapped), once per lengths array (they are read-only)."""
+    key = (id(lengths), max_length)
+    v = _TOTALS.get(key)
+    if v is None:
+        v = 0
+        for a in range(0, len(lengths), CHUNK * 16):
+            tok = np.asarray(lengths[a:a + CHUNK * 16], dtype=np.int64)
+            v += int((tok if max_length is None else np.minimum(tok, max_length)).sum())
+        try:
+            weakref.finalize(lengths, _TOTALS.pop, key, None)
+        except TypeError:  # not weakly referenceable (a list): not cached
+            return v
+        _TOTALS[key] = v
+    return v
+
+
+class TokenStream:
+    """An epoch's token stream computed in chunks of :data:`CHUNK` documents as it is read:
+    documents ``stream[p]`` one after the other, each ``lengths[stream[p]]`` tokens
+    (truncated to ``max_length``). Held: the token count before every chunk read so far
+    (one integer per 65,536 documents) and the cumulative counts of the last few chunks, never
+    an array over the epoch. ``total``: the epoch's tokens when known without reading the
+    stream (a permutation of all samples: :func:`token_total`), else counted by one pass over
+    the stream's chunks when first asked for."""
+
+    _KEEP = 4  # chunks whose cumulative counts are kept
+
+    def __init__(self, stream, lengths: np.ndarray, max_length: int | None = None, total: int | None = None) -> None:
+        self.stream = stream
+        self.lengths = lengths
+        self.max_length = max_length
+        self.m = len(stream)
+        self.chunks = -(-self.m // CHUNK)
+        self._ck = [0]  # tokens before chunk j, for every chunk read so far (and the end after the last)
+        self._cums: dict[int, np.ndarray] = {}
+        self._total = None if total is None else int(total)
+        self._lock = threading.Lock()
+
+    def _tokens(self, j: int) -> np.ndarray:
+        a, b = j * CHUNK, min(self.m, (j + 1) * CHUNK)
+        idx = np.asarray(self.stream[a:b], dtype=np.int64)
+        tok = np.asarray(self.lengths[idx], dtype=np.int64)
+        return tok if self.max_length is None else np.minimum(tok, self.max_length)
+
+    def _cum(self, j: int) -> np.ndarray:
+        """Chunk ``j``'s cumulative token counts, absolute (``len + 1`` entries); ``j`` is read."""
+        c = self._cums.get(j)
+        if c is None:
+            tok = self._tokens(j)
+            c = np.empty(len(tok) + 1, np.int64)
+            c[0] = self._ck[j]
+            np.cumsum(tok, out=c[1:])
+            c[1:] += c[0]
+            if len(self._cums) >= self._KEEP:
+                self._cums.pop(next(iter(self._cums)))
+            self._cums[j] = c
+            if j + 1 == len(self._ck):
+                self._ck.append(int(c[-1]))
+        return c
+
+    def _read_past(self, t: int) -> None:
+        """Read chunks until one ends past token ``t`` (or the stream ends)."""
+        while self._ck[-1] <= t and len(self._ck) <= self.chunks:
+            self._cum(len(self._ck) - 1)
+
+    @property
+    def total(self) -> int:
+        if self._total is None:
+            key = (id(self.lengths), len(self.lengths), self.max_length)
+            try:
+                known = _STREAM_TOTALS.get(self.stream, {}).get(key)
+            except TypeError:  # an array: not kept
+                known = None
+            with self._lock:
+                if known is not None:
+                    self._total = known
+                    return known
+                counted = getattr(self.stream, "token_total", None)  # a stream that counts faster (a mixture's)
+                if counted is not None:
+                    self._total = int(counted(self.lengths, self.max_length))
+                else:
+                    while len(self._ck) <= self.chunks:  # one pass, the sums kept (a resume reads them)
+                        j = len(self._ck) - 1
+                        self._ck.append(self._ck[j] + int(self._tokens(j).sum()))
+                    self._total = self._ck[-1]
+            try:  # kept with the stream (a sampler keeps its epochs' streams): counted once per epoch
+                _STREAM_TOTALS.setdefault(self.stream, {})[key] = self._total
+            except TypeError:
+                pass
+        return self._total
+
+    def window(self, lo: int, hi: int) -> tuple[int, np.ndarray]:
+        """The documents holding tokens ``lo..hi-1`` (``0 <= lo < hi <= total``): the stream
+        position of the first and their cumulative counts (``cum[0] <= lo``, ``cum[-1] >= hi``)."""
+        with self._lock:
+            self._read_past(hi - 1)
+            ck = self._ck
+            j0, j1 = bisect.bisect_right(ck, lo) - 1, bisect.bisect_right(ck, hi - 1) - 1
+            parts = [self._cum(j0)] + [self._cum(j)[1:] for j in range(j0 + 1, j1 + 1)]
+        cum = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        a = int(np.searchsorted(cum, lo, side="right")) - 1
+        b = int(np.searchsorted(cum, hi - 1, side="right")) - 1
+        return j0 * CHUNK + a, cum[a:b + 2]
+
+    def pieces(self, begin: int, end: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:func:`pieces` of tokens ``begin..end-1`` (past ``total`` the stream wraps around),
+        reading only the chunks that hold them: ``(stream position of the document, first
+        token within it, tokens)``."""
+        total = self.total
+        rows = np.arange(begin, end, length, dtype=np.int64)
+        docs, firsts, counts = [], [], []
+        for p in range(begin // total, (end - 1) // total + 1):  # each pass of the stream the batch touches
+            base = p * total
+            lo, hi = max(begin, base), min(end, base + total)
+            d0, cum = self.window(lo - base, hi - base)
+            cum = cum + base
+            inner = cum[(cum > lo) & (cum < hi)]  # document starts inside (empty documents: repeated)
+            cuts = np.union1d(np.concatenate([[lo, hi], rows[(rows > lo) & (rows < hi)], inner]), [])
+            at = np.searchsorted(cum, cuts[:-1], side="right") - 1  # the last document starting there: not empty
+            docs.append(d0 + at)
+            firsts.append(cuts[:-1] - cum[at])
+            counts.append(np.diff(cuts))
+        return tuple(np.concatenate(x).astype(np.int64) for x in (docs, firsts, counts))  # type: ignore[return-value]
+
+
 class PackPlan:
     """One rank's pass over a packed epoch, as a value (the packed twin of
-    :class:`fastload.sampling.EpochPlan`): ``stream`` the epoch's samples, ``cum`` their
-    cumulative token counts, ``bounds`` this rank's batches in tokens, ``start`` the global
-    token count the pass begins at.
+    :class:`fastload.sampling.EpochPlan`): ``tokens`` the epoch's :class:`TokenStream`,
+    ``bounds`` this rank's batches in tokens (:class:`TokenBatches`), ``start`` the global
+    token count the pass begins at. A batch's pieces are computed when it is asked for
+    (:meth:`request`), from the chunks of the stream that hold its tokens.
 
-    The pieces of every batch of the pass are computed at once, vectorised, on first use
-    (:meth:`request` then only slices them): arrays with one entry per piece, in batch order.
-    """
+    ``stream`` and ``cum`` materialise the epoch's samples and their cumulative token counts
+    (a remote cache plans its downloads from them); the pass itself never needs them."""
 
-    epoch: int
-    start: int
-    stream: np.ndarray
-    cum: np.ndarray
-    length: int
-    bounds: tuple[tuple[int, int, int], ...]
+    def __init__(self, epoch: int, start: int, tokens: TokenStream, length: int, bounds: TokenBatches) -> None:
+        self.epoch, self.start, self.tokens, self.length, self.bounds = epoch, start, tokens, length, bounds
+        self._most = 0  # the most pieces of a batch asked for so far
 
     def __len__(self) -> int:
         return len(self.bounds)
 
     @property
+    def total(self) -> int:
+        """The epoch's tokens (before padding)."""
+        return self.tokens.total
+
+    @property
     def end(self) -> int:
-        last = self.bounds[-1][2] if self.bounds else self.start
-        return max(last, int(self.cum[-1]))
+        last = self.bounds[-1][2] if len(self.bounds) else self.start
+        return max(last, self.total)
 
     @cached_property
-    def _pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(first piece of each batch (len + 1), sample index, first token, tokens, stream
-        position)`` of every piece of the pass."""
-        begins = np.array([b for b, _, _ in self.bounds], dtype=np.int64)
-        ends = np.array([e for _, e, _ in self.bounds], dtype=np.int64)
-        docs, first, count, batch_first = epoch_pieces(self.cum, begins, ends, self.length)
-        return batch_first, self.stream[docs].astype(np.int64), first, count, docs
+    def stream(self) -> np.ndarray:
+        return np.asarray(self.tokens.stream)
+
+    @cached_property
+    def cum(self) -> np.ndarray:
+        t = self.tokens
+        tok = np.asarray(t.lengths[self.stream], dtype=np.int64)
+        if t.max_length is not None:
+            tok = np.minimum(tok, t.max_length)
+        cum = np.zeros(len(tok) + 1, dtype=np.int64)
+        np.cumsum(tok, out=cum[1:])
+        return cum
 
     @property
     def most_pieces(self) -> int:
-        """The most pieces one batch of this pass has (0 without batches)."""
-        batch_first = self._pieces[0]
-        return int(np.diff(batch_first).max(initial=0))
+        """The most pieces one batch of this pass asked for so far has (the first batch's
+        when none was: 0 without batches)."""
+        if not self._most and len(self):
+            self.request(0)
+        return self._most
 
     def request(self, k: int) -> Request:
-        batch_first, index, first, count, docs = self._pieces
-        a, b = batch_first[k], batch_first[k + 1]
-        return Request(index[a:b], self.bounds[k][0], first[a:b], count[a:b], docs[a:b])
+        b, e, _ = self.bounds[k]
+        docs, first, count = self.tokens.pieces(b, e, self.length)
+        self._most = max(self._most, len(docs))
+        index = np.asarray(self.tokens.stream[docs], dtype=np.int64) if len(docs) else np.empty(0, np.int64)
+        return Request(index, b, first, count, docs)
 
     def requests(self) -> Iterator[tuple[Request, int]]:
-        for k, (_, _, after) in enumerate(self.bounds):
-            yield self.request(k), after
+        for k in range(len(self.bounds)):
+            yield self.request(k), self.bounds[k][2]
 
 
 def epoch_pieces(cum: np.ndarray, begins: np.ndarray, ends: np.ndarray,
@@ -175,17 +345,17 @@ def epoch_pieces(cum: np.ndarray, begins: np.ndarray, ends: np.ndarray,
             np.append(batch_first, len(cuts)).astype(np.int64))
 
 
-def pack_plan(epoch: int, start: int, stream: np.ndarray, lengths: np.ndarray, *, rows: int, length: int,
-              world_size: int, rank: int, drop_last: bool, max_length: int | None = None) -> PackPlan:
-    """The packed pass over ``stream`` (global sample indices) whose samples have
-    ``lengths`` tokens (indexed by global sample index; truncated to ``max_length``)."""
-    tok = lengths[stream]
-    if max_length is not None:
-        tok = np.minimum(tok, max_length)
-    cum = np.zeros(len(stream) + 1, dtype=np.int64)
-    np.cumsum(tok, out=cum[1:])
-    bounds = pack_bounds(start, int(cum[-1]), world_size, rank, rows, length, drop_last)
-    return PackPlan(epoch, start, stream, cum, length, tuple(bounds))
+def pack_plan(epoch: int, start: int, stream, lengths: np.ndarray, *, rows: int, length: int,
+              world_size: int, rank: int, drop_last: bool, max_length: int | None = None,
+              total: int | None = None) -> PackPlan:
+    """The packed pass over ``stream`` (global sample indices: a per-position
+    :class:`~fastload.sampling.order.Stream` or an array) whose samples have ``lengths``
+    tokens (indexed by global sample index; truncated to ``max_length``). ``total``: the
+    epoch's tokens when known (:func:`token_total` when the stream reads every sample once),
+    else counted from the stream (one pass over it, in chunks)."""
+    tokens = TokenStream(stream, lengths, max_length, total)
+    bounds = TokenBatches(start, tokens.total, world_size, rank, rows, length, drop_last)
+    return PackPlan(epoch, start, tokens, length, bounds)
 
 
 def max_pieces(lengths: np.ndarray, rows: int, length: int, max_length: int | None = None) -> int:
@@ -195,13 +365,30 @@ def max_pieces(lengths: np.ndarray, rows: int, length: int, max_length: int | No
     the epoch's token stream, which wraps around when the batch is longer than what is left
     of it (``drop_last=False``) — as many times as the batch is longer than the whole stream.
     So at most ``q`` whole passes over the documents (``q = rows * length // total``), plus
-    the shortest documents that fit in the rest, plus one."""
-    tok = lengths if max_length is None else np.minimum(lengths, max_length)
-    nz = np.sort(tok[tok > 0]).astype(np.int64)
-    total = int(nz.sum())
+    the shortest documents that fit in the rest, plus one.
+    Counted with a histogram of the lengths up to ``rows * length`` (longer documents never
+    fit in the rest), in chunks: no sorted copy of the lengths."""
+    size = rows * length
+    hist = np.zeros(1, np.int64)  # documents of each length 0..size seen (grown to the longest <= size)
+    total = nonzero = 0
+    for a in range(0, len(lengths), CHUNK * 16):
+        tok = np.asarray(lengths[a:a + CHUNK * 16], dtype=np.int64)
+        if max_length is not None:
+            tok = np.minimum(tok, max_length)
+        total += int(tok.sum())
+        nonzero += int(np.count_nonzero(tok))
+        h = np.bincount(tok[tok <= size])
+        if len(h) > len(hist):
+            hist = np.concatenate([hist, np.zeros(len(h) - len(hist), np.int64)])
+        hist[:len(h)] += h
     if total == 0:
         return max(1, rows)  # no token: no batch
-    size = rows * length
     passes, rest = divmod(size, total)
-    whole = passes * len(nz) + int(np.searchsorted(np.cumsum(nz), rest, side="right"))
+    hist[0] = 0
+    tokens_upto = np.cumsum(hist * np.arange(len(hist)))  # tokens of all documents of length <= v
+    v = int(np.searchsorted(tokens_upto, rest, side="right"))  # the first length not all of whose documents fit
+    fit = int(hist[:v].sum())
+    if v < len(hist):
+        fit += (rest - int(tokens_upto[v - 1])) // v  # and as many of length v as fit
+    whole = passes * nonzero + fit
     return int(min(size, rows + whole + 1))

@@ -267,12 +267,19 @@ class Sampler:
         epoch = _int("epoch", epoch, 0)
         return EpochPlan(epoch, 0, self.order_stream(epoch), self._bounds(0))
 
-    def begin_pass(self) -> tuple[int, int, np.ndarray]:
+    def begin_pass(self) -> tuple[int, int, Stream]:
         """Begin a pass: ``(epoch, consumed count it starts at, the epoch's stream)``. The
         count is the caller's unit (stream positions; tokens for a packing loader). The
-        stream is materialised (a packing plan reads it whole)."""
+        stream is :meth:`order_stream`'s (a packing plan reads it in chunks)."""
         start = self._begin()
-        return self.epoch, start, self.stream(self.epoch)
+        return self.epoch, start, self.order_stream(self.epoch)
+
+    @property
+    def reads_every_sample_once(self) -> bool:
+        """True when every epoch's stream is a permutation of all the samples (no weights,
+        classes or ``num_draws``): what depends only on the set of samples read (a packed
+        epoch's token count) is then known without computing the stream."""
+        return self.weights is None and self.labels is None and self.num_draws is None
 
     def _begin(self) -> int:
         start = self.start_position()

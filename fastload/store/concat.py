@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import FormatError
 from ..validate import check_index_array
 from .format import Field
+from .lengths import concat_lengths
 
 __all__ = ["ConcatReader"]
 
@@ -158,8 +159,9 @@ class ConcatReader:
     def lengths(self, field: str) -> np.ndarray:
         v = self._lengths.get(field)
         if v is None:
-            v = np.concatenate([r.lengths(field) for r in self.readers])
-            v.flags.writeable = False
+            v = concat_lengths(self.readers, field)
+            if v.flags.writeable:
+                v.flags.writeable = False
             self._lengths[field] = v
         return v
 

@@ -32,6 +32,7 @@ from ..validate import check_choice, check_index_array
 from .format import MANIFEST, Field, arrow_schema
 from .gather import Gathering
 from .verified_record import DEFAULT_VERIFY, VERIFY_POLICIES
+from .lengths import local_lengths
 from .manifest import check_manifest, manifest_fields, read_manifest
 from .mapped import ShardMaps, mapped_shard_limit
 from .shard import MappedShard, SchemaCheck
@@ -327,7 +328,9 @@ class DatasetReader(Gathering):
     def lengths(self, field: str) -> np.ndarray:
         """Items per sample of a ragged field, for every sample (int64, cached): read from
         the shards' offsets, never from the values (a remote dataset's with byte-range reads
-        of just the offsets, kept in its cache directory: :mod:`fastload.remote.lengths`)."""
+        of just the offsets, kept in its cache directory: :mod:`fastload.remote.lengths`; a
+        local dataset's past a million samples kept in the node's cache directory:
+        :mod:`fastload.store.lengths`), memory-mapped read-only when kept."""
         f = self._field(field)
         if not f.ragged:
             raise TypeError(f"field {field!r} is a {f.kind} field, not a ragged one")
@@ -339,12 +342,10 @@ class DatasetReader(Gathering):
 
                 v = remote_lengths(self, field, lambda s: MappedShard(self.shard_files[s], self.manifest["shards"][s],
                                                                       self.fields))
-            else:
-                v = np.empty(len(self), dtype=np.int64)
-                for s in range(self.num_shards):
-                    offsets, _ = self.ragged_column(s, field)
-                    np.subtract(offsets[1:], offsets[:-1], out=v[self._starts[s]:self._starts[s + 1]])
-            v.flags.writeable = False
+            else:  # memory-mapped from the node's cache directory past a million samples
+                v = local_lengths(self, field)
+            if v.flags.writeable:
+                v.flags.writeable = False
             cache[field] = v
         return v
 

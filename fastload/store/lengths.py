@@ -1,0 +1,137 @@
+"""A local dataset's per-sample lengths of a ragged field, memory-mapped from a cache file.
+
+``Dataset.lengths(field)`` (sequence packing plans its rows from it, a Loader sizes its ring
+from it) is 8 bytes per sample: 8 GB at 10^9 documents, once per rank if each rank held its
+own copy. A local dataset of at least :data:`MAP_MIN` samples keeps them instead in the
+node-local cache directory (:func:`fastload.runtime.system.cache_root`:
+``$FASTLOAD_CACHE`` or ``~/.cache/fastload``), ``lengths/<key>/lengths-<field>.npy``, where
+``key`` hashes the manifest (whose shard checksums fix every length): read from the shards'
+offsets once per node, written through a memory map (never whole in memory) under a
+temporary name and renamed into place, then memory-mapped read-only by every later call,
+run and rank of the node (the page cache is shared). Ranks that start together may each read
+the offsets once; the renames replace equal files. A file of the wrong type or shape is
+read again; without a usable cache directory the lengths are read into memory (a warning
+says so). The remote path keeps them the same way in its own cache
+(:mod:`fastload.remote.lengths`); a mixture's (the datasets' lengths one after the other) are
+kept here too, keyed by its datasets' manifests (:func:`concat_lengths`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..files import temp_path
+from ..runtime.system import cache_root
+
+__all__ = ["MAP_MIN", "concat_lengths", "kept_lengths", "kept_path", "local_lengths", "local_lengths_path"]
+
+logger = logging.getLogger("fastload")
+
+MAP_MIN = 1 << 20  # samples: smaller datasets' lengths (8 MB at most) are read into memory
+
+
+def _key(manifests: list) -> str:
+    return hashlib.sha256(json.dumps(manifests, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def kept_path(manifests: list, field: str) -> Path | None:
+    """Where ``field``'s lengths of the dataset(s) of ``manifests`` are kept (None: no cache
+    directory)."""
+    root = cache_root()
+    if root is None:
+        return None
+    safe = field if re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", field) else hashlib.sha1(field.encode()).hexdigest()
+    return root / "lengths" / _key(manifests) / f"lengths-{safe}.npy"
+
+
+def local_lengths_path(reader, field: str) -> Path | None:
+    """Where ``field``'s lengths of a local dataset are kept (None: no cache directory)."""
+    return kept_path([reader.manifest], field)
+
+
+def _fill(reader, field: str, out: np.ndarray) -> np.ndarray:
+    starts = reader.shard_starts
+    for s in range(reader.num_shards):
+        offsets, _ = reader.ragged_column(s, field)
+        np.subtract(offsets[1:], offsets[:-1], out=out[starts[s]:starts[s + 1]])
+    return out
+
+
+def _load(path: Path, n: int) -> np.ndarray | None:
+    try:
+        v = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    if v.dtype != np.int64 or v.shape != (n,):
+        logger.warning("fastload: %s does not hold %d lengths; reading them again", path, n)
+        return None
+    return v
+
+
+def _remove(tmp: Path) -> None:
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:  # its directory could not be made
+        pass
+
+
+def kept_lengths(path: Path | None, n: int, field: str, fill) -> np.ndarray:
+    """``n`` lengths memory-mapped from ``path``, written there by ``fill(out)`` first when
+    missing or wrong (see the module docstring); ``path`` None: ``fill`` into memory."""
+    if path is None:
+        return fill(np.empty(n, np.int64))
+    v = _load(path, n)
+    if v is not None:
+        return v
+    tmp = temp_path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(n,))
+        try:
+            fill(out)
+            out.flush()
+        finally:
+            del out
+        os.replace(tmp, path)
+    except OSError as e:
+        _remove(tmp)
+        logger.warning("fastload: could not keep the lengths of %r in %s (%s); they are held in memory (8 bytes "
+                       "per sample); set FASTLOAD_CACHE to a writable directory", field, path.parent, e)
+        return fill(np.empty(n, np.int64))
+    except BaseException:
+        _remove(tmp)
+        raise
+    v = _load(path, n)
+    return v if v is not None else fill(np.empty(n, np.int64))
+
+
+def local_lengths(reader, field: str) -> np.ndarray:
+    """Items per sample of ragged ``field`` of a local dataset (see the module docstring)."""
+    n = len(reader)
+    path = local_lengths_path(reader, field) if n >= MAP_MIN else None
+    return kept_lengths(path, n, field, lambda out: _fill(reader, field, out))
+
+
+def concat_lengths(readers, field: str) -> np.ndarray:
+    """The lengths of several datasets one after the other (a mixture's), kept the same way
+    past :data:`MAP_MIN` samples (copied from each dataset's, in chunks)."""
+    n = sum(len(r) for r in readers)
+
+    def fill(out: np.ndarray) -> np.ndarray:
+        at = 0
+        for r in readers:
+            v = r.lengths(field)
+            for a in range(0, len(v), 1 << 24):
+                b = min(len(v), a + (1 << 24))
+                out[at + a:at + b] = v[a:b]
+            at += len(v)
+        return out
+
+    path = kept_path([r.manifest for r in readers], field) if n >= MAP_MIN else None
+    return kept_lengths(path, n, field, fill)
