@@ -35,14 +35,14 @@ def test_coco_into_s3_with_the_local_engine_and_the_distributed_core(s3, coco, t
     assert r["dst"] == url and r["num_samples"] == 12
     assert_same_rows(local, fetch(url, tmp_path / "copy"))
 
-    url = f"s3://{BUCKET}/core"
+    url = f"s3://{BUCKET}/coco-core"
     plan = make_plan("coco", src["js"], url, shard_size=15_000, overwrite=False, resume=False,
                      source_options={"images": str(src["images"]), "masks": True})
-    assert plan.num_groups >= 2 and ".fastload-parts/coco.parquet" in objects(s3, "core")
+    assert plan.num_groups >= 2 and ".fastload-parts/coco.parquet" in objects(s3, "coco-core")
     for g in range(plan.num_groups):
         assert run_group(url, g)["error"] is None
     commit(plan)
-    assert not [n for n in objects(s3, "core") if n.startswith(".fastload-parts")]
+    assert not [n for n in objects(s3, "coco-core") if n.startswith(".fastload-parts")]
     assert_same_rows(local, fetch(url, tmp_path / "copy2"))
 
 
