@@ -420,7 +420,7 @@ class MultiRunner(Runner):
                     continue
                 a = torch.from_dlpack(v.as_tensor()).reshape(n, *s.shape)
                 if a.dtype != getattr(torch, s.dtype):
-                    a = a.to(getattr(torch, s.dtype))
+                    a = a.to(dtype=getattr(torch, s.dtype))  # (on the host: a dtype conversion)
                 if k in out:
                     out[k].copy_(a)
                     a = out[k]
