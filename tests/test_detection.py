@@ -272,6 +272,22 @@ def test_an_undecodable_image_is_named_or_replaced(tmp_path):
     assert got == [0, 1, 2, 3, 5, 5, 6, 7, 8, 9]
 
 
+def test_a_sample_whose_boxes_and_labels_differ_in_number_is_named_or_replaced(tmp_path):
+    with ShardWriter(tmp_path / "ds", {"image": "image", "boxes": "float32[*,4]", "labels": "int64[]"}) as w:
+        for i in range(6):
+            img = np.full((40, 48, 3), 40 + 20 * i, np.uint8)
+            labels = np.array([1, 2] if i != 3 else [1], np.int64)  # sample 3: two boxes, one label
+            w.write({"image": _png(img), "boxes": np.array([[1, 1, 9, 9], [10, 10, 20, 20]], np.float32),
+                     "labels": labels}, key=f"s{i}")
+    t = vision.detection(32, crop=False, flip=0.0)
+    with pytest.raises(DecodeError, match=r"s3.*2 boxes but 1 labels"), \
+            fastload.Loader(tmp_path / "ds", batch_size=3, transforms=t, shuffle=False) as lo:
+        _all(lo)
+    with fastload.Loader(tmp_path / "ds", batch_size=3, transforms=t, shuffle=False, on_error="skip") as lo:
+        got = torch.cat([b["index"] for b in lo]).tolist()
+    assert got == [0, 1, 2, 4, 4, 5]
+
+
 @pytest.mark.parametrize("kw,err", [
     (dict(transforms={"image": vision.detection(32)}), "reads several fields; pass it as transforms= itself"),
     (dict(transforms=vision.detection(32, boxes="weight")), "boxes are a ragged field of items of 4"),

@@ -42,7 +42,7 @@ def test_store_records_what_was_probed(tmp_path):
     assert au["sample_rate"].tolist() == [16000, 22050] and au["channels"].tolist() == [1, 2]
     assert au["length"].tolist() == [4000, 2205] and au["codec"] == ["pcm_s16le", "flac"]
     assert ds[0]["clip"] == v[0]  # the file, byte for byte
-    assert fastload.verify(tmp_path / "ds")["ok"] if isinstance(fastload.verify(tmp_path / "ds"), dict) else True
+    assert fastload.verify(tmp_path / "ds") == []  # no problem found (a list of problems)
     with pytest.raises(TypeError, match="not a video or audio field"):
         ds.media_info("label", [0])
 
@@ -53,6 +53,10 @@ def test_writer_refuses_an_undecodable_video_naming_the_sample(tmp_path):
             w.write({"clip": b"\x00" * 500}, key="broken")
         with pytest.raises(SampleError, match="lacks"):
             w.write({"clip": make_video(3)}, key="k", media_info={"clip": {"frames": 3}})
+        given = {"width": 32, "height": 24, "frames": 3, "fps": 24.0, "codec": "vp9"}
+        for k, bad in (("frames", 2.5), ("width", 32.0), ("fps", float("inf")), ("height", True)):
+            with pytest.raises(SampleError, match=rf"media_info\['clip'\]\['{k}'\] of sample 'k'"):
+                w.write({"clip": make_video(3)}, key="k", media_info={"clip": {**given, k: bad}})
         w.write({"clip": make_video(3)}, key="ok")
     assert len(fastload.Dataset(tmp_path / "ds")) == 1
 

@@ -92,6 +92,7 @@ def _apply(tree: str, m: Mutation) -> None:
     if n == 0 or (m.count and n != m.count):
         raise LookupError(f"{m.name}: {m.pattern!r} matches {n} time(s) in {m.path}, expected "
                           f"{m.count or 'at least 1'} (the code changed: update the mutation)")
+    compile(new, path, "exec")  # a mutant that is not Python would "kill" every test: refused here
     with open(path, "w") as f:
         f.write(new)
 
@@ -106,6 +107,12 @@ def _pytest(tree: str, tests: list[str]) -> tuple[int, str, float]:
     except subprocess.TimeoutExpired as e:
         return 124, (e.stdout or "") if isinstance(e.stdout, str) else "", time.monotonic() - t0
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
+
+
+# failures that say the mutant is not a working program (a kill must come from a wrong result,
+# an assertion or the fake's CudaHazard, not from a module that cannot be imported)
+_BROKEN = ("SyntaxError", "IndentationError", "NameError", "ImportError", "ModuleNotFoundError",
+           "UnboundLocalError")
 
 
 def _first_failure(out: str) -> str:
@@ -156,11 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         killed = 0
         for m, fut in zip(chosen, runs):
             name, rc, why, s = fut.result()
-            ok = rc == 1  # tests failed; other codes: interrupted, internal error, nothing collected
+            # tests failed (other codes: interrupted, internal error, nothing collected), and for a
+            # reason a wrong program gives, not because the mutant cannot import or run at all
+            broken = any(e in why for e in _BROKEN)
+            ok = rc == 1 and not broken
             killed += ok
             print(f"{'killed  ' if ok else 'SURVIVED'} {name:36s} {s:4.0f} s  {m.bug}"
                   + (f"\n         {why}" if ok and a.verbose else "")
-                  + ("" if ok else f"\n         pytest exit {rc}: {why}"))
+                  + ("" if ok else f"\n         pytest exit {rc}{' (a broken mutant, not a kill)' if broken else ''}: {why}"))
     print(f"killed {killed} of {len(chosen)} mutations ({time.monotonic() - t0:.0f} s)")
     return 0 if killed == len(chosen) else 1
 

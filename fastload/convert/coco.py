@@ -381,6 +381,8 @@ class CocoSource(Source):
 
         try:
             with pil_limit(None), Image.open(io.BytesIO(data)) as im:
+                if im.format == "PNG":
+                    im.load()  # a PNG's eXIf chunk may follow its pixels: read only by load()
                 raw, orientation, upright = im.size, exif_orientation(im), displayed_size(im)
         except Exception as e:  # PIL raises many types
             raise ValueError(f"not a decodable image ({type(e).__name__}: {e})") from None

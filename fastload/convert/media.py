@@ -15,7 +15,8 @@ Video options:
 * ``video_codec="vp9"``: a video DALI's CPU decoder cannot read (H.264, HEVC, MPEG-4, AV1:
   it reads VP8, VP9 and MJPEG only) is re-encoded to VP9 in WebM (libvpx-vp9, constant
   quality ``crf`` 32, same size and frame rate), so the whole dataset decodes on a machine
-  without a GPU. Others are stored as they are. The manifest counts the re-encoded videos.
+  without a GPU. Others are stored as they are. The local engine's summary counts the re-encoded
+  videos (`transcoded_videos`); the manifest does not (a distributed commit takes no per-part counts).
 """
 from __future__ import annotations
 

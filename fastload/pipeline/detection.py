@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import BadSamples
 from .crops import uniforms
 from .multi import SampleTransform, Spec
 from .presets import DEFAULT_MAX_PIXELS, _Normalized, _pair
@@ -206,10 +207,11 @@ class Detection(SampleTransform, _Normalized):
         boxes, labels = data["boxes"], data["labels"]
         n = len(index)
         lengths = np.array([len(b) for b in boxes], np.int64)
-        if not np.array_equal(lengths, [len(x) for x in labels]):
-            bad = int(np.flatnonzero(lengths != np.array([len(x) for x in labels]))[0])
-            raise ValueError(f"sample {int(index[bad])}: {lengths[bad]} boxes but {len(labels[bad])} labels; "
-                             "every box needs one label")
+        nlabels = np.array([len(x) for x in labels], np.int64)
+        differ = np.flatnonzero(lengths != nlabels)
+        if len(differ):  # (BadSamples: named, or replaced under on_error="skip", as an undecodable image)
+            raise BadSamples(differ, [f"{int(lengths[i])} boxes but {int(nlabels[i])} labels; every box needs one "
+                                      "label" for i in differ])
         u = uniforms(seed, epoch, index, ROUNDS * (1 + 4 * TRIALS) + 1, stream=11)
         if self.crop:
             padded, valid = _padded(boxes, lengths)

@@ -239,7 +239,8 @@ class TokenStream:
             d0, cum = self.window(lo - base, hi - base)
             cum = cum + base
             inner = cum[(cum > lo) & (cum < hi)]  # document starts inside (empty documents: repeated)
-            cuts = np.union1d(np.concatenate([[lo, hi], rows[(rows > lo) & (rows < hi)], inner]), [])
+            cuts = np.unique(np.concatenate([np.array([lo, hi], np.int64), rows[(rows > lo) & (rows < hi)],
+                                             inner]).astype(np.int64))  # (union1d with [] made float64)
             at = np.searchsorted(cum, cuts[:-1], side="right") - 1  # the last document starting there: not empty
             docs.append(d0 + at)
             firsts.append(cuts[:-1] - cum[at])

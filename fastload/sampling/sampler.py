@@ -118,6 +118,7 @@ class Sampler:
         self._resume_pending = False
         self._cache: dict[int, np.ndarray] = {}  # the materialised streams of the current epoch and the next
         self._orders: dict[int, Stream] = {}  # the per-position streams of the current epoch and the next
+        self._orders_lock = threading.Lock()  # (prepare's background thread computes orders too)
         self._table: tuple | None = None  # order.weight_table(weights) or order.balance_table(labels)
         self._materialised = False  # stream() was asked for a per-position order: prepare() computes ahead
         self._ahead: _Ahead | None = None  # an epoch's stream computed in the background (prepare)
@@ -142,19 +143,20 @@ class Sampler:
         e = self.epoch if epoch is None else int(epoch)
         if self._drawn:
             return Drawn(self.stream(e), self.num_samples)
-        o = self._orders.get(e)
-        if o is None:
-            if self._table is None:  # once per sampler, not per epoch
-                self._table = (weight_table(self.weights) if self.weights is not None else
-                               balance_table(self.labels) if self.labels is not None else None)
-            o = epoch_order(self.num_samples, seed=self.seed, epoch=e, shuffle=self.shuffle, weights=self.weights,
-                            num_draws=self.num_draws, balance_labels=self.labels, batch_size=self.batch_size,
-                            shuffle_mode=self.shuffle_mode, shard_sizes=self.shard_sizes, window=self.window,
-                            table=self._table)
-            keep = (self.epoch, self.epoch + 1)
-            if e in keep:
-                self._orders = {k: v for k, v in self._orders.items() if k in keep}
-                self._orders[e] = o
+        with self._orders_lock:
+            o = self._orders.get(e)
+            if o is None:
+                if self._table is None:  # once per sampler, not per epoch
+                    self._table = (weight_table(self.weights) if self.weights is not None else
+                                   balance_table(self.labels) if self.labels is not None else None)
+                o = epoch_order(self.num_samples, seed=self.seed, epoch=e, shuffle=self.shuffle,
+                                weights=self.weights, num_draws=self.num_draws, balance_labels=self.labels,
+                                batch_size=self.batch_size, shuffle_mode=self.shuffle_mode,
+                                shard_sizes=self.shard_sizes, window=self.window, table=self._table)
+                keep = (self.epoch, self.epoch + 1)
+                if e in keep:
+                    self._orders = {k: v for k, v in self._orders.items() if k in keep}
+                    self._orders[e] = o
         return o
 
     def stream(self, epoch: int | None = None) -> np.ndarray:
@@ -168,6 +170,12 @@ class Sampler:
         if s is not None:
             return s
         if not self._drawn:
+            # a per-position order held whole (a remote cache plans from it): the current epoch's
+            # and the next, so a clear error rather than an allocation this machine cannot make
+            check_fits_in_memory(self.stream_len * 8 * 2,  # int64 indices
+                                 f"the whole stream of {self.stream_len:,} positions (this epoch's and the next)",
+                                 "lower num_draws, or read the dataset where it needs no whole stream (a local "
+                                 "dataset's Loader computes its positions as it goes)")
             self._materialised = True  # someone reads whole streams: prepare() computes them ahead
         s = self._take_ahead(e)
         if s is None:
@@ -192,7 +200,7 @@ class Sampler:
         """Compute ``stream(epoch)`` now in a background thread (at the loader's priority), so
         that the pass over that epoch does not wait for its order: a Loader asks for the next
         epoch's as each epoch starts. Only streams computed whole are prepared: weighted draws
-        without replacement and class-balanced draws (seconds at 10^7), and the per-position
+        without replacement (seconds at 10^7), and the per-position
         orders (weighted draws with replacement included) only once
         :meth:`stream` has been asked for one (a remote cache's plan reads them whole; ~30 ns
         per sample). An order cheaper to compute than :data:`PREPARE_MIN_NS` (a thread's

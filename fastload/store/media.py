@@ -28,6 +28,10 @@ __all__ = ["AUDIO_CODECS", "AUDIO_EXTENSIONS", "CPU_VIDEO_CODECS", "VIDEO_CODECS
            "probe", "probe_audio", "probe_video"]
 
 
+class _FrameSizes(ValueError):
+    """Frames of more than one size (said as it is, not as a decode failure)."""
+
+
 def import_av():
     """PyAV, or an ImportError saying how to install it."""
     try:
@@ -71,12 +75,12 @@ def probe_video(data: Any) -> dict[str, Any]:
                 if not frames:
                     w, h = f.width, f.height
                 elif (f.width, f.height) != (w, h):
-                    raise ValueError(f"frame {frames} is {f.width}x{f.height}, frame 0 {w}x{h}; a clip needs one "
+                    raise _FrameSizes(f"frame {frames} is {f.width}x{f.height}, frame 0 {w}x{h}; a clip needs one "
                                      "frame size: re-encode the video at one size")
                 frames += 1
-        except ValueError:
-            raise
-        except Exception as e:
+        except _FrameSizes as e:
+            raise ValueError(str(e)) from None
+        except Exception as e:  # PyAV's InvalidDataError is a ValueError too: named with its frame
             raise ValueError(f"video does not decode past frame {frames} ({type(e).__name__}: {e})") from None
         if frames == 0:
             raise ValueError("video stream holds no decodable frame")

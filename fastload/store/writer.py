@@ -10,6 +10,7 @@ staging inside DST for an overwrite, the manifest last — is :mod:`.transaction
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence, cast
@@ -419,9 +420,16 @@ def _media_info(name: str, kind: str, data: bytes, given: Mapping[str, Any] | No
         raise SampleError(f"media_info[{name!r}] of sample {key!r} lacks {missing}; it needs {sorted(cols)}")
     info = {k: given[k] for k in cols}
     for k, v in info.items():
-        ok = isinstance(v, str) and v if k == "codec" else \
-            isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and v >= 0
+        # fps is a float column, the counts are integer columns (a float there would fail the
+        # whole shard at its write, not this sample)
+        if k == "codec":
+            ok, want = isinstance(v, str) and bool(v), "a codec name"
+        elif k == "fps":
+            ok = bool(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+                      and math.isfinite(v) and v >= 0)
+            want = "a finite number >= 0"
+        else:
+            ok, want = bool(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0), "an integer >= 0"
         if not ok:
-            raise SampleError(f"media_info[{name!r}][{k!r}] of sample {key!r} is {v!r}; expected "
-                              f"{'a codec name' if k == 'codec' else 'a number >= 0'}")
+            raise SampleError(f"media_info[{name!r}][{k!r}] of sample {key!r} is {v!r}; expected {want}")
     return info
