@@ -219,3 +219,30 @@ def test_an_undecodable_image_replaced_from_a_dropped_shard_is_installed_again(t
         got = [(int(b["index"][0]), int(b["label"][0])) for b in lo]
         assert lo.stats()["replaced_samples"] == 1
     assert got == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (0, 0)]  # the raw field follows the replacement
+
+
+def test_passes_ended_early_on_an_image_dataset_leave_no_shard_held_for_good(tmp_path, monkeypatch):
+    """A pass ended early drops the batches its feeder held (prepared, never delivered); their
+    shards must not stay installed for good, or after enough early ends every shard would."""
+    from _images import jpeg
+
+    from fastload import vision
+
+    monkeypatch.setenv(ENV_LIMIT, "4")
+    rng = np.random.default_rng(1)
+    with fastload.ShardWriter(tmp_path / "ds", {"image": "image", "label": "int64"}, shard_size=1) as wr:
+        for i in range(40):
+            wr.write({"image": jpeg(rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)), "label": i})
+    ds = fastload.Dataset(tmp_path / "ds")
+    assert ds.num_shards == 40
+    with fastload.Loader(ds, batch_size=1, prefetch=6, device="cpu", seed=3,
+                         transforms={"image": vision.eval(16, resize=16)}) as lo:
+        for epoch in range(15):  # each pass: one batch, then break (its feeder's batches dropped)
+            lo.set_epoch(epoch)
+            next(iter(lo))
+        lo.set_epoch(100)
+        most = 0
+        for b in lo:  # a whole pass: shards are dropped again as batches are delivered
+            assert int(b["label"][0]) == int(b["index"][0])
+            most = max(most, lo.stats()["ring"]["shards_installed"])
+        assert most <= 4 + 6 + 4, most  # the limit, the batches in flight and a margin (not all 40)

@@ -221,7 +221,7 @@ class Machinery:
         finish = Finish(dataset=self._dataset, options=o, epoch=epoch, on_host_device=not self.cuda)
         ring = self.ring()
         prepare = (self._remote.prepare if self._remote is not None
-                   else self._local.prepare if self._local is not None else None)
+                   else self._local if self._local is not None else None)  # (LocalShards: prepare and idle)
         common = dict(ring=ring, dataset=self._dataset, feeder=self.feeder(), epoch=epoch, finish=finish,
                       prepare=prepare)
         threaded = o.batch_transform is not None or o.device_transform is not None

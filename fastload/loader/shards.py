@@ -68,12 +68,33 @@ class LocalShards:
             pos = np.repeat(np.arange(self._prepared, self._prepared + len(sizes), dtype=np.int64), sizes)
             np.maximum.at(self._last, shard, pos)
             self._prepared += len(sizes)
-            need = np.unique(shard)
-            new = need[~self._installed[need]]
-            if self._count + len(new) > self.limit:
-                self._drop_unneeded(self._count + len(new) - int(self.limit * KEEP))
-            for s in new.tolist():
-                self._install(s)
+            try:
+                need = np.unique(shard)
+                new = need[~self._installed[need]]
+                if self._count + len(new) > self.limit:
+                    self._drop_unneeded(self._count + len(new) - int(self.limit * KEEP))
+                for s in new.tolist():
+                    self._install(s)
+            except BaseException:
+                # these batches never reach the ring: their positions go to the next ones (the
+                # shards they marked are held until those are delivered: harmless)
+                self._prepared -= len(sizes)
+                raise
+
+    __call__ = prepare  # the epoch's source calls its prepare hook
+
+    def idle(self) -> None:
+        """The ring was drained with its feeder closed (a pass that ended early): every batch
+        prepared so far was delivered or dropped before it reached the ring. Positions restart
+        at the ring's delivered count; else the dropped batches' positions, never delivered,
+        would hold their shards for good, and past enough early ends no shard would be
+        dropped any more (the process would map shards up to ``vm.max_map_count``)."""
+        with self._lock:
+            if self._ring.closed or self._ring.pending:
+                return
+            delivered = int(self._ring.stats()["delivered"])
+            self._prepared = delivered
+            np.minimum(self._last, delivered - 1, out=self._last)
 
     def ensure(self, index: np.ndarray) -> None:
         """Install the shards of these samples for a batch already prepared (an image whose

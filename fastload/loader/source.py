@@ -137,4 +137,7 @@ class RingFedSource:
             return  # all delivered: the feeder carries on (the next pass's batches may be in it)
         self._dataset.stop_verify_ahead()
         if self._feeder is None or self._feeder.close():  # else closed already, with what it held
-            self._ring.drain(timeout=DRAIN_TIMEOUT_S)  # never waits longer for a batch that does not come
+            drained = self._ring.drain(timeout=DRAIN_TIMEOUT_S)  # never waits longer for a batch that does not come
+            idle = getattr(self._prepare, "idle", None)  # LocalShards: the dropped batches free their shards
+            if drained and idle is not None:
+                idle()
