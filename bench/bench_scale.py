@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -252,31 +251,16 @@ def child_manifest(shards: int, folder: str) -> dict:
     """A dataset of ``shards`` shards (hard links to one shard of 1,000 one-byte rows, so that
     it is made in seconds; the manifest lists each under its own name): its open time, and a
     Loader's first batch over it (rank 0 of 1,024)."""
-    import os
-
     import fastload
-    from fastload.store.manifest import manifest_bytes
+    from fastload.bench.linked import link_shards
 
     one = Path(folder) / "one"
     with fastload.ShardWriter(one, {"x": "uint8"}) as w:
         w.write_batch({"x": (np.arange(1000) % 251).astype(np.uint8)})
     with fastload.Loader(fastload.Dataset(one), batch_size=4, device="cpu") as lo:  # warm the imports
         next(iter(lo))
-    m = json.loads((one / "manifest.json").read_text())
-    entry = m["shards"][0]
-    path = Path(folder) / f"shards-{shards}"
-    path.mkdir()
     t0 = time.perf_counter()
-    for i in range(shards):
-        if i % 50_000 == 0:  # a file takes at most ~65,000 links
-            src = path / f"source-{i}.arrow"
-            shutil.copyfile(one / entry["file"], src)
-        os.link(src, path / f"shard-{i:06d}.arrow")
-    m["shards"] = [{**entry, "file": f"shard-{i:06d}.arrow"} for i in range(shards)]
-    m["num_samples"] = entry["num_samples"] * shards
-    m["total_bytes"] = entry["bytes"] * shards
-    m.pop("manifest_checksum", None)
-    (path / "manifest.json").write_bytes(manifest_bytes(m))
+    path = link_shards(one, Path(folder) / f"shards-{shards}", shards)
     t_make = time.perf_counter() - t0
     before = _reset_peak()
     t0 = time.perf_counter()

@@ -4,7 +4,6 @@ batches need them (fastload/loader/shards.py), so 100,000 shards load with a few
 mappings, every sample exactly once and intact."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 
 import fastload
 from fastload.errors import FormatError
-from fastload.store.manifest import manifest_bytes
+from fastload.bench.linked import link_shards
 from fastload.store.mapped import ENV_LIMIT, mapped_shard_limit
 
 
@@ -32,21 +31,7 @@ def linked_dataset(folder: Path, shards: int, rows: int) -> Path:
     one = folder / "one"
     with fastload.ShardWriter(one, {"x": "int32"}) as w:
         w.write_batch({"x": np.arange(rows, dtype=np.int32)})
-    m = json.loads((one / "manifest.json").read_text())
-    entry = m["shards"][0]
-    path = folder / "many"
-    path.mkdir()
-    for i in range(shards):
-        if i % 50_000 == 0:  # a file takes at most ~65,000 links
-            src = path / f"source-{i}.arrow"
-            shutil.copyfile(one / entry["file"], src)
-        os.link(src, path / f"shard-{i:06d}.arrow")
-    m["shards"] = [{**entry, "file": f"shard-{i:06d}.arrow"} for i in range(shards)]
-    m["num_samples"] = entry["num_samples"] * shards
-    m["total_bytes"] = entry["bytes"] * shards
-    m.pop("manifest_checksum", None)
-    (path / "manifest.json").write_bytes(manifest_bytes(m))
-    return path
+    return link_shards(one, folder / "many", shards)
 
 
 @pytest.fixture(scope="module")
