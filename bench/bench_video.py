@@ -120,17 +120,11 @@ class PyAVClips(torch.utils.data.Dataset):
 
 def time_fastload(path: str, device: str) -> float:
     import fastload
+    from fastload.bench.runs import second_epoch_rate
 
     with fastload.Loader(path, batch_size=BATCH, device=device,
                          transforms={"video": fastload.video.clip(FRAMES, STRIDE, SIZE)}) as lo:
-        for epoch in range(2):  # the second epoch is timed: decoders built and warm
-            lo.set_epoch(epoch)
-            t0, n = time.perf_counter(), 0
-            for b in lo:
-                n += len(b["video"])
-                if device == "cuda":
-                    torch.cuda.synchronize()
-    return n / (time.perf_counter() - t0)
+        return second_epoch_rate(lo, "video")  # the second epoch: decoders built and warm
 
 
 def time_dali_cpu(path: str) -> float:

@@ -15,7 +15,24 @@ import numpy as np
 
 from .report import Measurement, machine_info
 
-__all__ = ["Step", "run", "run_fastload", "run_limit", "run_torch", "transform_for"]
+__all__ = ["Step", "run", "run_fastload", "run_limit", "run_torch", "second_epoch_rate", "transform_for"]
+
+
+def second_epoch_rate(loader, key: str) -> float:
+    """Samples per second of ``loader``'s second epoch, counted by ``batch[key]``'s rows (the
+    first epoch builds and warms its pipelines and decoders); on a CUDA loader each batch is
+    waited for (``torch.cuda.synchronize``)."""
+    cuda = loader.device.type == "cuda"
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        t0, n = time.perf_counter(), 0
+        for b in loader:
+            n += len(b[key])
+            if cuda:
+                import torch
+
+                torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0)
 
 
 def transform_for(name: str):
