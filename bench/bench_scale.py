@@ -66,25 +66,22 @@ def _peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def child_sampler(n: int, seconds: float) -> dict:
-    """Measured in this (fresh) process: first batch, its memory, resume, rate."""
-    from fastload import Sampler
-
-    warm = Sampler(1000, batch_size=4)  # the imports and numpy's first calls, not the order
-    next(iter(warm))
+def _sampler_figures(make, n: int, seconds: float) -> dict:
+    """First batch, its memory, a resume at a random step and the sampler alone's rate of
+    ``make(batch_size=, world_size=, rank=, seed=)`` (rank 0 of WORLD), measured in this
+    (fresh) process after a small warm-up sampler (the imports and numpy's first calls)."""
+    next(iter(make(batch_size=4, world_size=1, rank=0, seed=0)))
     before = _reset_peak()
     t0 = time.perf_counter()
-    s = Sampler(n, batch_size=BATCH, world_size=WORLD, rank=0, seed=1)
+    s = make(batch_size=BATCH, world_size=WORLD, rank=0, seed=1)
     it = iter(s)
     first = next(it)
     first_s = time.perf_counter() - t0
     growth = max(0, _peak() - before)
     assert len(first) == min(BATCH, -(-n // WORLD))
-    steps = len(s)
-    rng = np.random.default_rng(n % 997)
-    state = s.state_dict(consumed=int(rng.integers(0, steps)) * BATCH * WORLD)
+    state = s.state_dict(consumed=int(np.random.default_rng(n % 997).integers(0, len(s))) * BATCH * WORLD)
     t0 = time.perf_counter()
-    r = Sampler(n, batch_size=BATCH, world_size=WORLD, rank=0, seed=1)
+    r = make(batch_size=BATCH, world_size=WORLD, rank=0, seed=1)
     r.load_state_dict(state)
     next(iter(r))
     resume_s = time.perf_counter() - t0
@@ -101,6 +98,13 @@ def child_sampler(n: int, seconds: float) -> dict:
     return {"n": n, "first_s": first_s, "rss_growth": growth, "resume_s": resume_s,
             "samples_per_s": count / rate_s if count else 0.0,
             "batches_per_s": count / BATCH / rate_s if count else 0.0}
+
+
+def child_sampler(n: int, seconds: float) -> dict:
+    """Measured in this (fresh) process: first batch, its memory, resume, rate."""
+    from fastload import Sampler
+
+    return _sampler_figures(lambda **kw: Sampler(n, **kw), n, seconds)
 
 
 class GeneratedLengths:
@@ -174,30 +178,7 @@ def child_mixture(n: int, seconds: float) -> dict:
     sizes = np.array([n * 6 // 10, n * 3 // 10, n // 10], dtype=np.int64)
     order = MixtureOrder(("a", "b", "c"), sizes, np.concatenate([[0], np.cumsum(sizes)[:-1]]),
                          np.array([0.5, 0.3, 0.2]), "batch", n, None)
-    warm = MixtureSampler(order, batch_size=4, seed=0)
-    next(iter(warm))
-    before = _reset_peak()
-    t0 = time.perf_counter()
-    s = MixtureSampler(order, batch_size=BATCH, world_size=WORLD, rank=0, seed=1)
-    it = iter(s)
-    first = next(it)
-    first_s = time.perf_counter() - t0
-    growth = max(0, _peak() - before)
-    assert len(first) == min(BATCH, -(-n // WORLD))
-    state = s.state_dict(consumed=int(np.random.default_rng(n % 997).integers(0, len(s))) * BATCH * WORLD)
-    t0 = time.perf_counter()
-    r = MixtureSampler(order, batch_size=BATCH, world_size=WORLD, rank=0, seed=1)
-    r.load_state_dict(state)
-    next(iter(r))
-    resume_s = time.perf_counter() - t0
-    count, t0 = 0, time.perf_counter()
-    for b in it:
-        count += len(b)
-        if time.perf_counter() - t0 > seconds:
-            break
-    rate_s = time.perf_counter() - t0
-    return {"n": n, "first_s": first_s, "rss_growth": growth, "resume_s": resume_s,
-            "samples_per_s": count / rate_s if count else 0.0}
+    return _sampler_figures(lambda **kw: MixtureSampler(order, **kw), n, seconds)
 
 
 def child_baseline(n: int) -> dict:
