@@ -39,7 +39,7 @@ import numpy as np
 from ..validate import check_int
 from .crops import uniforms
 from .presets import DEFAULT_MAX_PIXELS, Transform
-from .runner import CPU_RUN, Runner, refuse_sizes
+from .runner import Runner, refuse_sizes
 
 __all__ = ["MultiRunner", "SampleTransform", "Spec", "CustomSample", "as_spec", "pad_ragged", "RANDOM_DRAWS"]
 
@@ -360,21 +360,10 @@ class MultiRunner(Runner):
         return self._shape(res, n)
 
     def _run_multi_chunked(self, samples, params, n, out) -> dict:
-        parts: list[dict] = []
-        bad: dict[int, str] = {}
-        err = None
-        for start in range(0, n, CPU_RUN):
-            pos = np.arange(start, min(n, start + CPU_RUN))
-            run_params = {k: a[pos] for k, a in params.items()}
-            r, e = self._try([samples[i] for i in pos], run_params)
-            if e is not None:
-                err = e
-                self._find_bad(samples, params, pos, e, bad)
-            elif not bad and err is None:
-                rows = {k: v[start:start + len(pos)] for k, v in out.items()}
-                parts.append(self._take_outputs(r, len(pos), rows, run_params))
-        if err is not None:
-            self._raise_bad(bad, n, err)
+        def take(r, start: int, count: int, run_params: dict) -> dict:
+            return self._take_outputs(r, count, {k: v[start:start + count] for k, v in out.items()}, run_params)
+
+        parts: list[dict] = self._cpu_runs(samples, params, n, take)
         res: dict = {}
         for k in parts[0]:
             if k in out:

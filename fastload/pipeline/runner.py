@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -264,21 +265,12 @@ class Runner(BadSampleSearch):
         its rows of ``out`` (``host_tail``) or concatenated."""
         import torch
 
-        parts, bad, err = [], {}, None
-        for start in range(0, n, CPU_RUN):
-            pos = np.arange(start, min(n, start + CPU_RUN))
-            run_params = {k: a[pos] for k, a in params.items()}
-            res, e = self._try([encoded[i] for i in pos], run_params)
-            if e is not None:
-                err = e
-                self._find_bad(encoded, params, pos, e, bad)
-            elif not bad and err is None:
-                if self.host_tail:  # straight into its rows of the output
-                    self._deliver(res, len(pos), out[start:start + len(pos)], run_params)
-                else:
-                    parts.append(self._deliver(res, len(pos), None))
-        if err is not None:
-            self._raise_bad(bad, n, err)
+        def take(res, start: int, count: int, run_params: dict):
+            if self.host_tail:  # straight into its rows of the output
+                return self._deliver(res, count, out[start:start + count], run_params)
+            return self._deliver(res, count, None)
+
+        parts = self._cpu_runs(encoded, params, n, take)
         if self.host_tail:
             return out
         whole = torch.cat(parts)
@@ -286,6 +278,25 @@ class Runner(BadSampleSearch):
             return whole
         out.copy_(whole)
         return out
+
+    def _cpu_runs(self, samples: list, params: dict[str, np.ndarray], n: int, take: Callable) -> list:
+        """``run`` on the CPU in runs of at most CPU_RUN samples (see CPU_RUN), in order:
+        ``take(result, start, count, run_params)`` for each run, its returns listed. A run that
+        fails has its bad samples searched and the rest go on being tried (only for that), so
+        that one BadSamples names every bad sample of the batch."""
+        parts, bad, err = [], {}, None
+        for start in range(0, n, CPU_RUN):
+            pos = np.arange(start, min(n, start + CPU_RUN))
+            run_params = {k: a[pos] for k, a in params.items()}
+            res, e = self._try([samples[i] for i in pos], run_params)
+            if e is not None:
+                err = e
+                self._find_bad(samples, params, pos, e, bad)
+            elif not bad and err is None:
+                parts.append(take(res, start, len(pos), run_params))
+        if err is not None:
+            self._raise_bad(bad, n, err)
+        return parts
 
     def _deliver(self, res, n: int, out, params: dict | None = None):
         if self.host_tail:  # augmentation work, not a copy: counted as decoding
