@@ -157,6 +157,18 @@ class _Normalized(Transform):
         finish_batch(self, decoded, params, out)
 
 
+def crop_and_flip(scale: Sequence[float], ratio: Sequence[float], flip: float) -> tuple[tuple, tuple, float]:
+    """RandomResizedCrop's ``scale`` (fractions of the image area) and ``ratio``, and a flip
+    probability, checked: what ``vision.train`` and ``vision.segmentation`` take alike."""
+    s = _pair("scale", scale, 0.0, positive=True)
+    if s[1] > 1:
+        raise ValueError(f"scale={scale!r}: the high end is a fraction of the image area, <= 1")
+    r = _pair("ratio", ratio, 0.0, positive=True)
+    if not 0.0 <= float(flip) <= 1.0:
+        raise ValueError(f"flip={flip!r} must be a probability in [0, 1]")
+    return s, r, float(flip)
+
+
 class Train(_Normalized):
     """RandomResizedCrop(size, scale, ratio) → horizontal flip(p) → normalize, as torchvision's
     ImageNet recipe; the crop is decoded directly (ROI decoding) where the decoder allows. On
@@ -167,13 +179,7 @@ class Train(_Normalized):
                  mean: Sequence[float] | None = None, std: Sequence[float] | None = None, dtype: str = "float32",
                  layout: str = "CHW", max_pixels: int = DEFAULT_MAX_PIXELS):
         super().__init__(size, mean, std, dtype, layout, max_pixels)
-        self.scale = _pair("scale", scale, 0.0, positive=True)
-        if self.scale[1] > 1:
-            raise ValueError(f"scale={scale!r}: the high end is a fraction of the image area, <= 1")
-        self.ratio = _pair("ratio", ratio, 0.0, positive=True)
-        if not 0.0 <= float(flip) <= 1.0:
-            raise ValueError(f"flip={flip!r} must be a probability in [0, 1]")
-        self.flip = float(flip)
+        self.scale, self.ratio, self.flip = crop_and_flip(scale, ratio, flip)
 
     def describe(self) -> dict:
         return {"kind": "train", **self._common(), "scale": list(self.scale), "ratio": list(self.ratio),

@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import BadSamples
 from .crops import train_params
 from .multi import SampleTransform, Spec
-from .presets import DEFAULT_MAX_PIXELS, _Normalized, _pair
+from .presets import DEFAULT_MAX_PIXELS, _Normalized, crop_and_flip
 
 __all__ = ["Segmentation", "MASK_DTYPES"]
 
@@ -30,13 +30,7 @@ class Segmentation(SampleTransform, _Normalized):
                  return_crop: bool = False, image: str = "image", mask: str = "mask",
                  max_pixels: int = DEFAULT_MAX_PIXELS):
         _Normalized.__init__(self, size, mean, std, dtype, layout, max_pixels)
-        self.scale = _pair("scale", scale, 0.0, positive=True)
-        if self.scale[1] > 1:
-            raise ValueError(f"scale={scale!r}: the high end is a fraction of the image area, <= 1")
-        self.ratio = _pair("ratio", ratio, 0.0, positive=True)
-        if not 0.0 <= float(flip) <= 1.0:
-            raise ValueError(f"flip={flip!r} must be a probability in [0, 1]")
-        self.flip = float(flip)
+        self.scale, self.ratio, self.flip = crop_and_flip(scale, ratio, flip)
         for name, v in (("crop", crop), ("return_crop", return_crop)):
             if not isinstance(v, bool):
                 raise ValueError(f"{name}={v!r} must be True or False")
