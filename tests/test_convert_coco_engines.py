@@ -12,7 +12,7 @@ from _convert import assert_same_rows
 from _remote import BUCKET, _aws_sdk_event_loop, moto, s3_env  # noqa: F401
 from test_convert_coco import make_coco
 from test_convert_s3 import fetch, objects, s3  # noqa: F401
-from test_convert_scale import env_for, have_ray
+from test_convert_scale import RUN_CONVERT, env_for, have_ray
 
 from fastload.convert import convert
 from fastload.convert.commit import commit
@@ -53,8 +53,7 @@ def test_the_ray_engine_produces_the_same_dataset(coco, tmp_path):
     args = {"kind": "coco", "src": str(src["js"]), "dst": str(tmp_path / "ray"), "images": str(src["images"]),
             "masks": True, "engine": "ray", "workers": 2, "shard_size": "15KB", "allow_small_shards": True,
             "progress": False}
-    run = "import json, sys; from fastload.convert import convert; print(json.dumps(convert(**json.loads(sys.argv[1]))))"
-    p = subprocess.run([sys.executable, "-c", run, json.dumps(args)], capture_output=True, text=True, timeout=600,
+    p = subprocess.run([sys.executable, "-c", RUN_CONVERT, json.dumps(args)], capture_output=True, text=True, timeout=600,
                        env=env_for(tmp_path), check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])

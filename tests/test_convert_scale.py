@@ -58,7 +58,10 @@ def env_for(tmp: Path, fault_group: int | None = None, fault_when: str = "start"
     return env
 
 
-_RUN = "import json, sys; from fastload.convert import convert; print(json.dumps(convert(**json.loads(sys.argv[1]))))"
+# one write per summary line: under PYTHONUNBUFFERED (CI sets it) print() writes the text and its
+# newline in two calls, and two ranks sharing the pipe could land on one line
+RUN_CONVERT = ("import json, sys; from fastload.convert import convert; "
+        "sys.stdout.write(json.dumps(convert(**json.loads(sys.argv[1]))) + '\\n')")
 _CLI_LINES = [(re.compile(r"^wrote (\d+) samples"), ("num_samples",)),
               (re.compile(r"^skipped (\d+) sample"), ("skipped",)),
               (re.compile(r"^\w+: (\d+) group\(s\); (\d+) converted by this run, (\d+) reused"),
@@ -78,7 +81,7 @@ def run_engine(engine: str, src: Path, dst: Path | str, tmp: Path, *, fault_grou
         cmd = ["-m", "fastload", "convert", "imagefolder", str(src), str(dst), f"--engine={engine}",
                f"--shard-size={SHARD}", "--force-small-shards", "-q", *flags]
     else:
-        cmd = ["-c", _RUN, json.dumps({"kind": "imagefolder", "src": str(src), "dst": str(dst), "engine": engine,
+        cmd = ["-c", RUN_CONVERT, json.dumps({"kind": "imagefolder", "src": str(src), "dst": str(dst), "engine": engine,
                                        "shard_size": SHARD, "allow_small_shards": True, "progress": False, **kw})]
     if engine == "torch":  # torchrun: every rank runs the same command
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
