@@ -122,6 +122,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--smoke", action="store_true", help="64 files")
     a = p.parse_args(argv)
+    from fastload.bench.machine import equal_priority
+
+    equal_priority()  # the rows compared run at one priority (FASTLOAD_NICE=0 unless set)
     if a.smoke:
         a.files = 64
     tmp = tempfile.mkdtemp(prefix="bench-audio-")

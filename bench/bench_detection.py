@@ -29,14 +29,14 @@ Priority: the Loader's threads run at nice 19 by default (``FASTLOAD_NICE``), so
 training step's own threads win a contended core. Here there is no training step, and the
 other rows run at nice 0: on a machine shared with other busy processes a nice-19 loader would
 be measured against their load rather than against the other rows. This script therefore
-sets ``FASTLOAD_NICE=0`` unless the environment sets it (``FASTLOAD_NICE=19 python
+sets ``FASTLOAD_NICE=0`` unless the environment sets it, as every benchmark without a training
+step does (``fastload.bench.machine.equal_priority``; ``FASTLOAD_NICE=19 python
 bench/bench_detection.py`` measures the default); the table's note says which was used.
 """
 from __future__ import annotations
 
 import argparse
 import io
-import os
 import shutil
 import sys
 import tempfile
@@ -48,6 +48,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 import fastload
+from fastload.bench.machine import equal_priority
 from fastload.bench.report import Measurement, headline, print_table, system_info, wait_until_idle
 from fastload.bench.timing import interleaved_times
 from fastload.runtime.system import usable_cores
@@ -205,7 +206,7 @@ def main(argv=None) -> list:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="128 images, one repeat")
     a = ap.parse_args(argv)
-    os.environ.setdefault("FASTLOAD_NICE", "0")  # the other rows run at nice 0 too (see the docstring)
+    nice = equal_priority()  # the other rows run at nice 0 too (see the docstring)
     if a.smoke:
         a.images, a.repeats = 128, 1
     n = a.images
@@ -278,7 +279,7 @@ def main(argv=None) -> list:
         r = Measurement.from_times(k, imgs, int(jpeg_bytes * imgs / n), ts, kind, group="epoch")
         r.note = f"{r.seconds:.2f} s/epoch; {kept[k]:.2f} boxes kept per image"
         if k == OURS:
-            r.note += f"; threads at nice {os.environ['FASTLOAD_NICE']}"
+            r.note += f"; threads at nice {nice}"
         rows.append(r)
     by = {r.system: r for r in rows}
     print(f"{n} synthetic COCO-like JPEGs {W}x{H} ({jpeg_bytes / 1e6:.1f} MB, 1-20 boxes each) -> IoU crop, "

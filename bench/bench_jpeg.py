@@ -51,6 +51,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 import fastload
+from fastload.bench.machine import equal_priority
 from fastload.bench.baseline import EpochSampler, PILImageWork
 from fastload.bench.report import (Measurement, Spread, headline, interleaved_cold_starts, interleaved_times,
                                    print_table, system_info, wait_until_idle)
@@ -221,6 +222,7 @@ def main(argv=None) -> list:
     ap.add_argument("--cold-repeats", type=int, default=3, help="cold starts per system (after one warm-up)")
     ap.add_argument("--smoke", action="store_true", help="128 images, one repeat")
     a = ap.parse_args(argv)
+    equal_priority()  # the rows compared run at one priority (FASTLOAD_NICE=0 unless set)
     if a.smoke:
         a.images, a.repeats, a.cold_repeats = 128, 1, 1
     n, b = a.images, a.batch_size

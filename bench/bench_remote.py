@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastload.bench.machine import equal_priority
 from fastload.bench.report import headline, system_info
 
 
@@ -121,6 +122,7 @@ def main(argv=None) -> dict:
                     help="a venv with mosaicml-streaming: adds Streaming's rows")
     ap.add_argument("--make-streaming-venv", metavar="DIR", help="create that venv first (pip install)")
     a = ap.parse_args(argv)
+    equal_priority()  # the rows compared run at one priority (FASTLOAD_NICE=0 unless set)
     if a.make_streaming_venv:
         _make_streaming_venv(Path(a.make_streaming_venv))
         a.streaming_venv = a.make_streaming_venv

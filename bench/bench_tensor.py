@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
+from fastload.bench.machine import equal_priority
 from fastload.bench.report import Measurement, headline, interleaved_medians, interleaved_times, print_table, system_info
 from fastload import _C
 from fastload.ring.ring import Ring, default_slots, default_threads
@@ -497,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the host-to-device case only (needs a GPU)")
     args = ap.parse_args(argv)
+    equal_priority()  # the rows compared run at one priority (FASTLOAD_NICE=0 unless set)
     if args.device == "cuda":
         return main_cuda(args)
     repeats = args.repeats or (1 if args.smoke else 7)

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
+from fastload.bench.machine import equal_priority
 from fastload.bench.report import Measurement, headline, interleaved_times, print_table, system_info
 
 ROWS, SEQ = 8, 2048
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=float, default=None, help="corpus size in tokens (default 100M)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default 5)")
     a = ap.parse_args(argv)
+    equal_priority()  # the rows compared run at one priority (FASTLOAD_NICE=0 unless set)
     import fastload
 
     tokens = int(a.tokens or (2e6 if a.smoke else 100e6))

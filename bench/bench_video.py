@@ -170,6 +170,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--smoke", action="store_true", help="16 videos of 40 frames")
     a = p.parse_args(argv)
+    from fastload.bench.machine import equal_priority
+
+    equal_priority()  # the rows compared run at one priority (FASTLOAD_NICE=0 unless set)
     if a.smoke:
         a.videos, a.frames = 16, 40
     from fastload.bench.headlines import headline

@@ -170,12 +170,21 @@ def run_command(a: argparse.Namespace, out) -> int:
             raise UsageError(f"--plot={a.plot} needs matplotlib, which is not installed: "
                              "pip install 'fastload[bench]' (or pip install matplotlib), "
                              "or leave out --plot") from None
+    from .machine import equal_priority
     from .runs import run
 
+    nice_was = os.environ.get("FASTLOAD_NICE")
     try:
+        if opts.step is None and not opts.step_ms:  # loaders side by side, no training step: one priority
+            equal_priority()                        # (with a step, the Loader's own default is what counts)
         report = run(a.path, opts)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
+    finally:  # (called in-process too: the environment is left as it was)
+        if nice_was is None:
+            os.environ.pop("FASTLOAD_NICE", None)
+        else:
+            os.environ["FASTLOAD_NICE"] = nice_was
     print_report(report, out)
     if a.json is not None:
         out.json(report)

@@ -6,10 +6,30 @@ GPU's name) when it is called.
 """
 from __future__ import annotations
 
+import os
 import platform
 from typing import Any
 
-__all__ = ["machine_info", "system_info"]
+__all__ = ["equal_priority", "machine_info", "system_info"]
+
+
+def equal_priority() -> int:
+    """Run fastload's threads at the priority of the rows they are compared with, and return
+    the nice value in effect.
+
+    A Loader's threads run at nice 19 by default (:data:`fastload.runtime.system.LOADER_NICE`:
+    in training, the step's own threads win a contended core and loading fills the gaps). A
+    benchmark that compares loaders *without* a training step runs the DataLoader's workers
+    and DALI at nice 0; on a machine shared with other busy processes a nice-19 Loader would
+    then be measured against their load instead of against the other rows. Benchmarks of that
+    kind call this first: ``FASTLOAD_NICE=0`` unless the environment already sets it
+    (``FASTLOAD_NICE=19 python bench/bench_x.py`` measures the default), and the machine line
+    (:func:`system_info`) says which value was used. ``bench/bench_loop.py``, which has a
+    training step, measures the priorities themselves and does not call it."""
+    from fastload.runtime.system import loader_nice
+
+    os.environ.setdefault("FASTLOAD_NICE", "0")
+    return loader_nice()
 
 
 def _cpu_name() -> str:
@@ -61,9 +81,11 @@ def machine_info() -> dict[str, Any]:
                 "dali": _dist_version("nvidia-dali-cuda120", "nvidia-dali-cuda130", "nvidia-dali-cuda110",
                                       "nvidia-dali"),
                 "fastload": __version__}
+    from fastload.runtime.system import loader_nice
+
     return {"python": platform.python_version(), "platform": platform.platform(), "cpu": _cpu_name(),
             "cores": usable_cores(), "memory_gib": _memory_gib(), "gpu": _gpu_name(),
-            "versions": versions}
+            "versions": versions, "loader_nice": loader_nice()}
 
 
 def system_info(info: dict | None = None) -> str:
@@ -75,4 +97,6 @@ def system_info(info: dict | None = None) -> str:
     if m.get("gpu"):
         parts.insert(1, f"GPU {m['gpu']}")
     parts += [f"{k} {m['versions'][k]}" for k in ("numpy", "torch") if m["versions"].get(k)]
+    if m.get("loader_nice") is not None:  # (older reports have none)
+        parts.append(f"fastload threads at nice {m['loader_nice']}")
     return "; ".join(parts)
