@@ -313,7 +313,7 @@ def test_a_stored_ragged_field_named_in_fields_comes_as_stored(boxes_ds):
 
 
 @pytest.mark.parametrize("kw,err", [
-    (dict(size=0), r"size=\(0, 0\)"), (dict(size=32, scale=(0.5, 2.0)), "fraction of the image side"),
+    (dict(size=0), r"size=0 must be a positive int"), (dict(size=32, scale=(0.5, 2.0)), "fraction of the image side"),
     (dict(size=32, min_iou=(0.5, 1.5)), "IoU thresholds in"), (dict(size=32, flip=2), "probability"),
     (dict(size=32, box_format="yolo"), "box_format"), (dict(size=32, letterbox=1), "letterbox=1"),
 ])

@@ -295,7 +295,7 @@ def test_custom_graph_and_shape_check(images):
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: vision.train(0), r"size=\(0, 0\)"),
+    (lambda: vision.train(0), r"size=0 must be a positive int"),
     (lambda: vision.train(224, scale=(0.5, 0.1)), "scale"),
     (lambda: vision.train(224, ratio=(0, 1)), "ratio"),
     (lambda: vision.train(224, flip=2), "flip"),

@@ -26,10 +26,11 @@ __all__ = ["Transform", "train", "eval", "custom", "IMAGENET_MEAN", "IMAGENET_ST
 
 
 def _size(name: str, v: Any) -> tuple[int, int]:
+    given = v  # the error names what the user wrote (size=0, not size=(0, 0))
     if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
         v = (int(v), int(v))
     if not (isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(x, (int, np.integer)) and x > 0 for x in v)):
-        raise ValueError(f"{name}={v!r} must be a positive int or an (height, width) pair of positive ints")
+        raise ValueError(f"{name}={given!r} must be a positive int or an (height, width) pair of positive ints")
     return int(v[0]), int(v[1])
 
 
