@@ -92,6 +92,7 @@ class RemoteShards:
         self._hooks: list = []
         self._lock = threading.Lock()
         self._planned: list[EpochUses] | None = None  # the pass the caches are on
+        self._planned_stream = None  # ... and the stream it was computed from
         self._frozen: dict | None = None
         stats.attach("remote", self._probe, derive=download_stats)  # its counters, per epoch
         if warm:
@@ -108,6 +109,7 @@ class RemoteShards:
         for c, u, n in zip(self._caches, uses, nxt):
             c.plan(u, next_uses=n)
         self._planned = uses
+        self._planned_stream = self._sampler.order_stream(self._sampler.epoch)
 
     def _pass_uses(self, epoch: int, start: int | None) -> EpochUses:
         """The uses of a pass over ``epoch`` from ``start`` (None: where the sampler stands)."""
@@ -120,6 +122,19 @@ class RemoteShards:
 
     def _plan_uses(self, plan) -> EpochUses:
         return plan_uses(plan, self._ds.shard_starts) if self._pack is None else pack_uses(plan, self._ds.shard_starts)
+
+    def _on_planned_pass(self, plan: Any) -> bool:
+        """True when the caches are on ``plan``'s pass already (the warm start's: the same
+        epoch, positions and stream), which then needs no second scan of its stream."""
+        planned, stream = self._planned, self._planned_stream
+        if planned is None or stream is None or not planned:
+            return False
+        end = plan.bounds[-1][2] if len(plan.bounds) else plan.start
+        u = planned[0]
+        if (u.epoch, u.start, u.end) != (plan.epoch, plan.start, end):
+            return False
+        mine = plan.stream if self._pack is None else plan.tokens.stream
+        return mine is stream or (hasattr(mine, "same") and mine.same(stream))
 
     def _parts(self, uses: EpochUses) -> list[EpochUses]:
         return [_part(uses, base, r.num_shards) for _, base, r in self._members]
@@ -168,9 +183,9 @@ class RemoteShards:
         if s.weights is not None or s.labels is not None or not s.shuffle:
             return "read in shard windows with shuffle_mode=\"window\""
         from ..remote.schedule import epoch_uses
-        from ..sampling import window_permutation
+        from ..sampling.order import Windowed
 
-        w1 = epoch_uses(window_permutation(self._ds.shard_sizes, 1, s.seed, s.epoch), self._ds.shard_starts)
+        w1 = epoch_uses(Windowed(self._ds.shard_sizes, 1, s.seed, s.epoch), self._ds.shard_starts)
         return (f"read in shard windows with shuffle_mode=\"window\" (window=1 needs "
                 f"{self._caches[0].minimum_limit(w1)} bytes here; each shard of window w is in use at once)")
 
@@ -178,10 +193,10 @@ class RemoteShards:
         """The cache bytes this pass would need in windows of ``window`` shards, with the
         reader asking ``ahead`` positions early (:func:`~fastload.remote.schedule.minimum_budget`)."""
         from ..remote.schedule import epoch_end, epoch_uses, minimum_budget
-        from ..sampling import epoch_stream
+        from ..sampling import epoch_order
 
         s, cache = self._sampler, self._caches[0]
-        stream = epoch_stream(s.num_samples, seed=s.seed, epoch=s.epoch, shuffle=s.shuffle, weights=s.weights,
+        stream = epoch_order(s.num_samples, seed=s.seed, epoch=s.epoch, shuffle=s.shuffle, weights=s.weights,
                               replacement=s.replacement, num_draws=s.num_draws, balance_labels=s.labels,
                               batch_size=s.batch_size, shuffle_mode="window", shard_sizes=s.shard_sizes,
                               window=window)
@@ -200,10 +215,11 @@ class RemoteShards:
 
     def _start_pass(self) -> None:
         plan, self._pending_plan = self._pending_plan, None
-        uses = self._parts(self._plan_uses(plan))
-        planned, self._planned, self._frozen = self._planned, None, None
-        if planned is not None and all(u.same_as(p) for u, p in zip(uses, planned)):
+        same = self._on_planned_pass(plan)
+        self._planned, self._planned_stream, self._frozen = None, None, None
+        if same:
             return  # warm-started at construction: the caches are on this pass already
+        uses = self._parts(self._plan_uses(plan))
         nxt = self._parts(self._pass_uses(plan.epoch + 1, 0))
         for c, u, n in zip(self._caches, uses, nxt):
             c.plan(u, next_uses=n)

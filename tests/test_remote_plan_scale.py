@@ -1,0 +1,131 @@
+"""A remote cache's plan at scale (issue 30): the first-use schedule is computed from the
+per-position order in chunks, never from the epoch's stream materialised, and equals the
+schedule of the materialised stream exactly."""
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import fastload
+from _remote import assert_same, batches
+from fastload.remote.schedule import epoch_end, epoch_uses, pack_uses, sampler_uses, token_uses
+from fastload.sampling import Sampler
+from fastload.sampling.order import Natural, Shuffled, Stream, Windowed
+from fastload.sampling.packing import pack_plan
+
+
+def _same(a, b):
+    assert a.shards.tolist() == b.shards.tolist()
+    assert a.first.tolist() == b.first.tolist() and a.last.tolist() == b.last.tolist()
+    assert (a.start, a.end) == (b.start, b.end)
+
+
+@pytest.mark.parametrize("kind", ["natural", "shuffled", "window"])
+@pytest.mark.parametrize("uniform", [True, False])
+@pytest.mark.parametrize("start,extra", [(0, 0), (0, 7), (1234, 0), (4999, 13), (3, 10_000)])
+def test_uses_of_a_stream_equal_those_of_its_array(kind, uniform, start, extra):
+    """Per position (chunks of 97 positions, so that chunks, shards and wrap-around padding
+    cross one another) equals the materialised stream, for every kind of order: the natural
+    one (no position scanned), the shuffle and windows, with equal shards (a division) or not
+    (a search), from a resumed position, past the stream's end (padding), several times."""
+    rng = np.random.default_rng(7)
+    rows = np.full(40, 125) if uniform else rng.integers(0, 300, size=40)  # empty shards included
+    if uniform:
+        rows[-1] = 60  # the last shard may be shorter
+    starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+    n = int(starts[-1])
+    stream: Stream = (Natural(n) if kind == "natural" else Shuffled(n, 3, 1) if kind == "shuffled"
+                      else Windowed(rows, 3, 3, 1))
+    end = n + extra
+    got = epoch_uses(stream, starts, start=start, end=end, chunk=97)
+    want = epoch_uses(np.asarray(stream).copy(), starts, start=start, end=end, chunk=1 << 20)
+    _same(got, want)
+    # and the brute force of the old test (tests/test_remote_schedule.py) on a small end
+    arr = np.asarray(stream)
+    pos = np.arange(start, end)
+    sh = np.searchsorted(starts, arr[pos % n], side="right") - 1
+    first = {}
+    for p, s in zip(pos.tolist(), sh.tolist()):
+        first.setdefault(s, p)
+    assert got.shards.tolist() == sorted(first, key=first.get)
+
+
+@pytest.mark.parametrize("start,world,drop_last", [(0, 3, False), (777_777, 8, False), (0, 5000, False),
+                                                   (123_456, 4, True)])
+def test_pack_uses_read_the_token_stream_in_chunks(start, world, drop_last):
+    """A packed pass's schedule from its token stream's chunks (several of 65,536 documents)
+    equals the one from its materialised documents and token counts."""
+    rng = np.random.default_rng(11)
+    n = 150_000
+    rows = rng.integers(1, 9000, size=30)
+    rows = np.round(rows / rows.sum() * n).astype(np.int64)
+    rows[-1] += n - rows.sum()
+    starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+    lengths = rng.integers(0, 40, size=n)  # empty documents included
+    plan = pack_plan(0, start, Shuffled(n, 5, 0), lengths, rows=4, length=256, world_size=world, rank=0,
+                     drop_last=drop_last)
+    end = plan.bounds[-1][2] if len(plan.bounds) else plan.start
+    want = token_uses(plan.stream, plan.cum, starts, start=plan.start, end=end)
+    got = pack_uses(plan, starts)
+    _same(got, want)
+    assert len(got) > 0
+
+
+def _forbid_materialising(monkeypatch):
+    def refuse(self, *a, **k):
+        raise AssertionError(f"{type(self).__name__} of {len(self):,} positions materialised")
+
+    monkeypatch.setattr(Stream, "__array__", refuse)
+
+
+def test_sampler_uses_never_materialise_the_stream(monkeypatch):
+    """The plan of a pass (and the next epoch's) of a sampler: no stream held whole."""
+    _forbid_materialising(monkeypatch)
+    rows = [1000] * 50
+    starts = np.concatenate([[0], np.cumsum(rows)])
+    for kw in (dict(), dict(shuffle_mode="window", shard_sizes=rows, window=2), dict(shuffle=False)):
+        s = Sampler(50_000, batch_size=32, world_size=3, rank=1, seed=2, **kw)
+        for e in (0, 1):
+            u = sampler_uses(s, starts, epoch=e)
+            assert sorted(u.shards.tolist()) == list(range(50))
+            assert u.end == epoch_end(50_000, world_size=3, batch_size=32)
+
+
+@pytest.mark.slow
+def test_the_plan_of_a_large_pass_holds_no_array_over_its_positions():
+    """10^7 positions over 1,000 shards: the largest memory the plan holds at once (Python
+    allocations and numpy's, tracemalloc's peak) stays a few MB, not ~40-80 MB of indices (the
+    stream materialised: what the plan cost before)."""
+    n, shards = 10**7, 1000
+    starts = np.arange(shards + 1, dtype=np.int64) * (n // shards)
+    s = Sampler(n, batch_size=256, world_size=1024, rank=0, seed=1)
+    tracemalloc.start()
+    try:
+        u = sampler_uses(s, starts)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(u) == shards and u.first.max() < 100_000 and u.last.min() > n - 100_000
+    assert peak < 24 * 2**20, f"planning held {peak / 2**20:.1f} MB at once"
+
+
+def test_a_remote_loader_never_materialises_its_stream(remote_url, local_ds, tmp_path, monkeypatch):
+    """A Loader over a URL plans every pass (the warm start, each epoch, the next epoch's, a
+    resume) from the per-position order: the batches equal the local dataset's, and no
+    stream is ever held whole."""
+    kw = dict(batch_size=50, seed=3, device="cpu", prefetch=2, threads=1)
+    with fastload.Loader(local_ds, **kw) as lo:
+        want = batches(lo, epochs=(0, 1))
+    _forbid_materialising(monkeypatch)
+    with fastload.Loader(remote_url, cache_dir=tmp_path / "c", **kw) as lo:
+        got = batches(lo, epochs=(0,))
+        it = iter(lo.set_epoch(1) or lo)
+        got += [{k: v.numpy().copy() for k, v in next(it).items()} for _ in range(7)]
+        state = lo.state_dict()
+    with fastload.Loader(remote_url, cache_dir=tmp_path / "c2", **kw) as lo:
+        lo.load_state_dict(json.loads(json.dumps(state)))
+        got += [{k: v.numpy().copy() for k, v in b.items()} for b in lo]
+    assert_same(got, want)
