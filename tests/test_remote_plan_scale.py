@@ -129,3 +129,146 @@ def test_a_remote_loader_never_materialises_its_stream(remote_url, local_ds, tmp
         lo.load_state_dict(json.loads(json.dumps(state)))
         got += [{k: v.numpy().copy() for k, v in b.items()} for b in lo]
     assert_same(got, want)
+
+
+@pytest.mark.parametrize("kind", ["shuffled", "window1", "window3", "natural"])
+def test_a_pass_scan_knows_more_at_each_step_and_never_too_little(kind):
+    """At every step of a scan: the shards known are a prefix of the exact first-use order
+    (exact first uses), each last use in :meth:`uses` no earlier than the exact one and in
+    :meth:`seen` no later; a window's shards get their exact last use once the scan is past
+    their window; at the end, the exact schedule."""
+    from fastload.remote.schedule import PassScan
+
+    rng = np.random.default_rng(5)
+    rows = rng.integers(20, 60, size=30)
+    starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+    n = int(starts[-1])
+    stream = (Shuffled(n, 1, 2) if kind == "shuffled" else Natural(n) if kind == "natural"
+              else Windowed(rows, int(kind[-1]), 1, 2))
+    end = n + 17  # padding: the first positions again
+    exact = epoch_uses(np.asarray(stream).copy(), starts, start=40, end=end)
+    scan = PassScan(stream, starts, start=40, end=end, chunk=13)
+    last_of = dict(zip(exact.shards.tolist(), exact.last.tolist()))
+    prev = None
+    while True:
+        u, low = scan.uses(), scan.seen()
+        k = len(u)
+        assert u.shards.tolist() == exact.shards[:k].tolist() and u.first.tolist() == exact.first[:k].tolist()
+        assert np.all(u.last >= exact.last[:k]) and np.all(low.last <= exact.last[:k])
+        assert np.all(u.last < end)
+        if prev is not None:  # only ever more, and earlier last uses
+            assert len(u) >= len(prev) and np.all(u.last[:len(prev)] <= prev.last)
+        if kind.startswith("window"):
+            for s, la in zip(u.shards.tolist(), u.last.tolist()):
+                if scan.horizon >= scan.bound[s]:
+                    assert la == last_of[s]
+        if scan.done:
+            break
+        prev = u
+        scan.step(50)
+    _same(scan.uses(), exact)
+
+
+def test_the_timeline_takes_a_pass_as_its_scan_goes_on():
+    """Timeline.update: the download queue keeps its place, admissions only move earlier, and
+    the end is the exact schedule's admission; a use list that is not an extension is refused."""
+    from fastload.remote.cache_timeline import Timeline
+    from fastload.remote.schedule import PassScan, admission_times
+
+    rows = [30] * 20
+    starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+    sizes = np.full(20, 100, np.int64)
+    stream = Windowed(rows, 2, 0, 0)
+    exact = epoch_uses(stream, starts)
+    limit = 500
+    scan = PassScan(stream, starts, chunk=16)
+    scan.step(100)
+    tl = Timeline(sizes, ahead=10)
+    tl.plan(scan.uses(), None, limit)
+    j = tl.next_use()
+    tl.take(j, 0)
+    before = tl._u_admit.copy()
+    while not scan.done:
+        scan.step(100)
+        tl.update(scan.uses(), None, limit)
+        assert tl.next_use() == j + 1
+        assert np.all(tl._u_admit[:len(before)] <= before)
+        before = tl._u_admit.copy()
+    nxt = epoch_uses(Windowed(rows, 2, 0, 1), starts, epoch=1)
+    tl.update(scan.uses(), nxt, limit)
+    want = admission_times(exact.shards, exact.first, exact.last, sizes, limit, 0)
+    assert tl._u_admit[:len(exact)].tolist() == want.tolist()
+    assert len(tl._u_shard) == len(exact) + len(nxt)
+    with pytest.raises(ValueError, match="extended"):
+        tl.update(epoch_uses(Windowed(rows, 2, 9, 0), starts), None, limit)
+
+
+@pytest.mark.parametrize("mode,window,limit_shards", [("window", 1, 4), ("window", 2, 6), ("full", None, None)])
+def test_a_remote_loader_reads_while_its_plan_is_scanned(remote_url, local_ds, tmp_path, monkeypatch, mode, window,
+                                                         limit_shards):
+    """A pass longer than what is scanned before it starts (here: 100 positions of 3,000;
+    at scale 2^22) is planned as its scan goes on in the background (slowed down here, so
+    that the reader reads while it does): the batches equal the local dataset's over two
+    epochs and a resume, the budget holds at every moment, and shards are evicted."""
+    import time
+
+    import fastload.loader.remote as lr
+    from _remote import DiskSampler
+    from fastload.remote.schedule import PassScan
+
+    kw = dict(batch_size=50, seed=3, shuffle_mode=mode, window=window, device="cpu", prefetch=2, threads=1)
+    with fastload.Loader(local_ds, **kw) as lo:
+        want = batches(lo, epochs=(0, 1))
+        shard_bytes = max(s["bytes"] for s in lo.dataset.manifest["shards"])
+    monkeypatch.setattr(lr, "SYNC_POSITIONS", 100)
+    monkeypatch.setattr(lr, "SCAN", 40)
+    monkeypatch.setattr(lr._Planner, "EVERY_S", 0.0)  # the caches updated at every step
+    step = PassScan.step
+
+    def slow(self, positions=None):
+        time.sleep(0.003)
+        return step(self, positions)
+
+    monkeypatch.setattr(PassScan, "step", slow)
+    updates = []
+    update = lr._Planner._update
+    monkeypatch.setattr(lr._Planner, "_update", lambda self, nxt: (updates.append(self._scan.horizon),
+                                                                   update(self, nxt))[1])
+    limit = None if limit_shards is None else limit_shards * shard_bytes
+    scanning = []  # after each batch: the pass's scan still going on
+    with fastload.Loader(remote_url, cache_dir=tmp_path / "c", cache_limit=limit, **kw) as lo:
+        planner = lambda: lo._remote._planner  # noqa: E731
+        with DiskSampler(lo.dataset.cache.dir) as disk:
+            got = batches(lo, epochs=(0, 1), on_batch=lambda i: scanning.append(
+                planner() is not None and not planner()._scan.done))
+        st = lo.stats()
+    assert_same(got, want)
+    assert len(updates) > 20 and sum(scanning) >= 5, (len(updates), sum(scanning))  # read while planned
+    if limit is not None:
+        assert disk.peak <= limit, f"{disk.peak} bytes on disk > cache_limit {limit}"
+        assert st["evictions"] > 0
+
+
+def test_a_budget_found_too_small_as_the_plan_is_scanned_stops_the_reader(remote_url, tmp_path, monkeypatch):
+    """The budget is checked on what is scanned before the pass starts (a full shuffle needs
+    every shard from its first positions on: refused at construction, as before); a need
+    found later by the background scan (here: the next window) fails the reader at once with
+    CacheTooSmall naming the minimum, not a download timeout."""
+    import time
+
+    import fastload.loader.remote as lr
+    from fastload.errors import CacheTooSmall
+
+    monkeypatch.setattr(lr, "SYNC_POSITIONS", 100)
+    kw = dict(batch_size=50, seed=3, device="cpu", prefetch=2, download_timeout=60)
+    with fastload.Dataset(remote_url, cache_dir=tmp_path / "x") as ds:
+        one = max(s["bytes"] for s in ds.manifest["shards"])
+    with pytest.raises(CacheTooSmall):
+        fastload.Loader(remote_url, cache_dir=tmp_path / "c", cache_limit=4 * one, **kw)
+    t0 = time.monotonic()
+    with fastload.Loader(remote_url, cache_dir=tmp_path / "c", cache_limit=one, shuffle_mode="window", window=1,
+                         **kw) as lo:
+        with pytest.raises(CacheTooSmall, match="too small") as e:
+            for _ in lo:
+                pass
+    assert e.value.minimum > one and time.monotonic() - t0 < 30

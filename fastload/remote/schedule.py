@@ -28,8 +28,8 @@ import numpy as np
 
 from ..sampling import RankBatches, Stream, per_rank_count
 
-__all__ = ["EpochUses", "epoch_end", "epoch_uses", "pack_uses", "plan_uses", "sampler_uses", "minimum_budget",
-           "admission_times", "token_uses"]
+__all__ = ["EpochUses", "PassScan", "epoch_end", "epoch_uses", "pack_uses", "plan_scan", "plan_uses", "sampler_scan",
+           "sampler_uses", "minimum_budget", "admission_times", "token_uses"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,100 @@ def _empty(nshards: int) -> tuple[np.ndarray, np.ndarray]:
     return np.full(nshards, np.iinfo(np.int64).max, dtype=np.int64), np.full(nshards, -1, dtype=np.int64)
 
 
+class PassScan:
+    """The first-use schedule of positions ``start..end-1`` of ``stream`` (see
+    :func:`epoch_uses`), computed as far as it has been scanned: :meth:`step` scans the next
+    positions (``chunk`` at a time: a few MB of arrays, whatever the pass's length), and
+    :meth:`uses` says what is known, so a cache can start on a long pass before its scan is
+    over.
+
+    Known after scanning up to ``horizon``: every shard first used before it, in first-use
+    order, with its exact first use (later steps only add shards after them). Its last use
+    is exact once the scan is past ``bound[shard]``, the position from which the order's
+    structure says it is read no more (``shuffle_mode="window"``: the end of its window; the
+    natural order: the end of the shard; otherwise: the end of the pass), and until then
+    taken as ``bound - 1`` (:meth:`uses`: no later than that; a cache planned with it keeps a
+    shard no shorter than it must, admits no download earlier than the exact schedule would,
+    and its admissions only move earlier as the scan goes on) or as the last use seen
+    (:meth:`seen`: no earlier than that; what the budget needs at least)."""
+
+    def __init__(self, stream: Stream | np.ndarray, shard_starts: np.ndarray, *, epoch: int = 0, start: int = 0,
+                 end: int | None = None, chunk: int = SCAN) -> None:
+        from ..sampling.order import Natural
+
+        self.stream = stream
+        self.m = m = len(stream)
+        self.epoch, self.start = int(epoch), int(start)
+        self.end = m if end is None else int(end)
+        self.chunk = int(chunk)
+        self.starts = np.asarray(shard_starts, dtype=np.int64)
+        self.first, self.last = _empty(len(self.starts) - 1)
+        self._array = None if isinstance(stream, Stream) else np.asarray(stream)
+        self._shard_of = _shard_of(self.starts)
+        self.horizon = self.start
+        if isinstance(stream, Natural):  # position p reads sample p: each shard's positions are its own samples
+            if m > 0:  # each shard one "document" of its samples
+                _fold(self.first, self.last, np.arange(len(self.starts) - 1, dtype=np.int64), self.starts, m,
+                      self.start, self.end)
+            self.horizon = max(self.start, self.end)
+        self.bound = self._bounds()
+
+    @property
+    def done(self) -> bool:
+        return self.horizon >= self.end
+
+    def _indices(self, a: int, b: int) -> np.ndarray:
+        m = self.m
+        wraps = a >= m or b > m  # padding: positions past the stream read its start again
+        if self._array is None:
+            pos = np.arange(a, b, dtype=np.int64)
+            return self.stream.at(pos % m if wraps else pos)  # type: ignore[union-attr]
+        return self._array[np.arange(a, b) % m] if wraps else self._array[a:b]
+
+    def step(self, positions: int | None = None) -> None:
+        """Scan the next ``positions`` positions (None: to the end of the pass)."""
+        stop = self.end if positions is None else min(self.end, self.horizon + int(positions))
+        for a in range(self.horizon, stop, self.chunk):
+            b = min(stop, a + self.chunk)
+            sh = self._shard_of(np.asarray(self._indices(a, b), dtype=np.int64))
+            pos = np.arange(a, b, dtype=np.int64)
+            np.minimum.at(self.first, sh, pos)  # (positions ascend: the first chunk a shard is in sets its first use)
+            np.maximum.at(self.last, sh, pos)
+            self.horizon = b
+
+    def _bounds(self) -> np.ndarray:
+        """Per shard, a position from which the pass reads it no more (see the class
+        docstring): the end of its window in ``shuffle_mode="window"``, else the pass's end."""
+        from ..sampling.order import Windowed
+
+        ns = len(self.starts) - 1
+        bound = np.full(ns, self.end, dtype=np.int64)
+        st = self.stream
+        sizes = np.diff(self.starts)
+        if (isinstance(st, Windowed) and len(st.order) == ns
+                and np.array_equal(np.asarray(getattr(st, "_sizes", ()), np.int64), sizes)):
+            ocum = np.zeros(ns + 1, np.int64)  # where each shard of the reading order begins
+            np.cumsum(sizes[st.order], out=ocum[1:])
+            rank = np.arange(ns)
+            wend = ocum[np.minimum((rank // st.window + 1) * st.window, ns)]
+            bound[st.order] = np.minimum(wend, self.end)
+            if self.end > self.m:  # the padding reads the stream's first positions again, past its end
+                again = np.unique(self._shard_of(np.asarray(self._indices(self.m, self.end), dtype=np.int64)))
+                bound[again] = self.end
+        return bound
+
+    def uses(self) -> EpochUses:
+        """What is known so far, each last use no later than it can be (the class docstring)."""
+        if self.done:
+            return _uses(self.epoch, self.start, self.end, self.first, self.last)
+        last = np.where(self.last < 0, -1, np.where(self.horizon >= self.bound, self.last, self.bound - 1))
+        return _uses(self.epoch, self.start, self.end, self.first, last)
+
+    def seen(self) -> EpochUses:
+        """What is known so far, each last use the last one seen (no later than the true one)."""
+        return _uses(self.epoch, self.start, self.end, self.first, self.last)
+
+
 def epoch_uses(stream: Stream | np.ndarray, shard_starts: np.ndarray, *, epoch: int = 0, start: int = 0,
                end: int | None = None, chunk: int = SCAN) -> EpochUses:
     """First and last use of every shard read by positions ``start..end-1`` of ``stream``
@@ -95,42 +189,37 @@ def epoch_uses(stream: Stream | np.ndarray, shard_starts: np.ndarray, *, epoch: 
     :class:`~fastload.sampling.Stream` (never materialised: its positions are computed
     ``chunk`` at a time) or an array. Memory: a few integers per shard and ``chunk``
     positions' arrays, whatever the pass's length; the natural order costs nothing per
-    position."""
-    from ..sampling.order import Natural
+    position. (A :class:`PassScan` scanned to the end.)"""
+    scan = PassScan(stream, shard_starts, epoch=epoch, start=start, end=end, chunk=chunk)
+    scan.step()
+    return scan.uses()
 
-    m = len(stream)
-    end = m if end is None else int(end)
-    starts = np.asarray(shard_starts, dtype=np.int64)
-    first, last = _empty(len(starts) - 1)
-    if isinstance(stream, Natural):  # position p reads sample p: each shard's positions are its own samples
-        if m > 0:  # each shard one "document" of its samples
-            _fold(first, last, np.arange(len(starts) - 1, dtype=np.int64), starts, m, start, end)
-        return _uses(epoch, start, end, first, last)
-    per_position = isinstance(stream, Stream)
-    array = None if per_position else np.asarray(stream)
-    shard_of = _shard_of(starts)
-    for a in range(start, end, chunk):
-        b = min(end, a + chunk)
-        pos = np.arange(a, b, dtype=np.int64)
-        wraps = a >= m or b > m  # padding: positions past the stream read its start again
-        if array is None:
-            idx = stream.at(pos % m if wraps else pos)  # type: ignore[union-attr]
-        else:
-            idx = array[pos % m] if wraps else array[a:b]
-        sh = shard_of(np.asarray(idx, dtype=np.int64))
-        np.minimum.at(first, sh, pos)  # (positions ascend: the first chunk a shard is in sets its first use)
-        np.maximum.at(last, sh, pos)
-    return _uses(epoch, start, end, first, last)
+
+def sampler_scan(sampler, shard_starts: np.ndarray, *, epoch: int | None = None, start: int | None = None,
+                 chunk: int = SCAN) -> PassScan:
+    """The :class:`PassScan` of a :class:`fastload.Sampler`'s pass (its epoch and resume
+    position unless given), over its per-position order (never its stream materialised);
+    nothing scanned yet."""
+    e = sampler.epoch if epoch is None else int(epoch)
+    s = (sampler.start_position() if e == sampler.epoch else 0) if start is None else int(start)
+    end = epoch_end(sampler.stream_len, world_size=sampler.world_size, batch_size=sampler.batch_size,
+                    drop_last=sampler.drop_last, drop_last_batch=sampler.drop_last_batch, start=s)
+    return PassScan(sampler.order_stream(e), shard_starts, epoch=e, start=s, end=end, chunk=chunk)
 
 
 def sampler_uses(sampler, shard_starts: np.ndarray, *, epoch: int | None = None, start: int | None = None) -> EpochUses:
     """:func:`epoch_uses` for a :class:`fastload.Sampler`'s pass (its epoch and resume
     position unless given), from its per-position order (never its stream materialised)."""
-    e = sampler.epoch if epoch is None else int(epoch)
-    s = (sampler.start_position() if e == sampler.epoch else 0) if start is None else int(start)
-    end = epoch_end(sampler.stream_len, world_size=sampler.world_size, batch_size=sampler.batch_size,
-                    drop_last=sampler.drop_last, drop_last_batch=sampler.drop_last_batch, start=s)
-    return epoch_uses(sampler.order_stream(e), shard_starts, epoch=e, start=s, end=end)
+    scan = sampler_scan(sampler, shard_starts, epoch=epoch, start=start)
+    scan.step()
+    return scan.uses()
+
+
+def plan_scan(plan, shard_starts: np.ndarray, chunk: int = SCAN) -> PassScan:
+    """The :class:`PassScan` of a :class:`fastload.sampling.EpochPlan` (one rank's pass): the
+    positions every rank of the job reads in it (all ranks step together)."""
+    end = plan.bounds[-1][2] if plan.bounds else plan.start
+    return PassScan(plan.stream, shard_starts, epoch=plan.epoch, start=plan.start, end=end, chunk=chunk)
 
 
 def plan_uses(plan, shard_starts: np.ndarray) -> EpochUses:
