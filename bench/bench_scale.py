@@ -63,6 +63,15 @@ def _reset_peak() -> int:
     return _rss()
 
 
+def _anon() -> int:
+    """Resident anonymous bytes now (RssAnon: not the pages of mapped or hashed files)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _peak() -> int:
     """Peak resident bytes since :func:`_reset_peak` (VmHWM)."""
     with open("/proc/self/status") as f:
@@ -313,22 +322,23 @@ def child_remote(rows: int, shards: int, folder: str) -> dict:
     from _servers import HttpFileServer
 
     root = Path(folder) / "served"
-    t_write = write_bytes(root / "ds", rows, shards)
+    name = f"bytes-{rows}-{shards}"
+    t_write = write_bytes(root / name, rows, shards)
     write_bytes(root / "warm", 1000, 2)
     with HttpFileServer(root) as srv:
         with fastload.Loader(f"{srv.url}/warm", batch_size=4, device="cpu", cache_dir=Path(folder) / "c0") as lo:
             next(iter(lo))  # the imports and the first calls
-        before = _reset_peak()
+        before, anon = _reset_peak(), _anon()
         t0 = time.perf_counter()
-        with fastload.Loader(f"{srv.url}/ds", batch_size=BATCH, world_size=WORLD, rank=0, device="cpu", seed=1,
+        with fastload.Loader(f"{srv.url}/{name}", batch_size=BATCH, world_size=WORLD, rank=0, device="cpu", seed=1,
                              cache_dir=Path(folder) / "c") as lo:
             open_s = time.perf_counter() - t0
             batch = next(iter(lo))
             first_s = time.perf_counter() - t0
-            growth = max(0, _peak() - before)
+            growth, anon = max(0, _peak() - before), _anon() - anon
             assert np.array_equal(batch["x"].numpy(), (batch["index"].numpy() % 251).astype(np.uint8))
     return {"rows": rows, "shards": shards, "open_s": open_s, "first_s": first_s, "rss_growth": growth,
-            "write_s": t_write}
+            "anon_growth": anon, "write_s": t_write}
 
 
 MORE_BATCHES = 50  # read after the first one over the dataset of many shards
@@ -435,12 +445,13 @@ def main(argv=None) -> list:
         print(f"{n:>16,} {pl['plan_s']:>8.2f} s {pl['rss_growth'] / 2**20:>8.1f} MB")
     print(f"A remote Loader (http on this machine, {a.remote_shards} shards of one-byte rows, full shuffle, rank 0 "
           f"of {WORLD}): built, then its first batch (the shards it reads downloaded), each in a fresh process")
-    print(f"{'rows':>16} {'built':>10} {'first batch':>12} {'peak RSS +':>11}")
+    print(f"{'rows':>16} {'built':>10} {'first batch':>12} {'peak RSS +':>11} {'anon RSS +':>11}  (peak RSS counts the "
+          "pages of the shards downloaded and hashed)")
     for n in [int(float(x)) for x in a.remote_rows.split(",") if x]:
         with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
             rm = _run_child("--child", "remote", str(n), str(a.remote_shards), tmp, timeout=3600)
         print(f"{n:>16,} {rm['open_s'] * 1e3:>7.0f} ms {rm['first_s'] * 1e3:>9.0f} ms "
-              f"{rm['rss_growth'] / 2**20:>8.1f} MB")
+              f"{rm['rss_growth'] / 2**20:>8.1f} MB {rm['anon_growth'] / 2**20:>8.1f} MB")
     with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
         lo = _run_child("--child", "loader", str(a.rows), str(a.shards), a.folder or tmp, timeout=3600)
     print(f"Loader over {lo['rows']:,} one-byte rows in {lo['shards']:,} shards (rank 0 of {WORLD}): "
