@@ -109,6 +109,7 @@ class RemoteShards:
         else:
             self._check_mixture(needs, uses)
         self._ring = None
+        self._local = None  # LocalShards of a mixture's local datasets (attach_ring)
         self._pending_plan = None
         self._fields: tuple[str, ...] = ()
         self._ragged: tuple[str, ...] = ()
@@ -294,6 +295,16 @@ class RemoteShards:
         ``ragged`` fields of each shard are installed as it arrives and dropped after its
         last use."""
         self._ring, self._fields, self._ragged = ring, tuple(fields), tuple(ragged)
+        local = np.ones(self._ds.num_shards, dtype=bool)  # a mixture's local datasets' shards
+        for _, base, r in self._members:
+            local[base:base + r.num_shards] = False
+        if local.any() and (self._fields or self._ragged):
+            # mapped as batches need them and dropped past the limit when no batch in flight
+            # needs them, as a local dataset's (LocalShards): a remote one's go after their last use
+            from ..store.mapped import mapped_shard_limit
+            from .shards import LocalShards
+
+            self._local = LocalShards(ring, self._ds, self._fields, self._ragged, mapped_shard_limit(), managed=local)
         for c, base, _ in self._members:
             def hook(s: int, base: int = base) -> None:
                 self._drop(s + base)
@@ -309,8 +320,12 @@ class RemoteShards:
         if planner is not None and planner.error is not None:
             raise planner.error
         idx = np.concatenate(batches) if len(batches) > 1 else batches[0]
-        shards = np.unique(self._ds.locate(idx, check=False, verify=False)[0]).tolist()  # (verified by column())
-        for s in shards:
+        shards = np.unique(self._ds.locate(idx, check=False, verify=False)[0])  # (verified by column())
+        local = self._local
+        if local is not None:
+            local.prepare(batches)  # a mixture's local datasets' shards
+            shards = shards[~local._managed[shards]]
+        for s in shards.tolist():
             if s in self._installed:
                 continue
             self._ds.shard(s)  # blocks until the shard is in the cache, then maps it
@@ -324,6 +339,13 @@ class RemoteShards:
                         arrays[n] = (values, offsets)
                     self._ring.set_source(s, arrays)
                 self._installed.add(s)
+
+    __call__ = prepare  # the epoch's source calls its prepare hook
+
+    def idle(self) -> None:
+        """The ring was drained with its feeder closed (see LocalShards.idle)."""
+        if self._local is not None:
+            self._local.idle()
 
     def _drop(self, s: int) -> None:
         if os.getpid() != self._pid:  # a forked child's copy: the ring is the parent's
@@ -354,6 +376,7 @@ class RemoteShards:
         self._hooks = []
         with self._lock:
             self._ring = None
+            self._local = None
             self._installed.clear()
         from ..remote.cache import stop_caches
 
