@@ -272,3 +272,29 @@ def test_a_budget_found_too_small_as_the_plan_is_scanned_stops_the_reader(remote
             for _ in lo:
                 pass
     assert e.value.minimum > one and time.monotonic() - t0 < 30
+
+
+def test_a_resumed_pass_is_planned_as_its_scan_goes_on(remote_url, local_ds, tmp_path, monkeypatch):
+    """A resume (an empty cache, a tight budget, window mode) whose pass is scanned in the
+    background from the resumed position: every remaining batch equals the local dataset's."""
+    import fastload.loader.remote as lr
+
+    kw = dict(batch_size=40, seed=5, shuffle_mode="window", window=1, device="cpu", prefetch=2)
+    with fastload.Loader(local_ds, **kw) as lo:
+        want = batches(lo)
+    monkeypatch.setattr(lr, "SYNC_POSITIONS", 100)
+    monkeypatch.setattr(lr, "SCAN", 64)
+    monkeypatch.setattr(lr._Planner, "EVERY_S", 0.0)
+    with fastload.Loader(remote_url, cache_dir=tmp_path / "c1", cache_limit="150kB", **kw) as lo:
+        it = iter(lo)
+        first = [{k: v.numpy().copy() for k, v in next(it).items()} for _ in range(30)]
+        state = lo.state_dict()
+    with fastload.Loader(remote_url, cache_dir=tmp_path / "c2", cache_limit="150kB", **kw) as lo:
+        lo.load_state_dict(json.loads(json.dumps(state)))
+        rest, starts = [], []
+        for b in lo:
+            rest.append({k: v.numpy().copy() for k, v in b.items()})
+            planner = lo._remote._planner
+            starts.append(None if planner is None else planner._scan.start)
+    assert_same(first + rest, want)
+    assert starts[0] == 30 * 40  # (the pass planned from the resumed position, in the background)
