@@ -24,8 +24,14 @@ datasets): first batch, memory, resume, rate; and a packed pass (``--pack-sizes`
 first batch, memory, a resume at a random step (it reads the lengths up to there), the
 plan's rate.
 
+And a remote dataset's cache (``--plan-sizes``: its plan of a full shuffle of 10^6 and 10^8
+positions, scanned whole: time and peak RSS; ``--remote-rows``: a Loader over ``http://``
+(the test suite's range-capable server on this machine) of 10^6 and 10^7 one-byte rows in
+``--remote-shards`` shards: built, first batch, peak RSS growth).
+
     python bench/bench_scale.py [--smoke] [--full] [--rows 10000000 --shards 100] [--manifest-shards 100000]
                                 [--mix-sizes 1e6,1e8,1e10] [--pack-sizes 1e6,1e8]
+                                [--plan-sizes 1e6,1e8] [--remote-rows 1e6,1e7 --remote-shards 100]
 """
 from __future__ import annotations
 
@@ -55,6 +61,15 @@ def _reset_peak() -> int:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _rss()
+
+
+def _anon() -> int:
+    """Resident anonymous bytes now (RssAnon: not the pages of mapped or hashed files)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _peak() -> int:
@@ -194,21 +209,26 @@ def child_baseline(n: int) -> dict:
             "check": int(first.sum())}
 
 
+def write_bytes(path: Path, rows: int, shards: int) -> float:
+    """Write (once) a dataset of ``rows`` one-byte rows in ``shards`` shards; seconds taken."""
+    import fastload
+
+    if (path / "manifest.json").exists():
+        return 0.0
+    t0 = time.perf_counter()
+    per = -(-rows // shards)
+    with fastload.ShardWriter(path, {"x": "uint8"}, shard_size=per) as w:  # one byte per row: a shard per `per`
+        for a in range(0, rows, per):
+            w.write_batch({"x": (np.arange(a, min(rows, a + per)) % 251).astype(np.uint8)})
+    return time.perf_counter() - t0
+
+
 def child_loader(rows: int, shards: int, folder: str) -> dict:
     """Write (once) a dataset of ``rows`` one-byte rows in ``shards`` shards; open it and
     read the first batch of rank 0 of 1,024."""
     import fastload
 
-    def write(path: Path, rows: int, shards: int) -> float:
-        if (path / "manifest.json").exists():
-            return 0.0
-        t0 = time.perf_counter()
-        per = -(-rows // shards)
-        with fastload.ShardWriter(path, {"x": "uint8"}, shard_size=per) as w:  # one byte per row: a shard per `per`
-            for a in range(0, rows, per):
-                w.write_batch({"x": (np.arange(a, min(rows, a + per)) % 251).astype(np.uint8)})
-        return time.perf_counter() - t0
-
+    write = write_bytes
     path = Path(folder) / f"bytes-{rows}-{shards}"
     t_write = write(path, rows, shards)
     warm = Path(folder) / "bytes-warm"  # the first open imports pyarrow and the loader's parts (seconds)
@@ -272,6 +292,55 @@ def child_manifest(shards: int, folder: str) -> dict:
             "manifest_mb": (path / "manifest.json").stat().st_size / 2**20, "make_s": t_make}
 
 
+def child_plan(n: int, shards: int) -> dict:
+    """What a remote Loader computes before its first batch, alone (no server): the cache's
+    first-use schedule of the pass and of the next epoch (rank 0 of 1,024; a full shuffle of
+    ``n`` samples in ``shards`` equal shards) and the budget it needs; time and peak RSS growth."""
+    from fastload import Sampler
+    from fastload.remote.schedule import minimum_budget, sampler_uses
+
+    starts = np.linspace(0, n, shards + 1).astype(np.int64)
+    sampler_uses(Sampler(1000, batch_size=4, seed=0), np.array([0, 500, 1000]))  # warm-up: imports, first calls
+    before = _reset_peak()
+    t0 = time.perf_counter()
+    s = Sampler(n, batch_size=BATCH, world_size=WORLD, rank=0, seed=1)
+    uses = sampler_uses(s, starts)
+    nxt = sampler_uses(s, starts, epoch=1, start=0)
+    need = minimum_budget(uses.shards, uses.first, uses.last, np.ones(shards, np.int64))[0]
+    plan_s = time.perf_counter() - t0
+    assert len(uses) == len(nxt) == shards and need == shards  # a full shuffle: every shard in use at once
+    return {"n": n, "shards": shards, "plan_s": plan_s, "rss_growth": max(0, _peak() - before)}
+
+
+def child_remote(rows: int, shards: int, folder: str) -> dict:
+    """A remote Loader (``http://``, the test suite's range-capable server, on this machine)
+    over ``rows`` one-byte rows in ``shards`` shards: its construction (the cache's plan,
+    downloads start) and the first batch of rank 0 of 1,024; peak RSS growth."""
+    import fastload
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test servers live there
+    from _servers import HttpFileServer
+
+    root = Path(folder) / "served"
+    name = f"bytes-{rows}-{shards}"
+    t_write = write_bytes(root / name, rows, shards)
+    write_bytes(root / "warm", 1000, 2)
+    with HttpFileServer(root) as srv:
+        with fastload.Loader(f"{srv.url}/warm", batch_size=4, device="cpu", cache_dir=Path(folder) / "c0") as lo:
+            next(iter(lo))  # the imports and the first calls
+        before, anon = _reset_peak(), _anon()
+        t0 = time.perf_counter()
+        with fastload.Loader(f"{srv.url}/{name}", batch_size=BATCH, world_size=WORLD, rank=0, device="cpu", seed=1,
+                             cache_dir=Path(folder) / "c") as lo:
+            open_s = time.perf_counter() - t0
+            batch = next(iter(lo))
+            first_s = time.perf_counter() - t0
+            growth, anon = max(0, _peak() - before), _anon() - anon
+            assert np.array_equal(batch["x"].numpy(), (batch["index"].numpy() % 251).astype(np.uint8))
+    return {"rows": rows, "shards": shards, "open_s": open_s, "first_s": first_s, "rss_growth": growth,
+            "anon_growth": anon, "write_s": t_write}
+
+
 MORE_BATCHES = 50  # read after the first one over the dataset of many shards
 
 
@@ -301,6 +370,10 @@ def main(argv=None) -> list:
     ap.add_argument("--full", action="store_true", help="the Loader part at 10^8 rows in 1,000 shards")
     ap.add_argument("--manifest-shards", type=int, default=100_000,
                     help="shards of the dataset whose open time is measured (hard links: seconds to make)")
+    ap.add_argument("--plan-sizes", default="1e6,1e8", help="positions of the remote cache's plans, comma-separated")
+    ap.add_argument("--remote-rows", default="1e6,1e7",
+                    help="one-byte rows of the remote Loader's datasets (served over http on this machine)")
+    ap.add_argument("--remote-shards", type=int, default=100)
     ap.add_argument("--folder", default=None, help="where the generated dataset goes (kept; default: a temp dir)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -317,6 +390,10 @@ def main(argv=None) -> list:
             out = child_pack(int(float(rest[0])), float(rest[1]))
         elif kind == "manifest":
             out = child_manifest(int(rest[0]), rest[1])
+        elif kind == "plan":
+            out = child_plan(int(float(rest[0])), int(rest[1]))
+        elif kind == "remote":
+            out = child_remote(int(float(rest[0])), int(rest[1]), rest[2])
         else:
             out = child_loader(int(rest[0]), int(rest[1]), rest[2])
         print(json.dumps(out))
@@ -324,6 +401,7 @@ def main(argv=None) -> list:
     if a.smoke:
         a.sizes, a.seconds, a.baseline_max, a.rows, a.shards = "1e6,1e10", 0.2, 1e6, 100_000, 10
         a.pack_sizes, a.mix_sizes = "1e6", "1e6"
+        a.plan_sizes, a.remote_rows, a.remote_shards = "1e6", "1e5", 10
         a.manifest_shards = 1000
     if a.full:
         a.rows, a.shards = 100_000_000, 1000
@@ -358,6 +436,22 @@ def main(argv=None) -> list:
         print(f"{n:>16,} {pk['total_s']:>10.2f} s {pk['first_s'] * 1e3:>9.2f} ms {pk['rss_growth'] / 2**20:>8.1f} MB "
               f"{pk['resume_s']:>8.2f} s ({pk['resume_docs']:>13,}) {pk['batches_per_s']:>10,.1f} "
               f"{pk['docs_per_s']:>12,.0f}")
+    print(f"A remote cache's plan of a full shuffle (rank 0 of {WORLD}, 1,000 shards): the pass's first-use "
+          "schedule and the next epoch's, scanned whole (in the background past the first 2^22 positions), each "
+          "N in a fresh process")
+    print(f"{'N':>16} {'scan':>10} {'peak RSS +':>11}")
+    for n in [int(float(x)) for x in a.plan_sizes.split(",") if x]:
+        pl = _run_child("--child", "plan", str(n), "1000", timeout=3600)
+        print(f"{n:>16,} {pl['plan_s']:>8.2f} s {pl['rss_growth'] / 2**20:>8.1f} MB")
+    print(f"A remote Loader (http on this machine, {a.remote_shards} shards of one-byte rows, full shuffle, rank 0 "
+          f"of {WORLD}): built, then its first batch (the shards it reads downloaded), each in a fresh process")
+    print(f"{'rows':>16} {'built':>10} {'first batch':>12} {'peak RSS +':>11} {'anon RSS +':>11}  (peak RSS counts the "
+          "pages of the shards downloaded and hashed)")
+    for n in [int(float(x)) for x in a.remote_rows.split(",") if x]:
+        with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
+            rm = _run_child("--child", "remote", str(n), str(a.remote_shards), tmp, timeout=3600)
+        print(f"{n:>16,} {rm['open_s'] * 1e3:>7.0f} ms {rm['first_s'] * 1e3:>9.0f} ms "
+              f"{rm['rss_growth'] / 2**20:>8.1f} MB {rm['anon_growth'] / 2**20:>8.1f} MB")
     with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
         lo = _run_child("--child", "loader", str(a.rows), str(a.shards), a.folder or tmp, timeout=3600)
     print(f"Loader over {lo['rows']:,} one-byte rows in {lo['shards']:,} shards (rank 0 of {WORLD}): "

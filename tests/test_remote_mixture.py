@@ -111,3 +111,36 @@ def test_one_default_budget_for_the_mixture(two, tmp_path, monkeypatch):
         assert all(0 < x < z for x, z in zip(limits, sizes))
     finally:
         mix.close()
+
+
+def test_a_local_dataset_mixed_with_a_url_keeps_few_of_its_shards_mapped(two, tmp_path, monkeypatch):
+    """A mixture of a URL and a local dataset of many shards, past the limit on mapped shards
+    (here 8): the local dataset's shards are installed in the ring as batches need them and
+    dropped when no batch in flight needs them (LocalShards), as a local dataset alone; they
+    used to stay installed, so the process mapped every one of them by the epoch's end."""
+    from fastload.store.mapped import ENV_LIMIT
+
+    (a, _), (ua, _) = two
+    many = make_dataset(tmp_path / "many", rows=2000, shard_size=4000)  # ~15 rows a shard
+    with fastload.Dataset(many) as ds:
+        n_many = ds.num_shards
+    assert n_many > 100
+    monkeypatch.setenv(ENV_LIMIT, "8")
+    kw = dict(mix=[0.5, 0.5], epoch_size=1500, batch_size=50, seed=7, device="cpu", prefetch=2, threads=1)
+    with fastload.Loader([str(a), str(many)], **kw) as lo:
+        want = batches(lo, epochs=(0, 1))
+    prefix = str(many.resolve()) + "/"
+
+    def maps() -> int:
+        with open("/proc/self/maps") as fh:
+            return sum(1 for line in fh if prefix in line)
+
+    most = []
+    with fastload.Loader([ua, str(many)], cache_dir=tmp_path / "cache", **kw) as lo:
+        assert lo._remote is not None
+        got = batches(lo, epochs=(0, 1), on_batch=lambda _i: most.append(maps()))
+    assert_same(got, want)
+    # 8 kept by the reader, 8 installed in the ring and the shards of the batches in flight
+    # (4 batches of 25 local rows at most): far below the ~130 shards the epochs read
+    assert max(most) <= 8 + 8 + 4 * 25, max(most)
+    assert max(most) < n_many // 2, max(most)

@@ -220,7 +220,7 @@ class Machinery:
         o = self._opts
         finish = Finish(dataset=self._dataset, options=o, epoch=epoch, on_host_device=not self.cuda)
         ring = self.ring()
-        prepare = (self._remote.prepare if self._remote is not None
+        prepare = (self._remote if self._remote is not None  # (RemoteShards: prepare and idle)
                    else self._local if self._local is not None else None)  # (LocalShards: prepare and idle)
         common = dict(ring=ring, dataset=self._dataset, feeder=self.feeder(), epoch=epoch, finish=finish,
                       prepare=prepare)

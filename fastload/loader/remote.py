@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import CacheTooSmall, format_bytes
-from ..remote.schedule import EpochUses, pack_uses, plan_uses, sampler_uses
+from ..remote.schedule import SCAN, EpochUses, PassScan, pack_uses, plan_scan, sampler_scan, sampler_uses
 
 __all__ = ["RemoteShards", "download_stats", "remote_members"]
 
@@ -53,6 +53,28 @@ def _largest(lo: int, hi: int, ok) -> int | None:
     return lo
 
 
+SYNC_POSITIONS = 1 << 22  # a pass's positions scanned before its plan starts (all of a shorter pass)
+
+
+class _Scanned:
+    """The uses of a pass computed whole (a packed pass: its token stream's chunks), as a
+    finished :class:`~fastload.remote.schedule.PassScan`."""
+
+    done = True
+
+    def __init__(self, uses: EpochUses) -> None:
+        self._uses = uses
+        self.epoch = uses.epoch
+
+    def step(self, positions: int | None = None) -> None:
+        pass
+
+    def uses(self) -> EpochUses:
+        return self._uses
+
+    seen = uses
+
+
 def _part(uses: EpochUses, base: int, n: int) -> EpochUses:
     """The uses of shards ``base..base+n-1``, renumbered from 0 (positions unchanged)."""
     keep = (uses.shards >= base) & (uses.shards < base + n)
@@ -76,7 +98,9 @@ class RemoteShards:
         # the batches in flight on every rank, plus a step of skew between ranks
         for c in self._caches:
             c.ahead = (prefetch + 2) * batch_size * world_size * (pack_to if pack is not None else 1)
-        uses = self._parts(self._pass_uses(sampler.epoch, None))
+        scan = self._scan(sampler.epoch, None)
+        scan.step(SYNC_POSITIONS)  # a longer pass: the rest in the background (_Planner), once planned
+        uses = self._parts(scan.seen())  # (what the budget needs at least: all of it when the scan is over)
         needs = [c.minimum_limit(u) for c, u in zip(self._caches, uses)]
         if mixture is None:
             (cache,), (need,), (u,) = self._caches, needs, uses
@@ -85,6 +109,7 @@ class RemoteShards:
         else:
             self._check_mixture(needs, uses)
         self._ring = None
+        self._local = None  # LocalShards of a mixture's local datasets (attach_ring)
         self._pending_plan = None
         self._fields: tuple[str, ...] = ()
         self._ragged: tuple[str, ...] = ()
@@ -92,22 +117,63 @@ class RemoteShards:
         self._hooks: list = []
         self._lock = threading.Lock()
         self._planned: list[EpochUses] | None = None  # the pass the caches are on
+        self._planned_stream = None  # ... and the stream it was computed from
+        self._planner: _Planner | None = None  # a long pass's scan going on in the background
         self._frozen: dict | None = None
         stats.attach("remote", self._probe, derive=download_stats)  # its counters, per epoch
         if warm:
-            self._warm_start(uses)
+            self._warm_start(scan)
 
-    def _warm_start(self, uses: list[EpochUses]) -> None:
+    def _warm_start(self, scan) -> None:
         """Start downloading the current pass (as the sampler stands: epoch and resume
         position) now, while the training script builds its model: the first batch then
         waits for less. The first pass's stats count these downloads (their counters are
         held at this moment until the pass begins); a pass that turns out different (a
         ``set_epoch`` or ``load_state_dict`` before iterating) is planned again."""
         self._frozen = self._probe()
-        nxt = self._parts(self._pass_uses(self._sampler.epoch + 1, 0))
-        for c, u, n in zip(self._caches, uses, nxt):
-            c.plan(u, next_uses=n)
-        self._planned = uses
+        self._planned = self._launch(scan)
+        self._planned_stream = self._sampler.order_stream(self._sampler.epoch)
+
+    def _launch(self, scan) -> list[EpochUses]:
+        """Hand the caches the pass of ``scan`` (scanned ``SYNC_POSITIONS`` at least) and the
+        next epoch's: at once when the scan is over, else what it knows now, the rest (and
+        the next epoch's) as a background thread scans on (:class:`_Planner`)."""
+        uses = self._parts(scan.uses())
+        if scan.done:
+            nxt = self._parts(self._pass_uses(scan.epoch + 1, 0))
+            for c, u, n in zip(self._caches, uses, nxt):
+                c.plan(u, next_uses=n)
+            return uses
+        seen = self._parts(scan.seen())
+        for c, u, k in zip(self._caches, uses, seen):
+            c.plan(u, check=k)
+        self._planner = _Planner(self, scan, [c.pass_no for c in self._caches])
+        return uses
+
+    def _scan(self, epoch: int, start: int | None):
+        """The scan of a pass over ``epoch`` from ``start`` (None: where the sampler stands):
+        a :class:`~fastload.remote.schedule.PassScan`, nothing scanned yet (a packed pass: its
+        uses computed whole)."""
+        if self._pack is None:
+            return sampler_scan(self._sampler, self._ds.shard_starts, epoch=epoch, start=start)
+        return _Scanned(self._pass_uses(epoch, start))
+
+    def _plan_scan(self, plan):
+        if self._pack is None:
+            return plan_scan(plan, self._ds.shard_starts)
+        return _Scanned(pack_uses(plan, self._ds.shard_starts))
+
+    def _check(self, seen: list[EpochUses]) -> None:
+        """CacheTooSmall when what the uses seen so far need already exceeds a budget."""
+        for c, u in zip(self._caches, seen):
+            need = c.minimum_limit(u)
+            if need > c.limit:
+                raise CacheTooSmall(c._too_small_message(u, need), minimum=need)
+
+    def _stop_planner(self) -> None:
+        planner, self._planner = self._planner, None
+        if planner is not None:
+            planner.stop()
 
     def _pass_uses(self, epoch: int, start: int | None) -> EpochUses:
         """The uses of a pass over ``epoch`` from ``start`` (None: where the sampler stands)."""
@@ -118,8 +184,18 @@ class RemoteShards:
             start = self._sampler.start_position() if epoch == self._sampler.epoch else 0
         return pack_uses(self._pack(epoch, start), starts)
 
-    def _plan_uses(self, plan) -> EpochUses:
-        return plan_uses(plan, self._ds.shard_starts) if self._pack is None else pack_uses(plan, self._ds.shard_starts)
+    def _on_planned_pass(self, plan: Any) -> bool:
+        """True when the caches are on ``plan``'s pass already (the warm start's: the same
+        epoch, positions and stream), which then needs no second scan of its stream."""
+        planned, stream = self._planned, self._planned_stream
+        if planned is None or stream is None or not planned:
+            return False
+        end = plan.bounds[-1][2] if len(plan.bounds) else plan.start
+        u = planned[0]
+        if (u.epoch, u.start, u.end) != (plan.epoch, plan.start, end):
+            return False
+        mine = plan.stream if self._pack is None else plan.tokens.stream
+        return mine is stream or (hasattr(mine, "same") and mine.same(stream))
 
     def _parts(self, uses: EpochUses) -> list[EpochUses]:
         return [_part(uses, base, r.num_shards) for _, base, r in self._members]
@@ -168,9 +244,9 @@ class RemoteShards:
         if s.weights is not None or s.labels is not None or not s.shuffle:
             return "read in shard windows with shuffle_mode=\"window\""
         from ..remote.schedule import epoch_uses
-        from ..sampling import window_permutation
+        from ..sampling.order import Windowed
 
-        w1 = epoch_uses(window_permutation(self._ds.shard_sizes, 1, s.seed, s.epoch), self._ds.shard_starts)
+        w1 = epoch_uses(Windowed(self._ds.shard_sizes, 1, s.seed, s.epoch), self._ds.shard_starts)
         return (f"read in shard windows with shuffle_mode=\"window\" (window=1 needs "
                 f"{self._caches[0].minimum_limit(w1)} bytes here; each shard of window w is in use at once)")
 
@@ -178,10 +254,10 @@ class RemoteShards:
         """The cache bytes this pass would need in windows of ``window`` shards, with the
         reader asking ``ahead`` positions early (:func:`~fastload.remote.schedule.minimum_budget`)."""
         from ..remote.schedule import epoch_end, epoch_uses, minimum_budget
-        from ..sampling import epoch_stream
+        from ..sampling import epoch_order
 
         s, cache = self._sampler, self._caches[0]
-        stream = epoch_stream(s.num_samples, seed=s.seed, epoch=s.epoch, shuffle=s.shuffle, weights=s.weights,
+        stream = epoch_order(s.num_samples, seed=s.seed, epoch=s.epoch, shuffle=s.shuffle, weights=s.weights,
                               replacement=s.replacement, num_draws=s.num_draws, balance_labels=s.labels,
                               batch_size=s.batch_size, shuffle_mode="window", shard_sizes=s.shard_sizes,
                               window=window)
@@ -200,13 +276,14 @@ class RemoteShards:
 
     def _start_pass(self) -> None:
         plan, self._pending_plan = self._pending_plan, None
-        uses = self._parts(self._plan_uses(plan))
-        planned, self._planned, self._frozen = self._planned, None, None
-        if planned is not None and all(u.same_as(p) for u, p in zip(uses, planned)):
+        same = self._on_planned_pass(plan)
+        self._planned, self._planned_stream, self._frozen = None, None, None
+        if same:
             return  # warm-started at construction: the caches are on this pass already
-        nxt = self._parts(self._pass_uses(plan.epoch + 1, 0))
-        for c, u, n in zip(self._caches, uses, nxt):
-            c.plan(u, next_uses=n)
+        self._stop_planner()
+        scan = self._plan_scan(plan)
+        scan.step(SYNC_POSITIONS)
+        self._launch(scan)
 
     def advance(self, position: int) -> None:
         for c in self._caches:
@@ -218,6 +295,16 @@ class RemoteShards:
         ``ragged`` fields of each shard are installed as it arrives and dropped after its
         last use."""
         self._ring, self._fields, self._ragged = ring, tuple(fields), tuple(ragged)
+        local = np.ones(self._ds.num_shards, dtype=bool)  # a mixture's local datasets' shards
+        for _, base, r in self._members:
+            local[base:base + r.num_shards] = False
+        if local.any() and (self._fields or self._ragged):
+            # mapped as batches need them and dropped past the limit when no batch in flight
+            # needs them, as a local dataset's (LocalShards): a remote one's go after their last use
+            from ..store.mapped import mapped_shard_limit
+            from .shards import LocalShards
+
+            self._local = LocalShards(ring, self._ds, self._fields, self._ragged, mapped_shard_limit(), managed=local)
         for c, base, _ in self._members:
             def hook(s: int, base: int = base) -> None:
                 self._drop(s + base)
@@ -229,9 +316,16 @@ class RemoteShards:
         """Make the shards of these batches local and (for raw fields) ring sources."""
         if self._pending_plan is not None:
             self._start_pass()
+        planner = self._planner
+        if planner is not None and planner.error is not None:
+            raise planner.error
         idx = np.concatenate(batches) if len(batches) > 1 else batches[0]
-        shards = np.unique(self._ds.locate(idx, check=False, verify=False)[0]).tolist()  # (verified by column())
-        for s in shards:
+        shards = np.unique(self._ds.locate(idx, check=False, verify=False)[0])  # (verified by column())
+        local = self._local
+        if local is not None:
+            local.prepare(batches)  # a mixture's local datasets' shards
+            shards = shards[~local._managed[shards]]
+        for s in shards.tolist():
             if s in self._installed:
                 continue
             self._ds.shard(s)  # blocks until the shard is in the cache, then maps it
@@ -245,6 +339,13 @@ class RemoteShards:
                         arrays[n] = (values, offsets)
                     self._ring.set_source(s, arrays)
                 self._installed.add(s)
+
+    __call__ = prepare  # the epoch's source calls its prepare hook
+
+    def idle(self) -> None:
+        """The ring was drained with its feeder closed (see LocalShards.idle)."""
+        if self._local is not None:
+            self._local.idle()
 
     def _drop(self, s: int) -> None:
         if os.getpid() != self._pid:  # a forked child's copy: the ring is the parent's
@@ -269,15 +370,79 @@ class RemoteShards:
         """The Loader closes: no more callbacks into its ring; the download threads of every
         cache stop, all within one ``retry.close_s`` (a transfer stalled in a read of its
         server is left behind, with a warning: see :meth:`ShardCache.stop`)."""
+        self._stop_planner()
         for c, hook in self._hooks:
             c.remove_release_hook(hook)
         self._hooks = []
         with self._lock:
             self._ring = None
+            self._local = None
             self._installed.clear()
         from ..remote.cache import stop_caches
 
         stop_caches(self._caches)  # within one retry.close_s (2 s), whatever the servers do
+
+
+class _Planner:
+    """A long pass's scan (:class:`~fastload.remote.schedule.PassScan`), going on in a
+    background thread: the caches (on their passes ``pass_nos``) get what it knows each time
+    it has scanned as far again as before, or a second went by, and, once it is over, the
+    exact schedule with the next epoch's. A budget the uses seen so far already exceed
+    fails the caches (their ``ensure`` raises it) and the next batch (``error``)."""
+
+    EVERY_S = 1.0
+
+    def __init__(self, owner: RemoteShards, scan: PassScan, pass_nos: list[int]) -> None:
+        self._owner, self._scan, self._pass_nos = owner, scan, pass_nos
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fastload-plan", daemon=True)
+        self._thread.start()
+
+    def _update(self, nxt: list[EpochUses] | None) -> None:
+        o, scan = self._owner, self._scan
+        o._check(o._parts(scan.seen()))
+        uses = o._parts(scan.uses())
+        for i, (c, u) in enumerate(zip(o._caches, uses)):
+            if not self._stop.is_set():
+                c.update(self._pass_nos[i], u, None if nxt is None else nxt[i])
+
+    def _run(self) -> None:
+        import time
+
+        scan, o = self._scan, self._owner
+        try:
+            mark, t, gap = 2 * scan.horizon - scan.start, time.monotonic(), 0.0
+            while not scan.done:
+                if self._stop.is_set():
+                    return
+                scan.step(SCAN)
+                now = time.monotonic()
+                if not scan.done and (scan.horizon >= mark or now - t >= self.EVERY_S) and now - t >= gap:
+                    self._update(None)
+                    # an update holds the caches' lock while it computes their admissions (a
+                    # fraction of a second at 10^5 shards): at most a tenth of the time
+                    mark, t = 2 * scan.horizon - scan.start, time.monotonic()
+                    gap = 9 * (t - now)
+            nxt = o._scan(scan.epoch + 1, 0)
+            while not nxt.done:
+                if self._stop.is_set():
+                    return
+                nxt.step(SCAN)
+            if not self._stop.is_set():
+                self._update(o._parts(nxt.uses()))
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            if self._stop.is_set():
+                return
+            self.error = e
+            for c in o._caches:
+                c.fail(e)
+
+    def stop(self) -> None:
+        """Stop scanning (within one chunk of positions) and join the thread."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 def download_stats(out: dict) -> dict:

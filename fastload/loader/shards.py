@@ -34,9 +34,11 @@ KEEP = 0.75  # past the limit, drop down to this share of it (drops come in runs
 class LocalShards:
     """See the module docstring. ``fields``: the ring's raw (fixed-size) fields, ``ragged``
     its ragged ones; ``limit``: installed shards kept at most (while batches in flight
-    allow)."""
+    allow); ``managed``: the shards it installs and drops (a bool per shard; None: all; a
+    mixture with remote datasets leaves their shards to RemoteShards)."""
 
-    def __init__(self, ring, dataset, fields: Sequence[str], ragged: Sequence[str], limit: int) -> None:
+    def __init__(self, ring, dataset, fields: Sequence[str], ragged: Sequence[str], limit: int,
+                 managed: np.ndarray | None = None) -> None:
         self._ring = ring
         self._ds = dataset
         self._fields, self._ragged = tuple(fields), tuple(ragged)
@@ -44,6 +46,7 @@ class LocalShards:
         n = dataset.num_shards
         self._installed = np.zeros(n, dtype=bool)
         self._last = np.full(n, -1, dtype=np.int64)  # position of the last prepared batch needing the shard
+        self._managed = None if managed is None else np.asarray(managed, dtype=bool)
         self._count = 0  # shards installed now
         self._prepared = 0  # batches prepared so far (the next one's position)
         self._lock = threading.Lock()
@@ -69,7 +72,7 @@ class LocalShards:
             np.maximum.at(self._last, shard, pos)
             self._prepared += len(sizes)
             try:
-                need = np.unique(shard)
+                need = self._mine(np.unique(shard))
                 new = need[~self._installed[need]]
                 if self._count + len(new) > self.limit:
                     self._drop_unneeded(self._count + len(new) - int(self.limit * KEEP))
@@ -100,11 +103,15 @@ class LocalShards:
         """Install the shards of these samples for a batch already prepared (an image whose
         decoding failed is replaced by the next sample, which may lie in the next shard);
         they stay installed until every batch prepared so far is delivered."""
-        shard = np.unique(self._ds.locate(np.asarray(index, dtype=np.int64), check=False, verify=False)[0])
+        shard = self._mine(np.unique(self._ds.locate(np.asarray(index, dtype=np.int64), check=False,
+                                                    verify=False)[0]))
         with self._lock:
             self._last[shard] = np.maximum(self._last[shard], self._prepared - 1)
             for s in shard[~self._installed[shard]].tolist():
                 self._install(s)
+
+    def _mine(self, shards: np.ndarray) -> np.ndarray:
+        return shards if self._managed is None else shards[self._managed[shards]]
 
     def _install(self, s: int) -> None:
         arrays: dict = {n: self._ds.column(s, n, verify=False) for n in self._fields}  # verified per batch

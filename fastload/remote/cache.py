@@ -270,19 +270,46 @@ class ShardCache:
         """The smallest ``limit`` that lets ``uses`` be read (see schedule.minimum_budget)."""
         return minimum_budget(uses.shards, uses.first, uses.last, self.sizes, self.ahead)[0]
 
-    def plan(self, uses: EpochUses, next_uses: EpochUses | None = None) -> None:
+    def plan(self, uses: EpochUses, next_uses: EpochUses | None = None, *, check: EpochUses | None = None) -> None:
         """Start a pass: ``uses`` (positions from ``uses.start``), and optionally the next
         pass's uses, fetched with what the budget leaves before this pass ends. Raises
-        :class:`CacheTooSmall` when the budget cannot hold what the order needs at once."""
+        :class:`CacheTooSmall` when the budget cannot hold what the order needs at once
+        (computed from ``check`` when given: the uses of a pass whose scan is not over, each
+        last use the last one seen, which need no more than the pass does)."""
         self._check_open()
-        need = self.minimum_limit(uses)
+        need = self.minimum_limit(uses if check is None else check)
         if need > self.limit:
             raise CacheTooSmall(self._too_small_message(uses, need), minimum=need)
         with self._cond:
+            self.fetcher.failed = None
             self.timeline.plan(uses, next_uses, self.limit)
             self.ranks.write_progress(self.timeline.my_t, self.timeline.pass_no)
             self._cond.notify_all()
         self.fetcher.start()
+
+    def update(self, pass_no: int, uses: EpochUses, next_uses: EpochUses | None = None) -> bool:
+        """More is known of pass ``pass_no`` (the :attr:`pass_no` its :meth:`plan` made): its
+        uses extended as its scan went on (see :meth:`Timeline.update`), and optionally the
+        next pass's. False (nothing done) when the cache is on another pass by now."""
+        self._check_open()
+        with self._cond:
+            if self.timeline.pass_no != pass_no or not self.timeline.active:
+                return False
+            self.timeline.update(uses, next_uses, self.limit)
+            self._cond.notify_all()
+        return True
+
+    @property
+    def pass_no(self) -> int:
+        """The passes planned so far (the current one's number)."""
+        return self.timeline.pass_no
+
+    def fail(self, error: BaseException) -> None:
+        """The plan of the current pass failed (e.g. its scan found the budget too small):
+        ``ensure`` raises ``error`` from now on, waits included."""
+        with self._cond:
+            self.fetcher.failed = error
+            self._cond.notify_all()
 
     def advance(self, consumed: int) -> None:
         """The global position consumed in the current pass (every position below it is

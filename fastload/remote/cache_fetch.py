@@ -70,6 +70,7 @@ class Fetcher:
         self._errors: dict[int, BaseException] = {}
         self._hooks: list[Callable[[int, Path], None]] = []
         self.closed = False
+        self.failed: BaseException | None = None  # the plan failed: ensure() raises it
         # counters
         self.cache_hits = 0
         self.downloads = 0
@@ -108,7 +109,7 @@ class Fetcher:
                     raise Cancelled()
                 take = False
                 with self._cond:
-                    err = self._errors.get(shard)
+                    err = self._errors.get(shard) or self.failed
                     if err is not None:
                         raise err
                     if shard not in self._inflight:
@@ -254,6 +255,8 @@ class Fetcher:
                 files.unlock_admission()
             if stop.is_set():
                 raise Cancelled()
+            if self.failed is not None:
+                raise self.failed
             if time.monotonic() >= deadline:
                 raise DownloadTimeout(
                     f"shard {files.names[s]} ({format_bytes(size)}) waited until its deadline for room in the cache: "

@@ -99,6 +99,35 @@ class Timeline:
         self._release_ptr = 0
         self._released.clear()
 
+    def update(self, uses: EpochUses, next_uses: EpochUses | None, limit: int) -> None:
+        """More is known of the current pass (its :class:`~fastload.remote.schedule.PassScan`
+        went on): ``uses`` replaces its uses, and ``next_uses`` (when given) the next pass's.
+        ``uses`` must extend the uses planned so far: the same shards first, in the same
+        order, at the same first uses (more after them), each last use no later than before;
+        so the download threads' place in the queue, this rank's position and what was
+        released stay, and admissions only move earlier."""
+        cur = next(p for p in self._passes if p["k"] == self.pass_no)
+        old: EpochUses = cur["uses"]
+        n = len(old)
+        planned_next = any(p["k"] == self.pass_no + 1 for p in self._passes)
+        if (uses.start, uses.end) != (old.start, old.end) or len(uses) < n or (planned_next and len(uses) > n) or not (
+                np.array_equal(uses.shards[:n], old.shards) and np.array_equal(uses.first[:n], old.first)
+                and np.all(uses.last[:n] <= old.last)):
+            raise ValueError("a pass's uses may only be extended (its scan went on)")
+        cur["uses"] = uses
+        keep = [p for p in self._passes if p["k"] <= self.pass_no]
+        if next_uses is not None:
+            keep.append({"k": self.pass_no + 1, "base": self._base_next, "uses": next_uses})
+        elif planned_next:
+            keep = self._passes
+        self._passes = keep
+        n_prev = sum(1 for p in self._passes if p["k"] < self.pass_no)
+        queue = self._next
+        self._rebuild(n_prev, self._cur_base, limit)
+        self._next = max(self._next, queue)  # the uses before it are the same ones: taken already
+        self._release_ptr = 0  # (what was released stays released)
+        self._next_event = self._event_after(self.my_t - 1)
+
     def _rebuild(self, n_prev: int, t0: int, limit: int) -> None:
         shards, first, last = [], [], []
         for p in self._passes:

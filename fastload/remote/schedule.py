@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
-from ..sampling import RankBatches, per_rank_count
+from ..sampling import RankBatches, Stream, per_rank_count
 
-__all__ = ["EpochUses", "epoch_end", "epoch_uses", "pack_uses", "plan_uses", "sampler_uses", "minimum_budget",
-           "admission_times", "token_uses"]
+__all__ = ["EpochUses", "PassScan", "epoch_end", "epoch_uses", "pack_uses", "plan_scan", "plan_uses", "sampler_scan",
+           "sampler_uses", "minimum_budget", "admission_times", "token_uses"]
 
 
 @dataclass(frozen=True)
@@ -63,42 +64,162 @@ def epoch_end(stream_len: int, *, world_size: int, batch_size: int, drop_last: b
     return start + per_rank_count(stream_len - start, world_size, drop_last) * world_size
 
 
-def epoch_uses(stream: np.ndarray, shard_starts: np.ndarray, *, epoch: int = 0, start: int = 0,
-               end: int | None = None, chunk: int = 1 << 22) -> EpochUses:
-    """First and last use of every shard read by positions ``start..end-1`` of ``stream``
-    (position ``p`` reads ``stream[p % len(stream)]``). ``shard_starts``: the cumulative
-    sample counts (length num_shards + 1)."""
-    stream = np.asarray(stream)
-    m = len(stream)
-    end = m if end is None else int(end)
-    starts = np.asarray(shard_starts, dtype=np.int64)
-    nshards = len(starts) - 1
-    first = np.full(nshards, np.iinfo(np.int64).max, dtype=np.int64)
-    last = np.full(nshards, -1, dtype=np.int64)
-    for a in range(start, end, chunk):
-        b = min(end, a + chunk)
-        pos = np.arange(a, b, dtype=np.int64)
-        idx = stream[pos % m] if (a >= m or b > m) else stream[a:b]
-        sh = np.searchsorted(starts, idx, side="right") - 1
-        # first / last occurrence of each shard in this chunk (positions ascend)
-        u, i_first = np.unique(sh, return_index=True)
-        _, i_last = np.unique(sh[::-1], return_index=True)
-        i_last = len(sh) - 1 - i_last
-        np.minimum.at(first, u, pos[i_first])
-        np.maximum.at(last, u, pos[i_last])
+SCAN = 1 << 18  # stream positions (or documents) per step of a pass's scan: a few MB of arrays
+
+
+def _shard_of(starts: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """``idx -> shard`` for global sample indices (vectorised): a division when every shard
+    but the last has the same number of samples (the last no more), else a binary search."""
+    sizes = np.diff(starts)
+    if len(sizes) and sizes[0] > 0 and np.all(sizes[:-1] == sizes[0]) and 0 < sizes[-1] <= sizes[0]:
+        per = int(sizes[0])
+        return lambda idx: idx // per
+    return lambda idx: np.searchsorted(starts, idx, side="right") - 1
+
+
+def _uses(epoch: int, start: int, end: int, first: np.ndarray, last: np.ndarray) -> EpochUses:
     used = np.flatnonzero(last >= 0)
     order = used[np.argsort(first[used], kind="stable")]
     return EpochUses(int(epoch), int(start), int(end), order.astype(np.int64), first[order], last[order])
 
 
-def sampler_uses(sampler, shard_starts: np.ndarray, *, epoch: int | None = None, start: int | None = None) -> EpochUses:
-    """:func:`epoch_uses` for a :class:`fastload.Sampler`'s pass (its epoch and resume
-    position unless given)."""
+def _empty(nshards: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.full(nshards, np.iinfo(np.int64).max, dtype=np.int64), np.full(nshards, -1, dtype=np.int64)
+
+
+class PassScan:
+    """The first-use schedule of positions ``start..end-1`` of ``stream`` (see
+    :func:`epoch_uses`), computed as far as it has been scanned: :meth:`step` scans the next
+    positions (``chunk`` at a time: a few MB of arrays, whatever the pass's length), and
+    :meth:`uses` says what is known, so a cache can start on a long pass before its scan is
+    over.
+
+    Known after scanning up to ``horizon``: every shard first used before it, in first-use
+    order, with its exact first use (later steps only add shards after them). Its last use
+    is exact once the scan is past ``bound[shard]``, the position from which the order's
+    structure says it is read no more (``shuffle_mode="window"``: the end of its window; the
+    natural order: the end of the shard; otherwise: the end of the pass), and until then
+    taken as ``bound - 1`` (:meth:`uses`: no later than that; a cache planned with it keeps a
+    shard no shorter than it must, admits no download earlier than the exact schedule would,
+    and its admissions only move earlier as the scan goes on) or as the last use seen
+    (:meth:`seen`: no earlier than that; what the budget needs at least)."""
+
+    def __init__(self, stream: Stream | np.ndarray, shard_starts: np.ndarray, *, epoch: int = 0, start: int = 0,
+                 end: int | None = None, chunk: int = SCAN) -> None:
+        from ..sampling.order import Natural
+
+        self.stream = stream
+        self.m = m = len(stream)
+        self.epoch, self.start = int(epoch), int(start)
+        self.end = m if end is None else int(end)
+        self.chunk = int(chunk)
+        self.starts = np.asarray(shard_starts, dtype=np.int64)
+        self.first, self.last = _empty(len(self.starts) - 1)
+        self._array = None if isinstance(stream, Stream) else np.asarray(stream)
+        self._shard_of = _shard_of(self.starts)
+        self.horizon = self.start
+        if isinstance(stream, Natural):  # position p reads sample p: each shard's positions are its own samples
+            if m > 0:  # each shard one "document" of its samples
+                _fold(self.first, self.last, np.arange(len(self.starts) - 1, dtype=np.int64), self.starts, m,
+                      self.start, self.end)
+            self.horizon = max(self.start, self.end)
+        self.bound = self._bounds()
+
+    @property
+    def done(self) -> bool:
+        return self.horizon >= self.end
+
+    def _indices(self, a: int, b: int) -> np.ndarray:
+        m = self.m
+        wraps = a >= m or b > m  # padding: positions past the stream read its start again
+        if self._array is None:
+            pos = np.arange(a, b, dtype=np.int64)
+            return self.stream.at(pos % m if wraps else pos)  # type: ignore[union-attr]
+        return self._array[np.arange(a, b) % m] if wraps else self._array[a:b]
+
+    def step(self, positions: int | None = None) -> None:
+        """Scan the next ``positions`` positions (None: to the end of the pass)."""
+        stop = self.end if positions is None else min(self.end, self.horizon + int(positions))
+        for a in range(self.horizon, stop, self.chunk):
+            b = min(stop, a + self.chunk)
+            sh = self._shard_of(np.asarray(self._indices(a, b), dtype=np.int64))
+            pos = np.arange(a, b, dtype=np.int64)
+            np.minimum.at(self.first, sh, pos)  # (positions ascend: the first chunk a shard is in sets its first use)
+            np.maximum.at(self.last, sh, pos)
+            self.horizon = b
+
+    def _bounds(self) -> np.ndarray:
+        """Per shard, a position from which the pass reads it no more (see the class
+        docstring): the end of its window in ``shuffle_mode="window"``, else the pass's end."""
+        from ..sampling.order import Windowed
+
+        ns = len(self.starts) - 1
+        bound = np.full(ns, self.end, dtype=np.int64)
+        st = self.stream
+        sizes = np.diff(self.starts)
+        if (isinstance(st, Windowed) and len(st.order) == ns
+                and np.array_equal(np.asarray(getattr(st, "_sizes", ()), np.int64), sizes)):
+            ocum = np.zeros(ns + 1, np.int64)  # where each shard of the reading order begins
+            np.cumsum(sizes[st.order], out=ocum[1:])
+            rank = np.arange(ns)
+            wend = ocum[np.minimum((rank // st.window + 1) * st.window, ns)]
+            bound[st.order] = np.minimum(wend, self.end)
+            if self.end > self.m:  # the padding reads the stream's first positions again, past its end
+                again = np.unique(self._shard_of(np.asarray(self._indices(self.m, self.end), dtype=np.int64)))
+                bound[again] = self.end
+        return bound
+
+    def uses(self) -> EpochUses:
+        """What is known so far, each last use no later than it can be (the class docstring)."""
+        if self.done:
+            return _uses(self.epoch, self.start, self.end, self.first, self.last)
+        last = np.where(self.last < 0, -1, np.where(self.horizon >= self.bound, self.last, self.bound - 1))
+        return _uses(self.epoch, self.start, self.end, self.first, last)
+
+    def seen(self) -> EpochUses:
+        """What is known so far, each last use the last one seen (no later than the true one)."""
+        return _uses(self.epoch, self.start, self.end, self.first, self.last)
+
+
+def epoch_uses(stream: Stream | np.ndarray, shard_starts: np.ndarray, *, epoch: int = 0, start: int = 0,
+               end: int | None = None, chunk: int = SCAN) -> EpochUses:
+    """First and last use of every shard read by positions ``start..end-1`` of ``stream``
+    (position ``p`` reads ``stream[p % len(stream)]``). ``shard_starts``: the cumulative
+    sample counts (length num_shards + 1). ``stream``: a per-position
+    :class:`~fastload.sampling.Stream` (never materialised: its positions are computed
+    ``chunk`` at a time) or an array. Memory: a few integers per shard and ``chunk``
+    positions' arrays, whatever the pass's length; the natural order costs nothing per
+    position. (A :class:`PassScan` scanned to the end.)"""
+    scan = PassScan(stream, shard_starts, epoch=epoch, start=start, end=end, chunk=chunk)
+    scan.step()
+    return scan.uses()
+
+
+def sampler_scan(sampler, shard_starts: np.ndarray, *, epoch: int | None = None, start: int | None = None,
+                 chunk: int = SCAN) -> PassScan:
+    """The :class:`PassScan` of a :class:`fastload.Sampler`'s pass (its epoch and resume
+    position unless given), over its per-position order (never its stream materialised);
+    nothing scanned yet."""
     e = sampler.epoch if epoch is None else int(epoch)
     s = (sampler.start_position() if e == sampler.epoch else 0) if start is None else int(start)
     end = epoch_end(sampler.stream_len, world_size=sampler.world_size, batch_size=sampler.batch_size,
                     drop_last=sampler.drop_last, drop_last_batch=sampler.drop_last_batch, start=s)
-    return epoch_uses(sampler.stream(e), shard_starts, epoch=e, start=s, end=end)
+    return PassScan(sampler.order_stream(e), shard_starts, epoch=e, start=s, end=end, chunk=chunk)
+
+
+def sampler_uses(sampler, shard_starts: np.ndarray, *, epoch: int | None = None, start: int | None = None) -> EpochUses:
+    """:func:`epoch_uses` for a :class:`fastload.Sampler`'s pass (its epoch and resume
+    position unless given), from its per-position order (never its stream materialised)."""
+    scan = sampler_scan(sampler, shard_starts, epoch=epoch, start=start)
+    scan.step()
+    return scan.uses()
+
+
+def plan_scan(plan, shard_starts: np.ndarray, chunk: int = SCAN) -> PassScan:
+    """The :class:`PassScan` of a :class:`fastload.sampling.EpochPlan` (one rank's pass): the
+    positions every rank of the job reads in it (all ranks step together)."""
+    end = plan.bounds[-1][2] if plan.bounds else plan.start
+    return PassScan(plan.stream, shard_starts, epoch=plan.epoch, start=plan.start, end=end, chunk=chunk)
 
 
 def plan_uses(plan, shard_starts: np.ndarray) -> EpochUses:
@@ -120,33 +241,57 @@ def token_uses(stream: np.ndarray, cum: np.ndarray, shard_starts: np.ndarray, *,
     total = int(cum[-1]) if len(cum) else 0
     end = total if end is None else int(end)
     starts = np.asarray(shard_starts, dtype=np.int64)
-    nshards = len(starts) - 1
-    first = np.full(nshards, np.iinfo(np.int64).max, dtype=np.int64)
-    last = np.full(nshards, -1, dtype=np.int64)
+    first, last = _empty(len(starts) - 1)
     if total > 0 and end > start:
-        shard_of = np.searchsorted(starts, stream, side="right") - 1
-        for k in range(start // total, (end - 1) // total + 1):  # each pass of the stream the range touches
-            lo, hi = max(start - k * total, 0), min(end - k * total, total)
-            d0 = int(np.searchsorted(cum, lo, side="right")) - 1
-            d1 = int(np.searchsorted(cum, hi, side="left"))
-            docs = np.arange(max(d0, 0), min(d1, len(stream)), dtype=np.int64)
-            docs = docs[cum[docs + 1] > cum[docs]]  # empty documents are read by no token
-            if not len(docs):
-                continue
-            f = np.maximum(cum[docs], lo) + k * total
-            lst = np.minimum(cum[docs + 1], hi) - 1 + k * total
-            np.minimum.at(first, shard_of[docs], f)
-            np.maximum.at(last, shard_of[docs], lst)
-    used = np.flatnonzero(last >= 0)
-    order = used[np.argsort(first[used], kind="stable")]
-    return EpochUses(int(epoch), int(start), int(end), order.astype(np.int64), first[order], last[order])
+        _fold(first, last, _shard_of(starts)(stream), cum, total, start, end)
+    return _uses(epoch, start, end, first, last)
+
+
+def _fold(first: np.ndarray, last: np.ndarray, shard_of_docs: np.ndarray, cum: np.ndarray, total: int, start: int,
+          end: int) -> None:
+    """Fold into ``first`` / ``last`` (per shard) the uses, by positions ``start..end-1`` of a
+    token stream of ``total`` tokens (positions past it wrap around, any number of times),
+    of some consecutive documents of the stream: the ``j``-th holds tokens
+    ``cum[j]..cum[j+1]-1`` (absolute: ``cum`` has one entry more than ``shard_of_docs``) and
+    belongs to shard ``shard_of_docs[j]``. One step per wrap-around, vectorised over the
+    documents, never over tokens."""
+    if end <= start or len(shard_of_docs) == 0:
+        return
+    c0, c1 = int(cum[0]), int(cum[-1])
+    for k in range(start // total, (end - 1) // total + 1):  # each pass of the stream the range touches
+        lo, hi = max(start - k * total, c0), min(end - k * total, c1)
+        if hi <= lo:
+            continue
+        d0 = int(np.searchsorted(cum, lo, side="right")) - 1
+        d1 = int(np.searchsorted(cum, hi, side="left"))
+        docs = np.arange(max(d0, 0), min(d1, len(shard_of_docs)), dtype=np.int64)
+        docs = docs[cum[docs + 1] > cum[docs]]  # empty documents are read by no token
+        if not len(docs):
+            continue
+        np.minimum.at(first, shard_of_docs[docs], np.maximum(cum[docs], lo) + k * total)
+        np.maximum.at(last, shard_of_docs[docs], np.minimum(cum[docs + 1], hi) - 1 + k * total)
 
 
 def pack_uses(plan, shard_starts: np.ndarray) -> EpochUses:
     """:func:`token_uses` of a :class:`fastload.sampling.packing.PackPlan` (one rank's pass): the
-    tokens every rank of the job reads in it (all ranks step together)."""
+    tokens every rank of the job reads in it (all ranks step together), read from its token
+    stream's chunks (never the epoch's documents or token counts materialised)."""
     end = plan.bounds[-1][2] if plan.bounds else plan.start
-    return token_uses(plan.stream, plan.cum, shard_starts, epoch=plan.epoch, start=plan.start, end=end)
+    starts = np.asarray(shard_starts, dtype=np.int64)
+    first, last = _empty(len(starts) - 1)
+    tokens, total = plan.tokens, plan.total
+    if total > 0 and end > plan.start:
+        shard_of = _shard_of(starts)
+        lo, hi = plan.start, end
+        if hi - lo >= total:  # every token is read: every chunk of the stream
+            ranges = [(0, total)]
+        else:
+            a, b = lo % total, (hi - 1) % total + 1
+            ranges = [(a, b)] if a < b else [(a, total), (0, b)]
+        for r0, r1 in ranges:
+            for idx, cum in tokens.doc_chunks(r0, r1):
+                _fold(first, last, shard_of(idx), cum, total, lo, hi)
+    return _uses(plan.epoch, plan.start, end, first, last)
 
 
 def _merged_intervals(shards: np.ndarray, lo: np.ndarray, hi: np.ndarray):

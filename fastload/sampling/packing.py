@@ -160,11 +160,37 @@ class TokenStream:
         self._total = None if total is None else int(total)
         self._lock = threading.Lock()
 
-    def _tokens(self, j: int) -> np.ndarray:
+    def _indices(self, j: int) -> np.ndarray:
         a, b = j * CHUNK, min(self.m, (j + 1) * CHUNK)
-        idx = np.asarray(self.stream[a:b], dtype=np.int64)
-        tok = np.asarray(self.lengths[idx], dtype=np.int64)
+        return np.asarray(self.stream[a:b], dtype=np.int64)
+
+    def _tokens(self, j: int, idx: np.ndarray | None = None) -> np.ndarray:
+        tok = np.asarray(self.lengths[self._indices(j) if idx is None else idx], dtype=np.int64)
         return tok if self.max_length is None else np.minimum(tok, self.max_length)
+
+    def doc_chunks(self, lo: int, hi: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``(global sample indices, cumulative token counts)`` of each chunk of documents
+        holding tokens ``lo..hi-1`` (``0 <= lo < hi <= total``), one chunk at a time, in order
+        (the counts absolute: one entry more than the indices). Held meanwhile: one chunk
+        (what a remote cache's plan reads, never the epoch's documents whole)."""
+        with self._lock:
+            self._read_past(lo)
+            j = bisect.bisect_right(self._ck, lo) - 1
+        while j < self.chunks:
+            idx = self._indices(j)
+            tok = self._tokens(j, idx)
+            cum = np.empty(len(tok) + 1, np.int64)
+            with self._lock:
+                cum[0] = self._ck[j]
+            np.cumsum(tok, out=cum[1:])
+            cum[1:] += cum[0]
+            with self._lock:
+                if j + 1 == len(self._ck):
+                    self._ck.append(int(cum[-1]))
+            yield idx, cum
+            if cum[-1] >= hi:
+                return
+            j += 1
 
     def _cum(self, j: int) -> np.ndarray:
         """Chunk ``j``'s cumulative token counts, absolute (``len + 1`` entries); ``j`` is read."""
@@ -256,7 +282,8 @@ class PackPlan:
     (:meth:`request`), from the chunks of the stream that hold its tokens.
 
     ``stream`` and ``cum`` materialise the epoch's samples and their cumulative token counts
-    (a remote cache plans its downloads from them); the pass itself never needs them."""
+    (for tests); the pass itself never needs them, nor does a remote cache's plan (it reads
+    :meth:`TokenStream.doc_chunks`)."""
 
     def __init__(self, epoch: int, start: int, tokens: TokenStream, length: int, bounds: TokenBatches) -> None:
         self.epoch, self.start, self.tokens, self.length, self.bounds = epoch, start, tokens, length, bounds
