@@ -319,3 +319,23 @@ def test_memory_per_rank_is_bounded_at_a_hundred_million_weights(tmp_path):
     for r in runs[1:]:  # a rank mapping the node's table: a few MB
         assert r["peak"] < 64 << 20 and r["anon_growth"] < 64 << 20, r
     assert runs[0]["first"] == runs[1]["first"]
+
+
+# -- weighted draws without replacement: an array per epoch, its limit said -------------------
+def test_draws_without_replacement_past_memory_are_refused_and_large_ones_warned(monkeypatch, caplog):
+    from fastload.runtime import system
+    from fastload.sampling import sampler as sampler_mod
+
+    w = np.ones(1000)
+    monkeypatch.setattr(system, "available_memory", lambda: 15_000)  # 20 bytes per sample and 8 per draw: 28,000 needed
+    with pytest.raises(ValueError, match=r"num_draws=1,000 weighted draws without replacement over 1,000 samples "
+                                         r"\(each epoch's order is computed whole, on every rank.* needs 28.0 KB of "
+                                         r"memory, but only 15.0 KB is available; use replacement=True"):
+        Sampler(1000, batch_size=10, weights=w, replacement=False)
+    Sampler(1000, batch_size=10, weights=w)  # with replacement: per position, nothing per draw to hold
+    monkeypatch.setattr(system, "available_memory", lambda: None)
+    monkeypatch.setattr(sampler_mod, "DRAWN_WARN", 500)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        s = Sampler(1000, batch_size=10, weights=w, replacement=False, num_draws=600)
+    assert "each epoch costs every rank about" in caplog.text and "use replacement=True" in caplog.text
+    assert len(np.unique(s.stream(0))) == 600

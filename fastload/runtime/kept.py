@@ -61,9 +61,14 @@ class Flock:
         self.path = path
         self.fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
+    def _fd(self) -> int:
+        if self.fd is None:
+            raise ValueError(f"lock {self.path} is closed")
+        return self.fd
+
     def try_lock(self) -> bool:
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._fd(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
             return False
@@ -82,7 +87,7 @@ class Flock:
         return True
 
     def unlock(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        fcntl.flock(self._fd(), fcntl.LOCK_UN)
 
     def close(self) -> None:
         if self.fd is not None:
@@ -106,7 +111,7 @@ def content_key(*parts: Any) -> str:
             flat = p if p.ndim == 1 else p.reshape(-1)  # (a 1-D view, strided or mapped, is read in chunks)
             step = max(1, HASH_CHUNK // max(1, p.dtype.itemsize))
             for a in range(0, flat.size, step):
-                h.update(np.ascontiguousarray(flat[a:a + step]).view(np.uint8))
+                h.update(np.ascontiguousarray(flat[a:a + step]).data)
         else:
             h.update(f"{type(p).__name__}|{p!r}|".encode())
     return h.hexdigest()
@@ -121,7 +126,7 @@ def kept_folder(*names: str) -> Path | None:
 Spec = tuple  # (dtype, shape): shape None accepts any one-dimensional length
 
 
-def _load_one(path: Path, dtype, shape) -> np.ndarray | None:
+def _load_one(path: Path, dtype: Any, shape: tuple | None) -> np.ndarray | None:
     try:
         v = np.load(path, mmap_mode="r", allow_pickle=False)
         size = os.stat(path).st_size
@@ -135,7 +140,8 @@ def _load_one(path: Path, dtype, shape) -> np.ndarray | None:
     return v
 
 
-def _load(folder: Path, specs: Mapping[str, Spec], check) -> tuple[dict | None, str | None]:
+def _load(folder: Path, specs: Mapping[str, Spec], check: Callable[[dict], bool] | None
+          ) -> tuple[dict | None, str | None]:
     """The kept arrays (None: missing or wrong) and, when a file exists but is wrong, its name."""
     out = {}
     for name, (dtype, shape) in specs.items():
@@ -149,10 +155,10 @@ def _load(folder: Path, specs: Mapping[str, Spec], check) -> tuple[dict | None, 
     return out, None
 
 
-def _in_memory(specs: Mapping[str, Spec], build) -> dict:
+def _in_memory(specs: Mapping[str, Spec], build: Callable[[Callable], object]) -> dict:
     out: dict[str, np.ndarray] = {}
 
-    def alloc(name: str, shape=None) -> np.ndarray:
+    def alloc(name: str, shape: tuple | None = None) -> np.ndarray:
         dtype, fixed = specs[name]
         out[name] = np.empty(fixed if shape is None else shape, dtype)
         return out[name]
@@ -174,7 +180,7 @@ def _reserve(path: Path, nbytes: int) -> None:
         os.close(fd)
 
 
-def kept_arrays(folder: Path | None, specs: Mapping[str, Spec], build: Callable[[Callable], None], *,
+def kept_arrays(folder: Path | None, specs: Mapping[str, Spec], build: Callable[[Callable], object], *,
                 what: str, holds: str, check: Callable[[dict], bool] | None = None,
                 wait_s: float = 600.0) -> dict[str, np.ndarray]:
     """The arrays named by ``specs`` (``name -> (dtype, shape)``), memory-mapped read-only from
@@ -204,9 +210,9 @@ def kept_arrays(folder: Path | None, specs: Mapping[str, Spec], build: Callable[
         if bad is not None:
             logger.warning("fastload: %s does not hold %s; building it again", bad, holds)
         t0 = time.monotonic()
-        maps: dict[str, np.ndarray] = {}
+        maps: dict[str, np.memmap] = {}
 
-        def alloc(name: str, shape=None) -> np.ndarray:
+        def alloc(name: str, shape: tuple | None = None) -> np.ndarray:
             dtype, fixed = specs[name]
             tmp = temp_path(folder / f"{name}.npy")
             temps.append(tmp)

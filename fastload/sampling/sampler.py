@@ -47,7 +47,7 @@ def _check_drawn(n: int, m: int) -> None:
     check_fits_in_memory(nbytes, what, hint)
     if n >= DRAWN_WARN:
         logger.warning("fastload: %s: each epoch costs every rank about %s of memory and a sort of %s keys "
-                       "(~%.0f s of one core); %s", what, format_bytes(nbytes), f"{n:,}", n * 1.5e-7, hint)
+                       "(1-10 s of one core per 10^7 samples); %s", what, format_bytes(nbytes), f"{n:,}", hint)
 
 
 PREPARE_MIN_NS = 2_000_000  # prepare() computes an order in the background only above ~2 ms

@@ -20,6 +20,8 @@ built by the same chunked functions (:func:`fill_weight_table`, :func:`fill_bala
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..runtime.kept import MAP_MIN, content_key, kept_arrays, kept_folder
@@ -94,7 +96,10 @@ def weight_table(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     n = len(weights)
     specs = {"cdf": (np.float64, (n,)), "guide": (index_dtype(n + 1), (n + 1,))}
     folder = kept_folder("tables", WEIGHTED_FORMAT, content_key(WEIGHTED_FORMAT, weights)) if n >= MAP_MIN else None
-    t = kept_arrays(folder, specs, lambda alloc: fill_weight_table(weights, alloc("cdf"), alloc("guide")),
+    def build(alloc: Callable[..., np.ndarray]) -> None:
+        fill_weight_table(weights, alloc("cdf"), alloc("guide"))
+
+    t = kept_arrays(folder, specs, build,
                     what=f"the weighted-draw table of {n:,} weights", holds=f"a table of {n:,} weights",
                     check=_check_weight_table, wait_s=_wait_s(n))
     cdf = t["cdf"]
@@ -108,11 +113,8 @@ class _Classes:
     def __init__(self, labels: np.ndarray) -> None:
         self.lut = None
         if labels.dtype.kind in "iub" and len(labels):
-            lo = hi = None
-            for a in range(0, len(labels), CHUNK):
-                part = labels[a:a + CHUNK]
-                lo = int(part.min()) if lo is None else min(lo, int(part.min()))
-                hi = int(part.max()) if hi is None else max(hi, int(part.max()))
+            lo = min(int(labels[a:a + CHUNK].min()) for a in range(0, len(labels), CHUNK))
+            hi = max(int(labels[a:a + CHUNK].max()) for a in range(0, len(labels), CHUNK))
             if hi - lo < CHUNK and hi < 2**63:
                 seen = np.zeros(hi - lo + 1, bool)
                 for a in range(0, len(labels), CHUNK):
@@ -122,10 +124,9 @@ class _Classes:
                 self.lut = np.cumsum(seen) - 1  # value - lo -> class number
                 self.lo = lo
                 return
-        classes = None
-        for a in range(0, len(labels), CHUNK):
-            u = np.unique(labels[a:a + CHUNK])
-            classes = u if classes is None else np.union1d(classes, u)
+        classes = np.unique(labels[:CHUNK])
+        for a in range(CHUNK, len(labels), CHUNK):
+            classes = np.union1d(classes, np.unique(labels[a:a + CHUNK]))
         self.classes = classes
 
     def __len__(self) -> int:
@@ -137,7 +138,7 @@ class _Classes:
         return np.searchsorted(self.classes, part)
 
 
-def fill_balance_table(labels: np.ndarray, alloc) -> None:
+def fill_balance_table(labels: np.ndarray, alloc: Callable[..., np.ndarray]) -> None:
     """Fill ``members`` (the samples grouped by class, classes in the order of
     ``np.unique(labels)``, ascending within a class) and ``starts`` (where each class's group
     starts, ``C + 1`` entries), allocated by ``alloc(name, shape)``, in chunks of
