@@ -339,3 +339,46 @@ def test_draws_without_replacement_past_memory_are_refused_and_large_ones_warned
         s = Sampler(1000, batch_size=10, weights=w, replacement=False, num_draws=600)
     assert "each epoch costs every rank about" in caplog.text and "use replacement=True" in caplog.text
     assert len(np.unique(s.stream(0))) == 600
+
+
+# -- a Loader's weights= / balance= field: its values kept per node too ---------------------
+def _mapped(a) -> bool:
+    """True when ``a`` is a view of a memory-mapped file (np.asarray drops np.memmap's class)."""
+    import mmap
+
+    while a is not None:
+        if isinstance(a, mmap.mmap):
+            return True
+        a = getattr(a, "base", None)
+    return False
+
+
+def test_a_loaders_weight_and_label_fields_are_kept_per_node_and_draw_the_same(tmp_path, monkeypatch):
+    import fastload
+    from fastload.store import lengths as lengths_mod
+
+    n = 3000
+    with fastload.ShardWriter(tmp_path / "ds", {"label": "int64", "w": "float32"}, label="label",
+                              shard_size="4KB") as wr:
+        wr.write_batch({"label": np.arange(n) % 7, "w": (np.arange(n) % 3 + 1).astype(np.float32)})
+    monkeypatch.setenv("FASTLOAD_CACHE", str(tmp_path / "cache"))
+
+    def epoch(**kw):
+        with fastload.Loader(tmp_path / "ds", batch_size=70, seed=4, fields=["label", "w"], device="cpu", **kw) as lo:
+            kept = lo.sampler.weights if "weights" in kw else lo.sampler.labels
+            table = lo.sampler.order_stream()
+            out = np.concatenate([b["label"].numpy() * 10 + b["w"].numpy().astype(np.int64) for b in lo])
+            return out, kept, table
+
+    small = [epoch(weights="w"), epoch(balance=True)]
+    assert not _mapped(small[0][1]) and not _mapped(small[1][1])
+    monkeypatch.setattr(lengths_mod, "MAP_MIN", 100)
+    monkeypatch.setattr(tables, "MAP_MIN", 100)
+    big = [epoch(weights="w"), epoch(balance=True)]
+    for (got, values, _stream), (want, mem, _) in zip(big, small):
+        assert _mapped(values) and not values.flags.writeable  # the field's values: a view of the kept file
+        assert np.array_equal(values, mem) and values.dtype == mem.dtype
+        assert np.array_equal(got, want)  # the same draws
+    assert isinstance(big[0][2].cdf, np.memmap) and isinstance(big[1][2].members, np.memmap)  # the tables: mapped
+    kept = sorted(p.name for p in (tmp_path / "cache" / "lengths").rglob("*.npy"))
+    assert kept == ["values-label.npy", "values-w.npy"]

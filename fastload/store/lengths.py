@@ -27,21 +27,22 @@ import numpy as np
 from ..runtime.kept import MAP_MIN, kept_arrays
 from ..runtime.system import cache_root
 
-__all__ = ["MAP_MIN", "concat_lengths", "kept_lengths", "kept_path", "local_lengths", "local_lengths_path"]
+__all__ = ["MAP_MIN", "concat_lengths", "kept_lengths", "kept_path", "kept_values", "local_lengths",
+           "local_lengths_path"]
 
 
 def _key(manifests: list) -> str:
     return hashlib.sha256(json.dumps(manifests, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def kept_path(manifests: list, field: str) -> Path | None:
-    """Where ``field``'s lengths of the dataset(s) of ``manifests`` are kept (None: no cache
-    directory)."""
+def kept_path(manifests: list, field: str, what: str = "lengths") -> Path | None:
+    """Where ``field``'s lengths (``what="values"``: a scalar field's values, :func:`kept_values`)
+    of the dataset(s) of ``manifests`` are kept (None: no cache directory)."""
     root = cache_root()
     if root is None:
         return None
     safe = field if re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", field) else hashlib.sha1(field.encode()).hexdigest()
-    return root / "lengths" / _key(manifests) / f"lengths-{safe}.npy"
+    return root / "lengths" / _key(manifests) / f"{what}-{safe}.npy"
 
 
 def local_lengths_path(reader, field: str) -> Path | None:
@@ -91,3 +92,25 @@ def concat_lengths(readers, field: str) -> np.ndarray:
 
     path = kept_path([r.manifest for r in readers], field) if n >= MAP_MIN else None
     return kept_lengths(path, n, field, fill)
+
+
+def kept_values(reader, field: str) -> np.ndarray:
+    """Every sample's value of scalar ``field`` of a local dataset (a Loader's ``weights=`` or
+    ``balance=`` field), kept like the lengths past :data:`MAP_MIN` samples
+    (``values-<field>.npy`` beside them: read from the shards' columns once per node, in
+    shards, then memory-mapped by every rank), else read into memory."""
+    n = len(reader)
+    f = reader._field(field)
+    starts = reader.shard_starts
+
+    def fill(out: np.ndarray) -> np.ndarray:
+        for s in range(reader.num_shards):
+            out[starts[s]:starts[s + 1]] = reader.column(s, field)
+        return out
+
+    dtype = np.dtype(f.dtype)
+    path = kept_path([reader.manifest], field, "values") if n >= MAP_MIN else None
+    folder, name = (None, "values") if path is None else (path.parent, path.stem)
+    got = kept_arrays(folder, {name: (dtype, (n,))}, lambda alloc: fill(alloc(name)),
+                      what=f"the values of {field!r}", holds=f"{n} values")
+    return got[name]
