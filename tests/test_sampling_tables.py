@@ -382,3 +382,25 @@ def test_a_loaders_weight_and_label_fields_are_kept_per_node_and_draw_the_same(t
     assert isinstance(big[0][2].cdf, np.memmap) and isinstance(big[1][2].members, np.memmap)  # the tables: mapped
     kept = sorted(p.name for p in (tmp_path / "cache" / "lengths").rglob("*.npy"))
     assert kept == ["values-label.npy", "values-w.npy"]
+
+
+def test_a_large_arrays_identity_is_hashed_fast_and_still_tells_arrays_apart(monkeypatch):
+    from fastload.sampling import state
+
+    monkeypatch.setattr(state, "FAST_DIGEST_MIN", 100)
+    w = np.arange(1, 1001, dtype=np.float32)
+    a = Sampler(1000, batch_size=10, weights=w, seed=1)
+    next(iter(a))
+    saved = a.state_dict()
+    assert saved["weights"].startswith("x") and len(saved["weights"]) == 16  # xxh3, not blake2b
+    b = Sampler(1000, batch_size=10, weights=w.astype(np.float64), seed=1)  # the same values: the same identity
+    b.load_state_dict(saved)
+    assert np.array_equal(next(iter(b)), a.stream(0)[10:20])
+    w2 = w.copy()
+    w2[5] += 1
+    with pytest.raises(ValueError, match="saved with weights="):
+        Sampler(1000, batch_size=10, weights=w2, seed=1).load_state_dict(saved)
+    labels = np.arange(1000) % 3
+    c = Sampler(1000, batch_size=9, balance_labels=labels, seed=1)
+    with pytest.raises(ValueError, match="saved with balance_labels="):
+        Sampler(1000, batch_size=9, balance_labels=(labels + 1) % 3, seed=1).load_state_dict(c.state_dict())
