@@ -200,9 +200,11 @@ def kept_arrays(folder: Path | None, specs: Mapping[str, Spec], build: Callable[
     try:
         folder.mkdir(parents=True, exist_ok=True)
         lock = Flock(folder / ".lock")
-        if not lock.lock(wait_s):
-            logger.warning("fastload: another process of this node has been building %s in %s for %.0f s; this "
-                           "one builds it too", what, folder, wait_s)
+        if not lock.try_lock():
+            logger.info("fastload: waiting for another process of this node, which builds %s in %s", what, folder)
+            if not lock.lock(wait_s):
+                logger.warning("fastload: another process of this node has been building %s in %s for %.0f s; "
+                               "this one builds it too", what, folder, wait_s)
         got, bad2 = _load(folder, specs, check)  # built meanwhile by the process that held the lock
         if got is not None:
             return got
