@@ -18,6 +18,12 @@ And the open time of a dataset of ``--manifest-shards`` (100,000) shards, with a
 first batch over it and 50 more (each of 256 shards), and the shard mappings the process
 holds (bounded: fastload.store.mapped).
 
+And weighted (with replacement) and class-balanced sampling at scale (``--table-sizes``:
+10^6 and 10^8 samples, weights / labels memory-mapped from a generated file): the time the
+node's first rank takes to build the table kept in the cache directory, its private memory
+meanwhile, and a later rank's first batch, memory (peak RSS, and private memory: the mapped
+table's pages are the node's page cache, shared), resume and rate.
+
 Also a mixture's stream (``--mix-sizes``: epochs of 10^6, 10^8, 10^10 positions over three
 datasets): first batch, memory, resume, rate; and a packed pass (``--pack-sizes``: 10^6 and
 10^8 documents of generated lengths, rows of 8 x 4,096 tokens): the epoch's token count,
@@ -30,13 +36,14 @@ positions, scanned whole: time and peak RSS; ``--remote-rows``: a Loader over ``
 ``--remote-shards`` shards: built, first batch, peak RSS growth).
 
     python bench/bench_scale.py [--smoke] [--full] [--rows 10000000 --shards 100] [--manifest-shards 100000]
-                                [--mix-sizes 1e6,1e8,1e10] [--pack-sizes 1e6,1e8]
+                                [--mix-sizes 1e6,1e8,1e10] [--pack-sizes 1e6,1e8] [--table-sizes 1e6,1e8]
                                 [--plan-sizes 1e6,1e8] [--remote-rows 1e6,1e7 --remote-shards 100]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -196,6 +203,70 @@ def child_mixture(n: int, seconds: float) -> dict:
     return _sampler_figures(lambda **kw: MixtureSampler(order, **kw), n, seconds)
 
 
+def _table_data(kind: str, n: int, folder: str) -> np.ndarray:
+    """``n`` weights (float64, 1 to 1,000) or labels (int32, 1,000 classes) hashed from the
+    index, written once to ``folder`` and memory-mapped (a user's array of 10^10 weights
+    would be one too)."""
+    from fastload.sampling.streams import splitmix64
+
+    path = Path(folder) / f"{kind}-{n}.npy"
+    if not path.exists():
+        tmp = path.with_name(".tmp-" + path.name)
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float64 if kind == "weighted" else np.int32,
+                                        shape=(n,))
+        for a in range(0, n, 1 << 22):
+            b = min(n, a + (1 << 22))
+            with np.errstate(over="ignore"):
+                v = splitmix64(np.arange(a, b, dtype=np.uint64)) % np.uint64(1000)
+            out[a:b] = v + 1 if kind == "weighted" else v
+        out.flush()
+        del out
+        tmp.rename(path)
+    return np.load(path, mmap_mode="r")
+
+
+def _anon() -> int:
+    """Private (anonymous) resident bytes now: what a rank holds that no other process shares."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def child_table(kind: str, role: str, n: int, folder: str, seconds: float) -> dict:
+    """Weighted (with replacement) or class-balanced sampling over ``n`` samples whose table
+    is kept in ``$FASTLOAD_CACHE`` (set by the parent): ``role`` "build": the node's first
+    rank, which builds it (time, private memory at its peak: numpy's allocations, traced);
+    "rank": a later rank of the node, which maps it (first batch, memory, resume, rate)."""
+    import tracemalloc
+
+    from fastload import Sampler
+
+    data = _table_data(kind, n, folder)
+    arg = "weights" if kind == "weighted" else "balance_labels"
+
+    def make(**kw):
+        return Sampler(n, **{arg: data}, **kw)
+
+    if role == "build":
+        next(iter(Sampler(10, batch_size=2, **{arg: np.arange(1, 11)})))  # imports, numpy's first calls
+        a0 = _anon()
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        s = make(batch_size=BATCH, world_size=WORLD, rank=0, seed=1)
+        next(iter(s))
+        build_s = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return {"n": n, "build_s": build_s, "private_peak": peak, "anon_growth": max(0, _anon() - a0),
+                "mapped": type(s._table[0]).__name__ == "memmap"}
+    a0 = _anon()
+    out = _sampler_figures(make, n, seconds)
+    out["anon_growth"] = max(0, _anon() - a0)
+    return out
+
+
 def child_baseline(n: int) -> dict:
     """The version-2 sampler's first batch: a permutation of N materialised first."""
     from fastload import _C
@@ -351,8 +422,9 @@ def _maps(folder: Path) -> int:
         return sum(1 for line in fh if prefix in line)
 
 
-def _run_child(*args: str, timeout: float = 600) -> dict:
-    p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout)
+def _run_child(*args: str, timeout: float = 600, env: dict | None = None) -> dict:
+    p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout,
+                       env=None if env is None else {**os.environ, **env})
     if p.returncode != 0:
         raise SystemExit(f"bench_scale child {args} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -363,6 +435,8 @@ def main(argv=None) -> list:
     ap.add_argument("--sizes", default="1e6,1e8,1e10", help="stream positions N, comma-separated")
     ap.add_argument("--mix-sizes", default="1e6,1e8,1e10", help="positions of the mixture epochs, comma-separated")
     ap.add_argument("--pack-sizes", default="1e6,1e8", help="documents of the packed passes, comma-separated")
+    ap.add_argument("--table-sizes", default="1e6,1e8",
+                    help="samples of the weighted / class-balanced tables kept per node, comma-separated")
     ap.add_argument("--seconds", type=float, default=1.0, help="how long to read batches for the rate")
     ap.add_argument("--baseline-max", type=float, default=1e8, help="largest N the v2 baseline materialises")
     ap.add_argument("--rows", type=int, default=10_000_000, help="one-byte rows of the Loader's dataset")
@@ -388,6 +462,8 @@ def main(argv=None) -> list:
             out = child_mixture(int(float(rest[0])), float(rest[1]))
         elif kind == "pack":
             out = child_pack(int(float(rest[0])), float(rest[1]))
+        elif kind == "table":
+            out = child_table(rest[0], rest[1], int(float(rest[2])), rest[3], float(rest[4]))
         elif kind == "manifest":
             out = child_manifest(int(rest[0]), rest[1])
         elif kind == "plan":
@@ -400,7 +476,7 @@ def main(argv=None) -> list:
         return []
     if a.smoke:
         a.sizes, a.seconds, a.baseline_max, a.rows, a.shards = "1e6,1e10", 0.2, 1e6, 100_000, 10
-        a.pack_sizes, a.mix_sizes = "1e6", "1e6"
+        a.pack_sizes, a.mix_sizes, a.table_sizes = "1e6", "1e6", "2e6"
         a.plan_sizes, a.remote_rows, a.remote_shards = "1e6", "1e5", 10
         a.manifest_shards = 1000
     if a.full:
@@ -436,6 +512,22 @@ def main(argv=None) -> list:
         print(f"{n:>16,} {pk['total_s']:>10.2f} s {pk['first_s'] * 1e3:>9.2f} ms {pk['rss_growth'] / 2**20:>8.1f} MB "
               f"{pk['resume_s']:>8.2f} s ({pk['resume_docs']:>13,}) {pk['batches_per_s']:>10,.1f} "
               f"{pk['docs_per_s']:>12,.0f}")
+    print(f"Weighted (with replacement) and class-balanced (1,000 classes) sampling over N samples (weights / labels "
+          f"memory-mapped from a file; rank 0 of {WORLD}, batch {BATCH}): the table is built once per node by the "
+          "first rank (private memory: numpy's peak), then mapped by each later rank (a fresh process each)")
+    print(f"{'':>9} {'N':>14} {'build (node)':>13} {'private peak':>13} | rank: {'first batch':>11} "
+          f"{'peak RSS +':>11} {'private +':>10} {'resume':>9} {'samples/s':>12}")
+    for n in [int(float(x)) for x in a.table_sizes.split(",") if x]:
+        with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
+            for kind in ("weighted", "balanced"):
+                env = {"FASTLOAD_CACHE": str(Path(tmp) / "cache")}
+                bd = _run_child("--child", "table", kind, "build", str(n), tmp, str(a.seconds), timeout=3600, env=env)
+                rk = _run_child("--child", "table", kind, "rank", str(n), tmp, str(a.seconds), env=env)
+                kept = "" if bd["mapped"] else " (in memory: below MAP_MIN)"
+                print(f"{kind:>9} {n:>14,} {bd['build_s']:>11.2f} s {bd['private_peak'] / 2**20:>10.1f} MB | "
+                      f"{rk['first_s'] * 1e3:>14.2f} ms {rk['rss_growth'] / 2**20:>8.1f} MB "
+                      f"{rk['anon_growth'] / 2**20:>7.1f} MB {rk['resume_s'] * 1e3:>6.2f} ms "
+                      f"{rk['samples_per_s']:>12,.0f}{kept}")
     print(f"A remote cache's plan of a full shuffle (rank 0 of {WORLD}, 1,000 shards): the pass's first-use "
           "schedule and the next epoch's, scanned whole (in the background past the first 2^22 positions), each "
           "N in a fresh process")

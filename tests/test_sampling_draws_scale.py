@@ -11,7 +11,8 @@ import numpy as np
 
 from fastload import Sampler
 from fastload.sampling.draws import weighted_draws
-from fastload.sampling.order import Balanced, Weighted, balance_table, uniforms, weight_table
+from fastload.sampling.order import Balanced, Weighted, uniforms
+from fastload.sampling.tables import balance_table, weight_table
 
 
 def _reference(table, stream, positions):

@@ -328,6 +328,17 @@ def as_mixture(dataset: Any, *, mix: Any, epoch_size: Any, stop_on: Any, fields:
     return None
 
 
+def _field_values(ds, field: str) -> np.ndarray:
+    """Every sample's value of scalar ``field``: a local dataset's kept once per node and
+    memory-mapped (fastload.store.lengths.kept_values: never one copy per rank), others read."""
+    from ..store.lengths import kept_values
+    from ..store.reader import DatasetReader
+
+    if isinstance(ds, DatasetReader) and ds.cache is None:
+        return kept_values(ds, field)
+    return ds.get_batch(np.arange(len(ds)), fields=[field])[field]
+
+
 def make_sampler(ds, world, o: Options, *, mixture: Any = None) -> Sampler:
     """The Sampler of a Loader from its options: ``weights`` may name a scalar field,
     ``balance=True`` balances the label field (or the named one); a mixture's is a
@@ -347,7 +358,7 @@ def make_sampler(ds, world, o: Options, *, mixture: Any = None) -> Sampler:
         wf = ds.fields.get(weights)
         if wf is None or wf.kind != "scalar":
             raise ValueError(f"weights={weights!r} must name a scalar field of {ds.path}")
-        weights = ds.get_batch(np.arange(len(ds)), fields=[weights])[weights].astype(np.float64)
+        weights = _field_values(ds, weights)
     labels = None
     if not isinstance(balance, str):
         balance = check_bool("balance", balance)
@@ -356,7 +367,7 @@ def make_sampler(ds, world, o: Options, *, mixture: Any = None) -> Sampler:
         if lf is None or lf not in ds.fields or ds.fields[lf].kind != "scalar":
             raise ValueError(f"balance={balance!r} needs a label field; {ds.path} has "
                              f"{'no label field' if ds.label_field is None else 'label ' + repr(ds.label_field)}")
-        labels = ds.get_batch(np.arange(len(ds)), fields=[lf])[lf]
+        labels = _field_values(ds, lf)
     return Sampler(len(ds), batch_size=o.batch_size, world_size=world.world_size, rank=world.rank,
                    shuffle=o.shuffle, seed=o.seed, drop_last=o.drop_last, weights=weights,
                    replacement=o.replacement, num_draws=o.num_draws, balance_labels=labels,

@@ -5,7 +5,7 @@ Part of :mod:`fastload.remote.cache` (which re-exports the public names):
 * :func:`default_cache_dir` (``$FASTLOAD_CACHE``, else ``~/.cache/fastload``) and
   :func:`~fastload.errors.parse_bytes` ('200GB' -> bytes, re-exported);
 * :class:`_Flock`, the kernel advisory lock every cross-process lock of the cache is made of
-  (per shard download, admission, a rank being alive);
+  (per shard download, admission, a rank being alive): :class:`fastload.runtime.kept.Flock`;
 * :class:`CacheFiles`, one dataset's cache directory and its budget: ``remote.json``, shards
   left by an earlier run, the byte budget (``limit``; its default from the free disk), the
   bytes on disk (complete shards, partial downloads at full size), deleting a shard and
@@ -13,7 +13,6 @@ Part of :mod:`fastload.remote.cache` (which re-exports the public names):
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ import numpy as np
 
 from ..errors import CacheTooSmall, RemoteError, format_bytes, parse_bytes
 from ..files import atomic_write
+from ..runtime.kept import Flock
 from ..runtime.system import CACHE_ENV, cache_root
 
 __all__ = ["CACHE_ENV", "REMOTE_JSON", "CacheFiles", "default_cache_dir", "parse_bytes"]
@@ -49,41 +49,7 @@ def default_cache_dir() -> Path:
     return root
 
 
-class _Flock:
-    """A kernel advisory lock on a file (released by the kernel when the process dies).
-    Lock files are never deleted: deleting them races with the next locker."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-
-    def try_lock(self) -> bool:
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
-
-    def lock(self, timeout: float) -> bool:
-        """Take the lock, waiting at most ``timeout`` seconds (never without a deadline: the
-        holder may be a stopped process); False when it was not free by then."""
-        deadline = time.monotonic() + max(0.0, float(timeout))
-        pause = 0.001
-        while not self.try_lock():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(pause, left))
-            pause = min(0.02, pause * 2)
-        return True
-
-    def unlock(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # releases the lock
-            self.fd = None
+_Flock = Flock  # (fastload.runtime.kept: the kernel lock of every table kept per node)
 
 
 class CacheFiles:

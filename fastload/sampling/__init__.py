@@ -47,9 +47,11 @@ The package
 -----------
 ``streams`` (the keyed random streams), ``bijection`` (the keyed bijection), ``order`` (an
 epoch's stream as a function of the position: :class:`~fastload.sampling.order.Stream`;
-:func:`permutation`, :func:`window_permutation` materialise one), ``draws``
-(:func:`weighted_draws`, :func:`balanced_draws`), ``plan`` (:func:`epoch_order`,
-:func:`epoch_stream`, the rank partition :class:`RankBatches`, :class:`EpochPlan`),
+:func:`permutation`, :func:`window_permutation` materialise one), ``tables``
+(the per-sample tables of weighted and class-balanced draws, built once per node and
+memory-mapped by its ranks), ``draws`` (:func:`weighted_draws`, :func:`balanced_draws`),
+``plan`` (:func:`epoch_order`, :func:`epoch_stream`, the rank partition
+:class:`RankBatches`, :class:`EpochPlan`),
 ``state`` (the resume state and its checks), ``sampler`` (the :class:`Sampler` object).
 Every name is importable from here.
 """

@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from .order import Balanced, Weighted, balance_table, weight_table
+from .order import Balanced, Weighted
+from .tables import CHUNK, balance_table, weight_table
 from .streams import WEIGHTED, _index_dtype, generator
 
 
@@ -45,21 +46,31 @@ def balanced_draws(labels: np.ndarray, num_draws: int, batch_size: int, seed: in
 
 
 def check_weights(weights: Any, num_samples: int) -> tuple[np.ndarray, int]:
-    """``weights`` as float64, one per sample (>= 0, finite, not all zero), and how many of
-    them are positive."""
+    """``weights`` as an array, one per sample (>= 0, finite, not all zero), and how many of
+    them are positive. Checked in chunks, and not copied (a memory-mapped array of 10^10
+    weights stays on disk): the tables convert them to float64 chunk by chunk."""
     w = np.asarray(weights)
     if w.ndim != 1 or len(w) != num_samples:
         raise ValueError(f"weights has shape {w.shape}; expected ({num_samples},), one per sample")
     if not np.issubdtype(w.dtype, np.number) or np.issubdtype(w.dtype, np.complexfloating):
         raise ValueError(f"weights must be real numbers, got dtype {w.dtype}")
-    w = w.astype(np.float64)
-    bad = np.flatnonzero(~np.isfinite(w))
-    if len(bad):
-        raise ValueError(f"weights[{bad[0]}]={w[bad[0]]} is not finite ({len(bad)} such weights)")
-    neg = np.flatnonzero(w < 0)
-    if len(neg):
-        raise ValueError(f"weights[{neg[0]}]={w[neg[0]]} is negative ({len(neg)} negative weights)")
-    positive = int(np.count_nonzero(w))
+    positive = 0
+    bad = neg = None  # (first index, value, count)
+    for a in range(0, len(w), CHUNK):
+        part = w[a:a + CHUNK].astype(np.float64, copy=False)
+        nonfinite = np.flatnonzero(~np.isfinite(part))
+        if len(nonfinite):
+            bad = bad or (a + int(nonfinite[0]), part[nonfinite[0]], 0)
+            bad = bad[:2] + (bad[2] + len(nonfinite),)
+        below = np.flatnonzero(part < 0)
+        if len(below):
+            neg = neg or (a + int(below[0]), part[below[0]], 0)
+            neg = neg[:2] + (neg[2] + len(below),)
+        positive += int(np.count_nonzero(part))
+    if bad:
+        raise ValueError(f"weights[{bad[0]}]={bad[1]} is not finite ({bad[2]} such weights)")
+    if neg:
+        raise ValueError(f"weights[{neg[0]}]={neg[1]} is negative ({neg[2]} negative weights)")
     if positive == 0:
         raise ValueError("weights are all zero; at least one sample needs a positive weight")
     return w, positive

@@ -17,11 +17,13 @@ The kinds:
   window's samples in the order of its own keyed bijection. Memory: a few integers per shard
   (the shard order and where each window starts), nothing per sample;
 * :class:`Weighted`: weighted draws with replacement: position ``p``'s uniform is a
-  counter-based hash of (key, p), inverted through the cumulative weights (built once per
-  sampler, 8 bytes per sample; nothing per draw);
+  counter-based hash of (key, p), inverted through the cumulative weights and a guide table
+  (12 bytes per sample, built once per node and memory-mapped by its ranks: ``tables.py``;
+  nothing per draw);
 * :class:`Balanced`: class-balanced draws: each run of ``batch_size`` positions holds
   every class equally often, each class's samples read in passes of their own keyed
-  bijection (a table of the samples grouped by class, 8 bytes per sample, built once);
+  bijection (a table of the samples grouped by class, 8 bytes per sample, built once per
+  node like the weighted one);
 * :class:`Drawn`: an array computed whole (weighted draws without replacement).
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .bijection import bijection, derive_keys, round_keys
 from .streams import BALANCED, GOLDEN_GAMMA, PERMUTATION, WEIGHTED, WINDOW, splitmix64
 
 __all__ = ["Balanced", "Drawn", "Natural", "Shuffled", "Stream", "Weighted", "Windowed", "permutation",
-           "window_permutation", "index_dtype", "balance_table", "uniforms", "weight_table"]
+           "window_permutation", "index_dtype", "uniforms"]
 
 CHUNK = 1 << 16  # positions computed per call when materialising or walking a long range
 FIRST_CHUNK = 1 << 12  # positions of a pass's first call (about as fast as one batch's)
@@ -202,7 +204,8 @@ class Weighted(Stream):
     exact for any number of samples). The search starts from a guide table (Chen and Asau's
     indexed search: for each of ``len(cdf)`` equal slices of ``[0, cdf[-1])``, the first index
     whose interval reaches into it), so a draw costs a few steps, not ``log2 N`` cache misses.
-    ``table``: ``(cdf, guide, last)`` from :func:`weight_table` (built once per sampler)."""
+    ``table``: ``(cdf, guide, last)`` from :func:`~fastload.sampling.tables.weight_table`
+    (built once per node, see there)."""
 
     def __init__(self, table: tuple[np.ndarray, np.ndarray, int], num_draws: int, seed: int, epoch: int) -> None:
         self.table = table
@@ -242,23 +245,6 @@ class Weighted(Stream):
         return (id(self.cdf), self.num_draws, self.key)
 
 
-def weight_table(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(cdf, guide, last)`` of :class:`Weighted`: the cumulative weights (float64), the guide
-    table (``len(weights) + 1`` entries) and the last index with a positive weight. 12 bytes
-    per sample below 2^31 samples (16 above), built once."""
-    cdf = np.cumsum(weights, dtype=np.float64)
-    n = len(cdf)
-    total = float(cdf[-1])
-    # guide[j] = #{i: cdf[i] < j * total / n}, up to the rounding of the slice of each cdf[i]
-    # (the lookup widens each bracket by one slice): one pass, no search
-    c = (cdf * (n / total)).astype(np.int64)
-    np.clip(c, 0, n, out=c)
-    guide = np.zeros(n + 1, dtype=index_dtype(n + 1))
-    np.cumsum(np.bincount(c, minlength=n + 1)[:n], out=guide[1:])
-    guide[n] = n
-    return cdf, guide, int(np.flatnonzero(weights)[-1])
-
-
 class Balanced(Stream):
     """``num_draws`` class-balanced draws (``batch_size`` ``B``, ``C`` classes), per position.
 
@@ -270,7 +256,8 @@ class Balanced(Stream):
     chunks before, in O(1), plus the rank inside the chunk) reads sample ``t mod n_k`` of
     pass ``t // n_k`` over class ``k``'s ``n_k`` samples, each pass a keyed bijection: minority
     classes repeat in fresh orders, majority classes are subsampled.
-    ``table``: ``(members, starts)`` from :func:`balance_table`."""
+    ``table``: ``(members, starts)`` from :func:`~fastload.sampling.tables.balance_table`
+    (built once per node, see there)."""
 
     def __init__(self, table: tuple[np.ndarray, np.ndarray], num_draws: int, batch_size: int, seed: int,
                  epoch: int) -> None:
@@ -329,18 +316,6 @@ class Balanced(Stream):
     @property
     def _key(self) -> tuple:
         return (id(self.members), self.num_draws, self.batch, tuple(self._keys.tolist()))
-
-
-def balance_table(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(members, starts)`` of :class:`Balanced`: the sample indices grouped by class (in
-    the order of ``np.unique(labels)``, ascending within a class) and where each class's
-    group starts (``C + 1`` entries). 8 bytes per sample, built once."""
-    _, inverse = np.unique(labels, return_inverse=True)
-    inverse = inverse.ravel()
-    members = np.argsort(inverse, kind="stable").astype(np.int64)
-    starts = np.zeros(int(inverse.max()) + 2, np.int64)
-    np.cumsum(np.bincount(inverse), out=starts[1:])
-    return members, starts
 
 
 class Drawn(Stream):

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .draws import weighted_draws
-from .order import (CHUNK, FIRST_CHUNK, Balanced, Drawn, Natural, Shuffled, Stream, Weighted, Windowed, balance_table,
-                    weight_table)
+from .order import CHUNK, FIRST_CHUNK, Balanced, Drawn, Natural, Shuffled, Stream, Weighted, Windowed
+from .tables import balance_table, weight_table
 
 
 def per_rank_count(remaining: int, world_size: int, drop_last: bool) -> int:
@@ -102,8 +102,8 @@ def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool = True
                 window: int = 1, table: tuple | None = None) -> Stream:
     """The epoch's stream of global sample indices as a :class:`~fastload.sampling.order.Stream`
     (see the package docstring): computed per position, except weighted draws without
-    replacement (computed whole). ``table``: the :func:`~fastload.sampling.order.weight_table`
-    of ``weights`` or the :func:`~fastload.sampling.order.balance_table` of
+    replacement (computed whole). ``table``: the :func:`~fastload.sampling.tables.weight_table`
+    of ``weights`` or the :func:`~fastload.sampling.tables.balance_table` of
     ``balance_labels``, when the caller keeps it across epochs."""
     m = num_samples if num_draws is None else num_draws
     if balance_labels is not None:

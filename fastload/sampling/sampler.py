@@ -4,6 +4,7 @@ any world size (the order itself comes from the pure functions of ``plan``, ``st
 and ``draws``)."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -11,10 +12,12 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import format_bytes
 from ..runtime.system import check_fits_in_memory
 from ..validate import check_bool, check_int, check_seed
 from .draws import check_balance_labels, check_weights
-from .order import Drawn, Stream, balance_table, weight_table
+from .order import Drawn, Stream
+from .tables import balance_table, weight_table
 from .plan import EpochPlan, RankBatches, epoch_order, epoch_stream, per_rank_count
 from .state import SAMPLER_STATE_VERSION, check_state, digest
 
@@ -25,9 +28,26 @@ def _int(name: str, v: Any, lo: int) -> int:
     return check_int(name, v, min=lo)
 
 
-# Bytes per stream position while drawing an epoch (the stream itself, sorted uniforms and
-# the drawn indices of weighted draws, the class slots of balanced draws).
-_DRAW_BYTES = 24
+# Weighted draws without replacement, computed whole on every rank each epoch: bytes per
+# sample while drawing (measured peak: the keys, their exponentials and the sort's indices)
+# and per draw (the epoch's stream and the next one's, prepared ahead)
+_DRAWN_SAMPLE_BYTES, _DRAWN_DRAW_BYTES = 20, 8
+DRAWN_WARN = 10**8  # samples: past this, a warning says what each epoch's order costs each rank
+logger = logging.getLogger("fastload")
+
+
+def _check_drawn(n: int, m: int) -> None:
+    """A clear error where weighted draws without replacement over ``n`` samples (``m`` draws)
+    cannot be computed in this machine's memory, a warning past :data:`DRAWN_WARN` samples."""
+    what = (f"num_draws={m:,} weighted draws without replacement over {n:,} samples (each epoch's order is "
+            "computed whole, on every rank: Efraimidis-Spirakis keys need a global sort)")
+    hint = ("use replacement=True (drawn per position from a table kept once per node: any number of samples), "
+            "or fewer samples / a lower num_draws")
+    nbytes = n * _DRAWN_SAMPLE_BYTES + m * _DRAWN_DRAW_BYTES
+    check_fits_in_memory(nbytes, what, hint)
+    if n >= DRAWN_WARN:
+        logger.warning("fastload: %s: each epoch costs every rank about %s of memory and a sort of %s keys "
+                       "(1-10 s of one core per 10^7 samples); %s", what, format_bytes(nbytes), f"{n:,}", hint)
 
 
 PREPARE_MIN_NS = 2_000_000  # prepare() computes an order in the background only above ~2 ms
@@ -86,15 +106,13 @@ class Sampler:
             if self.weights is None and self.labels is None:
                 raise ValueError("num_draws applies to weighted or class-balanced sampling only")
             num_draws = _int("num_draws", num_draws, 1)
-            if self.weights is not None and not self.replacement:  # (the others: per position)
-                check_fits_in_memory(num_draws * _DRAW_BYTES, f"num_draws={num_draws:,} (the epoch's stream of draws)",
-                                     "lower num_draws (it is the number of samples drawn per epoch, all ranks "
-                                     "together)")
-            if self.weights is not None and not self.replacement and num_draws > positive:
-                raise ValueError(f"num_draws={num_draws} without replacement exceeds the {positive} "
+        if self.weights is not None and not self.replacement:  # (the others: per position, any size)
+            m = positive if num_draws is None else num_draws
+            _check_drawn(self.num_samples, m)
+            if m > positive:
+                raise ValueError(f"num_draws={m} without replacement exceeds the {positive} "
                                  "samples with a positive weight")
-        elif self.weights is not None and not self.replacement:
-            num_draws = positive  # every sample with a positive weight, once, in weighted order
+            num_draws = m  # default: every sample with a positive weight, once, in weighted order
         self.num_draws = num_draws
         if shuffle_mode not in SHUFFLE_MODES:
             raise ValueError(f"shuffle_mode={shuffle_mode!r} must be one of {SHUFFLE_MODES}")
@@ -119,7 +137,7 @@ class Sampler:
         self._cache: dict[int, np.ndarray] = {}  # the materialised streams of the current epoch and the next
         self._orders: dict[int, Stream] = {}  # the per-position streams of the current epoch and the next
         self._orders_lock = threading.Lock()  # (prepare's background thread computes orders too)
-        self._table: tuple | None = None  # order.weight_table(weights) or order.balance_table(labels)
+        self._table: tuple | None = None  # tables.weight_table(weights) or tables.balance_table(labels): kept per node
         self._materialised = False  # stream() was asked for a per-position order: prepare() computes ahead
         self._ahead: _Ahead | None = None  # an epoch's stream computed in the background (prepare)
         self._identity_cache: dict | None = None
@@ -317,7 +335,7 @@ class Sampler:
         to resume."""
         return {
             "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
-            "weights": digest(self.weights), "balance_labels": digest(self.labels),
+            "weights": digest(self.weights, np.float64), "balance_labels": digest(self.labels),
             "stream_len": self.stream_len, "replacement": self.replacement if self.weights is not None else None,
             "shuffle_mode": self.shuffle_mode, "window": self.window if self.shuffle_mode == "window" else None,
             "shard_sizes": digest(np.asarray(self.shard_sizes, np.int64)) if self.shard_sizes else None,

@@ -8,9 +8,9 @@ node-local cache directory (:func:`fastload.runtime.system.cache_root`:
 ``key`` hashes the manifest (whose shard checksums fix every length): read from the shards'
 offsets once per node, written through a memory map (never whole in memory) under a
 temporary name and renamed into place, then memory-mapped read-only by every later call,
-run and rank of the node (the page cache is shared). Ranks that start together may each read
-the offsets once; the renames replace equal files. A file of the wrong type or shape is
-read again; without a usable cache directory the lengths are read into memory (a warning
+run and rank of the node (the page cache is shared). A file of the wrong type, shape or size is
+read again; ranks that start together wait for the one that reads them (a lock in the
+folder) and map its file; without a usable cache directory the lengths are read into memory (a warning
 says so). The remote path keeps them the same way in its own cache
 (:mod:`fastload.remote.lengths`); a mixture's (the datasets' lengths one after the other) are
 kept here too, keyed by its datasets' manifests (:func:`concat_lengths`).
@@ -19,35 +19,30 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
 import re
 from pathlib import Path
 
 import numpy as np
 
-from ..files import temp_path
+from ..runtime.kept import MAP_MIN, kept_arrays
 from ..runtime.system import cache_root
 
-__all__ = ["MAP_MIN", "concat_lengths", "kept_lengths", "kept_path", "local_lengths", "local_lengths_path"]
-
-logger = logging.getLogger("fastload")
-
-MAP_MIN = 1 << 20  # samples: smaller datasets' lengths (8 MB at most) are read into memory
+__all__ = ["MAP_MIN", "concat_lengths", "kept_lengths", "kept_path", "kept_values", "local_lengths",
+           "local_lengths_path"]
 
 
 def _key(manifests: list) -> str:
     return hashlib.sha256(json.dumps(manifests, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def kept_path(manifests: list, field: str) -> Path | None:
-    """Where ``field``'s lengths of the dataset(s) of ``manifests`` are kept (None: no cache
-    directory)."""
+def kept_path(manifests: list, field: str, what: str = "lengths") -> Path | None:
+    """Where ``field``'s lengths (``what="values"``: a scalar field's values, :func:`kept_values`)
+    of the dataset(s) of ``manifests`` are kept (None: no cache directory)."""
     root = cache_root()
     if root is None:
         return None
     safe = field if re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", field) else hashlib.sha1(field.encode()).hexdigest()
-    return root / "lengths" / _key(manifests) / f"lengths-{safe}.npy"
+    return root / "lengths" / _key(manifests) / f"{what}-{safe}.npy"
 
 
 def local_lengths_path(reader, field: str) -> Path | None:
@@ -63,52 +58,14 @@ def _fill(reader, field: str, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def _load(path: Path, n: int) -> np.ndarray | None:
-    try:
-        v = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
-    if v.dtype != np.int64 or v.shape != (n,):
-        logger.warning("fastload: %s does not hold %d lengths; reading them again", path, n)
-        return None
-    return v
-
-
-def _remove(tmp: Path) -> None:
-    try:
-        tmp.unlink(missing_ok=True)
-    except OSError:  # its directory could not be made
-        pass
-
-
 def kept_lengths(path: Path | None, n: int, field: str, fill) -> np.ndarray:
     """``n`` lengths memory-mapped from ``path``, written there by ``fill(out)`` first when
-    missing or wrong (see the module docstring); ``path`` None: ``fill`` into memory."""
-    if path is None:
-        return fill(np.empty(n, np.int64))
-    v = _load(path, n)
-    if v is not None:
-        return v
-    tmp = temp_path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(n,))
-        try:
-            fill(out)
-            out.flush()
-        finally:
-            del out
-        os.replace(tmp, path)
-    except OSError as e:
-        _remove(tmp)
-        logger.warning("fastload: could not keep the lengths of %r in %s (%s); they are held in memory (8 bytes "
-                       "per sample); set FASTLOAD_CACHE to a writable directory", field, path.parent, e)
-        return fill(np.empty(n, np.int64))
-    except BaseException:
-        _remove(tmp)
-        raise
-    v = _load(path, n)
-    return v if v is not None else fill(np.empty(n, np.int64))
+    missing or wrong (see the module docstring; the one machinery of tables kept per node,
+    :func:`fastload.runtime.kept.kept_arrays`); ``path`` None: ``fill`` into memory."""
+    folder, name = (None, "lengths") if path is None else (path.parent, path.stem)
+    got = kept_arrays(folder, {name: (np.int64, (n,))}, lambda alloc: fill(alloc(name)),
+                      what=f"the lengths of {field!r}", holds=f"{n} lengths")
+    return got[name]
 
 
 def local_lengths(reader, field: str) -> np.ndarray:
@@ -135,3 +92,25 @@ def concat_lengths(readers, field: str) -> np.ndarray:
 
     path = kept_path([r.manifest for r in readers], field) if n >= MAP_MIN else None
     return kept_lengths(path, n, field, fill)
+
+
+def kept_values(reader, field: str) -> np.ndarray:
+    """Every sample's value of scalar ``field`` of a local dataset (a Loader's ``weights=`` or
+    ``balance=`` field), kept like the lengths past :data:`MAP_MIN` samples
+    (``values-<field>.npy`` beside them: read from the shards' columns once per node, in
+    shards, then memory-mapped by every rank), else read into memory."""
+    n = len(reader)
+    f = reader._field(field)
+    starts = reader.shard_starts
+
+    def fill(out: np.ndarray) -> np.ndarray:
+        for s in range(reader.num_shards):
+            out[starts[s]:starts[s + 1]] = reader.column(s, field)
+        return out
+
+    dtype = np.dtype(f.dtype)
+    path = kept_path([reader.manifest], field, "values") if n >= MAP_MIN else None
+    folder, name = (None, "values") if path is None else (path.parent, path.stem)
+    got = kept_arrays(folder, {name: (dtype, (n,))}, lambda alloc: fill(alloc(name)),
+                      what=f"the values of {field!r}", holds=f"{n} values")
+    return got[name]
