@@ -71,7 +71,8 @@ def _reset_peak() -> int:
 
 
 def _anon() -> int:
-    """Resident anonymous bytes now (RssAnon: not the pages of mapped or hashed files)."""
+    """Resident anonymous bytes now (RssAnon: not the pages of mapped or hashed files; what a
+    rank holds that no other process shares)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("RssAnon:"):
@@ -223,15 +224,6 @@ def _table_data(kind: str, n: int, folder: str) -> np.ndarray:
         del out
         tmp.rename(path)
     return np.load(path, mmap_mode="r")
-
-
-def _anon() -> int:
-    """Private (anonymous) resident bytes now: what a rank holds that no other process shares."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def child_table(kind: str, role: str, n: int, folder: str, seconds: float) -> dict:
