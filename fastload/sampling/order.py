@@ -5,7 +5,8 @@ rank, without being stored: ``stream.at(positions)`` computes the indices of the
 asked for (those of the batches in flight), so memory and the time to the first batch do
 not grow with ``M``. It reads like an array where that is cheap (``len``, ``stream[i]``,
 ``stream[a:b]``, ``stream[positions]``), and ``np.asarray(stream)`` materialises it (``M``
-indices: what a remote cache's download plan or a packing plan still reads whole).
+indices: for tests and users; a remote cache plans its downloads from the per-position order,
+a chunk at a time, with :class:`fastload.remote.schedule.PassScan`, and never reads it whole).
 
 The kinds:
 
@@ -83,8 +84,8 @@ class Stream:
         return self.at(np.where(pos < 0, pos + m, pos))
 
     def __array__(self, dtype=None, copy=None):
-        """The stream materialised (read-only), computed once and kept with the stream: a
-        remote cache plans each pass from it (the sampler's own batches never need it)."""
+        """The stream materialised (read-only), computed once and kept with the stream (for
+        tests and users: neither the sampler's batches nor a remote cache's plan need it)."""
         out = self.__dict__.get("_array")
         if out is None:
             m = len(self)

@@ -178,9 +178,10 @@ class Sampler:
         return o
 
     def stream(self, epoch: int | None = None) -> np.ndarray:
-        """The epoch's full stream materialised (identical on every rank): ``M`` indices, what
-        a remote dataset's cache plans its downloads from; the sampler's own batches never
-        need it (:meth:`order_stream`). Cached for the current epoch and the next (the cache plans
+        """The epoch's full stream materialised (identical on every rank): ``M`` indices. The
+        sampler's own batches read it only for weighted draws without replacement (an array by
+        nature); the per-position orders (:meth:`order_stream`) are never read whole by
+        fastload (a remote cache plans from them a chunk at a time). Cached for the current epoch and the next (the cache plans
         the next epoch's downloads while this one runs: then :meth:`prepare` has nothing
         left to compute)."""
         e = self.epoch if epoch is None else int(epoch)
@@ -188,7 +189,7 @@ class Sampler:
         if s is not None:
             return s
         if not self._drawn:
-            # a per-position order held whole (a remote cache plans from it): the current epoch's
+            # a per-position order held whole (asked for by a caller): the current epoch's
             # and the next, so a clear error rather than an allocation this machine cannot make
             check_fits_in_memory(self.stream_len * 8 * 2,  # int64 indices
                                  f"the whole stream of {self.stream_len:,} positions (this epoch's and the next)",
@@ -220,7 +221,7 @@ class Sampler:
         epoch's as each epoch starts. Only streams computed whole are prepared: weighted draws
         without replacement (seconds at 10^7), and the per-position
         orders (weighted draws with replacement included) only once
-        :meth:`stream` has been asked for one (a remote cache's plan reads them whole; ~30 ns
+        :meth:`stream` has been asked for one (a caller reads them whole; ~30 ns
         per sample). An order cheaper to compute than :data:`PREPARE_MIN_NS` (a thread's
         start costs about as much) and the natural order (``shuffle=False``) are computed when
         asked for. Only the latest prepared epoch is kept."""
