@@ -23,7 +23,8 @@ are computed when it is asked for, from the chunks holding its tokens, and nothi
 document of the epoch is held (the token count before each chunk: 8 bytes per 65,536
 documents). Resuming at token ``t`` reads the stream's lengths up to ``t``. The ring is sized
 once for the most pieces any batch can have in any order of the documents
-(:func:`max_pieces`, from a histogram of the lengths).
+(:func:`max_pieces`, from a histogram of the lengths kept per node with the epoch's token
+count: :mod:`fastload.sampling.length_summary`).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
+from .length_summary import length_summary
 from .order import CHUNK
 
 __all__ = ["PackPlan", "Request", "TokenBatches", "TokenStream", "epoch_pieces", "max_pieces", "pack_bounds",
@@ -115,27 +117,15 @@ class TokenBatches(Sequence):
         return (s0 + self.rank * self.per_rank, s0 + (self.rank + 1) * self.per_rank, s0 + self.step)
 
 
-_TOTALS: dict[tuple[int, int | None], int] = {}
 _STREAM_TOTALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stream -> {(lengths, max_length): tokens}
 
 
 def token_total(lengths: np.ndarray, max_length: int | None = None) -> int:
     """The tokens of all documents (each truncated to ``max_length``): an epoch's token
-    count when its stream reads every sample once. Summed in chunks (``lengths`` may be
-    memory-mapped), once per lengths array (they are read-only)."""
-    key = (id(lengths), max_length)
-    v = _TOTALS.get(key)
-    if v is None:
-        v = 0
-        for a in range(0, len(lengths), CHUNK * 16):
-            tok = np.asarray(lengths[a:a + CHUNK * 16], dtype=np.int64)
-            v += int((tok if max_length is None else np.minimum(tok, max_length)).sum())
-        try:
-            weakref.finalize(lengths, _TOTALS.pop, key, None)
-        except TypeError:  # not weakly referenceable (a list): not cached
-            return v
-        _TOTALS[key] = v
-    return v
+    count when its stream reads every sample once. From the lengths' summary
+    (:func:`~fastload.sampling.length_summary.length_summary`: one pass in chunks, kept per
+    process and, for lengths memory-mapped from fastload's cache, per node)."""
+    return length_summary(lengths, max_length).total
 
 
 class TokenStream:
@@ -367,29 +357,7 @@ def max_pieces(lengths: np.ndarray, rows: int, length: int, max_length: int | No
     of it (``drop_last=False``) — as many times as the batch is longer than the whole stream.
     So at most ``q`` whole passes over the documents (``q = rows * length // total``), plus
     the shortest documents that fit in the rest, plus one.
-    Counted with a histogram of the lengths up to ``rows * length`` (longer documents never
-    fit in the rest), in chunks: no sorted copy of the lengths."""
-    size = rows * length
-    hist = np.zeros(1, np.int64)  # documents of each length 0..size seen (grown to the longest <= size)
-    total = nonzero = 0
-    for a in range(0, len(lengths), CHUNK * 16):
-        tok = np.asarray(lengths[a:a + CHUNK * 16], dtype=np.int64)
-        if max_length is not None:
-            tok = np.minimum(tok, max_length)
-        total += int(tok.sum())
-        nonzero += int(np.count_nonzero(tok))
-        h = np.bincount(tok[tok <= size])
-        if len(h) > len(hist):
-            hist = np.concatenate([hist, np.zeros(len(h) - len(hist), np.int64)])
-        hist[:len(h)] += h
-    if total == 0:
-        return max(1, rows)  # no token: no batch
-    passes, rest = divmod(size, total)
-    hist[0] = 0
-    tokens_upto = np.cumsum(hist * np.arange(len(hist)))  # tokens of all documents of length <= v
-    v = int(np.searchsorted(tokens_upto, rest, side="right"))  # the first length not all of whose documents fit
-    fit = int(hist[:v].sum())
-    if v < len(hist):
-        fit += (rest - int(tokens_upto[v - 1])) // v  # and as many of length v as fit
-    whole = passes * nonzero + fit
-    return int(min(size, rows + whole + 1))
+    Counted from the lengths' histogram (:func:`~fastload.sampling.length_summary.length_summary`:
+    one pass in chunks, kept per process and per node; no sorted copy of the lengths), exact
+    unless documents of 65,536 tokens or more fit in the rest (then counted as that long)."""
+    return length_summary(lengths, max_length).most_pieces(rows, length)
