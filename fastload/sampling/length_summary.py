@@ -45,7 +45,7 @@ logger = logging.getLogger("fastload")
 
 HIST = 1 << 16  # lengths below this are counted exactly, per length
 TOP = 4096  # the longest lengths kept (a packed slot sums the batch size's longest)
-STEP = 1 << 20  # lengths read at a time
+STEP = 1 << 18  # lengths read at a time (a few MB of temporaries)
 _VERSION = 1
 _KEPT_NAME = re.compile(r"lengths-.+\.npy")  # the files fastload's caches keep lengths in
 
