@@ -165,3 +165,31 @@ def test_the_ring_is_sized_from_the_summary(tmp_path):
         f = ragged.ring_field(ds, "tokens", d, 8)
         want = 8 * int(tok.max()) if mode == "padded" else int(np.sort(tok)[-8:].sum())
         assert f.capacity == min(want, max(ragged.RAGGED_SLOT_BUDGET // 4, 2 * 8 * int(np.ceil(tok.mean()))))
+
+
+def test_a_packed_mixture_reads_the_lengths_in_chunks_never_whole(tmp_path, monkeypatch):
+    """Before, a mixture's epoch token count took each dataset's lengths whole (a copy)."""
+    from fastload.sampling import mixture
+    from fastload.store.concat import ConcatReader
+
+    ds = {"a": _dataset(tmp_path / "a", 300), "b": _dataset(tmp_path / "b", 200)}
+
+    def run():
+        with fastload.Loader(ds, mix=[2, 1], epoch_size=400, batch_size=2, pack_to=16, seed=5, device="cpu") as lo:
+            return [{k: v.clone() for k, v in b.items()} for b in lo]
+    want = run()
+    real = ConcatReader.lengths
+    wrapped = {}
+
+    def chunky(self, field):
+        if field not in wrapped:
+            wrapped[field] = _ReadInChunks(real(self, field), most=50)
+        return wrapped[field]
+    monkeypatch.setattr(ConcatReader, "lengths", chunky)
+    for mod in (packing, mixture):
+        monkeypatch.setattr(mod, "CHUNK", 3)  # mixture: slices of CHUNK * 16
+    monkeypatch.setattr(ls, "STEP", 50)
+    got = run()
+    assert wrapped["tokens"].largest > 0 and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
