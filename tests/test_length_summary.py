@@ -193,3 +193,66 @@ def test_a_packed_mixture_reads_the_lengths_in_chunks_never_whole(tmp_path, monk
     assert wrapped["tokens"].largest > 0 and len(got) == len(want)
     for a, b in zip(got, want):
         assert a.keys() == b.keys() and all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+
+
+def _plans(lengths, stream, start, total):
+    return packing.pack_plan(0, start, stream, lengths, rows=2, length=16, world_size=2, rank=1, drop_last=False,
+                             total=total)
+
+
+def _requests(plan):
+    return [(r.index.tolist(), r.start.tolist(), r.count.tolist(), r.positions.tolist(), after)
+            for r, after in plan.requests()]
+
+
+def test_a_resume_reads_the_lengths_from_the_nodes_chunk_counts_on(cached, monkeypatch):
+    """A pass over an epoch keeps its chunk counts beside the lengths; a later pass resumed
+    near the end of that epoch reads only the chunks holding its tokens, and its batches
+    equal those of a pass that reads every length before them."""
+    from fastload.sampling.order import Shuffled, Weighted, weight_table
+
+    monkeypatch.setattr(packing, "CHUNK", 7)
+    monkeypatch.setattr(packing, "KEEP_NEW", 1)
+    v = fastload.Dataset(cached).lengths("tokens")
+    n, total = len(v), token_total(v)
+    stream = Shuffled(n, seed=4, epoch=2)
+    path = packing.chunk_index_path(stream, v, None)
+    assert path is not None and not path.exists()
+    assert _requests(_plans(v, stream, 0, total))  # the whole epoch: its counts kept
+    assert path.exists() and len(np.load(path)) == -(-n // 7) + 1
+    start = total - 5 * 2 * 2 * 16 + 3
+    read = []
+    real = packing.TokenStream._tokens
+    monkeypatch.setattr(packing.TokenStream, "_tokens", lambda self, j: read.append(j) or real(self, j))
+    resumed = _requests(_plans(v, stream, start, total))
+    near = (n * (start - 400) // total) // 7 - 3  # (the last step wraps around to the first chunk)
+    assert len(set(read)) <= 8 and all(j == 0 or j >= near for j in read) and max(read) >= near, read
+    monkeypatch.setattr(packing, "chunk_index_path", lambda *a: None)  # every length read again
+    read.clear()
+    assert resumed == _requests(_plans(v, stream, start, total)) and min(read) == 0
+    monkeypatch.undo()
+    # another epoch, draws by weights, a slice of the lengths: not the same counts, or not kept
+    assert packing.chunk_index_path(Shuffled(n, seed=4, epoch=3), v, None) != path
+    assert packing.chunk_index_path(stream, v, 9) != path
+    assert packing.chunk_index_path(Weighted(weight_table(np.ones(n)), n, 1, 0), v, None) is None
+    assert packing.chunk_index_path(stream, v[1:], None) is None
+
+
+def test_chunk_counts_that_cannot_be_this_streams_are_not_used(cached, monkeypatch):
+    from fastload.sampling.order import Shuffled
+
+    monkeypatch.setattr(packing, "CHUNK", 7)
+    v = fastload.Dataset(cached).lengths("tokens")
+    n, total = len(v), token_total(v)
+    stream = Shuffled(n, seed=1, epoch=0)
+    want = _requests(_plans(v, stream, 100, total))
+    path = packing.chunk_index_path(stream, v, None)
+    chunks = -(-n // 7)
+    for bad in (np.arange(chunks + 1, dtype=np.int64)[::-1].copy(),  # decreasing
+                np.arange(chunks + 2, dtype=np.int64),  # too long
+                np.arange(chunks + 1, dtype=np.int64) * 10**9,  # past the total
+                np.zeros(3, np.int32)):  # another dtype
+        np.save(path, bad)
+        assert _requests(_plans(v, stream, 100, total)) == want
+    path.write_bytes(b"not an index")
+    assert _requests(_plans(v, stream, 100, total)) == want

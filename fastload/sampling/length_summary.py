@@ -39,7 +39,7 @@ import numpy as np
 
 from ..files import atomic_write
 
-__all__ = ["HIST", "STEP", "TOP", "LengthSummary", "length_summary", "summary_path"]
+__all__ = ["HIST", "STEP", "TOP", "LengthSummary", "kept_file", "length_summary", "summary_path"]
 
 logger = logging.getLogger("fastload")
 
@@ -148,10 +148,10 @@ def compute(lengths: Any, max_length: int | None = None) -> LengthSummary:
     return LengthSummary(n, max_length, total, nonzero, longest, hist[:used].copy(), long_count, top)
 
 
-def summary_path(lengths: Any, max_length: int | None) -> tuple[Path, tuple[int, ...]] | None:
-    """Where the summary of ``lengths`` is kept on the node, and what it must have been made
-    from: for a read-only memory map of a whole ``lengths-*.npy`` file of fastload's caches
-    (not a slice of one), else None."""
+def kept_file(lengths: Any) -> tuple[Path, tuple[int, ...]] | None:
+    """The ``lengths-*.npy`` file of fastload's caches that ``lengths`` maps whole and
+    read-only (not a slice of it), and what identifies its content (size, modification time,
+    inode, the array's offset, length and dtype); None for any other array."""
     if not isinstance(lengths, np.memmap) or not isinstance(lengths.base, mmap.mmap) or lengths.ndim != 1:
         return None
     name = getattr(lengths, "filename", None)
@@ -163,8 +163,16 @@ def summary_path(lengths: Any, max_length: int | None) -> tuple[Path, tuple[int,
         return None
     if int(lengths.offset) + lengths.nbytes != st.st_size:  # the array must end where the file does
         return None
-    source = (st.st_size, st.st_mtime_ns, st.st_ino, int(lengths.offset), len(lengths), lengths.dtype.num)
-    p = Path(name)
+    return Path(name), (st.st_size, st.st_mtime_ns, st.st_ino, int(lengths.offset), len(lengths), lengths.dtype.num)
+
+
+def summary_path(lengths: Any, max_length: int | None) -> tuple[Path, tuple[int, ...]] | None:
+    """Where the summary of ``lengths`` is kept on the node, and what it must have been made
+    from (:func:`kept_file`; None: not kept on disk)."""
+    kept = kept_file(lengths)
+    if kept is None:
+        return None
+    p, source = kept
     return p.with_name(f"{p.stem}.summary-{'all' if max_length is None else max_length}.npz"), source
 
 
