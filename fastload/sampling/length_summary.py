@@ -190,9 +190,11 @@ def _read(path: Path, source: tuple[int, ...]) -> LengthSummary | None:
 
 
 def _write(path: Path, source: tuple[int, ...], s: LengthSummary) -> None:
-    arrays = {**s._arrays(), "source": np.array(source, np.int64)}
+    a = s._arrays()
+    src = np.array(source, np.int64)
     try:
-        atomic_write(path, lambda f: np.savez(f, **arrays), fsync=False)
+        atomic_write(path, lambda f: np.savez(f, head=a["head"], hist=a["hist"], top=a["top"], source=src),
+                     fsync=False)
     except OSError as e:  # a read-only cache: each process computes it
         logger.debug("fastload: could not keep the lengths' summary in %s (%s)", path, e)
 

@@ -45,7 +45,7 @@ import weakref
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
@@ -148,7 +148,7 @@ KEEP_MAX = 2048  # so a resume reads at most this many chunks (1.3x10^8 document
 _SAME_EVERYWHERE = (Natural, Shuffled, Windowed)  # streams whose _key is the same in every process
 
 
-def chunk_index_path(stream, lengths, max_length: int | None) -> Path | None:
+def chunk_index_path(stream: Any, lengths: Any, max_length: int | None) -> Path | None:
     """Where the token counts before each chunk of ``stream``'s documents are kept on the
     node: beside lengths memory-mapped from fastload's cache
     (:func:`~fastload.sampling.length_summary.kept_file`), for a stream that is the same in
