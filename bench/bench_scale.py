@@ -252,15 +252,15 @@ def child_ragged(n: int, mode: str, folder: str, when: str = "later") -> dict:
     1,024 reads the lengths of ~36M documents of 7.5 tokens to place them): open
     (``verify="off"``), Loader and first batch in this (fresh) process; its peak RSS growth
     (pages of the lengths' and shards' memory maps included) and peak anonymous memory growth.
-    ``when="first"``: as the node's first Loader (the lengths' summaries kept beside them
-    removed first)."""
+    ``when="first"``: as the node's first Loader (the lengths' summaries and chunk counts kept
+    beside them removed first)."""
     import fastload
     from fastload.store.lengths import local_lengths_path
 
     path = _ragged_dataset(n, folder)
     kept = local_lengths_path(fastload.Dataset(path), "tokens")
     if when == "first" and kept is not None:
-        for old in kept.parent.glob(kept.stem + ".summary-*.npz"):
+        for old in [*kept.parent.glob(kept.stem + ".summary-*.npz"), *kept.parent.glob(kept.stem + ".chunks-*.npy")]:
             old.unlink()
     warm = Path(folder) / "ragged-warm"  # the first Loader imports pyarrow and the loader's parts
     if not (warm / "manifest.json").exists():
