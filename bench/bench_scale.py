@@ -19,7 +19,9 @@ links to one shard of 10^6 documents, verify="off"), its lengths memory-mapped f
 cache: for padded, packed and pack_to delivery, the Loader's construction, its first batch,
 the peak RSS growth (the memory maps' pages included) and the peak anonymous memory growth;
 each twice, the first on the node computing the lengths' summary
-(fastload.sampling.length_summary) and a later one reading it.
+(fastload.sampling.length_summary) and a later one reading it; and a packed pass resumed at
+60% of the epoch, first reading every length before, then from the chunk counts the node
+kept (fastload.sampling.packing.TokenStream).
 
 And the open time of a dataset of ``--manifest-shards`` (100,000) shards, with a Loader's
 first batch over it and 50 more (each of 256 shards), and the shard mappings the process
@@ -286,6 +288,32 @@ def child_ragged(n: int, mode: str, folder: str, when: str = "later") -> dict:
             "rss_growth": max(0, _peak() - before), "anon_growth": anon()}
 
 
+def child_resume(n: int, folder: str) -> dict:
+    """A packed pass (8 x 4,096 tokens, rank 0 of 1,024) over the lengths of
+    :func:`_ragged_dataset` (memory-mapped from the node's cache) resumed at 60% of an epoch's
+    tokens: first without the epoch's chunk counts kept on the node (it reads every length
+    before), then as a later run or rank of the node (from the counts that pass kept)."""
+    import fastload
+    from fastload import Sampler
+    from fastload.sampling.packing import chunk_index_path, pack_plan, token_total
+
+    lengths = fastload.Dataset(_ragged_dataset(n, folder), verify="off").lengths("tokens")
+    stream = Sampler(len(lengths), batch_size=PACK_ROWS, world_size=WORLD, rank=0, seed=1).order_stream(0)
+    total = token_total(lengths)
+    kept = chunk_index_path(stream, lengths, None)
+    if kept is not None and kept.exists():
+        kept.unlink()
+    at = int(total * 0.6)  # (a run stops at a multiple of its step: any token will do here)
+    out = {"n": len(lengths), "kept": kept is not None}
+    for what in ("resume_s", "again_s"):
+        t0 = time.perf_counter()
+        req = pack_plan(0, at, stream, lengths, rows=PACK_ROWS, length=PACK_LEN, world_size=WORLD, rank=0,
+                        drop_last=False, total=total).request(0)
+        out[what] = time.perf_counter() - t0
+    out["docs_before"] = int(req.positions[0])
+    return out
+
+
 def child_mixture(n: int, seconds: float) -> dict:
     """A mixture epoch of ``n`` positions over three datasets of 0.6, 0.3 and 0.1 x n samples
     (weights 0.5, 0.3, 0.2; per="batch"), rank 0 of 1,024: first batch, its memory, a resume
@@ -439,6 +467,8 @@ def main(argv=None) -> list:
             out = child_manifest(int(rest[0]), rest[1])
         elif kind == "ragged":
             out = child_ragged(int(float(rest[0])), *rest[1:])
+        elif kind == "resume":
+            out = child_resume(int(float(rest[0])), rest[1])
         else:
             out = child_loader(int(rest[0]), int(rest[1]), rest[2])
         print(json.dumps(out))
@@ -494,6 +524,11 @@ def main(argv=None) -> list:
                     print(f"{rg['n']:>16,} {mode:>7} {when:>6} {rg['loader_s'] * 1e3:>7.1f} ms "
                           f"{rg['first_s'] * 1e3:>9.1f} ms {rg['rss_growth'] / 2**20:>8.1f} MB "
                           f"{rg['anon_growth'] / 2**20:>9.1f} MB")
+            rs = _run_child("--child", "resume", str(n), a.folder or tmp, timeout=3600,
+                            env={"FASTLOAD_CACHE": str(Path(a.folder or tmp) / "cache")})
+            print(f"{rs['n']:>16,} packed pass resumed at 60% of the epoch ({rs['docs_before']:,} documents before): "
+                  f"{rs['resume_s']:.2f} s, then {rs['again_s'] * 1e3:.1f} ms from the chunk counts the node kept"
+                  + ("" if rs["kept"] else " (NOT kept: no cache directory)"))
     with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
         lo = _run_child("--child", "loader", str(a.rows), str(a.shards), a.folder or tmp, timeout=3600)
     print(f"Loader over {lo['rows']:,} one-byte rows in {lo['shards']:,} shards (rank 0 of {WORLD}): "
