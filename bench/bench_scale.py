@@ -14,6 +14,15 @@ one-byte rows: its open time and first-batch time (``--rows``; ``--full``: 10^8 
 write). Its first batch verifies each shard it touches whole (``verify="first-use"``), and a
 full shuffle's first batch of 256 touches ~230 of the 1,000 shards.
 
+And a Loader over a ragged dataset of ``--ragged-docs`` documents (``--full``: 10^8; hard
+links to one shard of 10^6 documents, verify="off"), its lengths memory-mapped from the node's
+cache: for padded, packed and pack_to delivery, the Loader's construction, its first batch,
+the peak RSS growth (the memory maps' pages included) and the peak anonymous memory growth;
+each twice, the first on the node computing the lengths' summary
+(fastload.sampling.length_summary) and a later one reading it; and a packed pass resumed at
+60% of the epoch, first reading every length before, then from the chunk counts the node
+kept (fastload.sampling.packing.TokenStream).
+
 And the open time of a dataset of ``--manifest-shards`` (100,000) shards, with a Loader's
 first batch over it and 50 more (each of 256 shards), and the shard mappings the process
 holds (bounded: fastload.store.mapped).
@@ -37,7 +46,7 @@ positions, scanned whole: time and peak RSS; ``--remote-rows``: a Loader over ``
 
     python bench/bench_scale.py [--smoke] [--full] [--rows 10000000 --shards 100] [--manifest-shards 100000]
                                 [--mix-sizes 1e6,1e8,1e10] [--pack-sizes 1e6,1e8] [--table-sizes 1e6,1e8]
-                                [--plan-sizes 1e6,1e8] [--remote-rows 1e6,1e7 --remote-shards 100]
+                                [--plan-sizes 1e6,1e8] [--remote-rows 1e6,1e7 --remote-shards 100] [--ragged-docs 1e7]
 """
 from __future__ import annotations
 
@@ -190,6 +199,141 @@ def child_pack(n: int, seconds: float) -> dict:
     return {"n": n, "total_s": total_s, "first_s": first_s, "rss_growth": growth, "resume_s": resume_s,
             "resume_docs": at * n // total, "batches_per_s": count / rate_s,
             "docs_per_s": count * p.bounds.step * n / total / rate_s}
+
+
+RAGGED_PER_SHARD = 1_000_000  # documents per shard of the generated ragged dataset (hard links to one)
+
+
+def _ragged_dataset(n: int, folder: str) -> Path:
+    """A dataset of ``n`` documents of 0-15 int16 tokens (hashed from the row: mean 7.5), made in
+    seconds: one shard of :data:`RAGGED_PER_SHARD` documents hard-linked ``n / RAGGED_PER_SHARD``
+    times, and (past ``MAP_MIN`` documents) its lengths kept in the node's cache
+    (``$FASTLOAD_CACHE``: the bench points it into its folder) by tiling the one shard's (what
+    ``Dataset.lengths()`` reads from the shards' offsets once per node)."""
+    import fastload
+    from fastload.bench.linked import link_shards
+    from fastload.sampling.streams import splitmix64
+    from fastload.store.lengths import MAP_MIN, local_lengths_path
+
+    per = min(n, RAGGED_PER_SHARD)
+    path = Path(folder) / f"ragged-{n}"
+    if (path / "manifest.json").exists():
+        return path
+    with np.errstate(over="ignore"):
+        lens = (splitmix64(np.arange(per, dtype=np.uint64)) % np.uint64(16)).astype(np.int64)
+    one = Path(folder) / f"ragged-one-{per}"
+    if not (one / "manifest.json").exists():
+        values = (np.arange(int(lens.sum())) % 30_000).astype(np.int16)
+        with fastload.ShardWriter(one, {"tokens": "int16[]"}, shard_size="2GB") as w:  # one shard
+            w.write_batch({"tokens": fastload.Ragged.from_lengths(values, lens)})
+    link_shards(one, path, n // per)
+    kept = local_lengths_path(fastload.Dataset(path), "tokens") if n >= MAP_MIN else None
+    if kept is not None:  # what the first Loader on the node would read from the shards
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        out = np.lib.format.open_memmap(kept, mode="w+", dtype=np.int64, shape=(n // per * per,))
+        for a in range(0, len(out), per):
+            out[a:a + per] = lens
+        out.flush()
+        del out
+    return path
+
+
+def _anon_peak():
+    """A thread sampling this process's anonymous resident memory (RssAnon: not the page cache
+    of memory-mapped files) every millisecond; returns ``stop()`` -> the peak in bytes."""
+    import threading
+
+    peak, done = [0], threading.Event()
+
+    def anon() -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def run() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], anon())
+            done.wait(0.001)
+
+    t = threading.Thread(target=run, daemon=True)
+    base = anon()
+    t.start()
+
+    def stop() -> int:
+        done.set()
+        t.join()
+        return max(0, max(peak[0], anon()) - base)
+    return stop
+
+
+def child_ragged(n: int, mode: str, folder: str, when: str = "later") -> dict:
+    """A Loader over ``n`` documents with memory-mapped lengths (:func:`_ragged_dataset`), rank
+    0 of 1,024, ``mode`` ``padded``/``packed`` (batch 256, max_length 12) or ``pack`` (8 rows
+    of 4,096 tokens; ``pack1``: with prefetch=1, so that the first batch does not wait for the
+    look-ahead's batches, whose tokens lie up to 8 global steps into the stream: rank 0 of
+    1,024 reads the lengths of ~36M documents of 7.5 tokens to place them): open
+    (``verify="off"``), Loader and first batch in this (fresh) process; its peak RSS growth
+    (pages of the lengths' and shards' memory maps included) and peak anonymous memory growth.
+    ``when="first"``: as the node's first Loader (the lengths' summaries and chunk counts kept
+    beside them removed first)."""
+    import fastload
+    from fastload.store.lengths import local_lengths_path
+
+    path = _ragged_dataset(n, folder)
+    kept = local_lengths_path(fastload.Dataset(path), "tokens")
+    if when == "first" and kept is not None:
+        for old in [*kept.parent.glob(kept.stem + ".summary-*.npz"), *kept.parent.glob(kept.stem + ".chunks-*.npy")]:
+            old.unlink()
+    warm = Path(folder) / "ragged-warm"  # the first Loader imports pyarrow and the loader's parts
+    if not (warm / "manifest.json").exists():
+        with fastload.ShardWriter(warm, {"tokens": "int16[]"}) as w:
+            w.write_batch({"tokens": [np.arange(i % 5, dtype=np.int16) for i in range(100)]})
+    with fastload.Loader(fastload.Dataset(warm), batch_size=4, device="cpu", pack_to=8) as lo:
+        next(iter(lo))
+    with fastload.Loader(fastload.Dataset(warm), batch_size=4, device="cpu", max_length=3) as lo:
+        next(iter(lo))
+    kw = (dict(batch_size=PACK_ROWS, pack_to=PACK_LEN) if mode == "pack" else
+          dict(batch_size=PACK_ROWS, pack_to=PACK_LEN, prefetch=1) if mode == "pack1" else
+          dict(batch_size=BATCH, ragged=mode, max_length=12))
+    before = _reset_peak()
+    anon = _anon_peak()
+    t0 = time.perf_counter()
+    ds = fastload.Dataset(path, verify="off")  # (its shards are links to one: hashing them measures nothing here)
+    with fastload.Loader(ds, world_size=WORLD, rank=0, device="cpu", seed=1, **kw) as lo:
+        made_s = time.perf_counter() - t0
+        batch = next(iter(lo))
+        first_s = time.perf_counter() - t0
+    assert len(batch["index"]) >= (PACK_ROWS if mode.startswith("pack") else BATCH)
+    return {"n": len(ds), "mode": mode, "loader_s": made_s, "first_s": first_s,
+            "rss_growth": max(0, _peak() - before), "anon_growth": anon()}
+
+
+def child_resume(n: int, folder: str) -> dict:
+    """A packed pass (8 x 4,096 tokens, rank 0 of 1,024) over the lengths of
+    :func:`_ragged_dataset` (memory-mapped from the node's cache) resumed at 60% of an epoch's
+    tokens: first without the epoch's chunk counts kept on the node (it reads every length
+    before), then as a later run or rank of the node (from the counts that pass kept)."""
+    import fastload
+    from fastload import Sampler
+    from fastload.sampling.packing import chunk_index_path, pack_plan, token_total
+
+    lengths = fastload.Dataset(_ragged_dataset(n, folder), verify="off").lengths("tokens")
+    stream = Sampler(len(lengths), batch_size=PACK_ROWS, world_size=WORLD, rank=0, seed=1).order_stream(0)
+    total = token_total(lengths)
+    kept = chunk_index_path(stream, lengths, None)
+    if kept is not None and kept.exists():
+        kept.unlink()
+    at = int(total * 0.6)  # (a run stops at a multiple of its step: any token will do here)
+    out = {"n": len(lengths), "kept": kept is not None}
+    for what in ("resume_s", "again_s"):
+        t0 = time.perf_counter()
+        req = pack_plan(0, at, stream, lengths, rows=PACK_ROWS, length=PACK_LEN, world_size=WORLD, rank=0,
+                        drop_last=False, total=total).request(0)
+        out[what] = time.perf_counter() - t0
+    out["docs_before"] = int(req.positions[0])
+    return out
 
 
 def child_mixture(n: int, seconds: float) -> dict:
@@ -429,6 +573,8 @@ def main(argv=None) -> list:
     ap.add_argument("--pack-sizes", default="1e6,1e8", help="documents of the packed passes, comma-separated")
     ap.add_argument("--table-sizes", default="1e6,1e8",
                     help="samples of the weighted / class-balanced tables kept per node, comma-separated")
+    ap.add_argument("--ragged-docs", default="1e7", help="documents of the ragged Loader's datasets, comma-separated "
+                    "(--full: 1e8)")
     ap.add_argument("--seconds", type=float, default=1.0, help="how long to read batches for the rate")
     ap.add_argument("--baseline-max", type=float, default=1e8, help="largest N the v2 baseline materialises")
     ap.add_argument("--rows", type=int, default=10_000_000, help="one-byte rows of the Loader's dataset")
@@ -462,6 +608,10 @@ def main(argv=None) -> list:
             out = child_plan(int(float(rest[0])), int(rest[1]))
         elif kind == "remote":
             out = child_remote(int(float(rest[0])), int(rest[1]), rest[2])
+        elif kind == "ragged":
+            out = child_ragged(int(float(rest[0])), *rest[1:])
+        elif kind == "resume":
+            out = child_resume(int(float(rest[0])), rest[1])
         else:
             out = child_loader(int(rest[0]), int(rest[1]), rest[2])
         print(json.dumps(out))
@@ -470,9 +620,9 @@ def main(argv=None) -> list:
         a.sizes, a.seconds, a.baseline_max, a.rows, a.shards = "1e6,1e10", 0.2, 1e6, 100_000, 10
         a.pack_sizes, a.mix_sizes, a.table_sizes = "1e6", "1e6", "2e6"
         a.plan_sizes, a.remote_rows, a.remote_shards = "1e6", "1e5", 10
-        a.manifest_shards = 1000
+        a.manifest_shards, a.ragged_docs = 1000, "2e6"
     if a.full:
-        a.rows, a.shards = 100_000_000, 1000
+        a.rows, a.shards, a.ragged_docs = 100_000_000, 1000, "1e8"
     from fastload.bench.report import headline, system_info
 
     sizes = [int(float(x)) for x in a.sizes.split(",")]
@@ -536,6 +686,25 @@ def main(argv=None) -> list:
             rm = _run_child("--child", "remote", str(n), str(a.remote_shards), tmp, timeout=3600)
         print(f"{n:>16,} {rm['open_s'] * 1e3:>7.0f} ms {rm['first_s'] * 1e3:>9.0f} ms "
               f"{rm['rss_growth'] / 2**20:>8.1f} MB {rm['anon_growth'] / 2**20:>8.1f} MB")
+    print(f"Loader over N documents of 0-15 tokens, lengths memory-mapped from the node's cache (rank 0 of {WORLD}; "
+          f"padded/packed: batch {BATCH}, max_length 12; pack: {PACK_ROWS} x {PACK_LEN}; pack1: prefetch=1), each in a "
+          "fresh process")
+    print(f"{'N':>16} {'mode':>7} {'Loader':>6} {'Loader()':>10} {'first batch':>12} {'peak RSS +':>11} "
+          f"{'anon peak +':>12}")
+    with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
+        for n in [int(float(x)) for x in a.ragged_docs.split(",") if x]:
+            for mode in ("padded", "packed", "pack", "pack1"):
+                for when in ("first", "later"):  # the first Loader of the node summarises the lengths
+                    rg = _run_child("--child", "ragged", str(n), mode, a.folder or tmp, when, timeout=3600,
+                                    env={"FASTLOAD_CACHE": str(Path(a.folder or tmp) / "cache")})
+                    print(f"{rg['n']:>16,} {mode:>7} {when:>6} {rg['loader_s'] * 1e3:>7.1f} ms "
+                          f"{rg['first_s'] * 1e3:>9.1f} ms {rg['rss_growth'] / 2**20:>8.1f} MB "
+                          f"{rg['anon_growth'] / 2**20:>9.1f} MB")
+            rs = _run_child("--child", "resume", str(n), a.folder or tmp, timeout=3600,
+                            env={"FASTLOAD_CACHE": str(Path(a.folder or tmp) / "cache")})
+            print(f"{rs['n']:>16,} packed pass resumed at 60% of the epoch ({rs['docs_before']:,} documents before): "
+                  f"{rs['resume_s']:.2f} s, then {rs['again_s'] * 1e3:.1f} ms from the chunk counts the node kept"
+                  + ("" if rs["kept"] else " (NOT kept: no cache directory)"))
     with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
         lo = _run_child("--child", "loader", str(a.rows), str(a.shards), a.folder or tmp, timeout=3600)
     print(f"Loader over {lo['rows']:,} one-byte rows in {lo['shards']:,} shards (rank 0 of {WORLD}): "

@@ -26,6 +26,7 @@ from ..pipeline.presets import Transform
 from ..ring.size import (batch_bytes, default_cuda_image_prefetch, default_gather_threads, default_prefetch,
                          ring_slots, slot_bytes)
 from ..sampling import Sampler
+from ..sampling.length_summary import length_summary
 from ..store.format import INDEX_KEY
 from ..runtime.system import check_fits_in_memory
 from ..validate import ON_ERROR, check_bool, check_choice, check_int, check_seed
@@ -219,7 +220,7 @@ def build_options(ds, world, *, mixture: Any = None, batch_size: Any, seed: Any,
     device = resolve_device(device)
     host_bytes = batch_bytes(batch_size, sum(ds.fields[n].row_nbytes for n in raw))
     for n, d in deliveries.items():  # a typical batch: the mean length (rows of N when packing)
-        mean = d.pack_to if d.pack_to else float(np.mean(ds.lengths(n))) if len(ds) else 0.0
+        mean = d.pack_to if d.pack_to else length_summary(ds.lengths(n), d.max_length).mean
         host_bytes += int(batch_size * mean * ds.fields[n].item_nbytes)
     image_bytes = batch_size * sum(t.row_bytes() for t in transforms.values())
     if prefetch is not None:

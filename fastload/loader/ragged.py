@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..ring.spec import RaggedField, pad_check
+from ..sampling.length_summary import length_summary
 from ..validate import check_choice, check_int
 
 __all__ = ["MODES", "RAGGED_SLOT_BUDGET", "RaggedDelivery", "resolve_ragged", "ring_field", "shape_batch"]
@@ -127,22 +128,18 @@ def ring_field(ds, name: str, d: RaggedDelivery, batch_size: int) -> RaggedField
     """The ring field of a ragged field, its slot region sized for the batch's worst case
     when that fits in ``RAGGED_SLOT_BUDGET`` bytes (rarer larger batches get memory of their
     own): ``batch_size`` rows of the longest sample (padded), the ``batch_size`` longest
-    samples (packed), or exactly ``rows * N`` tokens (pack)."""
+    samples (packed), or exactly ``rows * N`` tokens (pack). The lengths are read through their
+    summary (:func:`~fastload.sampling.length_summary.length_summary`), never copied whole."""
     f = ds.fields[name]
     if d.mode == "pack":  # the producers also write each token's position in its document
         return RaggedField(f.np_dtype, f.shape, capacity=batch_size * d.pack_to, positions=True)
-    lengths = ds.lengths(name)
-    if d.max_length is not None:
-        lengths = np.minimum(lengths, d.max_length)
+    s = length_summary(ds.lengths(name), d.max_length)  # one pass in chunks, kept per node: no copy
     if d.mode == "padded":
-        longest = int(lengths.max(initial=0))
-        width = max(-(-longest // d.multiple) * d.multiple, d.multiple if d.multiple > 1 else 0)
+        width = max(-(-s.longest // d.multiple) * d.multiple, d.multiple if d.multiple > 1 else 0)
         bound = batch_size * width
     else:
-        k = min(batch_size, len(lengths))
-        bound = int(np.partition(lengths, len(lengths) - k)[len(lengths) - k:].sum()) if k else 0
-        bound += (batch_size - k) * int(lengths.max(initial=0))
-    typical = 2 * batch_size * int(np.ceil(lengths.mean())) if len(lengths) else 0
+        bound = s.longest_sum(batch_size)
+    typical = 2 * batch_size * -(-s.total // s.n) if s.n else 0
     budget = max(RAGGED_SLOT_BUDGET // max(f.item_nbytes, 1), typical)
     return RaggedField(f.np_dtype, f.shape, padded=d.mode == "padded", pad_value=d.pad_value,
                        max_items=d.max_length, multiple=d.multiple, capacity=min(bound, budget))

@@ -305,7 +305,8 @@ class MixtureStream(Stream):
             size, start = int(self.sizes[i]), int(self.starts[i])
             if not count or not size:
                 continue
-            whole = tokens(slice(start, start + size))
+            whole = sum(tokens(slice(c, min(start + size, c + CHUNK * 16)))  # in chunks: never a copy of all
+                        for c in range(start, start + size, CHUNK * 16))
             a, b = self.epoch * count, (self.epoch + 1) * count
             for p in range(a // size, (b - 1) // size + 1):  # each pass of the dataset the epoch reads
                 lo, hi = max(a, p * size), min(b, (p + 1) * size)

@@ -21,22 +21,39 @@ again — several times when one batch is longer than the whole stream), with
 A pass reads the stream in chunks as it advances (:class:`TokenStream`): a batch's pieces
 are computed when it is asked for, from the chunks holding its tokens, and nothing per
 document of the epoch is held (the token count before each chunk: 8 bytes per 65,536
-documents). Resuming at token ``t`` reads the stream's lengths up to ``t``. The ring is sized
+documents). Where the rows of a step begin depends on the lengths of every document before
+them, so each rank reads the lengths of the whole global step (``W * rows * N`` tokens of
+documents, not only its own share) and resuming at token ``t`` reads the stream's lengths
+up to ``t``: per document one stream position (the keyed bijection) and one 8-byte read of
+its length, about 50-100 ns on one core: seconds per 10^8 documents before ``t``
+(bench/bench_scale.py's packed pass at 10^8 documents resumes 6.0x10^7 documents in, 3-5 s;
+the time grows with ``t``, the memory does not: chunks are read and dropped) — unless the
+node kept the epoch's chunk counts from an earlier pass (lengths memory-mapped from
+fastload's cache; see :class:`TokenStream`): then milliseconds. The ring is sized
 once for the most pieces any batch can have in any order of the documents
-(:func:`max_pieces`, from a histogram of the lengths).
+(:func:`max_pieces`, from a histogram of the lengths kept per node with the epoch's token
+count: :mod:`fastload.sampling.length_summary`).
 """
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
+import logging
 import threading
 import weakref
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Iterator, NamedTuple
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from .order import CHUNK
+from ..files import atomic_write
+from .length_summary import kept_file, length_summary
+from .order import CHUNK, Natural, Shuffled, Windowed
+
+logger = logging.getLogger("fastload")
 
 __all__ = ["PackPlan", "Request", "TokenBatches", "TokenStream", "epoch_pieces", "max_pieces", "pack_bounds",
            "pack_plan", "pieces", "token_total"]
@@ -115,27 +132,60 @@ class TokenBatches(Sequence):
         return (s0 + self.rank * self.per_rank, s0 + (self.rank + 1) * self.per_rank, s0 + self.step)
 
 
-_TOTALS: dict[tuple[int, int | None], int] = {}
 _STREAM_TOTALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stream -> {(lengths, max_length): tokens}
 
 
 def token_total(lengths: np.ndarray, max_length: int | None = None) -> int:
     """The tokens of all documents (each truncated to ``max_length``): an epoch's token
-    count when its stream reads every sample once. Summed in chunks (``lengths`` may be
-    memory-mapped), once per lengths array (they are read-only)."""
-    key = (id(lengths), max_length)
-    v = _TOTALS.get(key)
-    if v is None:
-        v = 0
-        for a in range(0, len(lengths), CHUNK * 16):
-            tok = np.asarray(lengths[a:a + CHUNK * 16], dtype=np.int64)
-            v += int((tok if max_length is None else np.minimum(tok, max_length)).sum())
-        try:
-            weakref.finalize(lengths, _TOTALS.pop, key, None)
-        except TypeError:  # not weakly referenceable (a list): not cached
-            return v
-        _TOTALS[key] = v
-    return v
+    count when its stream reads every sample once. From the lengths' summary
+    (:func:`~fastload.sampling.length_summary.length_summary`: one pass in chunks, kept per
+    process and, for lengths memory-mapped from fastload's cache, per node)."""
+    return length_summary(lengths, max_length).total
+
+
+KEEP_NEW = 16  # chunks read past the kept index before it is written again (or an eighth of it, at most KEEP_MAX)
+KEEP_MAX = 2048  # so a resume reads at most this many chunks (1.3x10^8 documents) past the last kept one
+_SAME_EVERYWHERE = (Natural, Shuffled, Windowed)  # streams whose _key is the same in every process
+
+
+def chunk_index_path(stream: Any, lengths: Any, max_length: int | None) -> Path | None:
+    """Where the token counts before each chunk of ``stream``'s documents are kept on the
+    node: beside lengths memory-mapped from fastload's cache
+    (:func:`~fastload.sampling.length_summary.kept_file`), for a stream that is the same in
+    every process (plain, shuffled, windowed; not draws, whose key is their table's), named
+    by a hash of the stream (its key, and a few of its indices: an order computed otherwise by
+    another release is another stream), ``max_length``, :data:`CHUNK` and the lengths file's
+    identity. None: not kept."""
+    if type(stream) not in _SAME_EVERYWHERE:
+        return None
+    kept = kept_file(lengths)
+    if kept is None:
+        return None
+    p, source = kept
+    m = len(stream)
+    probes = stream.at([0, m // 3, m // 2, m - 1]).tolist() if m else []
+    what = json.dumps([type(stream).__name__, stream._key, probes, max_length, CHUNK, source])
+    return p.with_name(f"{p.stem}.chunks-{hashlib.sha256(what.encode()).hexdigest()[:32]}.npy")
+
+
+def _read_index(path: Path, chunks: int, total: int | None) -> list[int] | None:
+    """The kept counts (``[0, tokens before chunk 1, ...]``) when they can be those of this
+    stream: int64, from 0, never decreasing, at most ``chunks + 1``, within ``total``."""
+    try:
+        ck = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, EOFError) as e:
+        logger.debug("fastload: %s is not a usable chunk index (%s); reading the lengths", path, e)
+        return None
+    ok = (ck.dtype == np.int64 and ck.ndim == 1 and 1 <= len(ck) <= chunks + 1 and int(ck[0]) == 0
+          and bool(np.all(ck[1:] >= ck[:-1])))
+    if ok and total is not None:
+        ok = int(ck[-1]) <= total and (len(ck) < chunks + 1 or int(ck[-1]) == total)
+    if not ok:
+        logger.debug("fastload: %s does not hold this stream's chunk counts; reading the lengths", path)
+        return None
+    return ck.tolist()
 
 
 class TokenStream:
@@ -145,7 +195,15 @@ class TokenStream:
     (one integer per 65,536 documents) and the cumulative counts of the last few chunks, never
     an array over the epoch. ``total``: the epoch's tokens when known without reading the
     stream (a permutation of all samples: :func:`token_total`), else counted by one pass over
-    the stream's chunks when first asked for."""
+    the stream's chunks when first asked for.
+
+    Where the lengths are memory-mapped from fastload's cache and the stream is the same in
+    every process (:func:`chunk_index_path`), the token counts before each chunk read so far
+    are kept beside them on the node (written again every :data:`KEEP_NEW` chunks or an
+    eighth more, at most :data:`KEEP_MAX`, and when the stream is read to its end; 8 bytes
+    per chunk, one file per epoch): a later pass over the same epoch (a resumed run, another
+    rank of the node) starts from them and reads only the lengths past the last kept chunk
+    before its tokens (10.9 s -> 3 ms for a resume 6x10^7 documents into an epoch of 10^8)."""
 
     _KEEP = 4  # chunks whose cumulative counts are kept
 
@@ -159,6 +217,30 @@ class TokenStream:
         self._cums: dict[int, np.ndarray] = {}
         self._total = None if total is None else int(total)
         self._lock = threading.Lock()
+        self._index = chunk_index_path(stream, lengths, max_length)
+        known = _read_index(self._index, self.chunks, self._total) if self._index is not None else None
+        if known is not None:
+            self._ck = known
+        self._written = len(self._ck)  # counts the index on disk holds
+
+    def _keep(self) -> None:
+        """Write the counts read so far beside the lengths (see the class docstring)."""
+        n = len(self._ck)
+        if self._index is None or n <= self._written or (
+                n < self.chunks + 1 and n - self._written < max(KEEP_NEW, min(self._written // 8, KEEP_MAX))):
+            return
+        try:
+            try:
+                on_disk = len(np.load(self._index, mmap_mode="r", allow_pickle=False))
+            except (OSError, ValueError, EOFError):
+                on_disk = 0
+            if on_disk < n:  # another process of the node may have read further
+                ck = np.array(self._ck, np.int64)
+                atomic_write(self._index, lambda f: np.save(f, ck), fsync=False)
+        except OSError as e:  # a read-only cache: not kept
+            logger.debug("fastload: could not keep the chunk counts in %s (%s)", self._index, e)
+            self._index = None
+        self._written = n
 
     def _indices(self, j: int) -> np.ndarray:
         a, b = j * CHUNK, min(self.m, (j + 1) * CHUNK)
@@ -233,6 +315,7 @@ class TokenStream:
                         j = len(self._ck) - 1
                         self._ck.append(self._ck[j] + int(self._tokens(j).sum()))
                     self._total = self._ck[-1]
+                    self._keep()
             try:  # kept with the stream (a sampler keeps its epochs' streams): counted once per epoch
                 _STREAM_TOTALS.setdefault(self.stream, {})[key] = self._total
             except TypeError:
@@ -244,6 +327,7 @@ class TokenStream:
         position of the first and their cumulative counts (``cum[0] <= lo``, ``cum[-1] >= hi``)."""
         with self._lock:
             self._read_past(hi - 1)
+            self._keep()
             ck = self._ck
             j0, j1 = bisect.bisect_right(ck, lo) - 1, bisect.bisect_right(ck, hi - 1) - 1
             parts = [self._cum(j0)] + [self._cum(j)[1:] for j in range(j0 + 1, j1 + 1)]
@@ -394,29 +478,7 @@ def max_pieces(lengths: np.ndarray, rows: int, length: int, max_length: int | No
     of it (``drop_last=False``) — as many times as the batch is longer than the whole stream.
     So at most ``q`` whole passes over the documents (``q = rows * length // total``), plus
     the shortest documents that fit in the rest, plus one.
-    Counted with a histogram of the lengths up to ``rows * length`` (longer documents never
-    fit in the rest), in chunks: no sorted copy of the lengths."""
-    size = rows * length
-    hist = np.zeros(1, np.int64)  # documents of each length 0..size seen (grown to the longest <= size)
-    total = nonzero = 0
-    for a in range(0, len(lengths), CHUNK * 16):
-        tok = np.asarray(lengths[a:a + CHUNK * 16], dtype=np.int64)
-        if max_length is not None:
-            tok = np.minimum(tok, max_length)
-        total += int(tok.sum())
-        nonzero += int(np.count_nonzero(tok))
-        h = np.bincount(tok[tok <= size])
-        if len(h) > len(hist):
-            hist = np.concatenate([hist, np.zeros(len(h) - len(hist), np.int64)])
-        hist[:len(h)] += h
-    if total == 0:
-        return max(1, rows)  # no token: no batch
-    passes, rest = divmod(size, total)
-    hist[0] = 0
-    tokens_upto = np.cumsum(hist * np.arange(len(hist)))  # tokens of all documents of length <= v
-    v = int(np.searchsorted(tokens_upto, rest, side="right"))  # the first length not all of whose documents fit
-    fit = int(hist[:v].sum())
-    if v < len(hist):
-        fit += (rest - int(tokens_upto[v - 1])) // v  # and as many of length v as fit
-    whole = passes * nonzero + fit
-    return int(min(size, rows + whole + 1))
+    Counted from the lengths' histogram (:func:`~fastload.sampling.length_summary.length_summary`:
+    one pass in chunks, kept per process and per node; no sorted copy of the lengths), exact
+    unless documents of 65,536 tokens or more fit in the rest (then counted as that long)."""
+    return length_summary(lengths, max_length).most_pieces(rows, length)

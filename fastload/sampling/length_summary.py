@@ -1,0 +1,229 @@
+"""What a Loader needs to know about every sample's length, from one pass kept per node.
+
+Before its first batch, a Loader over a ragged field sizes its ring and plans its packed
+passes from numbers over all ``N`` lengths (each truncated to ``max_length``): the longest
+(a padded slot), the sum of the ``B`` longest (a packed slot), the mean (a typical batch),
+the token total (a packed epoch's length) and how many short documents fit in a batch
+(:func:`fastload.sampling.packing.max_pieces`, the most pieces a packed batch can hold).
+Each of them was a pass over the lengths per Loader, and two copied all ``N`` of them (8
+bytes each): at 10^9 documents each rank read 8 GB several times and held 16 GB more.
+
+:func:`length_summary` computes all of them in one pass over chunks of the lengths (memory:
+one chunk, a histogram of the lengths below :data:`HIST` and the :data:`TOP` longest), once
+per process for an array, and once per **node** for lengths memory-mapped from fastload's
+cache (``lengths-<field>.npy``: a local dataset's, a remote one's, a mixture's): kept beside
+that file as ``lengths-<field>.summary-<max_length>.npz`` (a few hundred KB), written
+atomically and checked against the file it summarises (its size, modification time, inode,
+the array's offset and length) when read, so a later Loader, run or rank of the node reads
+a small file instead of ``N`` lengths. A summary that cannot be written (a read-only cache)
+is recomputed by each process.
+
+Every number is exact but two bounds, which only size memory: the sum of the ``k`` longest
+past :data:`TOP` (then ``top[-1]`` for each of the rest), and ``max_pieces``'s count of
+documents of :data:`HIST` tokens or more that fit in a batch (then ``HIST`` tokens each):
+both are upper bounds, as the ring's sizing needs.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..files import atomic_write
+
+__all__ = ["HIST", "STEP", "TOP", "LengthSummary", "kept_file", "length_summary", "summary_path"]
+
+logger = logging.getLogger("fastload")
+
+HIST = 1 << 16  # lengths below this are counted exactly, per length
+TOP = 4096  # the longest lengths kept (a packed slot sums the batch size's longest)
+STEP = 1 << 18  # lengths read at a time (a few MB of temporaries)
+_VERSION = 1
+_KEPT_NAME = re.compile(r"lengths-.+\.npy")  # the files fastload's caches keep lengths in
+
+
+@dataclass(frozen=True)
+class LengthSummary:
+    """``n`` lengths truncated to ``max_length``: their ``total``, how many are ``nonzero``,
+    the ``longest``, ``hist[v]`` the count of length ``v`` for ``v < len(hist) <= HIST``
+    (``len(hist)`` is past the longest below ``HIST``), ``long_count`` of ``HIST`` or more,
+    and ``top`` the ``min(n, TOP)`` longest, longest first."""
+
+    n: int
+    max_length: int | None
+    total: int
+    nonzero: int
+    longest: int
+    hist: np.ndarray
+    long_count: int
+    top: np.ndarray
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.n if self.n else 0.0
+
+    def longest_sum(self, k: int) -> int:
+        """The sum of the ``k`` longest lengths (``k`` past ``n``: every length, plus the
+        longest for each of the rest); past :data:`TOP`, an upper bound."""
+        k = int(k)
+        if k <= 0 or self.n == 0:
+            return 0
+        kept = min(k, len(self.top))
+        out = int(self.top[:kept].sum())
+        if k > kept:
+            out += (k - kept) * (int(self.top[-1]) if k <= self.n else self.longest)
+        return out
+
+    def most_pieces(self, rows: int, length: int) -> int:
+        """See :func:`fastload.sampling.packing.max_pieces` (this is its computation)."""
+        size = rows * length
+        if self.total == 0:
+            return max(1, rows)  # no token: no batch
+        passes, rest = divmod(size, self.total)
+        h = self.hist[:size + 1].copy()  # longer documents never fit in the rest
+        h[0] = 0
+        tokens_upto = np.cumsum(h * np.arange(len(h), dtype=np.int64))  # tokens of all documents of length <= v
+        v = int(np.searchsorted(tokens_upto, rest, side="right"))  # the first length not all of whose documents fit
+        fit = int(h[:v].sum())
+        if v < len(h):
+            fit += (rest - int(tokens_upto[v - 1])) // v  # and as many of length v as fit
+        elif size >= HIST:  # every counted one fits: documents of HIST tokens or more (at most this many)
+            fit += min(self.long_count, (rest - int(tokens_upto[-1])) // HIST)
+        whole = passes * self.nonzero + fit
+        return int(min(size, rows + whole + 1))
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        ml = -1 if self.max_length is None else self.max_length
+        head = [_VERSION, self.n, ml, self.total, self.nonzero, self.longest, self.long_count]
+        return {"head": np.array(head, np.int64), "hist": self.hist, "top": self.top}
+
+    @classmethod
+    def _of(cls, a: Any) -> LengthSummary:
+        head = [int(x) for x in a["head"]]
+        if len(head) != 7 or head[0] != _VERSION:
+            raise ValueError("another version")
+        _, n, ml, total, nonzero, longest, long_count = head
+        hist, top = np.asarray(a["hist"], np.int64), np.asarray(a["top"], np.int64)
+        if hist.ndim != 1 or top.ndim != 1 or len(hist) > HIST or len(top) != min(n, TOP):
+            raise ValueError("arrays of the wrong shape")
+        return cls(n, None if ml < 0 else ml, total, nonzero, longest, hist, long_count, top)
+
+
+def compute(lengths: Any, max_length: int | None = None) -> LengthSummary:
+    """The summary of ``lengths`` (anything sliceable to int arrays: an array, a memory map),
+    from one pass over chunks of :data:`STEP` of them."""
+    n = len(lengths)
+    hist = np.zeros(HIST + 1, np.int64)  # the last: HIST or more
+    total = nonzero = longest = 0
+    top = np.empty(0, np.int64)  # the longest so far, longest first
+    for a in range(0, n, STEP):
+        tok = np.asarray(lengths[a:a + STEP], dtype=np.int64)
+        if max_length is not None:
+            tok = np.minimum(tok, max_length)
+        if not len(tok):
+            continue
+        if int(tok.min()) < 0:
+            bad = a + int(np.argmin(tok))
+            raise ValueError(f"length {int(tok.min())} of sample {bad} is negative: lengths count items")
+        total += int(tok.sum())
+        nonzero += int(np.count_nonzero(tok))
+        longest = max(longest, int(tok.max()))
+        hist += np.bincount(np.minimum(tok, HIST), minlength=HIST + 1)
+        cand = tok if len(top) < TOP else tok[tok > top[-1]]
+        if len(cand):
+            both = np.concatenate([top, cand])
+            if len(both) > TOP:
+                both = np.partition(both, len(both) - TOP)[len(both) - TOP:]
+            top = np.sort(both)[::-1].copy()
+    long_count = int(hist[HIST])
+    used = min(HIST, longest + 1) if n else 1
+    return LengthSummary(n, max_length, total, nonzero, longest, hist[:used].copy(), long_count, top)
+
+
+def kept_file(lengths: Any) -> tuple[Path, tuple[int, ...]] | None:
+    """The ``lengths-*.npy`` file of fastload's caches that ``lengths`` maps whole and
+    read-only (not a slice of it), and what identifies its content (size, modification time,
+    inode, the array's offset, length and dtype); None for any other array."""
+    if not isinstance(lengths, np.memmap) or not isinstance(lengths.base, mmap.mmap) or lengths.ndim != 1:
+        return None
+    name = getattr(lengths, "filename", None)
+    if not name or lengths.mode != "r" or not _KEPT_NAME.fullmatch(os.path.basename(name)):
+        return None
+    try:
+        st = os.stat(name)
+    except OSError:
+        return None
+    if int(lengths.offset) + lengths.nbytes != st.st_size:  # the array must end where the file does
+        return None
+    return Path(name), (st.st_size, st.st_mtime_ns, st.st_ino, int(lengths.offset), len(lengths), lengths.dtype.num)
+
+
+def summary_path(lengths: Any, max_length: int | None) -> tuple[Path, tuple[int, ...]] | None:
+    """Where the summary of ``lengths`` is kept on the node, and what it must have been made
+    from (:func:`kept_file`; None: not kept on disk)."""
+    kept = kept_file(lengths)
+    if kept is None:
+        return None
+    p, source = kept
+    return p.with_name(f"{p.stem}.summary-{'all' if max_length is None else max_length}.npz"), source
+
+
+def _read(path: Path, source: tuple[int, ...]) -> LengthSummary | None:
+    try:
+        with np.load(path, allow_pickle=False) as a:
+            if tuple(int(x) for x in a["source"]) != source:
+                return None
+            return LengthSummary._of(a)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, EOFError) as e:
+        logger.debug("fastload: %s is not a usable summary (%s); computing it again", path, e)
+        return None
+
+
+def _write(path: Path, source: tuple[int, ...], s: LengthSummary) -> None:
+    a = s._arrays()
+    src = np.array(source, np.int64)
+    try:
+        atomic_write(path, lambda f: np.savez(f, head=a["head"], hist=a["hist"], top=a["top"], source=src),
+                     fsync=False)
+    except OSError as e:  # a read-only cache: each process computes it
+        logger.debug("fastload: could not keep the lengths' summary in %s (%s)", path, e)
+
+
+_CACHE: dict[tuple[int, int | None], LengthSummary] = {}
+_LOCK = threading.Lock()
+
+
+def length_summary(lengths: Any, max_length: int | None = None) -> LengthSummary:
+    """The :class:`LengthSummary` of ``lengths`` truncated to ``max_length`` (see the module
+    docstring): kept for as long as ``lengths`` lives when it cannot change (not a writable
+    array), and on the node beside a memory-mapped ``lengths-*.npy`` of fastload's caches."""
+    key = (id(lengths), max_length)
+    fixed = not (isinstance(lengths, np.ndarray) and lengths.flags.writeable)
+    with _LOCK:
+        got = _CACHE.get(key) if fixed else None
+    if got is not None:
+        return got
+    kept = summary_path(lengths, max_length)
+    s = _read(*kept) if kept is not None else None
+    if s is None:
+        s = compute(lengths, max_length)
+        if kept is not None:
+            _write(kept[0], kept[1], s)
+    if fixed:
+        try:
+            weakref.finalize(lengths, _CACHE.pop, key, None)
+        except TypeError:  # not weakly referenceable (a list, a tuple): not kept
+            return s
+        with _LOCK:
+            _CACHE[key] = s
+    return s

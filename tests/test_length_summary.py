@@ -1,0 +1,258 @@
+"""What a Loader needs from all the lengths of a ragged field (issue 30): one pass in chunks,
+never a copy of all N lengths, kept beside lengths memory-mapped from the node's cache so a
+later Loader reads none of them; each number equals the whole-array computation (or bounds
+it, past the histogram and the kept longest)."""
+import numpy as np
+import pytest
+
+import fastload
+from fastload.loader import ragged
+from fastload.sampling import length_summary as ls
+from fastload.sampling import packing
+from fastload.sampling.packing import max_pieces, token_total
+from fastload.store import ShardWriter
+from fastload.store import lengths as lengths_mod
+
+
+def _pieces_formula(lengths, rows, length, max_length=None):
+    tok = lengths if max_length is None else np.minimum(lengths, max_length)
+    nz = np.sort(tok[tok > 0])
+    if nz.sum() == 0:
+        return max(1, rows)
+    passes, rest = divmod(rows * length, int(nz.sum()))
+    whole = passes * len(nz) + int(np.searchsorted(np.cumsum(nz), rest, side="right"))
+    return min(rows * length, rows + whole + 1)
+
+
+def test_each_number_equals_the_whole_array_or_bounds_it_past_the_histogram(monkeypatch):
+    """Small chunks, histogram and kept-longest sizes, so lengths cross all three."""
+    monkeypatch.setattr(ls, "STEP", 7)
+    monkeypatch.setattr(ls, "HIST", 16)
+    monkeypatch.setattr(ls, "TOP", 5)
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n = int(rng.integers(0, 60))
+        lengths = rng.integers(0, int(rng.choice([3, 15, 40])), n) * (rng.random(n) < 0.8)
+        max_length = None if trial % 3 else int(rng.integers(1, 30))
+        tok = lengths if max_length is None else np.minimum(lengths, max_length)
+        s = ls.compute(lengths, max_length)
+        assert (s.n, s.total, s.nonzero) == (n, int(tok.sum()), int(np.count_nonzero(tok)))
+        assert s.longest == int(tok.max(initial=0)) and s.mean == (tok.mean() if n else 0.0)
+        for k in range(0, n + 3):
+            want = int(np.sort(tok)[::-1][:k].sum()) + max(0, k - n) * int(tok.max(initial=0))
+            got = s.longest_sum(k)
+            assert got == want if k <= 5 else got >= want, (trial, k)
+        for rows, length in ((1, 1), (2, 7), (3, 20), (1, 200)):
+            want = _pieces_formula(lengths, rows, length, max_length)
+            got = s.most_pieces(rows, length)
+            if (tok >= 16).any() and rows * length >= 16:  # past the histogram: a bound
+                assert want <= got <= rows * length, (trial, rows, length)
+            else:
+                assert got == want, (trial, rows, length)
+
+
+def test_a_negative_length_is_named():
+    with pytest.raises(ValueError, match="length -2 of sample 3 is negative"):
+        ls.compute(np.array([1, 2, 0, -2]))
+
+
+class _ReadInChunks:
+    """Lengths that say how they are read: never whole (``__array__`` fails), at most
+    ``most`` at a time."""
+
+    def __init__(self, v, most):
+        self.v, self.most, self.largest = v, most, 0
+        self.flags = v.flags
+
+    def __len__(self):
+        return len(self.v)
+
+    def __getitem__(self, key):
+        out = self.v[key]
+        self.largest = max(self.largest, np.size(out))
+        assert np.size(out) <= self.most, f"read {np.size(out)} lengths at once"
+        return out
+
+    def __array__(self, *a, **k):
+        raise AssertionError("the lengths were read whole")
+
+
+def _dataset(path, n=900):
+    docs = [np.arange((i * 7) % 23, dtype=np.int32) for i in range(n)]
+    with ShardWriter(path, {"tokens": "int32[]"}, shard_size=2000) as w:
+        w.write_batch({"tokens": docs})
+    return fastload.Dataset(path)
+
+
+@pytest.mark.parametrize("kw", [dict(ragged="padded", max_length=9), dict(ragged="packed", max_length=9),
+                                dict(ragged="packed"), dict(pack_to=16)])
+def test_a_loader_reads_the_lengths_in_chunks_never_whole(tmp_path, monkeypatch, kw):
+    """Before, the padded/packed modes np.minimum-ed and np.partition-ed all N lengths (two
+    copies per Loader); the batches are the same either way."""
+    ds = _dataset(tmp_path / "ds")
+    with fastload.Loader(ds, batch_size=8, seed=3, device="cpu", **kw) as lo:
+        want = [{k: v.clone() for k, v in b.items()} for b in lo]
+    fresh = fastload.Dataset(tmp_path / "ds")
+    kept = fresh.lengths("tokens")
+    chunky = _ReadInChunks(kept, most=50)
+    monkeypatch.setattr(type(fresh), "lengths", lambda self, field: chunky)
+    monkeypatch.setattr(ls, "STEP", 50)
+    monkeypatch.setattr(packing, "CHUNK", 50)  # a packed pass reads its stream's lengths in chunks too
+    with fastload.Loader(fresh, batch_size=8, seed=3, device="cpu", **kw) as lo:
+        got = list(lo)
+    assert chunky.largest > 0 and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+
+
+@pytest.fixture
+def cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTLOAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(lengths_mod, "MAP_MIN", 10)  # memory-mapped from the cache past 10 samples
+    _dataset(tmp_path / "ds")
+    return tmp_path / "ds"
+
+
+@pytest.mark.parametrize("kw", [dict(ragged="padded", max_length=9), dict(ragged="packed"), dict(pack_to=16)])
+def test_a_later_loader_of_the_node_reads_the_summary_not_the_lengths(cached, monkeypatch, kw):
+    with fastload.Loader(fastload.Dataset(cached), batch_size=8, seed=3, device="cpu", **kw) as lo:
+        want = [b["index"].tolist() for b in lo]
+    v = fastload.Dataset(cached).lengths("tokens")
+    ml = kw.get("max_length")
+    kept, _ = ls.summary_path(v, ml)
+    assert kept.exists() and kept.parent == ls.Path(v.filename).parent
+    monkeypatch.setattr(ls, "compute", lambda *a, **k: pytest.fail("the lengths were summarised again"))
+    with fastload.Loader(fastload.Dataset(cached), batch_size=8, seed=3, device="cpu", **kw) as lo:
+        assert [b["index"].tolist() for b in lo] == want
+
+
+def test_a_summary_of_other_lengths_or_a_damaged_one_is_made_again(cached):
+    v = fastload.Dataset(cached).lengths("tokens")
+    want = int(np.asarray(v).sum())
+    assert token_total(v) == want
+    kept, source = ls.summary_path(v, None)
+    assert kept.exists()
+    with np.load(kept) as a:
+        arrays = {k: a[k] for k in a.files}
+    arrays["head"][3] += 1  # a wrong total, made from a file of another size
+    arrays["source"][0] += 8
+    np.savez(kept, **arrays)
+    again = fastload.Dataset(cached).lengths("tokens")
+    assert token_total(again) == want  # not the file's: it summarised other lengths
+    with np.load(kept) as a:
+        assert tuple(a["source"]) == source and int(a["head"][3]) == want  # written again
+    kept.write_bytes(b"not a summary")
+    third = fastload.Dataset(cached).lengths("tokens")
+    assert token_total(third) == want and max_pieces(third, 2, 16) == _pieces_formula(np.asarray(v), 2, 16)
+
+
+def test_only_whole_read_only_maps_of_fastloads_lengths_files_are_summarised_on_disk(cached, tmp_path):
+    v = fastload.Dataset(cached).lengths("tokens")
+    assert ls.summary_path(v, None) is not None
+    assert ls.summary_path(v[5:], None) is None  # a slice of the file: not its summary
+    assert ls.summary_path(np.asarray(v).copy(), None) is None
+    np.save(tmp_path / "mine.npy", np.arange(20))
+    assert ls.summary_path(np.load(tmp_path / "mine.npy", mmap_mode="r"), None) is None  # the user's file
+    assert ls.summary_path(np.load(v.filename, mmap_mode="r+"), None) is None  # writable
+
+
+def test_the_ring_is_sized_from_the_summary(tmp_path):
+    ds = _dataset(tmp_path / "ds")
+    lens = np.asarray(ds.lengths("tokens"))
+    for mode, ml in (("padded", None), ("padded", 9), ("packed", None), ("packed", 9)):
+        d = ragged.RaggedDelivery(mode, max_length=ml)
+        tok = lens if ml is None else np.minimum(lens, ml)
+        f = ragged.ring_field(ds, "tokens", d, 8)
+        want = 8 * int(tok.max()) if mode == "padded" else int(np.sort(tok)[-8:].sum())
+        assert f.capacity == min(want, max(ragged.RAGGED_SLOT_BUDGET // 4, 2 * 8 * int(np.ceil(tok.mean()))))
+
+
+def test_a_packed_mixture_reads_the_lengths_in_chunks_never_whole(tmp_path, monkeypatch):
+    """Before, a mixture's epoch token count took each dataset's lengths whole (a copy)."""
+    from fastload.sampling import mixture
+    from fastload.store.concat import ConcatReader
+
+    ds = {"a": _dataset(tmp_path / "a", 300), "b": _dataset(tmp_path / "b", 200)}
+
+    def run():
+        with fastload.Loader(ds, mix=[2, 1], epoch_size=400, batch_size=2, pack_to=16, seed=5, device="cpu") as lo:
+            return [{k: v.clone() for k, v in b.items()} for b in lo]
+    want = run()
+    real = ConcatReader.lengths
+    wrapped = {}
+
+    def chunky(self, field):
+        if field not in wrapped:
+            wrapped[field] = _ReadInChunks(real(self, field), most=50)
+        return wrapped[field]
+    monkeypatch.setattr(ConcatReader, "lengths", chunky)
+    for mod in (packing, mixture):
+        monkeypatch.setattr(mod, "CHUNK", 3)  # mixture: slices of CHUNK * 16
+    monkeypatch.setattr(ls, "STEP", 50)
+    got = run()
+    assert wrapped["tokens"].largest > 0 and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+
+
+def _plans(lengths, stream, start, total):
+    return packing.pack_plan(0, start, stream, lengths, rows=2, length=16, world_size=2, rank=1, drop_last=False,
+                             total=total)
+
+
+def _requests(plan):
+    return [(r.index.tolist(), r.start.tolist(), r.count.tolist(), r.positions.tolist(), after)
+            for r, after in plan.requests()]
+
+
+def test_a_resume_reads_the_lengths_from_the_nodes_chunk_counts_on(cached, monkeypatch):
+    """A pass over an epoch keeps its chunk counts beside the lengths; a later pass resumed
+    near the end of that epoch reads only the chunks holding its tokens, and its batches
+    equal those of a pass that reads every length before them."""
+    from fastload.sampling.order import Shuffled, Weighted, weight_table
+
+    monkeypatch.setattr(packing, "CHUNK", 7)
+    monkeypatch.setattr(packing, "KEEP_NEW", 1)
+    v = fastload.Dataset(cached).lengths("tokens")
+    n, total = len(v), token_total(v)
+    stream = Shuffled(n, seed=4, epoch=2)
+    path = packing.chunk_index_path(stream, v, None)
+    assert path is not None and not path.exists()
+    assert _requests(_plans(v, stream, 0, total))  # the whole epoch: its counts kept
+    assert path.exists() and len(np.load(path)) == -(-n // 7) + 1
+    start = total - 5 * 2 * 2 * 16 + 3
+    read = []
+    real = packing.TokenStream._tokens
+    monkeypatch.setattr(packing.TokenStream, "_tokens", lambda self, j: read.append(j) or real(self, j))
+    resumed = _requests(_plans(v, stream, start, total))
+    near = (n * (start - 400) // total) // 7 - 3  # (the last step wraps around to the first chunk)
+    assert len(set(read)) <= 8 and all(j == 0 or j >= near for j in read) and max(read) >= near, read
+    monkeypatch.setattr(packing, "chunk_index_path", lambda *a: None)  # every length read again
+    read.clear()
+    assert resumed == _requests(_plans(v, stream, start, total)) and min(read) == 0
+    monkeypatch.undo()
+    # another epoch, draws by weights, a slice of the lengths: not the same counts, or not kept
+    assert packing.chunk_index_path(Shuffled(n, seed=4, epoch=3), v, None) != path
+    assert packing.chunk_index_path(stream, v, 9) != path
+    assert packing.chunk_index_path(Weighted(weight_table(np.ones(n)), n, 1, 0), v, None) is None
+    assert packing.chunk_index_path(stream, v[1:], None) is None
+
+
+def test_chunk_counts_that_cannot_be_this_streams_are_not_used(cached, monkeypatch):
+    from fastload.sampling.order import Shuffled
+
+    monkeypatch.setattr(packing, "CHUNK", 7)
+    v = fastload.Dataset(cached).lengths("tokens")
+    n, total = len(v), token_total(v)
+    stream = Shuffled(n, seed=1, epoch=0)
+    want = _requests(_plans(v, stream, 100, total))
+    path = packing.chunk_index_path(stream, v, None)
+    chunks = -(-n // 7)
+    for bad in (np.arange(chunks + 1, dtype=np.int64)[::-1].copy(),  # decreasing
+                np.arange(chunks + 2, dtype=np.int64),  # too long
+                np.arange(chunks + 1, dtype=np.int64) * 10**9,  # past the total
+                np.zeros(3, np.int32)):  # another dtype
+        np.save(path, bad)
+        assert _requests(_plans(v, stream, 100, total)) == want
+    path.write_bytes(b"not an index")
+    assert _requests(_plans(v, stream, 100, total)) == want
