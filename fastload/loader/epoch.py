@@ -24,7 +24,10 @@ holds an Ahead of *another* epoch requests nothing yet (it is ``waiting``) and l
 in place: the source delivers in request order, so nothing may be put behind the Ahead's
 requests before the first ``next()`` says whose they are. Then the pass takes the Ahead over
 when the sampler was moved to its epoch, else closes it (its feeder and ring drained, as for
-any Ahead closed unused) and requests its own first batches.
+any Ahead closed unused) and requests its own first batches. And a pass dropped before its
+first ``next()`` (Lightning calls ``iter()`` once only to check that the loader is iterable)
+leaves what it requested in the slot (``LookAhead.hand_back``): the pass begun next takes it
+over when it is the same pass.
 
 Never silently nothing: the iterator holds its ``owner`` (the Loader), so
 ``for batch in Loader(path, ...)`` — a Loader nobody else holds — delivers its whole epoch.
@@ -37,6 +40,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import threading
 from time import perf_counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -90,12 +94,12 @@ class Ahead:
     """The next pass's first requests, put to its source before its iterator exists (see the
     module docstring). ``close()`` ends it unused (the source drops what it was asked for)."""
 
-    def __init__(self, plan: EpochPlan, source: BatchSource) -> None:
+    def __init__(self, plan: EpochPlan, source: BatchSource, *, batches=None, afters=(), done: bool = False) -> None:
         self.plan = plan
         self.source = source
-        self.batches = plan.requests()
-        self.afters: list[int] = []  # the position after each batch requested so far
-        self.done = False  # every batch of the pass requested
+        self.batches = plan.requests() if batches is None else batches  # those not requested yet
+        self.afters: list[int] = list(afters)  # the position after each batch requested so far
+        self.done = done  # every batch of the pass requested
         self.failed = False  # a request failed: never taken over (its error comes again in its own pass)
 
     def fill(self, room: int) -> None:
@@ -179,6 +183,16 @@ class LookAhead:
         ahead = self._ahead
         return ahead is not None and ahead.alive and ahead.plan.epoch != plan.epoch
 
+    def hand_back(self, ahead: Ahead) -> None:
+        """Hold ``ahead``: what a pass dropped before its first ``next()`` had requested (PyTorch
+        Lightning calls ``iter()`` once only to check that the loader is iterable); the pass
+        begun next takes it over if it is the same pass. Closed when the slot is taken, or
+        nothing is requested ahead any more."""
+        if self._closed or not self.enabled or self._ahead is not None:
+            ahead.close()
+            return
+        self._ahead = ahead
+
     def drop(self) -> None:
         """Close the Ahead held, if any (its source drops what it was asked for)."""
         ahead, self._ahead = self._ahead, None
@@ -213,8 +227,10 @@ class EpochIterator:
     def __init__(self, plan: EpochPlan | PackPlan, source: BatchSource | None, *, prefetch: int, stats: Stats,
                  progress: Progress, fixed_size: bool = True, log_every: int | None = None,
                  on_position=None, ahead: Ahead | None = None, lookahead=None, replan=None,
-                 owner: Any = None) -> None:
+                 owner: Any = None, keep=None) -> None:
         self._owner = owner  # the Loader: alive as long as one of its passes is iterated
+        self._keep = keep  # (Ahead) -> None: what this pass requested, if it is dropped untouched (__del__)
+        self._thread = threading.get_ident()
         self._ended: str | None = None  # why the pass ended before its data ran out (None: it did not)
         self._taken = 0  # batches handed over in this pass
         self._prefetch = prefetch
@@ -393,8 +409,23 @@ class EpochIterator:
         if self._source is not None:
             self._source.close()
 
+    def _leave_requests(self) -> bool:
+        """Dropped before its first ``next()``, in the thread that made it: hand what it
+        requested to ``keep`` (an :class:`Ahead`, the source still running) instead of dropping
+        it. True when it did."""
+        if (self._keep is None or self.closed or self._taken or self._source is None or not self._pending
+                or lifecycle.generation != self._generation or threading.get_ident() != self._thread):
+            return False
+        ahead = Ahead(self._plan, self._source, batches=self._batches, afters=self._pending,
+                      done=self._done_sampling)
+        self._source = None  # the Ahead's now: close() leaves it running
+        self.close()
+        self._keep(ahead)
+        return True
+
     def __del__(self):
         try:
-            self.close()
+            if not self._leave_requests():
+                self.close()
         except Exception:
             pass

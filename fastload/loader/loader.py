@@ -287,7 +287,7 @@ class Loader:
             it = EpochIterator(plan, source, prefetch=o.prefetch, stats=self._stats, progress=self._progress,
                                fixed_size=fixed, log_every=o.log_every, ahead=ahead, lookahead=lookahead,
                                on_position=self._remote.advance if self._remote is not None else None,
-                               replan=self._replan,
+                               replan=self._replan, keep=self._lookahead.hand_back if self._lookahead.enabled else None,
                                owner=self)  # the pass keeps its Loader alive: `for b in Loader(...)` works
         except BaseException:  # (a Ctrl-C before the pass held its source: nothing left in the feeder)
             if source is not None:
