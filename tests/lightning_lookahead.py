@@ -12,8 +12,9 @@ decode), ``decoded`` (batches whose decode began, by epoch), ``delivered`` (batc
 epoch the training step saw), ``ahead`` (the Loader's ``batches_ahead`` per epoch: its first
 batches requested while the previous epoch ended), ``first_s`` (per epoch, seconds from
 Lightning's ``on_train_epoch_start`` to the first ``on_train_batch_start``: the training loop's
-wait for its first batch, ``iter()`` and the first ``next()`` included) and ``calls`` (the
-Loader calls Lightning made, in order).
+wait for its first batch, ``iter()`` and the first ``next()`` included), ``fit_first_s``
+(from ``on_fit_start``, before Lightning asks for the loader, to the first batch) and ``calls``
+(the Loader calls Lightning made, in order).
 """
 from __future__ import annotations
 
@@ -100,12 +101,17 @@ def main(argv=None) -> int:
             super().__init__()
             self.net = torch.nn.Linear(3, 1)
 
+        def on_fit_start(self) -> None:
+            started["fit"] = time.perf_counter()
+
         def on_train_epoch_start(self) -> None:
             started[self.current_epoch] = time.perf_counter()
 
         def on_train_batch_start(self, batch, batch_idx: int) -> None:
             if batch_idx == 0:
-                first_s[self.current_epoch] = time.perf_counter() - started[self.current_epoch]
+                now = time.perf_counter()
+                first_s[self.current_epoch] = now - started[self.current_epoch]
+                started.setdefault("fit_first", now - started["fit"])
 
         def training_step(self, batch, batch_idx: int):
             e = self.current_epoch
@@ -122,7 +128,7 @@ def main(argv=None) -> int:
                         reload_dataloaders_every_n_epochs=1 if a.reload else 0)
     trainer.fit(Model(), datamodule=data)
     out = {"puts": puts, "decoded": decoded, "delivered": delivered, "ahead": ahead, "first_s": first_s,
-           "calls": calls}
+           "fit_first_s": started["fit_first"], "calls": calls}
     print(json.dumps({k: {str(e): n for e, n in v.items()} if isinstance(v, dict) else v for k, v in out.items()}))
     return 0
 
