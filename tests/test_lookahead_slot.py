@@ -64,6 +64,7 @@ def test_one_ahead_is_held_and_taken_over_by_the_same_pass_only():
 
 def test_set_epoch_guides_the_guess_and_drops_an_ahead_of_another_epoch():
     s, look, made = _look()
+    s.set_epoch(4)  # the Loader's set_epoch: the sampler's, then the LookAhead's
     look.set_epoch(4)
     ahead = look.after(4)()
     assert ahead.plan.epoch == 5  # set_epoch before the pass: the next epoch is guessed
@@ -71,7 +72,12 @@ def test_set_epoch_guides_the_guess_and_drops_an_ahead_of_another_epoch():
     assert not made[-1].closed  # the guess was right: kept
     look.set_epoch(9)
     assert made[-1].closed  # wrong: its work stops now
-    assert look.after(9)().plan.epoch == 10
+    request = look.after(9)
+    s.set_epoch(9)  # on the sampler alone, after the pass began (PyTorch Lightning's order) counts too
+    assert request().plan.epoch == 10
+    look.drop()
+    look.after(9)  # epoch 9 again (the pass before it began before set_epoch(9): 10 would be guessed)
+    assert look.after(9)().plan.epoch == 9  # and again: no set_epoch since the pass before began
 
 
 def test_disabled_or_closed_requests_nothing():

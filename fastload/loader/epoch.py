@@ -18,6 +18,16 @@ pass (``EpochPlan.same_pass``); one that does not match is closed unused.
 A pass is planned at ``iter()`` (its first batches requested at once), but like a
 ``DataLoader``'s it follows the sampler at its first ``next()``: the Loader's ``replan`` then
 re-plans a pass whose sampler was moved to another epoch in between (``discard``, ``restart``).
+PyTorch Lightning moves it there: ``iter(loader)``, then ``loader.sampler.set_epoch(e)``, when a
+fit begins and when it reloads its dataloaders. So a pass planned at ``iter()`` while the slot
+holds an Ahead of *another* epoch requests nothing yet (it is ``waiting``) and leaves the Ahead
+in place: the source delivers in request order, so nothing may be put behind the Ahead's
+requests before the first ``next()`` says whose they are. Then the pass takes the Ahead over
+when the sampler was moved to its epoch, else closes it (its feeder and ring drained, as for
+any Ahead closed unused) and requests its own first batches. And a pass dropped before its
+first ``next()`` (Lightning calls ``iter()`` once only to check that the loader is iterable)
+leaves what it requested in the slot (``LookAhead.hand_back``): the pass begun next takes it
+over when it is the same pass.
 
 Never silently nothing: the iterator holds its ``owner`` (the Loader), so
 ``for batch in Loader(path, ...)`` — a Loader nobody else holds — delivers its whole epoch.
@@ -30,6 +40,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import threading
 from time import perf_counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -83,12 +94,12 @@ class Ahead:
     """The next pass's first requests, put to its source before its iterator exists (see the
     module docstring). ``close()`` ends it unused (the source drops what it was asked for)."""
 
-    def __init__(self, plan: EpochPlan, source: BatchSource) -> None:
+    def __init__(self, plan: EpochPlan, source: BatchSource, *, batches=None, afters=(), done: bool = False) -> None:
         self.plan = plan
         self.source = source
-        self.batches = plan.requests()
-        self.afters: list[int] = []  # the position after each batch requested so far
-        self.done = False  # every batch of the pass requested
+        self.batches = plan.requests() if batches is None else batches  # those not requested yet
+        self.afters: list[int] = list(afters)  # the position after each batch requested so far
+        self.done = done  # every batch of the pass requested
         self.failed = False  # a request failed: never taken over (its error comes again in its own pass)
 
     def fill(self, room: int) -> None:
@@ -103,6 +114,11 @@ class Ahead:
             raise
         self.afters.extend(afters)  # once they are requested
 
+    @property
+    def alive(self) -> bool:
+        """Whether it can still be taken over: no request failed, its source's feeder runs."""
+        return not self.failed and self.source.feeder_alive
+
     def close(self) -> None:
         self.source.close()
 
@@ -111,33 +127,37 @@ class LookAhead:
     """The Ahead slot of a Loader: at most one next pass requested ahead, built from the
     sampler's plan (``sampler.plan(epoch)``) and a source for its epoch (``source(epoch)``).
 
-    The next pass is guessed when a pass begins (:meth:`after`): ``epoch + 1`` when
-    ``set_epoch`` was called before it (a training loop's habit), else ``epoch`` again (as a
-    loop that never calls it iterates). A wrong guess costs the batches decoded for it
-    (``prefetch`` at most). ``enabled`` is False where nothing is worth requesting ahead (see
-    :func:`look_ahead_pays`); the slot then stays empty."""
+    The next pass is guessed when a pass has requested its last batch (the bound
+    :meth:`after` returns): ``epoch + 1`` when the script moves the epochs — the sampler's
+    ``set_epoch`` was called since the pass before this one began (by ``loader.set_epoch``, or
+    on ``loader.sampler`` as PyTorch Lightning does, before ``iter()`` or between ``iter()`` and
+    the first ``next()``) — else ``epoch`` again (as a loop that never calls it iterates). A
+    wrong guess costs the batches decoded for it (``prefetch`` at most). ``enabled`` is False
+    where nothing is worth requesting ahead (see :func:`look_ahead_pays`); the slot then stays
+    empty."""
 
     def __init__(self, sampler, source: Callable[[int], BatchSource], *, enabled: bool) -> None:
         self._sampler = sampler
         self._source = source
         self.enabled = enabled
         self._ahead: Ahead | None = None
-        self._epoch_set = False  # set_epoch called since the last pass began
+        self._mark = sampler.epochs_set  # the sampler's set_epoch count when the last pass began
         self._closed = False
 
     def set_epoch(self, epoch: int) -> None:
-        """``set_epoch(epoch)`` was called: the next pass follows the epoch; an Ahead requested
-        for another epoch stops now."""
-        self._epoch_set = True
+        """The sampler was set to ``epoch`` by the Loader: an Ahead requested for another epoch
+        stops now."""
         if self._ahead is not None and self._ahead.plan.epoch != epoch:
             self.drop()
 
     def after(self, epoch: int) -> Callable[[], Ahead | None] | None:
         """For the pass over ``epoch`` just begun: what its iterator calls once its last batch
         is requested (None: nothing is requested ahead)."""
-        nxt = epoch + 1 if self._epoch_set else epoch
-        self._epoch_set = False
-        return functools.partial(self.request, nxt) if self.enabled else None
+        since, self._mark = self._mark, self._sampler.epochs_set
+        return functools.partial(self._guess, epoch, since) if self.enabled else None
+
+    def _guess(self, epoch: int, since: int) -> Ahead | None:
+        return self.request(epoch + 1 if self._sampler.epochs_set != since else epoch)
 
     def request(self, epoch: int) -> Ahead | None:
         """Begin the pass over ``epoch`` ahead (None when one is held already, or closed)."""
@@ -151,10 +171,27 @@ class LookAhead:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
-        if not ahead.failed and ahead.source.feeder_alive and ahead.plan.same_pass(plan):
+        if ahead.alive and ahead.plan.same_pass(plan):
             return ahead
         ahead.close()
         return None
+
+    def holds_another_epoch(self, plan) -> bool:
+        """Whether the Ahead held (still fed) is for another epoch than ``plan``'s: a pass
+        planned at ``iter()`` then leaves it in place, since the script may yet move the
+        sampler to its epoch before the first ``next()`` (PyTorch Lightning does)."""
+        ahead = self._ahead
+        return ahead is not None and ahead.alive and ahead.plan.epoch != plan.epoch
+
+    def hand_back(self, ahead: Ahead) -> None:
+        """Hold ``ahead``: what a pass dropped before its first ``next()`` had requested (PyTorch
+        Lightning calls ``iter()`` once only to check that the loader is iterable); the pass
+        begun next takes it over if it is the same pass. Closed when the slot is taken, or
+        nothing is requested ahead any more."""
+        if self._closed or not self.enabled or self._ahead is not None:
+            ahead.close()
+            return
+        self._ahead = ahead
 
     def drop(self) -> None:
         """Close the Ahead held, if any (its source drops what it was asked for)."""
@@ -184,13 +221,16 @@ class EpochIterator:
     """One pass (see the module docstring). ``replan(iterator)``, if given, is called at the
     first ``next()``, before any batch is taken: it may :meth:`discard` this pass's requests and
     :meth:`restart` it over another plan (the Loader does, when the sampler was moved to another
-    epoch since ``iter()``: a ``DataLoader`` reads its sampler only at the first ``next()``)."""
+    epoch since ``iter()``: a ``DataLoader`` reads its sampler only at the first ``next()``).
+    ``source=None`` (with a ``replan``): nothing is requested until then (:attr:`waiting`)."""
 
-    def __init__(self, plan: EpochPlan | PackPlan, source: BatchSource, *, prefetch: int, stats: Stats,
+    def __init__(self, plan: EpochPlan | PackPlan, source: BatchSource | None, *, prefetch: int, stats: Stats,
                  progress: Progress, fixed_size: bool = True, log_every: int | None = None,
                  on_position=None, ahead: Ahead | None = None, lookahead=None, replan=None,
-                 owner: Any = None) -> None:
+                 owner: Any = None, keep=None) -> None:
         self._owner = owner  # the Loader: alive as long as one of its passes is iterated
+        self._keep = keep  # (Ahead) -> None: what this pass requested, if it is dropped untouched (__del__)
+        self._thread = threading.get_ident()
         self._ended: str | None = None  # why the pass ended before its data ran out (None: it did not)
         self._taken = 0  # batches handed over in this pass
         self._prefetch = prefetch
@@ -204,21 +244,28 @@ class EpochIterator:
         self._replan = replan  # (this iterator) -> None, asked once, at the first next()
         self.closed = False
         self._generation = lifecycle.generation  # changes in a forked child (no syscall per batch)
+        if source is None and ahead is None and replan is None:
+            raise ValueError("a pass without a source needs a replan to give it one at its first next()")
         self.restart(plan, source, ahead=ahead, lookahead=lookahead)
 
     @property
     def plan(self) -> EpochPlan | PackPlan:
         return self._plan
 
-    def restart(self, plan: EpochPlan | PackPlan, source: BatchSource, *, ahead: Ahead | None = None,
+    @property
+    def waiting(self) -> bool:
+        """Nothing requested yet: the pass waits for its first ``next()`` (and its ``replan``)."""
+        return self._source is None and not self.closed
+
+    def restart(self, plan: EpochPlan | PackPlan, source: BatchSource | None, *, ahead: Ahead | None = None,
                 lookahead=None) -> None:
         """Begin the pass over ``plan``: from ``ahead``'s requests (and source) when it is that
-        pass requested ahead, else from nothing on ``source``. Called by ``__init__``, and by a
-        ``replan`` after :meth:`discard`."""
+        pass requested ahead, else from nothing on ``source`` (``None``: request nothing yet,
+        see :attr:`waiting`). Called by ``__init__``, and by a ``replan`` after :meth:`discard`."""
         self._plan = plan
         self._batches = plan.requests() if ahead is None else ahead.batches
         self._source = source if ahead is None else ahead.source
-        self._amortize = self._source.amortize
+        self._amortize = self._source is None or self._source.amortize
         self._pending: collections.deque = collections.deque(() if ahead is None else ahead.afters)
         self._done_sampling = ahead is not None and ahead.done
         self._lookahead = lookahead  # () -> the next pass's Ahead, or None (asked once)
@@ -242,12 +289,13 @@ class EpochIterator:
         self._done_sampling = True
         self._lookahead = None
         self._stats.end_epoch()
-        self._source.close()
+        if self._source is not None:
+            self._source.close()
 
     def _fill(self) -> None:
         """Request batches up to ``prefetch`` in flight. ``__next__`` calls it only when at most
         half are left (``amortize``: refill in runs of about prefetch/2 batches, one call each)."""
-        if self._done_sampling:
+        if self._done_sampling or self._source is None:
             return
         run, afters, self._done_sampling = _take_requests(self._batches, self._prefetch - len(self._pending))
         if run:
@@ -298,6 +346,19 @@ class EpochIterator:
         t1 = perf_counter()
         pending = self._pending
         after = pending.popleft()
+        try:  # the batches after it, before it counts as handed over
+            if not self._done_sampling and (len(pending) <= self._half or not self._amortize):
+                self._fill()
+            if self._done_sampling and (self._next is not None or self._lookahead is not None):
+                self._feed_next()
+        except BaseException as e:  # (a Ctrl-C half way through a put leaves the source out of step)
+            if self._ended is None:
+                self._ended = (f"this pass ended at its batch {self._taken + 1}: requesting the batches after it "
+                               f"failed with {type(e).__name__}: {e}; that batch and the ones after it were not "
+                               "delivered. Start a new pass (iter(loader)), or load a state_dict to continue from "
+                               "the last batch delivered")
+            self.close()
+            raise
         self._taken += 1
         batch = ready.batch
         self._progress.position = after
@@ -310,10 +371,6 @@ class EpochIterator:
             if self._fixed_size:
                 self._nbytes[n] = nbytes
         batches = self._stats.delivered(n, nbytes, t1 - t0, t1)
-        if not self._done_sampling and (len(pending) <= self._half or not self._amortize):
-            self._fill()
-        if self._done_sampling and (self._next is not None or self._lookahead is not None):
-            self._feed_next()
         if self._log_every and batches % self._log_every == 0:
             s = self._stats.snapshot()
             logger.info("fastload: %d batches, %.0f samples/s, waiting %.1f%% of the time%s",
@@ -337,7 +394,7 @@ class EpochIterator:
         """End this pass: stats stop their clock, the source joins its threads and drains
         (in a forked child, whose copy of the source has no threads: nothing). ``reason``:
         why a pass whose data had not run out ended; every later ``next()`` raises it."""
-        if reason is not None and self._ended is None and not self.closed and self._pending:
+        if reason is not None and self._ended is None and not self.closed and (self._pending or self.waiting):
             self._ended = reason
         if self.closed:
             return
@@ -349,10 +406,26 @@ class EpochIterator:
             return
         self._stats.end_epoch()
         self._pending.clear()
-        self._source.close()
+        if self._source is not None:
+            self._source.close()
+
+    def _leave_requests(self) -> bool:
+        """Dropped before its first ``next()``, in the thread that made it: hand what it
+        requested to ``keep`` (an :class:`Ahead`, the source still running) instead of dropping
+        it. True when it did."""
+        if (self._keep is None or self.closed or self._taken or self._source is None or not self._pending
+                or lifecycle.generation != self._generation or threading.get_ident() != self._thread):
+            return False
+        ahead = Ahead(self._plan, self._source, batches=self._batches, afters=self._pending,
+                      done=self._done_sampling)
+        self._source = None  # the Ahead's now: close() leaves it running
+        self.close()
+        self._keep(ahead)
+        return True
 
     def __del__(self):
         try:
-            self.close()
+            if not self._leave_requests():
+                self.close()
         except Exception:
             pass

@@ -282,32 +282,49 @@ class Loader:
                               "a time: iterate the new one")
         o = self._options
         fixed = o.fixed_size and o.batch_transform is None and o.device_transform is None
-        plan, source, ahead, lookahead = self._begin_pass()
-        it = EpochIterator(plan, source, prefetch=o.prefetch, stats=self._stats, progress=self._progress,
-                           fixed_size=fixed, log_every=o.log_every, ahead=ahead, lookahead=lookahead,
-                           on_position=self._remote.advance if self._remote is not None else None,
-                           replan=self._replan,
-                           owner=self)  # the pass keeps its Loader alive: `for b in Loader(...)` works
+        plan, source, ahead, lookahead = self._begin_pass(wait=True)
+        try:
+            it = EpochIterator(plan, source, prefetch=o.prefetch, stats=self._stats, progress=self._progress,
+                               fixed_size=fixed, log_every=o.log_every, ahead=ahead, lookahead=lookahead,
+                               on_position=self._remote.advance if self._remote is not None else None,
+                               replan=self._replan, keep=self._lookahead.hand_back if self._lookahead.enabled else None,
+                               owner=self)  # the pass keeps its Loader alive: `for b in Loader(...)` works
+        except BaseException:  # (a Ctrl-C before the pass held its source: nothing left in the feeder)
+            if source is not None:
+                source.close()
+            raise
         self._machinery.track(it)
         self._sampler.prepare(plan.epoch + 1)  # the next epoch's order, in the background while this one runs
         return it
 
-    def _begin_pass(self) -> tuple[EpochPlan | PackPlan, Any, Any, Any]:
-        """A pass over the sampler's epoch (from a loaded mid-epoch position, if any): its plan,
-        its source, the Ahead requested for it (if any: taken over) and its iterator's look-ahead;
-        a remote dataset's cache follows the plan."""
-        plan: EpochPlan | PackPlan
-        if self._options.pack is None:
-            plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
-        else:  # the same stream of samples, read as tokens (the position counts tokens)
-            plan = self._pack_plan(*self._sampler.begin_pass())
-            self._machinery.check_pieces(plan)
-        if self._remote is not None:
-            self._remote.begin(plan)
+    def _begin_pass(self, plan: EpochPlan | PackPlan | None = None, *,
+                    wait: bool = False) -> tuple[EpochPlan | PackPlan, Any, Any, Any]:
+        """A pass over the sampler's epoch (from a loaded mid-epoch position, if any), or over
+        ``plan`` (planned already: a loaded position is used up by planning): its plan, its
+        source, the Ahead requested for it (if any: taken over) and its iterator's look-ahead;
+        a remote dataset's cache follows the plan. ``wait`` (at ``iter()``): when the look-ahead
+        holds another epoch's Ahead, no source (nothing requested): the first ``next()`` decides
+        (:meth:`_replan`)."""
+        if plan is None:
+            if self._options.pack is None:
+                plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
+            else:  # the same stream of samples, read as tokens (the position counts tokens)
+                plan = self._pack_plan(*self._sampler.begin_pass())
+                self._machinery.check_pieces(plan)
+            if self._remote is not None:
+                self._remote.begin(plan)
+            self._pass_epoch = plan.epoch
+            if wait and self._lookahead.holds_another_epoch(plan):
+                return plan, None, None, None
         ahead = self._lookahead.take(plan)  # before any new request: a stale one is closed first
-        source = ahead.source if ahead is not None else self._machinery.source(plan.epoch)
-        self._pass_epoch = plan.epoch
-        return plan, source, ahead, self._lookahead.after(plan.epoch)
+        try:
+            source = ahead.source if ahead is not None else self._machinery.source(plan.epoch)
+            self._pass_epoch = plan.epoch
+            return plan, source, ahead, self._lookahead.after(plan.epoch)
+        except BaseException:  # (a Ctrl-C: what the Ahead requested must not stay in the feeder)
+            if ahead is not None:
+                ahead.close()
+            raise
 
     def _replan(self, it: EpochIterator) -> None:
         """At a pass's first ``next()``: if the sampler was moved to another epoch since ``iter()``,
@@ -315,14 +332,23 @@ class Loader:
         sampler only at the first ``next()``). PyTorch Lightning does this: ``iter(loader)``, then
         ``loader.sampler.set_epoch(epoch)``, when a fit begins or resumes and when it reloads its
         dataloaders. The epoch set to the pass's own keeps its plan (a loaded mid-epoch
-        position included)."""
+        position included). A pass that waited (an Ahead of another epoch was held at ``iter()``)
+        takes that Ahead over if the sampler was moved to its epoch, else closes it and requests
+        its own batches now."""
         epoch = self._sampler.epoch
-        if epoch == it.plan.epoch:
+        if epoch == it.plan.epoch and not it.waiting:
             return
         it.discard()  # what was requested for the old epoch is dropped, its threads joined
-        self._lookahead.set_epoch(epoch)  # the script moves the epochs: the next pass is guessed epoch + 1
-        plan, source, ahead, lookahead = self._begin_pass()
-        it.restart(plan, source, ahead=ahead, lookahead=lookahead)
+        if epoch == it.plan.epoch:  # it waited, the sampler stayed: the pass planned at iter() (the Ahead closed)
+            plan, source, ahead, lookahead = self._begin_pass(it.plan)
+        else:
+            self._lookahead.set_epoch(epoch)  # an Ahead of another epoch than the sampler's stops
+            plan, source, ahead, lookahead = self._begin_pass()
+        try:
+            it.restart(plan, source, ahead=ahead, lookahead=lookahead)
+        except BaseException:
+            source.close()  # (idempotent: restart closes it too once it holds it)
+            raise
         self._sampler.prepare(plan.epoch + 1)
 
     # -- resume --------------------------------------------------------------------------------

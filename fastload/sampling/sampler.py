@@ -132,6 +132,7 @@ class Sampler:
             self.window = _int("window", 4 if window is None else window, 1)
 
         self.epoch = 0
+        self.epochs_set = 0  # set_epoch calls so far: a loader reads from it that its script moves the epochs
         self._consumed = 0
         self._resume_pending = False
         self._cache: dict[int, np.ndarray] = {}  # the materialised streams of the current epoch and the next
@@ -276,6 +277,7 @@ class Sampler:
         """Select the epoch (call before each epoch, like ``DistributedSampler.set_epoch``).
         After ``load_state_dict``, setting the loaded epoch keeps the loaded position."""
         epoch = _int("epoch", epoch, 0)
+        self.epochs_set += 1
         if self._resume_pending and epoch == self.epoch:
             return
         self._resume_pending = False
