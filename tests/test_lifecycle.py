@@ -147,8 +147,8 @@ def test_ctrl_c_to_converts_process_group_prints_one_line(tmp_path):
             assert not dst.exists() or os.listdir(dst) == [], os.listdir(dst)  # (the directory it made goes)
         elif p.returncode == -signal.SIGINT:  # the signal came as the interpreter exited after a whole
             # conversion (Python puts SIGINT back to its default while it finalizes): killed by it,
-            # with the dataset complete and its report printed
-            assert (dst / "manifest.json").exists() and "wrote " in out, (out[-500:], err[-2000:])
+            # with the dataset complete
+            assert (dst / "manifest.json").exists() and "Traceback" not in err, err[-2000:]
         else:  # finished before the signal
             assert p.returncode == 0, err[-2000:]
     assert 130 in codes, codes  # the signal did land during a conversion
