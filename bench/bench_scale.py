@@ -404,14 +404,14 @@ def child_table(kind: str, role: str, n: int, folder: str, seconds: float) -> di
 
 
 def child_baseline(n: int) -> dict:
-    """The version-2 sampler's first batch: a permutation of N materialised first."""
-    from fastload import _C
+    """A materialised order's first batch (torch's DistributedSampler, and fastload's sampler
+    before version 3): a permutation of N computed first (``torch.randperm``)."""
+    import torch
 
     before = _reset_peak()
     t0 = time.perf_counter()
-    perm = np.empty(n, np.int32 if n < 2**31 else np.int64)
-    _C.permutation(perm, 1, 0)
-    first = perm[:BATCH].astype(np.int64)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+    first = perm[:BATCH].numpy().astype(np.int64)
     return {"n": n, "first_s": time.perf_counter() - t0, "rss_growth": max(0, _peak() - before),
             "check": int(first.sum())}
 
@@ -576,7 +576,7 @@ def main(argv=None) -> list:
     ap.add_argument("--ragged-docs", default="1e7", help="documents of the ragged Loader's datasets, comma-separated "
                     "(--full: 1e8)")
     ap.add_argument("--seconds", type=float, default=1.0, help="how long to read batches for the rate")
-    ap.add_argument("--baseline-max", type=float, default=1e8, help="largest N the v2 baseline materialises")
+    ap.add_argument("--baseline-max", type=float, default=1e8, help="largest N the randperm baseline materialises")
     ap.add_argument("--rows", type=int, default=10_000_000, help="one-byte rows of the Loader's dataset")
     ap.add_argument("--shards", type=int, default=100)
     ap.add_argument("--full", action="store_true", help="the Loader part at 10^8 rows in 1,000 shards")
@@ -628,16 +628,16 @@ def main(argv=None) -> list:
     sizes = [int(float(x)) for x in a.sizes.split(",")]
     print(f"Sampler(N, batch_size={BATCH}, world_size={WORLD}, rank=0), each N in a fresh process; {system_info()}")
     print(f"{'N':>16} {'first batch':>12} {'peak RSS +':>11} {'resume':>9} {'batches/s':>10} {'samples/s':>12}"
-          f"   | v2: {'first batch':>11} {'peak RSS +':>11}")
+          f"   | randperm: {'first batch':>11} {'peak RSS +':>11}")
     rows = []
     for n in sizes:
         r = _run_child("--child", "sampler", str(n), str(a.seconds))
         b = _run_child("--child", "baseline", str(n)) if n <= a.baseline_max else None
         rows.append((r, b))
-        v2 = (f"{b['first_s'] * 1e3:>9.1f} ms {b['rss_growth'] / 2**20:>8.1f} MB" if b else
-              f"{'not run (' + format(n * (4 if n < 2**31 else 8) / 2**30, '.1f') + ' GiB)':>24}")
+        materialised = (f"{b['first_s'] * 1e3:>9.1f} ms {b['rss_growth'] / 2**20:>8.1f} MB" if b else
+              f"{'not run (' + format(n * 8 / 2**30, '.1f') + ' GiB)':>24}")
         print(f"{n:>16,} {r['first_s'] * 1e3:>9.2f} ms {r['rss_growth'] / 2**20:>8.1f} MB "
-              f"{r['resume_s'] * 1e3:>6.2f} ms {r['batches_per_s']:>10,.0f} {r['samples_per_s']:>12,.0f}   | {v2}")
+              f"{r['resume_s'] * 1e3:>6.2f} ms {r['batches_per_s']:>10,.0f} {r['samples_per_s']:>12,.0f}   | {materialised}")
     print(f"Mixture epochs of N positions (3 datasets, weights 0.5/0.3/0.2, per='batch'; rank 0 of {WORLD}, "
           f"batch {BATCH}), each N in a fresh process")
     print(f"{'N':>16} {'first batch':>12} {'peak RSS +':>11} {'resume':>9} {'samples/s':>12}")
@@ -724,7 +724,7 @@ def main(argv=None) -> list:
     headline(f"sampler: first batch at N={big['n']:.0e}, rank 0 of {WORLD}, batch {BATCH}", script="bench_scale.py",
              unit="ms", lower_is_better=True, smoke=a.smoke,
              ours=(f"Sampler at N={big['n']:.0e}", big["first_s"] * 1e3),
-             baseline=(f"v2 sampler (materialised permutation) at N={base[1]['n']:.0e}", base[1]["first_s"] * 1e3),
+             baseline=(f"materialised order (torch.randperm, as DistributedSampler) at N={base[1]['n']:.0e}", base[1]["first_s"] * 1e3),
              note=f"peak RSS +{big['rss_growth'] / 2**20:.1f} MB; resume {big['resume_s'] * 1e3:.2f} ms; "
                   f"slowest rate {slowest:,.0f} samples/s; Loader over {lo['rows']:,} rows: open "
                   f"{lo['open_s'] * 1e3:.0f} ms, first batch {lo['first_s'] * 1e3:.0f} ms; {mf['shards']:,} shards: "

@@ -1,5 +1,5 @@
 // fastload._C: the Python binding of the ring (see Note [Ring design] in ring.h) and of the
-// gather kernel and the permutation, which tests and the sampler call on their own.
+// gather kernel, which tests and benchmarks call on their own.
 //
 // Python objects cross this boundary only as buffers (py::buffer / py::array): the source
 // shards come in through the buffer protocol, batches go out as numpy arrays whose `base`
@@ -33,7 +33,6 @@
 
 #include "fault.h"
 #include "gather.h"
-#include "permute.h"
 #include "ring.h"
 
 namespace py = pybind11;
@@ -834,31 +833,11 @@ py::tuple gather_ragged_py(const py::list& sources, const IndexArray& shard, con
   return py::make_tuple(values, offsets);
 }
 
-void permutation_into(py::buffer out, std::uint64_t key0, std::uint64_t key1) {
-  py::buffer_info info = out.request(/*writable=*/true);
-  if (info.ndim != 1 || (info.shape[0] > 1 && info.strides[0] != info.itemsize))
-    throw py::value_error("permutation: out must be a contiguous 1-D array");
-  const bool i32 = info.itemsize == 4 && (info.format == "i" || info.format == "l");
-  const bool i64 = info.itemsize == 8 && (info.format == "l" || info.format == "q");
-  if (!i32 && !i64) throw py::value_error("permutation: out must be int32 or int64, got format " + info.format);
-  const std::int64_t n = static_cast<std::int64_t>(info.shape[0]);
-  if (i32 && n > (std::int64_t{1} << 31))
-    throw py::value_error("permutation: more than 2^31 positions need an int64 array");
-  py::gil_scoped_release nogil;
-  if (i32)
-    fastload::permutation(static_cast<std::int32_t*>(info.ptr), n, key0, key1);
-  else
-    fastload::permutation(static_cast<std::int64_t*>(info.ptr), n, key0, key1);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fastload C++ core: the ring buffer of aligned host slots with a gather thread pool";
 
-  m.def("permutation", &permutation_into, py::arg("out"), py::arg("key0"), py::arg("key1"),
-        "Fill the int32/int64 array `out` with a uniformly random permutation of "
-        "0..len(out)-1 determined by the 128-bit key (xoshiro256** Fisher-Yates; GIL released).");
   m.def("gather_rows", &gather_rows_py, py::arg("out"), py::arg("sources"), py::arg("shard"),
         py::arg("row"), py::arg("index") = py::none(), py::arg("index_field") = -1,
         "The gather kernel alone: rows (shard[i], row[i]) of each field's per-shard sources "
