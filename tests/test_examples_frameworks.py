@@ -9,6 +9,7 @@ saved position: no sample of an epoch seen twice, none lost.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -179,12 +180,16 @@ def test_lightning_reloading_its_dataloader_every_epoch_reads_each_epochs_order(
 # -- Ray Train ---------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_ray_train_two_workers_split_each_epoch_and_a_restart_continues_at_the_checkpoint(tmp_path):
+def test_ray_train_two_workers_split_each_epoch_and_a_restart_continues_at_the_checkpoint(tmp_path, ray_cluster,
+                                                                                          monkeypatch):
     pytest.importorskip("ray.train", reason="pip install 'fastload[test]' (ray[train])")
+    # on the session's Ray (tests/_ray.py), as on a cluster a user already runs: --address
+    for k, v in ray_cluster.env({**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}).items():
+        monkeypatch.setenv(k, v)
     # 256 samples, 2 workers x 16: 8 steps an epoch; rank 1 fails at step 5, after the checkpoint of step 3
     out = run(RAY, "--data", tmp_path / "ds", "--make-data", "256", "--workers", "2", "--batch-size", "16",
               "--epochs", "2", "--save-every", "3", "--fail-at-step", "5", "--storage", tmp_path / "ray",
-              "--record", tmp_path / "rec", cwd=tmp_path, timeout=600)
+              "--record", tmp_path / "rec", "--address", ray_cluster.address, cwd=tmp_path, timeout=600)
     assert "finished: {'epoch': 2, 'step': 16" in out
     rec = records(tmp_path / "rec")
     assert sorted(rec) == [0, 1]
