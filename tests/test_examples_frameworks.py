@@ -193,6 +193,8 @@ def test_ray_train_two_workers_split_each_epoch_and_a_restart_continues_at_the_c
     # on the session's Ray (tests/_ray.py), as on a cluster a user already runs: --address
     for k, v in ray_cluster.env({**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}).items():
         monkeypatch.setenv(k, v)
+    # Ray Train's controller looks at its workers (their reports, the failure) every 2 s by default
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     # 256 samples, 2 workers x 16: 8 steps an epoch; rank 1 fails at step 5, after the checkpoint of step 3
     out = run(RAY, "--data", tmp_path / "ds", "--make-data", "256", "--workers", "2", "--batch-size", "16",
               "--epochs", "2", "--save-every", "3", "--fail-at-step", "5", "--storage", tmp_path / "ray",
