@@ -3,10 +3,11 @@ with ``ray_address=`` instead of each starting a private Ray (seconds each on 2 
 plugin of tests/conftest.py.
 
 The cluster is started lazily, by the first test that asks for it, by a helper driver process
-(``ray.init(num_cpus=2)``) that holds it until its stdin closes; at the end of the session the
-helper stops it, and any process of the cluster still alive then is killed by its pid (never by
-name). Its processes (GCS, raylet, the workers) get the environment of the session as it was when
-it started, less what a test sets for itself (``AWS_*``, ``FASTLOAD_TEST_*``).
+(``ray.init(num_cpus=2)``, not a child of pytest's) that holds it until its stdin closes; at the
+end of the session (or when the pytest process dies) the helper stops it, and any process of the
+cluster still alive then is killed by its pid (never by name). Its processes (GCS, raylet, the
+workers) get the environment of the session as it was when it started, less what a test sets for
+itself (``AWS_*``, ``FASTLOAD_TEST_*``), without a GPU.
 
 A driver that joins it gets ``ray_cluster.env(driver_env)``: what its own environment adds to or
 changes in the cluster's (the fault injection of tests/fault_site on PYTHONPATH, the
@@ -37,14 +38,23 @@ LOCAL_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED"
 _PRIVATE = ("AWS_", "FASTLOAD_TEST_")  # set by tests for their own runs, never the cluster's
 
 
+# The helper: started by a launcher that exits at once, so that the helper is not a child of the
+# pytest process (a test may check that a conversion left no child process behind); the pipes
+# stay the launcher's, so the helper still ends when the pytest process does (its stdin closes).
+_HELPER = (f"import os, ray, sys; ray.init(num_cpus={CPUS}, include_dashboard=False); "
+           "print(os.getpid(), ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()")
+_LAUNCHER = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1]])"
+
+
 @dataclass
 class RayCluster:
     address: str
-    helper: subprocess.Popen
+    pid: int  # the helper driver's
+    stdin: object = field(repr=False)  # closing it ends the helper
     cluster_env: dict = field(repr=False)
 
     def alive(self) -> bool:
-        return self.helper.poll() is None
+        return _running(self.pid)
 
     def env(self, driver_env: dict) -> dict:
         """Environment to add to a driver that joins the cluster: its own variables that the
@@ -55,51 +65,52 @@ class RayCluster:
                 "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": {"env_vars": mine}})}
 
 
-def _tree(pid: int) -> list:
+def _running(pid: int) -> bool:
     import psutil
 
     try:
-        return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
-        return []
+        return False
 
 
-def start_cluster(timeout: float = 180) -> RayCluster:
+def start_cluster() -> RayCluster:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.update(LOCAL_ENV, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # (the suite's tests see no GPU)
-    helper = subprocess.Popen(
-        [sys.executable, "-c", f"import ray, sys; ray.init(num_cpus={CPUS}, include_dashboard=False); "
-                               "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _HELPER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    launcher.wait()
     t0 = time.monotonic()
-    address = helper.stdout.readline().strip()
-    if not address.startswith("127.0.0.1:"):
-        stop_cluster(helper)
-        raise RuntimeError(f"the session's Ray cluster did not start on 127.0.0.1 (said {address!r}, "
+    line = launcher.stdout.readline().split()
+    launcher.stdout.close()
+    if len(line) != 2 or not line[1].startswith("127.0.0.1:"):
+        if line and line[0].isdigit():
+            stop_cluster(int(line[0]), launcher.stdin)
+        else:
+            launcher.stdin.close()
+        raise RuntimeError(f"the session's Ray cluster did not start on 127.0.0.1 (said {line!r}, "
                            f"after {time.monotonic() - t0:.0f} s)")
-    return RayCluster(address, helper, env)
+    return RayCluster(line[1], int(line[0]), launcher.stdin, env)
 
 
-def stop_cluster(helper: subprocess.Popen) -> None:
+def stop_cluster(pid: int, stdin) -> None:
     """End the helper (it stops its cluster), then kill by pid whatever of its tree is left."""
     import psutil
 
-    tree = _tree(helper.pid)[1:]
-    if helper.stdin and not helper.stdin.closed:
-        helper.stdin.close()
     try:
-        helper.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        helper.kill()
-        helper.wait()
-    for p in tree:
+        tree = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    stdin.close()
+    deadline = time.monotonic() + 60
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in ([psutil.Process(pid)] if _running(pid) else []) + tree:
         try:
             p.kill()
         except psutil.Error:
             pass
-    if helper.stdout:
-        helper.stdout.close()
 
 
 @pytest.fixture(scope="session")
@@ -111,4 +122,4 @@ def ray_cluster():
     try:
         yield cluster
     finally:
-        stop_cluster(cluster.helper)
+        stop_cluster(cluster.pid, cluster.stdin)
