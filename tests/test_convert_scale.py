@@ -48,14 +48,18 @@ def assert_same(a: Path, b: Path) -> None:
     assert not (b / PARTS).exists()
 
 
-def env_for(tmp: Path, fault_group: int | None = None, fault_when: str = "start") -> dict:
+def env_for(tmp: Path, fault_group: int | None = None, fault_when: str = "start", faults: dict | None = None) -> dict:
+    """The environment of a run: the fault site (tests/fault_site) on PYTHONPATH, its records
+    under ``tmp``; the first attempt of group ``fault_group`` dies at ``fault_when``, and of
+    each group in ``faults`` ({group: when}) at its own."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "fault_site"), str(HERE.parent),
                                                         os.environ.get("PYTHONPATH", "")]),
            "FASTLOAD_TEST_HEAVY": str(tmp / "heavy"), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     (tmp / "heavy").mkdir(exist_ok=True)
-    if fault_group is not None:
+    faults = {**({} if fault_group is None else {fault_group: fault_when}), **(faults or {})}
+    if faults:
         (tmp / "faults").mkdir(exist_ok=True)
-        env["FASTLOAD_TEST_FAULT"] = f"{fault_group}:{tmp / 'faults'}:{fault_when}"
+        env["FASTLOAD_TEST_FAULT"] = ",".join(f"{g}:{tmp / 'faults'}:{when}" for g, when in faults.items())
     return env
 
 
@@ -71,14 +75,14 @@ _CLI_LINES = [(re.compile(r"^wrote (\d+) samples"), ("num_samples",)),
 
 def run_engine(engine: str, src: Path, dst: Path | str, tmp: Path, *, fault_group: int | None = None,
                fault_when: str = "start", ranks: int = 2, watch: set | None = None, extra_env: dict | None = None,
-               cli: bool = False, cluster=None, **kw) -> tuple[int, dict | None, str]:
+               cli: bool = False, cluster=None, faults: dict | None = None, **kw) -> tuple[int, dict | None, str]:
     """Run a conversion in fresh processes: the API in a subprocess, or (``cli``) the
     ``fastload convert`` command; with engine "torch", on every rank of ``torchrun
     --standalone --nproc-per-node ranks``. Returns (exit status, rank 0's summary or None,
     stderr); from the CLI the summary holds what it prints. ``watch``: a set that receives
     every IP address the processes' TCP sockets used. ``cluster``: the session's Ray
     (tests/_ray.py), joined with ``ray_address``, its workers given this run's environment."""
-    env = {**env_for(tmp, fault_group, fault_when), **(extra_env or {})}
+    env = {**env_for(tmp, fault_group, fault_when, faults), **(extra_env or {})}
     if cluster is not None:
         kw["ray_address"] = cluster.address
         env.update(cluster.env(env))
@@ -534,33 +538,44 @@ def kill_tree(p: subprocess.Popen) -> None:
 
 
 # -- torchrun ------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_torchrun_overwrite_split_workers_and_a_kill_mid_write(images, reference, tmp_path):
-    dst = tmp_path / "ds"
-    convert("arrays", _npz(tmp_path), dst, progress=False)  # a dataset to replace
+@pytest.fixture(scope="module")
+def torchrun_killed(images, tmp_path_factory):
+    """One torchrun run (2 ranks) that replaces a dataset (``overwrite``) with ``workers=3``, its
+    every socket watched, where two tasks die at their first attempt: group 1 (rank 1's) with
+    half a shard file written, group 2 (rank 0's) before it starts. Returns (tmp, dst, old
+    shard names, exit status, summary, stderr, addresses). Two tests check what they each
+    are about."""
+    tmp = tmp_path_factory.mktemp("torchrun-killed")
+    dst = tmp / "ds"
+    convert("arrays", _npz(tmp), dst, progress=False)  # a dataset to replace
     old_shards = {n for n in os.listdir(dst) if n.startswith("shard-")}
-    code, r, err = run_engine("torch", images, dst, tmp_path, fault_group=1, fault_when="write", overwrite=True,
-                              workers=3)
+    addresses: set[str] = set()
+    code, r, err = run_engine("torch", images, dst, tmp, fault_group=1, fault_when="write", faults={2: "start"},
+                              overwrite=True, workers=3, watch=addresses)
+    return tmp, dst, old_shards, code, r, err, addresses
+
+
+@pytest.mark.slow
+def test_torchrun_overwrite_split_workers_and_a_kill_mid_write(torchrun_killed, reference):
+    tmp, dst, old_shards, code, r, err, _ = torchrun_killed
     assert code == 0, err
-    assert (tmp_path / "faults" / "died-1").exists()  # a task died with half a shard file written ...
+    assert (tmp / "faults" / "died-1").exists()  # a task died with half a shard file written ...
     assert_same(reference, dst)  # ... and was retried; the old dataset is replaced
     assert not old_shards & set(os.listdir(dst)) and not list(dst.glob(".fastload-staging-*"))
     assert r["workers"] == 3 and r["worker_pids"] == 2  # 3 at once in all: 2 on rank 0, 1 on rank 1
-    assert set(dali_threads(tmp_path)) == {1}
+    assert set(dali_threads(tmp)) == {1}
 
 
 @pytest.mark.slow
-def test_torchrun_equals_local_and_retries_a_killed_task(images, reference, tmp_path):
-    dst = tmp_path / "ds"
-    addresses: set[str] = set()
-    code, r, err = run_engine("torch", images, dst, tmp_path, fault_group=2, watch=addresses)
+def test_torchrun_equals_local_and_retries_a_killed_task(torchrun_killed, reference):
+    tmp, dst, _, code, r, err, addresses = torchrun_killed
     assert code == 0, err
     assert addresses and non_loopback(addresses) == set()
-    assert (tmp_path / "faults" / "died-2").exists()
+    assert (tmp / "faults" / "died-2").exists()
     assert r["world_size"] == 2 and r["num_groups"] >= 5
     assert_same(reference, dst)
-    assert heavy_modules(tmp_path) == {}
-    assert dali_threads(tmp_path) and set(dali_threads(tmp_path)) == {1}
+    assert heavy_modules(tmp) == {}
+    assert dali_threads(tmp) and set(dali_threads(tmp)) == {1}
 
 
 @pytest.mark.slow
