@@ -32,7 +32,7 @@ import time
 
 import pytest
 
-pytest_plugins = ["_remote", "_convert"]
+pytest_plugins = ["_remote", "_convert", "_ray"]
 
 _GRACE_S = 2.0
 _TASK_DIR = "/proc/self/task"

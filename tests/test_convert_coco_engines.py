@@ -48,13 +48,14 @@ def test_coco_into_s3_with_the_local_engine_and_the_distributed_core(s3, coco, t
 
 @pytest.mark.slow
 @have_ray
-def test_the_ray_engine_produces_the_same_dataset(coco, tmp_path):
+def test_the_ray_engine_produces_the_same_dataset(coco, tmp_path, ray_cluster):
     src, local = coco
     args = {"kind": "coco", "src": str(src["js"]), "dst": str(tmp_path / "ray"), "images": str(src["images"]),
             "masks": True, "engine": "ray", "workers": 2, "shard_size": "15KB", "allow_small_shards": True,
-            "progress": False}
+            "progress": False, "ray_address": ray_cluster.address}  # the session's Ray (tests/_ray.py)
+    env = env_for(tmp_path)
     p = subprocess.run([sys.executable, "-c", RUN_CONVERT, json.dumps(args)], capture_output=True, text=True, timeout=600,
-                       env=env_for(tmp_path), check=False)
+                       env={**env, **ray_cluster.env(env)}, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["num_groups"] >= 2 and r["num_samples"] == 12

@@ -373,13 +373,14 @@ have_ray = pytest.mark.skipif(
 
 @have_ray
 @pytest.mark.slow
-def test_ray_resume_after_an_image_was_rewritten_and_one_added(folder, other, tmp_path):
+def test_ray_resume_after_an_image_was_rewritten_and_one_added(folder, other, tmp_path, ray_cluster):
     dst = tmp_path / "ds"
     base = ["imagefolder", folder, dst, "--engine", "ray", "--workers", "2", "--shard-size", "50000",
-            "--force-small-shards"]
+            "--force-small-shards", "--ray-address", ray_cluster.address]  # the session's Ray (tests/_ray.py)
     env = {"PYTHONPATH": os.pathsep.join([str(HERE / "fault_site"), str(HERE.parent),
                                           os.environ.get("PYTHONPATH", "")]),
            "FASTLOAD_TEST_HEAVY": str(tmp_path / "heavy")}
+    env.update(ray_cluster.env({**os.environ, "OMP_NUM_THREADS": "1", **env}))
     (tmp_path / "heavy").mkdir()
     bad = images_of(folder)[-1]
     good = bad.read_bytes()

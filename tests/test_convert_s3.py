@@ -136,9 +136,10 @@ def test_overwrite_in_an_object_store_keeps_the_old_dataset_until_the_new_manife
 @have_ray
 @pytest.mark.slow
 def test_ray_into_s3_equals_local_and_retries_a_task_killed_between_upload_and_record(s3, images, reference,
-                                                                                         tmp_path):
+                                                                                         tmp_path, ray_cluster):
     url = f"s3://{BUCKET}/ray"
-    code, r, err = run_engine("ray", images, url, tmp_path, fault_group=2, fault_when="put", workers=2, cli=True)
+    code, r, err = run_engine("ray", images, url, tmp_path, fault_group=2, fault_when="put", workers=2, cli=True,
+                              cluster=ray_cluster)
     assert code == 0, err
     assert (tmp_path / "faults" / "died-2").exists()  # its shards were uploaded, its record was not ...
     assert r["num_samples"] == 300 and r["tasks_run"] == r["num_groups"]  # ... and the retry redid it

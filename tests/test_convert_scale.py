@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -47,14 +48,18 @@ def assert_same(a: Path, b: Path) -> None:
     assert not (b / PARTS).exists()
 
 
-def env_for(tmp: Path, fault_group: int | None = None, fault_when: str = "start") -> dict:
+def env_for(tmp: Path, fault_group: int | None = None, fault_when: str = "start", faults: dict | None = None) -> dict:
+    """The environment of a run: the fault site (tests/fault_site) on PYTHONPATH, its records
+    under ``tmp``; the first attempt of group ``fault_group`` dies at ``fault_when``, and of
+    each group in ``faults`` ({group: when}) at its own."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "fault_site"), str(HERE.parent),
                                                         os.environ.get("PYTHONPATH", "")]),
            "FASTLOAD_TEST_HEAVY": str(tmp / "heavy"), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     (tmp / "heavy").mkdir(exist_ok=True)
-    if fault_group is not None:
+    faults = {**({} if fault_group is None else {fault_group: fault_when}), **(faults or {})}
+    if faults:
         (tmp / "faults").mkdir(exist_ok=True)
-        env["FASTLOAD_TEST_FAULT"] = f"{fault_group}:{tmp / 'faults'}:{fault_when}"
+        env["FASTLOAD_TEST_FAULT"] = ",".join(f"{g}:{tmp / 'faults'}:{when}" for g, when in faults.items())
     return env
 
 
@@ -70,12 +75,17 @@ _CLI_LINES = [(re.compile(r"^wrote (\d+) samples"), ("num_samples",)),
 
 def run_engine(engine: str, src: Path, dst: Path | str, tmp: Path, *, fault_group: int | None = None,
                fault_when: str = "start", ranks: int = 2, watch: set | None = None, extra_env: dict | None = None,
-               cli: bool = False, **kw) -> tuple[int, dict | None, str]:
+               cli: bool = False, cluster=None, faults: dict | None = None, **kw) -> tuple[int, dict | None, str]:
     """Run a conversion in fresh processes: the API in a subprocess, or (``cli``) the
     ``fastload convert`` command; with engine "torch", on every rank of ``torchrun
     --standalone --nproc-per-node ranks``. Returns (exit status, rank 0's summary or None,
     stderr); from the CLI the summary holds what it prints. ``watch``: a set that receives
-    every IP address the processes' TCP sockets used."""
+    every IP address the processes' TCP sockets used. ``cluster``: the session's Ray
+    (tests/_ray.py), joined with ``ray_address``, its workers given this run's environment."""
+    env = {**env_for(tmp, fault_group, fault_when, faults), **(extra_env or {})}
+    if cluster is not None:
+        kw["ray_address"] = cluster.address
+        env.update(cluster.env(env))
     if cli:
         flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in kw.items() if v is not False]
         cmd = ["-m", "fastload", "convert", "imagefolder", str(src), str(dst), f"--engine={engine}",
@@ -88,8 +98,7 @@ def run_engine(engine: str, src: Path, dst: Path | str, tmp: Path, *, fault_grou
                "--no-python", sys.executable, *cmd]
     else:
         cmd = [sys.executable, *cmd]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**env_for(tmp, fault_group, fault_when), **(extra_env or {})})
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         addresses = _watch_addresses(p) if watch is not None else set()
         stdout, stderr = p.communicate(timeout=600)
@@ -435,11 +444,11 @@ def test_an_unreachable_ray_address_is_refused_at_once_and_leaves_no_plan(images
 
 @have_ray
 @pytest.mark.slow
-def test_ray_first_error_cancels_the_tasks_in_flight(images, tmp_path):
+def test_ray_first_error_cancels_the_tasks_in_flight(images, tmp_path, ray_cluster):
     src, key = corrupt_copy(images, tmp_path, 0)  # group 0 fails at once ...
     dst = tmp_path / "ds"
     t0 = time.monotonic()
-    code, _, err = run_engine("ray", src, dst, tmp_path, workers=2, cli=True,
+    code, _, err = run_engine("ray", src, dst, tmp_path, workers=2, cli=True, cluster=ray_cluster,
                               extra_env={"FASTLOAD_TEST_SLOW": "1:300"})  # ... while group 1 runs (for 5 min)
     took = time.monotonic() - t0
     assert code == 1 and "group 0 (samples 0.." in err and key in err and "--resume" in err, err
@@ -467,10 +476,10 @@ def test_ray_equals_local_and_retries_a_killed_worker(images, reference, tmp_pat
 
 @have_ray
 @pytest.mark.slow
-def test_ray_failure_then_resume(images, reference, tmp_path):
+def test_ray_failure_then_resume(images, reference, tmp_path, ray_cluster):
     src, key = corrupt_copy(images, tmp_path, 299)  # in the last group
     dst = tmp_path / "ds"
-    code, _, err = run_engine("ray", src, dst, tmp_path, workers=2, cli=True)
+    code, _, err = run_engine("ray", src, dst, tmp_path, workers=2, cli=True, cluster=ray_cluster)
     plan = load_plan(dst)
     g = plan.num_groups - 1
     a, b = plan.bounds(g)
@@ -479,7 +488,7 @@ def test_ray_failure_then_resume(images, reference, tmp_path):
     done = sorted(p.name for p in (dst / PARTS).glob("g-????????"))
     assert done and f"g-{g:08d}" not in done
     shutil.copy(images / key, src / key)  # the user fixes the file
-    code, r, err = run_engine("ray", src, dst, tmp_path, workers=2, resume=True, cli=True)
+    code, r, err = run_engine("ray", src, dst, tmp_path, workers=2, resume=True, cli=True, cluster=ray_cluster)
     assert code == 0, err
     assert r["tasks_reused"] == len(done) and r["tasks_run"] == plan.num_groups - len(done)
     assert_same(reference, dst)
@@ -487,10 +496,10 @@ def test_ray_failure_then_resume(images, reference, tmp_path):
 
 @have_ray
 @pytest.mark.slow
-def test_ray_skip_merges_the_report(images, tmp_path):
+def test_ray_skip_merges_the_report(images, tmp_path, ray_cluster):
     src, key = corrupt_copy(images, tmp_path, 150)
     convert("imagefolder", src, tmp_path / "ref", progress=False, workers=0, on_error="skip")
-    code, r, err = run_engine("ray", src, tmp_path / "ds", tmp_path, workers=2, on_error="skip")
+    code, r, err = run_engine("ray", src, tmp_path / "ds", tmp_path, workers=2, on_error="skip", cluster=ray_cluster)
     assert code == 0, err
     assert r["skipped"] == 1
     assert_same(tmp_path / "ref", tmp_path / "ds")
@@ -499,29 +508,16 @@ def test_ray_skip_merges_the_report(images, tmp_path):
 
 @have_ray
 @pytest.mark.slow
-def test_ray_address_joins_a_running_cluster_and_leaves_it_running(images, reference, tmp_path):
-    # A Ray cluster of its own (started by a helper driver on 127.0.0.1); closing the
-    # helper's stdin ends it, and with it every process of that cluster.
-    helper = subprocess.Popen(
-        [sys.executable, "-c", "import ray, sys; ray.init(num_cpus=2, include_dashboard=False); "
-                               "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"})
-    try:
-        address = helper.stdout.readline().strip()
-        assert address.startswith("127.0.0.1:"), address
-        code, r, err = run_engine("ray", images, tmp_path / "ds", tmp_path, ray_address=address,
-                                  extra_env={"RAY_AUTH_MODE": "token"})  # a local Ray's token is the default
-        assert code == 0, err
-        assert r["workers"] == 2  # the cluster's CPUs
-        assert_same(reference, tmp_path / "ds")
-        assert helper.poll() is None  # the engine left the cluster running
-    finally:
-        helper.stdin.close()
-        try:
-            helper.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            kill_tree(helper)  # the helper and its cluster's processes (GCS, raylet, workers), by pid
+def test_ray_address_joins_a_running_cluster_and_leaves_it_running(images, reference, tmp_path, ray_cluster):
+    # the session's cluster (tests/_ray.py: started by a helper driver on 127.0.0.1)
+    host, port = ray_cluster.address.rsplit(":", 1)
+    assert host == "127.0.0.1", ray_cluster.address
+    code, r, err = run_engine("ray", images, tmp_path / "ds", tmp_path, cluster=ray_cluster)
+    assert code == 0, err
+    assert r["workers"] == 2  # the cluster's CPUs
+    assert_same(reference, tmp_path / "ds")
+    assert ray_cluster.alive()  # the engine left the cluster running: its GCS still answers
+    socket.create_connection((host, int(port)), timeout=10).close()
 
 
 def kill_tree(p: subprocess.Popen) -> None:
@@ -542,33 +538,44 @@ def kill_tree(p: subprocess.Popen) -> None:
 
 
 # -- torchrun ------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_torchrun_overwrite_split_workers_and_a_kill_mid_write(images, reference, tmp_path):
-    dst = tmp_path / "ds"
-    convert("arrays", _npz(tmp_path), dst, progress=False)  # a dataset to replace
+@pytest.fixture(scope="module")
+def torchrun_killed(images, tmp_path_factory):
+    """One torchrun run (2 ranks) that replaces a dataset (``overwrite``) with ``workers=3``, its
+    every socket watched, where two tasks die at their first attempt: group 1 (rank 1's) with
+    half a shard file written, group 2 (rank 0's) before it starts. Returns (tmp, dst, old
+    shard names, exit status, summary, stderr, addresses). Two tests check what they each
+    are about."""
+    tmp = tmp_path_factory.mktemp("torchrun-killed")
+    dst = tmp / "ds"
+    convert("arrays", _npz(tmp), dst, progress=False)  # a dataset to replace
     old_shards = {n for n in os.listdir(dst) if n.startswith("shard-")}
-    code, r, err = run_engine("torch", images, dst, tmp_path, fault_group=1, fault_when="write", overwrite=True,
-                              workers=3)
+    addresses: set[str] = set()
+    code, r, err = run_engine("torch", images, dst, tmp, fault_group=1, fault_when="write", faults={2: "start"},
+                              overwrite=True, workers=3, watch=addresses)
+    return tmp, dst, old_shards, code, r, err, addresses
+
+
+@pytest.mark.slow
+def test_torchrun_overwrite_split_workers_and_a_kill_mid_write(torchrun_killed, reference):
+    tmp, dst, old_shards, code, r, err, _ = torchrun_killed
     assert code == 0, err
-    assert (tmp_path / "faults" / "died-1").exists()  # a task died with half a shard file written ...
+    assert (tmp / "faults" / "died-1").exists()  # a task died with half a shard file written ...
     assert_same(reference, dst)  # ... and was retried; the old dataset is replaced
     assert not old_shards & set(os.listdir(dst)) and not list(dst.glob(".fastload-staging-*"))
     assert r["workers"] == 3 and r["worker_pids"] == 2  # 3 at once in all: 2 on rank 0, 1 on rank 1
-    assert set(dali_threads(tmp_path)) == {1}
+    assert set(dali_threads(tmp)) == {1}
 
 
 @pytest.mark.slow
-def test_torchrun_equals_local_and_retries_a_killed_task(images, reference, tmp_path):
-    dst = tmp_path / "ds"
-    addresses: set[str] = set()
-    code, r, err = run_engine("torch", images, dst, tmp_path, fault_group=2, watch=addresses)
+def test_torchrun_equals_local_and_retries_a_killed_task(torchrun_killed, reference):
+    tmp, dst, _, code, r, err, addresses = torchrun_killed
     assert code == 0, err
     assert addresses and non_loopback(addresses) == set()
-    assert (tmp_path / "faults" / "died-2").exists()
+    assert (tmp / "faults" / "died-2").exists()
     assert r["world_size"] == 2 and r["num_groups"] >= 5
     assert_same(reference, dst)
-    assert heavy_modules(tmp_path) == {}
-    assert dali_threads(tmp_path) and set(dali_threads(tmp_path)) == {1}
+    assert heavy_modules(tmp) == {}
+    assert dali_threads(tmp) and set(dali_threads(tmp)) == {1}
 
 
 @pytest.mark.slow

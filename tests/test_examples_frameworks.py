@@ -9,6 +9,7 @@ saved position: no sample of an epoch seen twice, none lost.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -127,22 +128,32 @@ def test_lightning_ddp_two_ranks_resumed_mid_epoch_from_lightnings_checkpoint(tm
         assert_each_once(seen, 256, f"epoch {epoch}")  # both ranks together: each sample once
 
 
-@pytest.mark.slow
-def test_lightning_resumed_from_an_epoch_end_checkpoint_trains_the_next_epoch(tmp_path):
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory) -> Path:
+    """A one-process fit of one epoch over 96 samples, checkpointed at its end (``ck/last.ckpt``),
+    its batches recorded (``a/``): the run both epoch-end resumes below start from (each into a
+    checkpoint directory of its own; neither changes this one's files)."""
     pytest.importorskip("lightning", reason="pip install 'fastload[test]' (lightning)")
-    common = ["--data", tmp_path / "ds", "--batch-size", "16", "--checkpoints", tmp_path / "ck", "--save-every", "100"]
-    run(LIGHTNING, *common, "--make-data", "96", "--epochs", "1", "--record", tmp_path / "a", cwd=tmp_path)
-    saved = loader_state_in(tmp_path / "ck" / "last.ckpt")["sampler"]
+    d = tmp_path_factory.mktemp("one-epoch")
+    run(LIGHTNING, "--data", d / "ds", "--batch-size", "16", "--checkpoints", d / "ck", "--save-every", "100",
+        "--make-data", "96", "--epochs", "1", "--record", d / "a", cwd=d)
+    return d
+
+
+@pytest.mark.slow
+def test_lightning_resumed_from_an_epoch_end_checkpoint_trains_the_next_epoch(one_epoch, tmp_path):
+    saved = loader_state_in(one_epoch / "ck" / "last.ckpt")["sampler"]
     assert (saved["epoch"], saved["consumed"]) == (0, 96)  # the Loader's position, in Lightning's checkpoint
-    out = run(LIGHTNING, *common, "--epochs", "2", "--resume", tmp_path / "ck" / "last.ckpt",
+    out = run(LIGHTNING, "--data", one_epoch / "ds", "--batch-size", "16", "--checkpoints", tmp_path / "ck",
+              "--save-every", "100", "--epochs", "2", "--resume", one_epoch / "ck" / "last.ckpt",
               "--record", tmp_path / "b", cwd=tmp_path)
     assert "trained to epoch 2, step 12" in out
-    (a,), (b,) = records(tmp_path / "a").values(), records(tmp_path / "b").values()
+    (a,), (b,) = records(one_epoch / "a").values(), records(tmp_path / "b").values()
     assert [r["epoch"] for r in b] == [1] * 6  # epoch 1, all of it, nothing of epoch 0 again
     assert_each_once(indices(a), 96, "epoch 0")
     assert_each_once(indices(b), 96, "epoch 1")
     assert indices(a) != indices(b)  # a new order
-    assert [r["index"] for r in b] == epoch_order(tmp_path / "ds", 1)  # the sampler's epoch 1
+    assert [r["index"] for r in b] == epoch_order(one_epoch / "ds", 1)  # the sampler's epoch 1
 
 
 def epoch_order(ds: Path, epoch: int, batch_size: int = 16) -> list[list[int]]:
@@ -155,23 +166,20 @@ def epoch_order(ds: Path, epoch: int, batch_size: int = 16) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_lightning_reloading_its_dataloader_every_epoch_reads_each_epochs_order(tmp_path):
+def test_lightning_reloading_its_dataloader_every_epoch_reads_each_epochs_order(one_epoch, tmp_path):
     """reload_dataloaders_every_n_epochs=1: Lightning calls train_dataloader() and iter(loader)
     before it sets each epoch on loader.sampler (in a resumed fit, with no second iter()):
-    every epoch is still the sampler's own, in a fit and in a fit resumed at an epoch's end."""
-    pytest.importorskip("lightning", reason="pip install 'fastload[test]' (lightning)")
-    common = ["--data", tmp_path / "ds", "--batch-size", "16", "--reload-every", "1", "--checkpoints",
-              tmp_path / "ck", "--save-every", "100"]
-    out = run(LIGHTNING, *common, "--make-data", "96", "--epochs", "2", "--record", tmp_path / "a", cwd=tmp_path)
-    assert "trained to epoch 2, step 12" in out
-    out = run(LIGHTNING, *common, "--epochs", "3", "--resume", tmp_path / "ck" / "last.ckpt",
-              "--record", tmp_path / "b", cwd=tmp_path)
+    every epoch is still the sampler's own, in a fit resumed at an epoch's end (epoch 1) and
+    at a reload within the fit (epoch 2)."""
+    out = run(LIGHTNING, "--data", one_epoch / "ds", "--batch-size", "16", "--reload-every", "1",
+              "--checkpoints", tmp_path / "ck", "--save-every", "100", "--epochs", "3",
+              "--resume", one_epoch / "ck" / "last.ckpt", "--record", tmp_path / "b", cwd=tmp_path)
     assert "trained to epoch 3, step 18" in out
-    (a,), (b,) = records(tmp_path / "a").values(), records(tmp_path / "b").values()
-    assert [r["epoch"] for r in b] == [2] * 6
+    (a,), (b,) = records(one_epoch / "a").values(), records(tmp_path / "b").values()
+    assert [r["epoch"] for r in b] == [1] * 6 + [2] * 6
     orders = [[r["index"] for r in a + b if r["epoch"] == e] for e in range(3)]
     for e in range(3):
-        assert orders[e] == epoch_order(tmp_path / "ds", e), f"epoch {e}"
+        assert orders[e] == epoch_order(one_epoch / "ds", e), f"epoch {e}"
         assert_each_once([i for batch in orders[e] for i in batch], 96, f"epoch {e}")
     assert orders[0] != orders[1] != orders[2] != orders[0]
 
@@ -179,12 +187,18 @@ def test_lightning_reloading_its_dataloader_every_epoch_reads_each_epochs_order(
 # -- Ray Train ---------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_ray_train_two_workers_split_each_epoch_and_a_restart_continues_at_the_checkpoint(tmp_path):
+def test_ray_train_two_workers_split_each_epoch_and_a_restart_continues_at_the_checkpoint(tmp_path, ray_cluster,
+                                                                                          monkeypatch):
     pytest.importorskip("ray.train", reason="pip install 'fastload[test]' (ray[train])")
+    # on the session's Ray (tests/_ray.py), as on a cluster a user already runs: --address
+    for k, v in ray_cluster.env({**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}).items():
+        monkeypatch.setenv(k, v)
+    # Ray Train's controller looks at its workers (their reports, the failure) every 2 s by default
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     # 256 samples, 2 workers x 16: 8 steps an epoch; rank 1 fails at step 5, after the checkpoint of step 3
     out = run(RAY, "--data", tmp_path / "ds", "--make-data", "256", "--workers", "2", "--batch-size", "16",
               "--epochs", "2", "--save-every", "3", "--fail-at-step", "5", "--storage", tmp_path / "ray",
-              "--record", tmp_path / "rec", cwd=tmp_path, timeout=600)
+              "--record", tmp_path / "rec", "--address", ray_cluster.address, cwd=tmp_path, timeout=600)
     assert "finished: {'epoch': 2, 'step': 16" in out
     rec = records(tmp_path / "rec")
     assert sorted(rec) == [0, 1]

@@ -1,11 +1,11 @@
 """Test-only fault injection for the distributed convert (tests/test_convert_scale.py,
 tests/test_convert_s3.py).
 
-Put this directory on PYTHONPATH and set ``FASTLOAD_TEST_FAULT=GROUP:DIR[:WHEN]``: in every
-Python process started with that environment (the CLI driver, Ray workers, torch task
-processes), the first attempt of the task for group GROUP kills its own process with
-``os._exit(1)``, as a crashed or OOM-killed worker would; ``DIR/died-GROUP`` records it (the
-pid). Every later attempt runs normally. WHEN is when it dies:
+Put this directory on PYTHONPATH and set ``FASTLOAD_TEST_FAULT=GROUP:DIR[:WHEN]`` (several,
+comma-separated, for several groups): in every Python process started with that environment
+(the CLI driver, Ray workers, torch task processes), the first attempt of the task for group
+GROUP kills its own process with ``os._exit(1)``, as a crashed or OOM-killed worker would;
+``DIR/died-GROUP`` records it (the pid). Every later attempt runs normally. WHEN is when it dies:
 
 * ``start`` (the default): before the task does anything;
 * ``write``: in the middle of writing its shard file (after 20 KB of it);
@@ -30,20 +30,21 @@ if _fault or _heavy or _slow:
     _task = importlib.import_module("fastload.convert.task")  # (fastload.convert is also a function)
 
     _orig = _task.run_group
-    _group, _marker_dir, _when = None, None, "start"
-    if _fault:
-        _group, _rest = _fault.split(":", 1)
-        _group = int(_group)
-        _marker_dir, _, _when = _rest.partition(":")
-        _when = _when or "start"
+    _faults = {}  # {group: (marker directory, when)}
+    for _spec in (_fault or "").split(","):
+        if _spec:
+            _g, _rest = _spec.split(":", 1)
+            _dir, _, _w = _rest.partition(":")
+            _faults[int(_g)] = (_dir, _w or "start")
+    _whens = {w for _, w in _faults.values()}
     _current = [None]
 
-    def _first_death(g) -> bool:
-        """True (and the marker written) for the first attempt of the faulty group only."""
-        if _fault is None or int(g) != _group:
+    def _first_death(g, when) -> bool:
+        """True (and the marker written) for the first attempt of a faulty group only, at its WHEN."""
+        if g is None or _faults.get(int(g), (None, None))[1] != when:
             return False
         try:
-            fd = os.open(os.path.join(_marker_dir, f"died-{g}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            fd = os.open(os.path.join(_faults[int(g)][0], f"died-{g}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
         os.write(fd, str(os.getpid()).encode())
@@ -60,7 +61,7 @@ if _fault or _heavy or _slow:
             group, seconds = _slow.split(":")
             if int(g) == int(group):
                 time.sleep(float(seconds))
-        if _when == "start" and _first_death(g):
+        if _first_death(g, "start"):
             os._exit(1)
         _current[0] = int(g)
         try:
@@ -70,25 +71,26 @@ if _fault or _heavy or _slow:
 
     _task.run_group = run_group
 
-    if _fault and _when == "write":
+    if "write" in _whens:
         _tx = importlib.import_module("fastload.store.transaction")
         _write = _tx.HashingFile.write
 
         def write(self, b):
             n = _write(self, b)
-            if self.nbytes > 20_000 and _current[0] == _group and _first_death(_group):
+            if self.nbytes > 20_000 and _first_death(_current[0], "write"):
                 os._exit(1)  # half a shard file on disk
             return n
 
         _tx.HashingFile.write = write
 
-    if _fault and _when == "put":
+    if "put" in _whens:
         _obj = importlib.import_module("fastload.convert.objstore")
         _put_json = _obj.Store.put_json
 
         def put_json(self, name, obj):
-            if name == _obj.record_name(_group) and _first_death(_group):
-                os._exit(1)  # the shards are uploaded, the record is not
+            for g in _faults:
+                if name == _obj.record_name(g) and _first_death(g, "put"):
+                    os._exit(1)  # the shards are uploaded, the record is not
             return _put_json(self, name, obj)
 
         _obj.Store.put_json = put_json
