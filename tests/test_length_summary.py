@@ -399,3 +399,15 @@ def test_a_mixtures_whole_dataset_passes_are_counted_once_not_every_epoch():
             tok = lens[np.asarray(s[0:len(s)])]
             assert got == int((tok if ml is None else np.minimum(tok, ml)).sum())
     assert read[:2] == [5000, 5000] and read[2:] == [0] * 6, read  # each max_length's once
+
+
+@pytest.mark.parametrize("dtype", ["<i8", ">i8", "<i4", "<u2"])
+@pytest.mark.parametrize("n", [0, 1, 5000])
+def test_the_fingerprint_read_from_the_file_equals_the_arrays(tmp_path, dtype, n):
+    """kept_file compares the fingerprint of the array with that of the file at its path
+    (read with pread): the same lengths must give the same fingerprint in any dtype."""
+    p = tmp_path / "lengths-text.npy"
+    np.save(p, (np.arange(n) * 7 % 1000).astype(dtype))
+    v = np.load(p, mmap_mode="r")
+    kept = ls.kept_file(v)
+    assert kept is not None and kept[1][-1] == ls.fingerprint(v) == ls.fingerprint(np.asarray(v, np.int64))

@@ -160,12 +160,26 @@ def fingerprint(lengths: Any) -> int:
     :data:`PROBES` evenly spaced lengths (all of them below that), read through ``lengths``
     itself (a few thousand reads: milliseconds, even on a cold map)."""
     n = len(lengths)
+    return _digest(n, np.asarray(lengths[_probes(n)], dtype=np.int64))
+
+
+def _probes(n: int) -> np.ndarray:
     k = min(n, PROBES)
-    idx = (np.arange(k, dtype=np.int64) * (n - 1)) // max(k - 1, 1)
+    return (np.arange(k, dtype=np.int64) * (n - 1)) // max(k - 1, 1)
+
+
+def _digest(n: int, probed: np.ndarray) -> int:
     h = xxhash.xxh3_64(np.int64(n).tobytes())
-    if k:
-        h.update(np.ascontiguousarray(np.asarray(lengths[idx], dtype=np.int64)).tobytes())
+    h.update(np.ascontiguousarray(probed, dtype=np.int64).tobytes())
     return h.intdigest() >> 1  # (an int64)
+
+
+def _file_fingerprint(fd: int, offset: int, n: int, dtype: np.dtype) -> int:
+    """:func:`fingerprint` of the ``n`` lengths of ``dtype`` at ``offset`` of open file ``fd``
+    (read with ``pread``: no map of the file made for it)."""
+    size = dtype.itemsize
+    raw = b"".join(os.pread(fd, size, offset + int(i) * size) for i in _probes(n).tolist())
+    return _digest(n, np.frombuffer(raw, dtype).astype(np.int64))
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int]:
@@ -187,8 +201,8 @@ def kept_file(lengths: Any) -> tuple[Path, tuple[int, ...]] | None:
     read-only (not a slice of it), and what identifies its content (size, modification time,
     inode, the array's offset, length and dtype, and the :func:`fingerprint` of ``lengths``);
     None for any other array, and for a map that is no longer the file at its path (the
-    file was replaced since it was mapped: its fingerprint read through a fresh map of the
-    path differs, or the path changed meanwhile): nothing computed from it is kept."""
+    file was replaced since it was mapped: the fingerprint of the file open at the path
+    differs): nothing computed from it is kept."""
     if not isinstance(lengths, np.memmap) or not isinstance(lengths.base, mmap.mmap) or lengths.ndim != 1:
         return None
     name = getattr(lengths, "filename", None)
@@ -196,15 +210,19 @@ def kept_file(lengths: Any) -> tuple[Path, tuple[int, ...]] | None:
         return None
     n, offset = len(lengths), int(lengths.offset)
     try:
-        st = os.stat(name)
+        fd = os.open(name, os.O_RDONLY)
+    except OSError:
+        return None
+    try:  # the identity and the fingerprint of one file: the one open
+        st = os.fstat(fd)
         if offset + lengths.nbytes != st.st_size:  # the array must end where the file does
             return None
         mine = _remember(lengths, "fingerprint", lambda: fingerprint(lengths))
-        there = fingerprint(np.memmap(name, dtype=lengths.dtype, mode="r", offset=offset, shape=(n,))) if n else mine
-        if _identity(os.stat(name)) != _identity(st):
-            return None
+        there = _file_fingerprint(fd, offset, n, lengths.dtype)
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)
     if there != mine:
         logger.debug("fastload: %s was replaced since this process mapped it; keeping nothing made from the old map",
                      name)
