@@ -158,7 +158,8 @@ def compute(lengths: Any, max_length: int | None = None) -> LengthSummary:
 def fingerprint(lengths: Any) -> int:
     """A cheap fingerprint of ``lengths``' content: the xxh3-64 of their count and of
     :data:`PROBES` evenly spaced lengths (all of them below that), read through ``lengths``
-    itself (a few thousand reads: milliseconds, even on a cold map)."""
+    itself (a few thousand reads: 20-70 ms at 10^8 lengths in the page cache, 0.8 s from a
+    cold file on this project's 2-core test machine; once per process and array)."""
     n = len(lengths)
     return _digest(n, np.asarray(lengths[_probes(n)], dtype=np.int64))
 
