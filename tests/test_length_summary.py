@@ -209,7 +209,8 @@ def test_a_resume_reads_the_lengths_from_the_nodes_chunk_counts_on(cached, monke
     """A pass over an epoch keeps its chunk counts beside the lengths; a later pass resumed
     near the end of that epoch reads only the chunks holding its tokens, and its batches
     equal those of a pass that reads every length before them."""
-    from fastload.sampling.order import Shuffled, Weighted, weight_table
+    from fastload.sampling.order import Shuffled, Weighted
+    from fastload.sampling.tables import weight_table
 
     monkeypatch.setattr(packing, "CHUNK", 7)
     monkeypatch.setattr(packing, "KEEP_NEW", 1)
@@ -256,3 +257,157 @@ def test_chunk_counts_that_cannot_be_this_streams_are_not_used(cached, monkeypat
         assert _requests(_plans(v, stream, 100, total)) == want
     path.write_bytes(b"not an index")
     assert _requests(_plans(v, stream, 100, total)) == want
+
+
+# -- a lengths file replaced while a process holds the old map (review-b, item 1) ----------
+def _replaced(tmp_path, n, old_value, new_value):
+    """A ``lengths-text.npy`` mapped, then replaced (a new inode, as a rebuild after a damaged
+    copy was removed): the old map and a map of the new file."""
+    from fastload.files import atomic_write
+
+    p = tmp_path / "lengths-text.npy"
+    np.save(p, np.full(n, old_value, np.int64))
+    old = np.load(p, mmap_mode="r")
+    atomic_write(p, lambda f: np.save(f, np.full(n, new_value, np.int64)), fsync=False)
+    return p, old
+
+
+def _kept(folder, what):
+    return sorted(f.name for f in folder.iterdir() if f".{what}-" in f.name)
+
+
+def test_a_stale_map_keeps_no_summary_under_the_new_files_identity(tmp_path):
+    """Before, a process still holding the old map wrote the old lengths' summary labelled
+    with the new file's identity, and every later Loader sized its ring from it."""
+    p, old = _replaced(tmp_path, 1000, 7, 500)
+    s = ls.length_summary(old)
+    assert (s.longest, s.total) == (7, 7000)  # the numbers of the array it was asked about
+    assert _kept(tmp_path, "summary") == []  # but not kept: the path holds other lengths now
+    new = np.load(p, mmap_mode="r")
+    s = ls.length_summary(new)
+    assert (s.longest, s.total, s.longest_sum(8)) == (500, 500_000, 4000)
+    assert _kept(tmp_path, "summary") == ["lengths-text.summary-all.npz"]
+    # a summary labelled with this file's identity but made from other lengths (the old
+    # code's leftover, or a file changed within the clock's tick): its fingerprint differs
+    kept, source = ls.summary_path(new, None)
+    ls._write(kept, source[:-1] + (ls.fingerprint(old),), ls.compute(old))
+    again = np.load(p, mmap_mode="r")
+    assert ls.length_summary(again).longest == 500 and max_pieces(again, 8, 512) == _pieces_formula(
+        np.asarray(again), 8, 512)
+
+
+def test_a_summary_is_not_written_when_the_file_changed_while_it_was_computed(tmp_path, monkeypatch):
+    from fastload.files import atomic_write
+
+    p = tmp_path / "lengths-text.npy"
+    np.save(p, np.arange(100, dtype=np.int64))
+    v = np.load(p, mmap_mode="r")
+    real = ls.compute
+
+    def computing(*a, **k):
+        out = real(*a, **k)
+        atomic_write(p, lambda f: np.save(f, np.arange(100, dtype=np.int64) * 3), fsync=False)
+        return out
+    monkeypatch.setattr(ls, "compute", computing)
+    assert ls.length_summary(v).total == 4950
+    assert _kept(tmp_path, "summary") == []
+
+
+def test_a_stale_map_keeps_no_chunk_counts_and_a_fresh_one_does_not_read_them(tmp_path, monkeypatch):
+    """Before, the old map's counts were kept under the new file's identity and a later pass
+    over the new file took its epoch's token total (150x too large here) from them."""
+    from fastload.sampling.order import Shuffled
+
+    monkeypatch.setattr(packing, "CHUNK", 64)
+    p, old = _replaced(tmp_path, 640, 300, 2)
+    stream = Shuffled(640, seed=0, epoch=0)
+    assert packing.TokenStream(stream, old).total == 640 * 300
+    assert packing.chunk_index_path(stream, old, None) is None and _kept(tmp_path, "chunks") == []
+    new = np.load(p, mmap_mode="r")
+    assert packing.TokenStream(stream, new).total == 640 * 2
+    assert len(_kept(tmp_path, "chunks")) == 1
+    assert max_pieces(new, 8, 512) == _pieces_formula(np.asarray(new), 8, 512)
+    # replaced while a pass reads it: its counts are not written (the path holds others)
+    t = packing.TokenStream(Shuffled(640, seed=0, epoch=1), new)
+    from fastload.files import atomic_write
+    atomic_write(p, lambda f: np.save(f, np.full(640, 5, np.int64)), fsync=False)
+    assert t.total == 640 * 2 and len(_kept(tmp_path, "chunks")) == 1
+
+
+# -- chunk-count files are swept (review-b, item 2) ----------------------------------------
+def test_chunk_count_files_of_other_identities_old_epochs_and_killed_writes_are_removed(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from fastload.sampling.order import Shuffled
+
+    monkeypatch.setattr(packing, "CHUNK", 64)
+    p = tmp_path / "lengths-text.npy"
+    np.save(p, np.arange(640, dtype=np.int64) % 50)
+    v = np.load(p, mmap_mode="r")
+    planted = {"lengths-text.chunks-0123456789ab-0123456789abcdef0123.npy": True,  # another identity
+               "lengths-text.chunks-0123456789abcdef0123456789abcdef.npy": True,  # the older naming
+               ".lengths-text.chunks-0123456789ab-0123.npy.77.88.tmp": True,  # a killed write, long ago
+               ".lengths-text.chunks-0123456789ab-4567.npy.77.99.tmp": False,  # a write going on
+               "lengths-other.chunks-0123456789ab-0123456789abcdef0123.npy": False,  # another field's
+               "lengths-text.npy.chunks-note.txt": False}  # not one of fastload's names
+    for name in planted:
+        (tmp_path / name).write_bytes(b"x")
+    long_ago = time.time() - 2 * packing.TEMP_AGE
+    os.utime(tmp_path / ".lengths-text.chunks-0123456789ab-0123.npy.77.88.tmp", (long_ago, long_ago))
+    made = []
+    for epoch in range(6):
+        t = packing.TokenStream(Shuffled(640, seed=0, epoch=epoch), v)
+        assert t.total == int((np.arange(640) % 50).sum())
+        made.append(packing.chunk_index_path(t.stream, v, None).name)
+        os.utime(tmp_path / made[-1], (time.time() - 100 + epoch, time.time() - 100 + epoch))  # (distinct mtimes)
+    left = set(os.listdir(tmp_path))
+    assert [m in left for m in made] == [False, False, True, True, True, True]  # the latest 4 epochs
+    assert {name for name, gone in planted.items() if name in left} == {n for n, g in planted.items() if not g}
+    # a resumed pass over an epoch whose counts were swept reads the lengths again: same total
+    assert packing.TokenStream(Shuffled(640, seed=0, epoch=0), v).total == int((np.arange(640) % 50).sum())
+
+
+# -- a mixture's whole passes are counted once (review-b, item 3) --------------------------
+def test_a_mixtures_whole_dataset_passes_are_counted_once_not_every_epoch():
+    from fastload.sampling.mixture import MixtureLayout, MixtureStream
+
+    class Counting:
+        def __init__(self, a):
+            self.a, self.by_slice = a, 0
+
+        def __len__(self):
+            return len(self.a)
+
+        def __getitem__(self, i):
+            if isinstance(i, slice):
+                self.by_slice += len(range(*i.indices(len(self.a))))
+            return self.a[i]
+
+    sizes, starts = np.array([3000, 2000]), np.array([0, 3000])
+    lens = np.random.default_rng(0).integers(0, 50, 5000).astype(np.int64)
+    c = Counting(lens)
+    layout = MixtureLayout(np.array([0.5, 0.5]), sizes, batch_size=8, per="sample", seed=0, epoch_size=4000,
+                           stop_on=None)
+    read = []
+    for e in range(4):
+        for ml in (None, 20):
+            s = MixtureStream(layout, sizes, starts, 0, e, True)
+            before = c.by_slice
+            got = s.token_total(c, ml)
+            read.append(c.by_slice - before)
+            tok = lens[np.asarray(s[0:len(s)])]
+            assert got == int((tok if ml is None else np.minimum(tok, ml)).sum())
+    assert read[:2] == [5000, 5000] and read[2:] == [0] * 6, read  # each max_length's once
+
+
+@pytest.mark.parametrize("dtype", ["<i8", ">i8", "<i4", "<u2"])
+@pytest.mark.parametrize("n", [0, 1, 5000])
+def test_the_fingerprint_read_from_the_file_equals_the_arrays(tmp_path, dtype, n):
+    """kept_file compares the fingerprint of the array with that of the file at its path
+    (read with pread): the same lengths must give the same fingerprint in any dtype."""
+    p = tmp_path / "lengths-text.npy"
+    np.save(p, (np.arange(n) * 7 % 1000).astype(dtype))
+    v = np.load(p, mmap_mode="r")
+    kept = ls.kept_file(v)
+    assert kept is not None and kept[1][-1] == ls.fingerprint(v) == ls.fingerprint(np.asarray(v, np.int64))

@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from .bijection import bijection, derive_keys, round_keys
+from .length_summary import range_total
 from .order import CHUNK, Stream
 from .sampler import Sampler
 from .streams import DATASET_PASSES, MIXTURE_BATCHES, MIXTURE_EPOCH, PERMUTATION, seed_sequence
@@ -294,8 +295,10 @@ class MixtureStream(Stream):
     def token_total(self, lengths, max_length: int | None = None) -> int:
         """The tokens the epoch reads (``lengths`` by global index, truncated to
         ``max_length``): dataset ``i`` reads draws ``e * E_i .. (e + 1) * E_i - 1`` of its
-        stream, so its whole passes count its lengths' sum and only a partial pass (or its
-        complement, whichever is shorter) is computed draw by draw, in chunks."""
+        stream, so its whole passes count its lengths' sum (the same every epoch:
+        :func:`~fastload.sampling.length_summary.range_total`, counted once per process) and
+        only a partial pass (or its complement, whichever is shorter) is computed draw by
+        draw, in chunks."""
         def tokens(idx) -> int:
             tok = np.asarray(lengths[idx], dtype=np.int64)
             return int((tok if max_length is None else np.minimum(tok, max_length)).sum())
@@ -305,8 +308,7 @@ class MixtureStream(Stream):
             size, start = int(self.sizes[i]), int(self.starts[i])
             if not count or not size:
                 continue
-            whole = sum(tokens(slice(c, min(start + size, c + CHUNK * 16)))  # in chunks: never a copy of all
-                        for c in range(start, start + size, CHUNK * 16))
+            whole = range_total(lengths, start, start + size, max_length)  # (counted once per process)
             a, b = self.epoch * count, (self.epoch + 1) * count
             for p in range(a // size, (b - 1) // size + 1):  # each pass of the dataset the epoch reads
                 lo, hi = max(a, p * size), min(b, (p + 1) * size)

@@ -40,7 +40,10 @@ import bisect
 import hashlib
 import json
 import logging
+import os
+import re
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from functools import cached_property
@@ -49,8 +52,8 @@ from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from ..files import atomic_write
-from .length_summary import kept_file, length_summary
+from ..files import atomic_write, temp_pattern
+from .length_summary import kept_file, length_summary, same_file
 from .order import CHUNK, Natural, Shuffled, Windowed
 
 logger = logging.getLogger("fastload")
@@ -145,6 +148,8 @@ def token_total(lengths: np.ndarray, max_length: int | None = None) -> int:
 
 KEEP_NEW = 16  # chunks read past the kept index before it is written again (or an eighth of it, at most KEEP_MAX)
 KEEP_MAX = 2048  # so a resume reads at most this many chunks (1.3x10^8 documents) past the last kept one
+KEEP_FILES = 4  # chunk-count files kept per lengths file (the latest epochs'): older ones are deleted
+TEMP_AGE = 600  # seconds after which a chunk-count file's temporary file is a killed write's
 _SAME_EVERYWHERE = (Natural, Shuffled, Windowed)  # streams whose _key is the same in every process
 
 
@@ -153,9 +158,17 @@ def chunk_index_path(stream: Any, lengths: Any, max_length: int | None) -> Path 
     node: beside lengths memory-mapped from fastload's cache
     (:func:`~fastload.sampling.length_summary.kept_file`), for a stream that is the same in
     every process (plain, shuffled, windowed; not draws, whose key is their table's), named
-    by a hash of the stream (its key, and a few of its indices: an order computed otherwise by
-    another release is another stream), ``max_length``, :data:`CHUNK` and the lengths file's
-    identity. None: not kept."""
+    ``lengths-<field>.chunks-<file>-<stream>.npy``: ``<file>`` a hash of the lengths file's
+    identity and of the fingerprint of the very array read (so counts made from other
+    lengths are never opened), ``<stream>`` a hash of the stream (its key, and a few of its
+    indices: an order computed otherwise by another release is another stream),
+    ``max_length`` and :data:`CHUNK`. None: not kept."""
+    got = _chunk_index(stream, lengths, max_length)
+    return None if got is None else got[0]
+
+
+def _chunk_index(stream: Any, lengths: Any, max_length: int | None) -> tuple[Path, tuple[int, ...]] | None:
+    """:func:`chunk_index_path`, and the lengths file's identity it was named from."""
     if type(stream) not in _SAME_EVERYWHERE:
         return None
     kept = kept_file(lengths)
@@ -164,8 +177,42 @@ def chunk_index_path(stream: Any, lengths: Any, max_length: int | None) -> Path 
     p, source = kept
     m = len(stream)
     probes = stream.at([0, m // 3, m // 2, m - 1]).tolist() if m else []
-    what = json.dumps([type(stream).__name__, stream._key, probes, max_length, CHUNK, source])
-    return p.with_name(f"{p.stem}.chunks-{hashlib.sha256(what.encode()).hexdigest()[:32]}.npy")
+    what = json.dumps([type(stream).__name__, stream._key, probes, max_length, CHUNK])
+    ident = hashlib.sha256(json.dumps(list(source)).encode()).hexdigest()[:12]
+    name = f"{p.stem}.chunks-{ident}-{hashlib.sha256(what.encode()).hexdigest()[:20]}.npy"
+    return p.with_name(name), source
+
+
+def sweep_chunk_files(index: Path, keep: int = KEEP_FILES) -> None:
+    """Delete the chunk-count files beside ``index`` (:func:`chunk_index_path`) of the same
+    lengths file that cannot be read again: those of another identity of the file (it was
+    replaced: their counts are of other lengths) or of an older naming, all but the
+    ``keep`` latest (by modification time; ``index`` is always kept), and temporary files
+    of writes killed (untouched for :data:`TEMP_AGE` s)."""
+    stem, rest = index.name.split(".chunks-", 1)
+    ours = re.compile(rf"{re.escape(stem)}\.chunks-{re.escape(rest.split('-', 1)[0])}-[0-9a-f]+\.npy")
+    family = re.compile(rf"{re.escape(stem)}\.chunks-[0-9a-f-]+\.npy")
+    temps = re.compile(temp_pattern(family.pattern))
+    now, current = time.time(), []
+    try:
+        entries = list(os.scandir(index.parent))
+    except OSError:
+        return
+    for e in entries:
+        try:
+            if ours.fullmatch(e.name):
+                if e.name != index.name:
+                    current.append((e.stat().st_mtime, e.path))
+                continue
+            if family.fullmatch(e.name) or (temps.fullmatch(e.name) and now - e.stat().st_mtime > TEMP_AGE):
+                os.unlink(e.path)
+        except OSError:  # removed by another process meanwhile, or not ours to remove
+            continue
+    for _, path in sorted(current, reverse=True)[max(keep - 1, 0):]:
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
 
 
 def _read_index(path: Path, chunks: int, total: int | None) -> list[int] | None:
@@ -201,7 +248,8 @@ class TokenStream:
     every process (:func:`chunk_index_path`), the token counts before each chunk read so far
     are kept beside them on the node (written again every :data:`KEEP_NEW` chunks or an
     eighth more, at most :data:`KEEP_MAX`, and when the stream is read to its end; 8 bytes
-    per chunk, one file per epoch): a later pass over the same epoch (a resumed run, another
+    per chunk, one file per epoch, the latest :data:`KEEP_FILES` of a lengths file kept:
+    :func:`sweep_chunk_files`): a later pass over the same epoch (a resumed run, another
     rank of the node) starts from them and reads only the lengths past the last kept chunk
     before its tokens (10.9 s -> 3 ms for a resume 6x10^7 documents into an epoch of 10^8)."""
 
@@ -217,7 +265,9 @@ class TokenStream:
         self._cums: dict[int, np.ndarray] = {}
         self._total = None if total is None else int(total)
         self._lock = threading.Lock()
-        self._index = chunk_index_path(stream, lengths, max_length)
+        index = _chunk_index(stream, lengths, max_length)
+        self._index: Path | None = None if index is None else index[0]
+        self._source: tuple[int, ...] = () if index is None else index[1]
         known = _read_index(self._index, self.chunks, self._total) if self._index is not None else None
         if known is not None:
             self._ck = known
@@ -229,6 +279,9 @@ class TokenStream:
         if self._index is None or n <= self._written or (
                 n < self.chunks + 1 and n - self._written < max(KEEP_NEW, min(self._written // 8, KEEP_MAX))):
             return
+        if not same_file(getattr(self.lengths, "filename", ""), self._source):  # replaced since: these counts are not its
+            self._index = None
+            return
         try:
             try:
                 on_disk = len(np.load(self._index, mmap_mode="r", allow_pickle=False))
@@ -237,6 +290,8 @@ class TokenStream:
             if on_disk < n:  # another process of the node may have read further
                 ck = np.array(self._ck, np.int64)
                 atomic_write(self._index, lambda f: np.save(f, ck), fsync=False)
+                if not on_disk:  # a new file: the stale and the oldest of this lengths file's go
+                    sweep_chunk_files(self._index)
         except OSError as e:  # a read-only cache: not kept
             logger.debug("fastload: could not keep the chunk counts in %s (%s)", self._index, e)
             self._index = None
