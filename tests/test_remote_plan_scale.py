@@ -298,3 +298,63 @@ def test_a_resumed_pass_is_planned_as_its_scan_goes_on(remote_url, local_ds, tmp
             starts.append(None if planner is None else planner._scan.start)
     assert_same(first + rest, want)
     assert starts[0] == 30 * 40  # (the pass planned from the resumed position, in the background)
+
+
+def test_a_pass_resumed_near_the_end_leaves_the_next_epoch_to_the_background(remote_url, local_ds, tmp_path,
+                                                                            monkeypatch):
+    """A resume at the last batch of a long epoch (here: 3,000 positions scanned 100 before a
+    pass starts; at scale 10^10 and 2^22): the training thread scans what is left of the pass,
+    never the next epoch (it used to, whole, before the first batch: ~15 min at 10^10); the
+    background scan hands the caches the next epoch's exact schedule, and the batches of the
+    pass and of the next epoch equal the local dataset's."""
+    import threading
+
+    import fastload.loader.remote as lr
+    from fastload.remote.schedule import PassScan
+
+    kw = dict(batch_size=50, seed=3, shuffle_mode="window", window=1, device="cpu", prefetch=2, threads=1)
+    with fastload.Loader(local_ds, **kw) as lo:
+        want = batches(lo, epochs=(0, 1))
+    n = len(want) // 2
+    monkeypatch.setattr(lr, "SYNC_POSITIONS", 100)
+    with fastload.Loader(remote_url, cache_dir=tmp_path / "c1", **kw) as lo:
+        it = iter(lo)
+        for _ in range(n - 1):
+            next(it)
+        state = lo.state_dict()
+    scanned: dict[str, int] = {}
+    step = PassScan.step
+
+    def counted(self, positions=None):
+        h0 = self.horizon
+        step(self, positions)
+        name = threading.current_thread().name
+        scanned[name] = scanned.get(name, 0) + self.horizon - h0
+
+    monkeypatch.setattr(PassScan, "step", counted)
+    monkeypatch.setattr(lr, "SCAN", 40)
+    monkeypatch.setattr(lr._Planner, "EVERY_S", 0.0)
+    nexts = []  # the next epoch's shards handed to the caches at each update
+    update = lr._Planner._update
+    monkeypatch.setattr(lr._Planner, "_update", lambda self, nxt: (nexts.append(None if nxt is None else len(nxt[0])),
+                                                                   update(self, nxt))[1])
+    with fastload.Loader(remote_url, cache_dir=tmp_path / "c2", **kw) as lo:
+        lo.load_state_dict(json.loads(json.dumps(state)))
+        it = iter(lo)
+        got = [{k: v.numpy().copy() for k, v in next(it).items()}]
+        # the warm start's first 100 positions of epoch 0 and the last batch's 50: not the next epoch's 3,000
+        assert scanned.get("MainThread", 0) <= 150, scanned
+        planner = lo._remote._planner
+        assert planner is not None and planner._scan.done and planner._nxt is not None
+        planner._thread.join(60)
+        cache = lo.dataset.cache
+        planned = [p for p in cache.timeline._passes if p["k"] == cache.pass_no + 1]
+        got += [{k: v.numpy().copy() for k, v in b.items()} for b in it]
+        lo.set_epoch(1)
+        got += [{k: v.numpy().copy() for k, v in b.items()} for b in lo]
+    assert scanned.get("fastload-plan", 0) >= 3000, scanned
+    exact = sampler_uses(lo.sampler, lo.dataset.shard_starts, epoch=1, start=0)
+    assert len(planned) == 1 and planned[0]["uses"].same_as(exact)
+    # ... and what its scan knew before, as it went (the first shards of the next epoch early)
+    assert any(k is not None and k < len(exact) for k in nexts), nexts
+    assert_same(got, want[n - 1:])
