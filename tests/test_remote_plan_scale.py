@@ -358,3 +358,48 @@ def test_a_pass_resumed_near_the_end_leaves_the_next_epoch_to_the_background(rem
     # ... and what its scan knew before, as it went (the first shards of the next epoch early)
     assert any(k is not None and k < len(exact) for k in nexts), nexts
     assert_same(got, want[n - 1:])
+
+
+@pytest.mark.parametrize("kind", ["shuffled", "window1", "window3", "natural"])
+@pytest.mark.parametrize("start,world", [(0, 3), (5_000, 7), (0, 100), (0, 400)])
+def test_a_pack_scan_knows_more_at_each_step_and_never_too_little(monkeypatch, kind, start, world):
+    """A packed pass's scan (positions count tokens; chunks of 97 documents here), stepped a
+    chunk at a time: the shards known are a prefix of the exact first-use order (exact first
+    uses), each last use in uses() no earlier than the exact one and in seen() no later, the
+    last uses only ever earlier; in window (and natural) order, shards get their exact last use
+    before the scan is over; at the end, the exact schedule. From the start, resumed, and
+    with padding that reads the stream's first documents again (100 ranks: a part of the
+    stream; 400: all of it, whose last uses are then known at the end only)."""
+    import fastload.sampling.packing as packing
+    from fastload.remote.schedule import PackScan
+
+    monkeypatch.setattr(packing, "CHUNK", 97)
+    rng = np.random.default_rng(9)
+    rows = rng.integers(30, 90, size=25)
+    starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+    n = int(starts[-1])
+    lengths = rng.integers(0, 30, size=n)  # empty documents included
+    stream = (Shuffled(n, 1, 2) if kind == "shuffled" else Natural(n) if kind == "natural"
+              else Windowed(rows, int(kind[-1]), 1, 2))
+    plan = pack_plan(0, start, stream, lengths, rows=2, length=64, world_size=world, rank=0, drop_last=False)
+    end = plan.bounds[-1][2] if len(plan.bounds) else plan.start
+    exact = token_uses(plan.stream, plan.cum, starts, start=plan.start, end=end)
+    scan = PackScan(plan, starts)
+    prev, steps, early = None, 0, 0
+    while True:
+        u, low = scan.uses(), scan.seen()
+        k = len(u)
+        assert u.shards.tolist() == exact.shards[:k].tolist() and u.first.tolist() == exact.first[:k].tolist()
+        assert np.all(u.last >= exact.last[:k]) and np.all(low.last <= exact.last[:k]) and np.all(u.last < end)
+        if prev is not None:
+            assert len(u) >= len(prev) and np.all(u.last[:len(prev)] <= prev.last)
+        if scan.done:
+            break
+        early += int(np.sum(u.last < end - 1))
+        prev = u
+        scan.step(1)
+        steps += 1
+    _same(scan.uses(), exact)
+    assert steps > 5
+    if kind != "shuffled" and world < 400:
+        assert early > 0  # exact last uses known as the scan went, not only at its end
