@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -152,7 +152,7 @@ class RemoteShards:
             start = self._sampler.start_position() if epoch == self._sampler.epoch else 0
         return PackScan(self._pack(epoch, start), self._ds.shard_starts)
 
-    def _plan_scan(self, plan) -> PassScan | PackScan:
+    def _plan_scan(self, plan: Any) -> PassScan | PackScan:
         if self._pack is None:
             return plan_scan(plan, self._ds.shard_starts)
         return PackScan(plan, self._ds.shard_starts)
@@ -396,7 +396,7 @@ class _Planner:
             if not self._stop.is_set():
                 c.update(self._pass_nos[i], u, None if nxt is None else nxt[i])
 
-    def _follow(self, scan, update) -> bool:
+    def _follow(self, scan: PassScan | PackScan, update: Callable[[], None]) -> bool:
         """Scan ``scan`` to its end, calling ``update()`` as it goes (each time it has
         scanned as far again, or a second went by); False when stopped first."""
         import time

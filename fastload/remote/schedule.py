@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -172,7 +172,7 @@ class PassScan:
         return _uses(self.epoch, self.start, self.end, self.first, self.last)
 
 
-def _window_ends(stream, starts: np.ndarray) -> np.ndarray | None:
+def _window_ends(stream: Any, starts: np.ndarray) -> np.ndarray | None:
     """Per shard, the stream position where its window ends (it is read at no position from
     there to the stream's end) when ``stream`` is a window order over these shards; else None."""
     from ..sampling.order import Windowed
@@ -294,7 +294,7 @@ class PackScan:
     (``shuffle_mode="window"``) or of the shard (the natural order) and no later position
     reads it again; until then :meth:`uses` takes it as the pass's last position."""
 
-    def __init__(self, plan, shard_starts: np.ndarray) -> None:
+    def __init__(self, plan: Any, shard_starts: np.ndarray) -> None:
         from ..sampling.order import Natural
 
         self.epoch, self.start = int(plan.epoch), int(plan.start)
@@ -323,7 +323,7 @@ class PackScan:
     def done(self) -> bool:
         return self.horizon >= self.end
 
-    def _chunks(self):
+    def _chunks(self) -> Iterator[tuple[int, int, int, int, np.ndarray, np.ndarray]]:
         for k, a, b in self._segments:
             for d0, idx, cum in self._tokens.doc_chunks(a - k * self._total, b - k * self._total):
                 yield k, a, b, d0, idx, cum
