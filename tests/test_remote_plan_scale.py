@@ -298,3 +298,108 @@ def test_a_resumed_pass_is_planned_as_its_scan_goes_on(remote_url, local_ds, tmp
             starts.append(None if planner is None else planner._scan.start)
     assert_same(first + rest, want)
     assert starts[0] == 30 * 40  # (the pass planned from the resumed position, in the background)
+
+
+def test_a_pass_resumed_near_the_end_leaves_the_next_epoch_to_the_background(remote_url, local_ds, tmp_path,
+                                                                            monkeypatch):
+    """A resume at the last batch of a long epoch (here: 3,000 positions scanned 100 before a
+    pass starts; at scale 10^10 and 2^22): the training thread scans what is left of the pass,
+    never the next epoch (it used to, whole, before the first batch: ~15 min at 10^10); the
+    background scan hands the caches the next epoch's exact schedule, and the batches of the
+    pass and of the next epoch equal the local dataset's."""
+    import threading
+
+    import fastload.loader.remote as lr
+    from fastload.remote.schedule import PassScan
+
+    kw = dict(batch_size=50, seed=3, shuffle_mode="window", window=1, device="cpu", prefetch=2, threads=1)
+    with fastload.Loader(local_ds, **kw) as lo:
+        want = batches(lo, epochs=(0, 1))
+    n = len(want) // 2
+    monkeypatch.setattr(lr, "SYNC_POSITIONS", 100)
+    with fastload.Loader(remote_url, cache_dir=tmp_path / "c1", **kw) as lo:
+        it = iter(lo)
+        for _ in range(n - 1):
+            next(it)
+        state = lo.state_dict()
+    scanned: dict[str, int] = {}
+    step = PassScan.step
+
+    def counted(self, positions=None):
+        h0 = self.horizon
+        step(self, positions)
+        name = threading.current_thread().name
+        scanned[name] = scanned.get(name, 0) + self.horizon - h0
+
+    monkeypatch.setattr(PassScan, "step", counted)
+    monkeypatch.setattr(lr, "SCAN", 40)
+    monkeypatch.setattr(lr._Planner, "EVERY_S", 0.0)
+    nexts = []  # the next epoch's shards handed to the caches at each update
+    update = lr._Planner._update
+    monkeypatch.setattr(lr._Planner, "_update", lambda self, nxt: (nexts.append(None if nxt is None else len(nxt[0])),
+                                                                   update(self, nxt))[1])
+    with fastload.Loader(remote_url, cache_dir=tmp_path / "c2", **kw) as lo:
+        lo.load_state_dict(json.loads(json.dumps(state)))
+        it = iter(lo)
+        got = [{k: v.numpy().copy() for k, v in next(it).items()}]
+        # the warm start's first 100 positions of epoch 0 and the last batch's 50: not the next epoch's 3,000
+        assert scanned.get("MainThread", 0) <= 150, scanned
+        planner = lo._remote._planner
+        assert planner is not None and planner._scan.done and planner._nxt is not None
+        planner._thread.join(60)
+        cache = lo.dataset.cache
+        planned = [p for p in cache.timeline._passes if p["k"] == cache.pass_no + 1]
+        got += [{k: v.numpy().copy() for k, v in b.items()} for b in it]
+        lo.set_epoch(1)
+        got += [{k: v.numpy().copy() for k, v in b.items()} for b in lo]
+    assert scanned.get("fastload-plan", 0) >= 3000, scanned
+    exact = sampler_uses(lo.sampler, lo.dataset.shard_starts, epoch=1, start=0)
+    assert len(planned) == 1 and planned[0]["uses"].same_as(exact)
+    # ... and what its scan knew before, as it went (the first shards of the next epoch early)
+    assert any(k is not None and k < len(exact) for k in nexts), nexts
+    assert_same(got, want[n - 1:])
+
+
+@pytest.mark.parametrize("kind", ["shuffled", "window1", "window3", "natural"])
+@pytest.mark.parametrize("start,world", [(0, 3), (5_000, 7), (0, 100), (0, 400)])
+def test_a_pack_scan_knows_more_at_each_step_and_never_too_little(monkeypatch, kind, start, world):
+    """A packed pass's scan (positions count tokens; chunks of 97 documents here), stepped a
+    chunk at a time: the shards known are a prefix of the exact first-use order (exact first
+    uses), each last use in uses() no earlier than the exact one and in seen() no later, the
+    last uses only ever earlier; in window (and natural) order, shards get their exact last use
+    before the scan is over; at the end, the exact schedule. From the start, resumed, and
+    with padding that reads the stream's first documents again (100 ranks: a part of the
+    stream; 400: all of it, whose last uses are then known at the end only)."""
+    import fastload.sampling.packing as packing
+    from fastload.remote.schedule import PackScan
+
+    monkeypatch.setattr(packing, "CHUNK", 97)
+    rng = np.random.default_rng(9)
+    rows = rng.integers(30, 90, size=25)
+    starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+    n = int(starts[-1])
+    lengths = rng.integers(0, 30, size=n)  # empty documents included
+    stream = (Shuffled(n, 1, 2) if kind == "shuffled" else Natural(n) if kind == "natural"
+              else Windowed(rows, int(kind[-1]), 1, 2))
+    plan = pack_plan(0, start, stream, lengths, rows=2, length=64, world_size=world, rank=0, drop_last=False)
+    end = plan.bounds[-1][2] if len(plan.bounds) else plan.start
+    exact = token_uses(plan.stream, plan.cum, starts, start=plan.start, end=end)
+    scan = PackScan(plan, starts)
+    prev, steps, early = None, 0, 0
+    while True:
+        u, low = scan.uses(), scan.seen()
+        k = len(u)
+        assert u.shards.tolist() == exact.shards[:k].tolist() and u.first.tolist() == exact.first[:k].tolist()
+        assert np.all(u.last >= exact.last[:k]) and np.all(low.last <= exact.last[:k]) and np.all(u.last < end)
+        if prev is not None:
+            assert len(u) >= len(prev) and np.all(u.last[:len(prev)] <= prev.last)
+        if scan.done:
+            break
+        early += int(np.sum(u.last < end - 1))
+        prev = u
+        scan.step(1)
+        steps += 1
+    _same(scan.uses(), exact)
+    assert steps > 5
+    if kind != "shuffled" and world < 400:
+        assert early > 0  # exact last uses known as the scan went, not only at its end

@@ -298,3 +298,63 @@ def test_the_layout_parser_refuses_damage_with_its_own_error(tmp_path):
         except LayoutError:
             outcomes["refused"] += 1
     assert outcomes["refused"] > 100 and outcomes["ok"] > 100, outcomes
+
+
+def test_a_packed_pass_is_planned_as_its_scan_goes_on(tok, tmp_path, monkeypatch):
+    """pack_to over a URL: the training thread scans the first chunk of a packed pass's
+    documents (here 97 documents, 100 tokens; at scale 65,536 and 2^22), never the pass or
+    the next epoch whole; a background thread scans the rest (slowed down here, so that the
+    reader reads while it does): the batches equal the local dataset's over two epochs and a
+    resume, within a small cache budget, with shards evicted."""
+    import threading
+    import time
+
+    import fastload.loader.remote as lr
+    import fastload.sampling.packing as packing
+    from fastload.remote.schedule import PackScan
+
+    local, url, _ = tok
+    kw = dict(batch_size=4, pack_to=64, fields=["tokens"], seed=3, shuffle_mode="window", window=1, device="cpu",
+              prefetch=2, threads=1)
+    with fastload.Loader(local, **kw) as lo:
+        want = batches(lo, epochs=(0, 1))
+    monkeypatch.setattr(packing, "CHUNK", 97)
+    monkeypatch.setattr(lr, "SYNC_POSITIONS", 100)
+    monkeypatch.setattr(lr, "SCAN", 1)  # a chunk per step
+    monkeypatch.setattr(lr._Planner, "EVERY_S", 0.0)
+    docs: dict[str, int] = {}
+    step = PackScan.step
+
+    def slow(self, positions=None):
+        before = self.horizon
+        step(self, positions)
+        if self.horizon > before:
+            name = threading.current_thread().name
+            docs[name] = docs.get(name, 0) + 1
+            if name == "fastload-plan":
+                time.sleep(0.03)
+
+    monkeypatch.setattr(PackScan, "step", slow)
+    limit = 4 * max(s["bytes"] for s in _manifest(local)["shards"])
+    scanning = []
+    with fastload.Loader(url, cache_dir=tmp_path / "c", cache_limit=limit, **kw) as lo:
+        planner = lambda: lo._remote._planner  # noqa: E731
+        with DiskSampler(lo.dataset.cache.dir) as disk:
+            got = batches(lo, epochs=(0, 1), on_batch=lambda i: scanning.append(
+                planner() is not None and not planner()._scan.done))
+        st = lo.stats()
+    assert_same(got, want)
+    assert disk.peak <= limit and st["evictions"] > 0
+    assert sum(scanning) >= 5, (sum(scanning), len(scanning), docs)  # read while planned
+    # two passes and the warm start: a chunk each on the training thread, ~21 each in the background
+    assert docs.get("MainThread", 0) <= 3 and docs.get("fastload-plan", 0) >= 40, docs
+    # a resume: the rest of the pass planned in the background from the resumed position
+    n = len(want) // 2
+    with fastload.Loader(url, cache_dir=tmp_path / "c1", cache_limit=limit, **kw) as lo:
+        it = iter(lo)
+        first = [{k: v.numpy().copy() for k, v in next(it).items()} for _ in range(n // 2)]
+        state = lo.state_dict()
+    with fastload.Loader(url, cache_dir=tmp_path / "c2", cache_limit=limit, **kw) as lo:
+        lo.load_state_dict(json.loads(json.dumps(state)))
+        rest = batches(lo)
+    assert_same(first + rest, want[:n])

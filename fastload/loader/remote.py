@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..errors import CacheTooSmall, format_bytes
-from ..remote.schedule import SCAN, EpochUses, PassScan, pack_uses, plan_scan, sampler_scan, sampler_uses
+from ..remote.schedule import SCAN, EpochUses, PackScan, PassScan, plan_scan, sampler_scan
 
 __all__ = ["RemoteShards", "download_stats", "remote_members"]
 
@@ -54,25 +54,6 @@ def _largest(lo: int, hi: int, ok) -> int | None:
 
 
 SYNC_POSITIONS = 1 << 22  # a pass's positions scanned before its plan starts (all of a shorter pass)
-
-
-class _Scanned:
-    """The uses of a pass computed whole (a packed pass: its token stream's chunks), as a
-    finished :class:`~fastload.remote.schedule.PassScan`."""
-
-    done = True
-
-    def __init__(self, uses: EpochUses) -> None:
-        self._uses = uses
-        self.epoch = uses.epoch
-
-    def step(self, positions: int | None = None) -> None:
-        pass
-
-    def uses(self) -> EpochUses:
-        return self._uses
-
-    seen = uses
 
 
 def _part(uses: EpochUses, base: int, n: int) -> EpochUses:
@@ -136,32 +117,45 @@ class RemoteShards:
 
     def _launch(self, scan) -> list[EpochUses]:
         """Hand the caches the pass of ``scan`` (scanned ``SYNC_POSITIONS`` at least) and the
-        next epoch's: at once when the scan is over, else what it knows now, the rest (and
-        the next epoch's) as a background thread scans on (:class:`_Planner`)."""
+        next epoch's: at once when the scan is over and the next epoch is no longer than
+        ``SYNC_POSITIONS`` (scanned here; a packed one never is), else what is known now, the
+        rest (the pass's, then the next epoch's) as a background thread scans on
+        (:class:`_Planner`): a pass resumed near the end of a long epoch starts without
+        scanning the next epoch first."""
         uses = self._parts(scan.uses())
+        pass_nos = lambda: [c.pass_no for c in self._caches]  # noqa: E731
         if scan.done:
-            nxt = self._parts(self._pass_uses(scan.epoch + 1, 0))
-            for c, u, n in zip(self._caches, uses, nxt):
-                c.plan(u, next_uses=n)
+            # (a packed epoch's plan may count its tokens first, O(documents): in the background)
+            nxt = None if self._pack is not None else self._scan(scan.epoch + 1, 0)
+            if nxt is not None and (nxt.done or nxt.end - nxt.start <= SYNC_POSITIONS):
+                nxt.step()
+                for c, u, n in zip(self._caches, uses, self._parts(nxt.uses())):
+                    c.plan(u, next_uses=n)
+                return uses
+            for c, u in zip(self._caches, uses):
+                c.plan(u)
+            self._planner = _Planner(self, scan, pass_nos(), nxt)
             return uses
         seen = self._parts(scan.seen())
         for c, u, k in zip(self._caches, uses, seen):
             c.plan(u, check=k)
-        self._planner = _Planner(self, scan, [c.pass_no for c in self._caches])
+        self._planner = _Planner(self, scan, pass_nos())
         return uses
 
-    def _scan(self, epoch: int, start: int | None):
+    def _scan(self, epoch: int, start: int | None) -> PassScan | PackScan:
         """The scan of a pass over ``epoch`` from ``start`` (None: where the sampler stands):
-        a :class:`~fastload.remote.schedule.PassScan`, nothing scanned yet (a packed pass: its
-        uses computed whole)."""
+        a :class:`~fastload.remote.schedule.PassScan` (a packed pass: a
+        :class:`~fastload.remote.schedule.PackScan`), nothing scanned yet."""
         if self._pack is None:
             return sampler_scan(self._sampler, self._ds.shard_starts, epoch=epoch, start=start)
-        return _Scanned(self._pass_uses(epoch, start))
+        if start is None:
+            start = self._sampler.start_position() if epoch == self._sampler.epoch else 0
+        return PackScan(self._pack(epoch, start), self._ds.shard_starts)
 
-    def _plan_scan(self, plan):
+    def _plan_scan(self, plan: Any) -> PassScan | PackScan:
         if self._pack is None:
             return plan_scan(plan, self._ds.shard_starts)
-        return _Scanned(pack_uses(plan, self._ds.shard_starts))
+        return PackScan(plan, self._ds.shard_starts)
 
     def _check(self, seen: list[EpochUses]) -> None:
         """CacheTooSmall when what the uses seen so far need already exceeds a budget."""
@@ -174,15 +168,6 @@ class RemoteShards:
         planner, self._planner = self._planner, None
         if planner is not None:
             planner.stop()
-
-    def _pass_uses(self, epoch: int, start: int | None) -> EpochUses:
-        """The uses of a pass over ``epoch`` from ``start`` (None: where the sampler stands)."""
-        starts = self._ds.shard_starts
-        if self._pack is None:
-            return sampler_uses(self._sampler, starts, epoch=epoch, start=start)
-        if start is None:
-            start = self._sampler.start_position() if epoch == self._sampler.epoch else 0
-        return pack_uses(self._pack(epoch, start), starts)
 
     def _on_planned_pass(self, plan: Any) -> bool:
         """True when the caches are on ``plan``'s pass already (the warm start's: the same
@@ -384,16 +369,20 @@ class RemoteShards:
 
 
 class _Planner:
-    """A long pass's scan (:class:`~fastload.remote.schedule.PassScan`), going on in a
-    background thread: the caches (on their passes ``pass_nos``) get what it knows each time
-    it has scanned as far again as before, or a second went by, and, once it is over, the
-    exact schedule with the next epoch's. A budget the uses seen so far already exceed
-    fails the caches (their ``ensure`` raises it) and the next batch (``error``)."""
+    """A long pass's scan (:class:`~fastload.remote.schedule.PassScan`), then the next
+    epoch's (``nxt``, nothing scanned yet; None: the scan of ``scan.epoch + 1`` from 0),
+    going on in a background thread: the caches (on their passes ``pass_nos``) get what it
+    knows each time it has scanned as far again as before, or a second went by (of the next
+    epoch too: its first shards are fetched before this pass ends, however long that epoch
+    is), and, once both are over, the exact schedules. A budget the uses seen so far
+    already exceed fails the caches (their ``ensure`` raises it) and the next batch
+    (``error``)."""
 
     EVERY_S = 1.0
 
-    def __init__(self, owner: RemoteShards, scan: PassScan, pass_nos: list[int]) -> None:
-        self._owner, self._scan, self._pass_nos = owner, scan, pass_nos
+    def __init__(self, owner: RemoteShards, scan: PassScan | PackScan, pass_nos: list[int],
+                 nxt: PassScan | PackScan | None = None) -> None:
+        self._owner, self._scan, self._pass_nos, self._nxt = owner, scan, pass_nos, nxt
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="fastload-plan", daemon=True)
@@ -407,29 +396,32 @@ class _Planner:
             if not self._stop.is_set():
                 c.update(self._pass_nos[i], u, None if nxt is None else nxt[i])
 
-    def _run(self) -> None:
+    def _follow(self, scan: PassScan | PackScan, update: Callable[[], None]) -> bool:
+        """Scan ``scan`` to its end, calling ``update()`` as it goes (each time it has
+        scanned as far again, or a second went by); False when stopped first."""
         import time
 
+        mark, t, gap = 2 * scan.horizon - scan.start, time.monotonic(), 0.0
+        while not scan.done:
+            if self._stop.is_set():
+                return False
+            scan.step(SCAN)
+            now = time.monotonic()
+            if not scan.done and (scan.horizon >= mark or now - t >= self.EVERY_S) and now - t >= gap:
+                update()
+                # an update holds the caches' lock while it computes their admissions (a
+                # fraction of a second at 10^5 shards): at most a tenth of the time
+                mark, t = 2 * scan.horizon - scan.start, time.monotonic()
+                gap = 9 * (t - now)
+        return not self._stop.is_set()
+
+    def _run(self) -> None:
         scan, o = self._scan, self._owner
         try:
-            mark, t, gap = 2 * scan.horizon - scan.start, time.monotonic(), 0.0
-            while not scan.done:
-                if self._stop.is_set():
-                    return
-                scan.step(SCAN)
-                now = time.monotonic()
-                if not scan.done and (scan.horizon >= mark or now - t >= self.EVERY_S) and now - t >= gap:
-                    self._update(None)
-                    # an update holds the caches' lock while it computes their admissions (a
-                    # fraction of a second at 10^5 shards): at most a tenth of the time
-                    mark, t = 2 * scan.horizon - scan.start, time.monotonic()
-                    gap = 9 * (t - now)
-            nxt = o._scan(scan.epoch + 1, 0)
-            while not nxt.done:
-                if self._stop.is_set():
-                    return
-                nxt.step(SCAN)
-            if not self._stop.is_set():
+            if not self._follow(scan, lambda: self._update(None)):
+                return
+            nxt = o._scan(scan.epoch + 1, 0) if self._nxt is None else self._nxt
+            if self._follow(nxt, lambda: self._update(o._parts(nxt.uses()))):
                 self._update(o._parts(nxt.uses()))
         except BaseException as e:  # noqa: BLE001 - handed to the reader
             if self._stop.is_set():

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ..sampling import RankBatches, Stream, per_rank_count
 
-__all__ = ["EpochUses", "PassScan", "epoch_end", "epoch_uses", "pack_uses", "plan_scan", "plan_uses", "sampler_scan",
+__all__ = ["EpochUses", "PackScan", "PassScan", "epoch_end", "epoch_uses", "pack_uses", "plan_scan", "plan_uses", "sampler_scan",
            "sampler_uses", "minimum_budget", "admission_times", "token_uses"]
 
 
@@ -151,19 +151,10 @@ class PassScan:
     def _bounds(self) -> np.ndarray:
         """Per shard, a position from which the pass reads it no more (see the class
         docstring): the end of its window in ``shuffle_mode="window"``, else the pass's end."""
-        from ..sampling.order import Windowed
-
-        ns = len(self.starts) - 1
-        bound = np.full(ns, self.end, dtype=np.int64)
-        st = self.stream
-        sizes = np.diff(self.starts)
-        if (isinstance(st, Windowed) and len(st.order) == ns
-                and np.array_equal(np.asarray(getattr(st, "_sizes", ()), np.int64), sizes)):
-            ocum = np.zeros(ns + 1, np.int64)  # where each shard of the reading order begins
-            np.cumsum(sizes[st.order], out=ocum[1:])
-            rank = np.arange(ns)
-            wend = ocum[np.minimum((rank // st.window + 1) * st.window, ns)]
-            bound[st.order] = np.minimum(wend, self.end)
+        wend = _window_ends(self.stream, self.starts)
+        bound = np.full(len(self.starts) - 1, self.end, dtype=np.int64)
+        if wend is not None:
+            np.minimum(wend, self.end, out=bound)
             if self.end > self.m:  # the padding reads the stream's first positions again, past its end
                 again = np.unique(self._shard_of(np.asarray(self._indices(self.m, self.end), dtype=np.int64)))
                 bound[again] = self.end
@@ -179,6 +170,24 @@ class PassScan:
     def seen(self) -> EpochUses:
         """What is known so far, each last use the last one seen (no later than the true one)."""
         return _uses(self.epoch, self.start, self.end, self.first, self.last)
+
+
+def _window_ends(stream: Any, starts: np.ndarray) -> np.ndarray | None:
+    """Per shard, the stream position where its window ends (it is read at no position from
+    there to the stream's end) when ``stream`` is a window order over these shards; else None."""
+    from ..sampling.order import Windowed
+
+    ns = len(starts) - 1
+    sizes = np.diff(starts)
+    if not (isinstance(stream, Windowed) and len(stream.order) == ns
+            and np.array_equal(np.asarray(getattr(stream, "_sizes", ()), np.int64), sizes)):
+        return None
+    ocum = np.zeros(ns + 1, np.int64)  # where each shard of the reading order begins
+    np.cumsum(sizes[stream.order], out=ocum[1:])
+    rank = np.arange(ns)
+    out = np.empty(ns, np.int64)
+    out[stream.order] = ocum[np.minimum((rank // stream.window + 1) * stream.window, ns)]
+    return out
 
 
 def epoch_uses(stream: Stream | np.ndarray, shard_starts: np.ndarray, *, epoch: int = 0, start: int = 0,
@@ -272,26 +281,108 @@ def _fold(first: np.ndarray, last: np.ndarray, shard_of_docs: np.ndarray, cum: n
         np.maximum.at(last, shard_of_docs[docs], np.minimum(cum[docs + 1], hi) - 1 + k * total)
 
 
+class PackScan:
+    """The :class:`PassScan` of a packed pass (a :class:`fastload.sampling.packing.PackPlan`,
+    one rank's: the tokens every rank of the job reads in it), whose positions count tokens:
+    read from its token stream's chunks of documents, one chunk per step at least (never the
+    epoch's documents or token counts materialised), in the order of the positions (a pass
+    past the stream's end reads its first documents again after the others).
+
+    The same guarantees as :class:`PassScan`'s: after scanning up to ``horizon`` (every
+    position before it), every shard first used before it, in first-use order, with its exact
+    first use. Its last use is exact once the scan is past the last document of its window
+    (``shuffle_mode="window"``) or of the shard (the natural order) and no later position
+    reads it again; until then :meth:`uses` takes it as the pass's last position."""
+
+    def __init__(self, plan: Any, shard_starts: np.ndarray) -> None:
+        from ..sampling.order import Natural
+
+        self.epoch, self.start = int(plan.epoch), int(plan.start)
+        self.end = int(plan.bounds[-1][2]) if len(plan.bounds) else self.start
+        self.starts = np.asarray(shard_starts, dtype=np.int64)
+        ns = len(self.starts) - 1
+        self.first, self.last = _empty(ns)
+        self._shard_of = _shard_of(self.starts)
+        self._tokens, self._total = plan.tokens, int(plan.total)
+        total, lo, hi = self._total, self.start, self.end
+        # the passes over the stream the positions make: (k, first, end position), in order
+        self._segments = [] if total <= 0 or hi <= lo else [
+            (k, max(lo, k * total), min(hi, (k + 1) * total)) for k in range(lo // total, (hi - 1) // total + 1)]
+        self.horizon = self.start if self._segments else max(self.start, self.end)
+        stream = plan.tokens.stream
+        ends = _window_ends(stream, self.starts)
+        if ends is None and isinstance(stream, Natural) and len(stream) == int(self.starts[-1]):
+            ends = self.starts[1:].copy()  # each shard's documents one after the other
+        self._doc_end = ends  # per shard, the stream position (documents) after which it is not read
+        self._docs = 0  # documents of the first segment scanned (stream positions before this one)
+        self._closed = np.zeros(ns, bool)  # shards the first segment reads no more and no later one reads
+        self._again: np.ndarray | None = None
+        self._walk = self._chunks()
+
+    @property
+    def done(self) -> bool:
+        return self.horizon >= self.end
+
+    def _chunks(self) -> Iterator[tuple[int, int, int, int, np.ndarray, np.ndarray]]:
+        for k, a, b in self._segments:
+            for d0, idx, cum in self._tokens.doc_chunks(a - k * self._total, b - k * self._total):
+                yield k, a, b, d0, idx, cum
+
+    def _read_again(self) -> np.ndarray:
+        """The shards read by the segments after the first (the padding's documents): their
+        last use is known at the end only (every shard when that is a stream or more)."""
+        ns = len(self.starts) - 1
+        rest = self._segments[1:]
+        if sum(b - a for _, a, b in rest) >= self._total:
+            return np.ones(ns, bool)
+        again = np.zeros(ns, bool)
+        for k, a, b in rest:
+            lo, hi = a - k * self._total, b - k * self._total
+            for _, idx, cum in self._tokens.doc_chunks(lo, hi):
+                read = (cum[:-1] < hi) & (cum[1:] > lo)  # the documents with a token in lo..hi-1
+                again[self._shard_of(idx[read])] = True
+        return again
+
+    def step(self, positions: int | None = None) -> None:
+        """Scan on to ``positions`` positions (tokens) past the horizon at least, a chunk of
+        documents at a time (None: to the end of the pass)."""
+        stop = self.end if positions is None else min(self.end, self.horizon + int(positions))
+        if self._again is None and self._doc_end is not None and self._segments:
+            self._again = self._read_again()
+        while self.horizon < stop:
+            try:
+                k, a, b, d0, idx, cum = next(self._walk)
+            except StopIteration:
+                self.horizon = self.end
+                break
+            _fold(self.first, self.last, self._shard_of(idx), cum, self._total, a, b)
+            self.horizon = max(self.horizon, min(b, k * self._total + int(cum[-1])))
+            if k == self._segments[0][0]:
+                self._docs = d0 + len(idx)
+            if self._doc_end is not None:
+                past = self._doc_end <= self._docs if k == self._segments[0][0] else np.ones(len(self._closed), bool)
+                self._closed = past & ~self._again  # type: ignore[operator]
+
+    def uses(self) -> EpochUses:
+        """What is known so far, each last use no later than it can be (the class docstring)."""
+        if self.done:
+            return _uses(self.epoch, self.start, self.end, self.first, self.last)
+        last = np.where(self.last < 0, -1, np.where(self._closed, self.last, self.end - 1))
+        return _uses(self.epoch, self.start, self.end, self.first, last)
+
+    def seen(self) -> EpochUses:
+        """What is known so far, each last use the last one seen (no later than the true one)."""
+        return _uses(self.epoch, self.start, self.end, self.first, self.last)
+
+
 def pack_uses(plan, shard_starts: np.ndarray) -> EpochUses:
     """:func:`token_uses` of a :class:`fastload.sampling.packing.PackPlan` (one rank's pass): the
     tokens every rank of the job reads in it (all ranks step together), read from its token
-    stream's chunks (never the epoch's documents or token counts materialised)."""
-    end = plan.bounds[-1][2] if plan.bounds else plan.start
-    starts = np.asarray(shard_starts, dtype=np.int64)
-    first, last = _empty(len(starts) - 1)
-    tokens, total = plan.tokens, plan.total
-    if total > 0 and end > plan.start:
-        shard_of = _shard_of(starts)
-        lo, hi = plan.start, end
-        if hi - lo >= total:  # every token is read: every chunk of the stream
-            ranges = [(0, total)]
-        else:
-            a, b = lo % total, (hi - 1) % total + 1
-            ranges = [(a, b)] if a < b else [(a, total), (0, b)]
-        for r0, r1 in ranges:
-            for idx, cum in tokens.doc_chunks(r0, r1):
-                _fold(first, last, shard_of(idx), cum, total, lo, hi)
-    return _uses(plan.epoch, plan.start, end, first, last)
+    stream's chunks (never the epoch's documents or token counts materialised). (A
+    :class:`PackScan` scanned to the end.)"""
+    scan = PackScan(plan, shard_starts)
+    scan.step()
+    return scan.uses()
 
 
 def _merged_intervals(shards: np.ndarray, lo: np.ndarray, hi: np.ndarray):

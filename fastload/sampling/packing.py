@@ -305,10 +305,11 @@ class TokenStream:
         tok = np.asarray(self.lengths[self._indices(j) if idx is None else idx], dtype=np.int64)
         return tok if self.max_length is None else np.minimum(tok, self.max_length)
 
-    def doc_chunks(self, lo: int, hi: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """``(global sample indices, cumulative token counts)`` of each chunk of documents
-        holding tokens ``lo..hi-1`` (``0 <= lo < hi <= total``), one chunk at a time, in order
-        (the counts absolute: one entry more than the indices). Held meanwhile: one chunk
+    def doc_chunks(self, lo: int, hi: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """``(stream position of its first document, global sample indices, cumulative token
+        counts)`` of each chunk of documents holding tokens ``lo..hi-1`` (``0 <= lo < hi <=
+        total``), one chunk at a time, in order (the counts absolute: one entry more than the
+        indices). Held meanwhile: one chunk
         (what a remote cache's plan reads, never the epoch's documents whole)."""
         with self._lock:
             self._read_past(lo)
@@ -324,7 +325,7 @@ class TokenStream:
             with self._lock:
                 if j + 1 == len(self._ck):
                     self._ck.append(int(cum[-1]))
-            yield idx, cum
+            yield j * CHUNK, idx, cum
             if cum[-1] >= hi:
                 return
             j += 1
