@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from fastload import Sampler
+from fastload.runtime import kept as kept_mod
 from fastload.runtime.kept import Flock
 from fastload.sampling import tables
 from fastload.sampling.order import Weighted
@@ -186,7 +187,7 @@ def test_a_builder_that_waited_too_long_builds_too_and_nothing_breaks(kept, monk
     (folder / "guide.npy").unlink()  # (so the table is built again)
     holder = Flock(folder / ".lock")
     assert holder.try_lock()
-    monkeypatch.setattr(tables, "_wait_s", lambda n: 0.05)
+    monkeypatch.setattr(kept_mod, "build_wait_s", lambda n: 0.05)
     try:
         with caplog.at_level(logging.WARNING, logger="fastload"):
             second = tables.weight_table(w)

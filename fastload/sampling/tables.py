@@ -35,12 +35,6 @@ WEIGHTED_FORMAT = "weighted-v1"  # (cdf float64, guide index_dtype(n + 1)); bump
 BALANCED_FORMAT = "balanced-v1"  # (members int64, starts int64 of C + 1)
 
 
-def _wait_s(n: int) -> float:
-    """How long a process waits for another building a table of ``n`` samples: a minute, plus
-    far more than the build takes at 2 M samples/s."""
-    return 60.0 + n / 2e6
-
-
 def fill_weight_table(weights: np.ndarray, cdf: np.ndarray, guide: np.ndarray) -> int:
     """Fill ``cdf`` (the cumulative weights, float64: each sum as ``np.cumsum`` adds it, one
     after the other) and ``guide`` (``len(weights) + 1`` entries: ``guide[j]`` counts the
@@ -101,7 +95,7 @@ def weight_table(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
 
     t = kept_arrays(folder, specs, build,
                     what=f"the weighted-draw table of {n:,} weights", holds=f"a table of {n:,} weights",
-                    check=_check_weight_table, wait_s=_wait_s(n))
+                    check=_check_weight_table)
     cdf = t["cdf"]
     return cdf, t["guide"], int(np.searchsorted(cdf, cdf[-1], side="left"))
 
@@ -182,5 +176,5 @@ def balance_table(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         folder = kept_folder("tables", BALANCED_FORMAT, content_key(BALANCED_FORMAT, labels))
     t = kept_arrays(folder, specs, lambda alloc: fill_balance_table(labels, alloc),
                     what=f"the class table of {n:,} labels", holds=f"a class table of {n:,} labels",
-                    check=_check_balance_table, wait_s=_wait_s(n))
+                    check=_check_balance_table)
     return t["members"], t["starts"]
