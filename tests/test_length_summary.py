@@ -209,7 +209,8 @@ def test_a_resume_reads_the_lengths_from_the_nodes_chunk_counts_on(cached, monke
     """A pass over an epoch keeps its chunk counts beside the lengths; a later pass resumed
     near the end of that epoch reads only the chunks holding its tokens, and its batches
     equal those of a pass that reads every length before them."""
-    from fastload.sampling.order import Shuffled, Weighted, weight_table
+    from fastload.sampling.order import Shuffled, Weighted
+    from fastload.sampling.tables import weight_table
 
     monkeypatch.setattr(packing, "CHUNK", 7)
     monkeypatch.setattr(packing, "KEEP_NEW", 1)
