@@ -183,3 +183,43 @@ def test_every_kept_table_waits_for_another_builder_as_long_as_its_size_needs(ds
     assert np.array_equal(v, want)
     assert waits == [kept.build_wait_s(500)]
     assert kept.build_wait_s(10**10) > 5000
+
+
+def test_a_remote_datasets_weight_field_is_kept_once_per_node_in_its_cache(remote_url, local_ds, tmp_path,
+                                                                           monkeypatch):
+    """Loader(remote, weights="y"): the field's values are read shard by shard into the
+    dataset's cache directory (values-y.npy, beside its lengths) and memory-mapped by every
+    rank, not read whole into each rank's memory; a later Loader reads the file, not the
+    shards; the draws equal those of the same dataset read locally."""
+    from fastload.store.reader import DatasetReader
+
+    local = fastload.Dataset(local_ds)
+    want = local.get_batch(np.arange(len(local)), fields=["y"])["y"]
+    kw = dict(batch_size=50, weights="y", seed=5, device="cpu")
+
+    def run(path, **more):
+        with fastload.Loader(path, **kw, **more) as lo:
+            values = lo.sampler.weights
+            return values, np.concatenate([b["y"].numpy() for b in lo])
+
+    cache = tmp_path / "c"
+    values, got = run(remote_url, cache_dir=cache)
+    assert _is_mapped(values) and not values.flags.writeable and np.array_equal(values, want)
+    (kept,) = list(cache.rglob("values-y.npy"))
+    assert np.array_equal(np.load(kept), want) and not list(kept.parent.glob(".*.tmp"))
+    with monkeypatch.context() as m:
+        m.setattr(DatasetReader, "column", lambda *a, **k: pytest.fail("read the shards again"))
+        with fastload.Loader(remote_url, cache_dir=cache, **kw) as lo:
+            assert _is_mapped(lo.sampler.weights) and np.array_equal(lo.sampler.weights, want)
+    monkeypatch.setenv("FASTLOAD_CACHE", str(tmp_path / "fl"))
+    assert np.array_equal(run(local_ds)[1], got)
+
+
+def _is_mapped(a) -> bool:
+    import mmap
+
+    while a is not None:
+        if isinstance(a, mmap.mmap):
+            return True
+        a = getattr(a, "base", None)
+    return False
