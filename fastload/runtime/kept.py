@@ -49,6 +49,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -191,13 +192,11 @@ def _in_memory(specs: Mapping[str, Spec], build: Callable[[Callable], object]) -
 def _host() -> str:
     """This host's name as it appears in temporary names (a hash when it has odd characters)."""
     h = socket.gethostname()
-    return h if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", h) else "h" + content_key(h)[:16]
+    return h if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", h) else "h" + content_key(h)[:16]
 
 
 def _temp(folder: Path, name: str) -> Path:
     """The temporary name a build writes ``NAME.npy`` under (see the module docstring)."""
-    import threading
-
     return folder / f".{name}.npy.{_host()}.{os.getpid()}.{threading.get_ident()}.tmp"
 
 
@@ -209,7 +208,7 @@ def _remove_abandoned(folder: Path, what: str) -> None:
         if not own.fullmatch(e.name):
             continue
         try:
-            fd = os.open(e.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(e.path, os.O_RDWR | os.O_CLOEXEC)  # (NFS emulates flock with write locks)
         except OSError:
             continue  # removed meanwhile
         try:
