@@ -122,9 +122,11 @@ def test_the_cli_json_output_is_durable_and_a_failure_names_it(tmp_path, fsyncs)
 
 
 def test_a_cache_write_that_fails_leaves_no_temporary_file(tmp_path, fsyncs):
-    """The remote cache's lengths (and remote.json, the ranks' progress) use the one write:
-    without fsync (a cache), and nothing left behind when the write fails."""
-    from fastload.remote.lengths import _save
+    """The remote cache's files (remote.json, the ranks' progress) use the one write: without
+    fsync (a cache), and nothing left behind when the write fails. (Its kept lengths and
+    values are written by fastload.runtime.kept, tested in test_lengths_cache.py.)"""
+    def _save(p, v):
+        atomic_write(p, lambda f: np.save(f, v, allow_pickle=False), fsync=False)
 
     p = tmp_path / "lengths-tokens.npy"
     _save(p, np.arange(5, dtype=np.int64))

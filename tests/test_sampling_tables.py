@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from fastload import Sampler
+from fastload.runtime import kept as kept_mod
 from fastload.runtime.kept import Flock
 from fastload.sampling import tables
 from fastload.sampling.order import Weighted
@@ -186,7 +187,7 @@ def test_a_builder_that_waited_too_long_builds_too_and_nothing_breaks(kept, monk
     (folder / "guide.npy").unlink()  # (so the table is built again)
     holder = Flock(folder / ".lock")
     assert holder.try_lock()
-    monkeypatch.setattr(tables, "_wait_s", lambda n: 0.05)
+    monkeypatch.setattr(kept_mod, "build_wait_s", lambda n: 0.05)
     try:
         with caplog.at_level(logging.WARNING, logger="fastload"):
             second = tables.weight_table(w)
@@ -404,3 +405,72 @@ def test_a_large_arrays_identity_is_hashed_fast_and_still_tells_arrays_apart(mon
     c = Sampler(1000, batch_size=9, balance_labels=labels, seed=1)
     with pytest.raises(ValueError, match="saved with balance_labels="):
         Sampler(1000, batch_size=9, balance_labels=(labels + 1) % 3, seed=1).load_state_dict(c.state_dict())
+
+
+# -- the sampler's weights / labels are its own: an in-place change of the caller's array ----
+@pytest.mark.parametrize("large", [False, True])
+@pytest.mark.parametrize("replacement", [True, False])
+def test_changing_the_callers_weights_after_construction_changes_nothing(kept, monkeypatch, large, replacement):
+    """The draws (with and without replacement), the kept table and the state's digest all come
+    from the weights as they were at construction: a small array is copied, a large one copied
+    once into a file kept per node."""
+    if not large:
+        monkeypatch.setattr(tables, "MAP_MIN", 10**9)
+    kw = dict(batch_size=10, replacement=replacement, num_draws=500, seed=3)
+    w = np.ones(2000)
+    s = Sampler(2000, weights=w, **kw)
+    assert s.weights is not w and not s.weights.flags.writeable
+    first = np.concatenate(list(s))
+    saved = s.state_dict()
+    w[:1000] = 0.0  # the caller reuses its buffer
+    s.set_epoch(1)
+    got = np.concatenate(list(s))
+    assert s.state_dict()["weights"] == saved["weights"]
+    ref = Sampler(2000, weights=np.ones(2000), **kw)
+    ref.set_epoch(1)
+    assert np.array_equal(got, np.concatenate(list(ref))) and (got < 1000).any()
+    ref.load_state_dict(saved)  # the same identity as a sampler of the original weights
+    assert np.array_equal(first, np.concatenate(list(Sampler(2000, weights=np.ones(2000), **kw))))
+    copies = _folders(kept, tables.COPY_FORMAT)
+    assert len(copies) == (1 if large else 0)
+    if large:
+        assert _mapped(s.weights) and np.array_equal(np.load(copies[0] / "values.npy"), np.ones(2000))
+
+
+def test_labels_are_the_samplers_own_too(kept, monkeypatch):
+    labels = np.arange(3000) % 3
+    s = Sampler(3000, batch_size=30, balance_labels=labels, seed=1)
+    labels[:] = 0  # one class only, were it read now
+    b = np.concatenate(list(s))
+    assert np.bincount(np.arange(3000)[b] % 3).tolist() == [1000, 1000, 1000]
+    assert len(_folders(kept, tables.COPY_FORMAT)) == 1
+
+
+def test_an_array_nothing_can_change_is_used_where_it_lies(kept, tmp_path):
+    """A read-only memory map (a fastload kept file, np.load(mmap_mode='r')) is not copied."""
+    np.save(tmp_path / "w.npy", np.arange(1, 2001, dtype=np.float32))
+    w = np.load(tmp_path / "w.npy", mmap_mode="r")
+    s = Sampler(2000, batch_size=10, weights=w, seed=0)
+    assert tables.frozen(s.weights) and np.shares_memory(s.weights, w)
+    assert not _folders(kept, tables.COPY_FORMAT)
+    view = np.ones(2000)
+    ro = view[:]
+    ro.flags.writeable = False  # a read-only view of a writable array: still changeable, so copied
+    assert not tables.frozen(ro) and Sampler(2000, batch_size=10, weights=ro).weights is not ro
+
+
+def test_bool_weights_draw_only_the_true_samples(tmp_path, monkeypatch):
+    import fastload
+
+    keep = np.arange(100) % 2 == 0
+    for replacement in (True, False):
+        s = Sampler(100, batch_size=10, weights=keep, replacement=replacement, seed=0)
+        assert set(np.concatenate(list(s)) % 2) == {0}
+    with fastload.ShardWriter(tmp_path / "ds", {"x": "int64", "keep": "bool"}) as wr:
+        wr.write_batch({"x": np.arange(100), "keep": keep})
+    monkeypatch.setenv("FASTLOAD_CACHE", str(tmp_path / "cache"))
+    with fastload.Loader(tmp_path / "ds", batch_size=10, weights="keep", device="cpu") as lo:
+        got = np.concatenate([b["x"].numpy() for b in lo])
+    assert len(got) == 100 and set(got % 2) == {0}
+    with pytest.raises(ValueError, match="real numbers"):
+        Sampler(3, batch_size=1, weights=np.array(["a", "b", "c"]))

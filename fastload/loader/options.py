@@ -330,12 +330,13 @@ def as_mixture(dataset: Any, *, mix: Any, epoch_size: Any, stop_on: Any, fields:
 
 
 def _field_values(ds, field: str) -> np.ndarray:
-    """Every sample's value of scalar ``field``: a local dataset's kept once per node and
-    memory-mapped (fastload.store.lengths.kept_values: never one copy per rank), others read."""
+    """Every sample's value of scalar ``field``: a dataset's (local or remote) kept once per
+    node and memory-mapped (fastload.store.lengths.kept_values: never one copy per rank), others
+    (a concatenation of datasets) read."""
     from ..store.lengths import kept_values
     from ..store.reader import DatasetReader
 
-    if isinstance(ds, DatasetReader) and ds.cache is None:
+    if isinstance(ds, DatasetReader):
         return kept_values(ds, field)
     return ds.get_batch(np.arange(len(ds)), fields=[field])[field]
 

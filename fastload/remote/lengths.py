@@ -21,7 +21,9 @@ of the manifest's rows) and fetched again once when they are not; twice wrong is
 downloads (:class:`~fastload.remote.pacing.RetryPolicy`).
 
 The lengths are kept in the dataset's cache directory (``lengths-<field>.npy``; the
-directory is keyed by the manifest's fingerprint), written once per node under a flock, so
+directory is keyed by the manifest's fingerprint) by the machinery that keeps every per-node
+table (:func:`fastload.runtime.kept.kept_arrays`: written once per node under a flock,
+through a memory map, never whole in memory), so
 later runs and the node's other ranks read them from disk, memory-mapped (read-only, the
 page cache shared by the node's ranks: 10^9 documents cost 8 GB once per node, not per rank). Nothing here is trusted blindly:
 when a shard is downloaded (verified against the manifest's checksum) and mapped, its
@@ -50,14 +52,14 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DownloadError, DownloadTimeout, FormatError
-from ..files import atomic_write
+from ..runtime.kept import kept_arrays
 from .bounded import call_within
 from .download import TRANSIENT_ERRORS
 from .pacing import Cancelled
 from .ipc_layout import LayoutError, footer_length, list_column, parse_footer
 from .url import FaultKind, RangesUnsupported, classify
 
-__all__ = ["TAIL_BYTES", "THREADS", "check_shard", "fetch_offsets", "lengths_path", "remote_lengths"]
+__all__ = ["TAIL_BYTES", "THREADS", "check_shard", "fetch_offsets", "kept_name", "lengths_path", "remote_lengths"]
 
 logger = logging.getLogger("fastload")
 
@@ -183,27 +185,35 @@ def fetch_offsets(transport, name: str, *, size: int, rows: int, field: str, pol
             time.sleep(pause)
 
 
+def kept_name(field: str, what: str = "lengths") -> str:
+    """The stem of a field's kept file in a dataset's cache directory: ``lengths-<field>``
+    (``what="values"``: a scalar field's values), the field's name hashed when it has odd
+    characters."""
+    safe = field if re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", field) else hashlib.sha1(field.encode()).hexdigest()
+    return f"{what}-{safe}"
+
+
 def lengths_path(cache, field: str) -> Path:
     """Where a field's lengths are kept in the dataset's cache directory."""
-    safe = field if re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", field) else hashlib.sha1(field.encode()).hexdigest()
-    return cache.dir / f"lengths-{safe}.npy"
+    return cache.dir / f"{kept_name(field)}.npy"
 
 
-def _load(path: Path, n: int) -> np.ndarray | None:
-    """The lengths kept at ``path``, memory-mapped read-only (the node's ranks share its
-    pages: 8 bytes per sample once per node, not once per rank), or None."""
-    try:
-        v = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
-    if v.dtype != np.int64 or v.shape != (n,) or (n and int(v.min()) < 0):
-        logger.warning("fastload: %s does not hold %d lengths; reading them again", path, n)
-        return None
-    return v
+def _nonnegative(t: dict) -> bool:
+    v = next(iter(t.values()))
+    return all(int(v[a:a + (1 << 24)].min()) >= 0 for a in range(0, len(v), 1 << 24))
 
 
-def _save(path: Path, v: np.ndarray) -> None:
-    atomic_write(path, lambda f: np.save(f, v, allow_pickle=False), fsync=False)  # a cache: lost, read again
+def remote_lengths(reader, field: str, open_shard) -> np.ndarray:
+    """Items per sample of ragged ``field`` of a remote dataset (see the module docstring);
+    ``open_shard(s)`` maps shard ``s`` from the cache directory (a complete file there).
+    Kept by :func:`fastload.runtime.kept.kept_arrays` in the dataset's cache directory (one
+    rank of the node reads them, under its lock, waiting at most ``download_timeout``)."""
+    cache = reader.cache
+    name, n = kept_name(field), len(reader)
+    got = kept_arrays(cache.dir, {name: (np.int64, (n,))}, lambda alloc: _gather(reader, field, open_shard, alloc(name)),
+                      what=f"the lengths of {field!r} of {cache.url}", holds=f"{n} lengths", check=_nonnegative,
+                      wait_s=cache.policy.timeout_s)
+    return got[name]
 
 
 def _local_offsets(reader, s: int, field: str, open_shard) -> np.ndarray | None:
@@ -219,35 +229,8 @@ def _local_offsets(reader, s: int, field: str, open_shard) -> np.ndarray | None:
     return shard.ragged(field, reader.fields[field], reader.shard_files[s])[0]
 
 
-def remote_lengths(reader, field: str, open_shard) -> np.ndarray:
-    """Items per sample of ragged ``field`` of a remote dataset (see the module docstring);
-    ``open_shard(s)`` maps shard ``s`` from the cache directory (a complete file there)."""
-    from .cache_files import _Flock
-
-    cache = reader.cache
-    path = lengths_path(cache, field)
-    v = _load(path, len(reader))
-    if v is not None:
-        return v
-    lock = _Flock(cache.dir / ".locks" / f"{path.stem}.lock")  # one rank of the node reads them
-    try:
-        if not lock.lock(cache.policy.timeout_s):
-            logger.warning("fastload: another process of this node has been reading the lengths of %r of %s for "
-                           "%gs (download_timeout); this one reads them too", field, cache.url, cache.policy.timeout_s)
-        v = _load(path, len(reader))
-        if v is None:
-            v = _gather(reader, field, open_shard)
-            _save(path, v)
-            mapped = _load(path, len(reader))  # this rank too reads them mapped, its gathered copy freed
-            v = v if mapped is None else mapped
-    finally:
-        lock.close()
-    return v
-
-
-def _gather(reader, field: str, open_shard) -> np.ndarray:
+def _gather(reader, field: str, open_shard, out: np.ndarray) -> np.ndarray:
     starts = reader.shard_starts
-    out = np.empty(len(reader), dtype=np.int64)
     todo = []
     for s in range(reader.num_shards):
         off = _local_offsets(reader, s, field, open_shard)

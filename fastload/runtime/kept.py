@@ -21,9 +21,21 @@ object identity) and the table's format version:
   arrays through memory maps under temporary names (never whole in memory: it may fill them
   in chunks), which are renamed into place, then mapped like the others. A process that
   finds the lock taken waits for it and maps the winner's files; past ``wait_s`` (a stopped
-  process holding it) it builds them itself, the renames replacing equal files;
+  process holding it; by default :func:`build_wait_s`: a minute plus far more than a build of
+  that many rows takes) it builds them itself, the renames replacing equal files;
+* a builder killed mid-build (SIGKILL, the OOM killer) leaves its temporary files, allocated at
+  full size. They are named ``.NAME.npy.HOST.PID.THREAD.tmp``, and each is flocked by its
+  builder while it is written; the next process that takes the folder's lock deletes those of
+  its own host whose flock is free (their builder is gone: the kernel released its lock).
+  Liveness is told by the flock, not the PID, so a builder in another PID namespace (a
+  container) sharing the directory is never taken for dead; files of another host (a cache
+  directory on NFS, where a flock may be local to each client) are left to that host;
 * without a usable cache directory (none, not writable, full) the table is built in memory,
-  with a warning saying what it costs and to set ``FASTLOAD_CACHE``.
+  with a warning saying what it costs and to set ``FASTLOAD_CACHE``. Only the cache's own
+  operations fall back so: an error of the caller's ``build`` (an unreadable shard) is raised
+  as it is, after the temporary files are deleted.
+
+Arrays built in memory are returned read-only too, like the mapped ones.
 
 Tables smaller than :data:`MAP_MIN` samples are built in memory by the callers (a few MB: the
 files would cost more than they save).
@@ -35,6 +47,9 @@ import errno
 import fcntl
 import logging
 import os
+import re
+import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -42,15 +57,20 @@ from typing import Any
 
 import numpy as np
 
-from ..files import temp_path
 from .system import cache_root
 
-__all__ = ["HASH_CHUNK", "MAP_MIN", "Flock", "content_key", "kept_arrays", "kept_folder"]
+__all__ = ["HASH_CHUNK", "MAP_MIN", "Flock", "build_wait_s", "content_key", "kept_arrays", "kept_folder"]
 
 logger = logging.getLogger("fastload")
 
 MAP_MIN = 1 << 20  # samples: smaller tables (a few MB) are built in memory, not kept
 HASH_CHUNK = 1 << 24  # bytes hashed per step of content_key (bounded memory for any array)
+
+
+def build_wait_s(n: int) -> float:
+    """How long a process waits for another building a table of ``n`` rows before it builds
+    the table itself: a minute, plus far more than a build takes at 2 M rows/s."""
+    return 60.0 + n / 2e6
 
 
 class Flock:
@@ -164,7 +184,54 @@ def _in_memory(specs: Mapping[str, Spec], build: Callable[[Callable], object]) -
         return out[name]
 
     build(alloc)
+    for v in out.values():
+        v.flags.writeable = False  # (read-only like a kept table: nobody changes it after the build)
     return out
+
+
+def _host() -> str:
+    """This host's name as it appears in temporary names (a hash when it has odd characters)."""
+    h = socket.gethostname()
+    return h if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", h) else "h" + content_key(h)[:16]
+
+
+def _temp(folder: Path, name: str) -> Path:
+    """The temporary name a build writes ``NAME.npy`` under (see the module docstring)."""
+    return folder / f".{name}.npy.{_host()}.{os.getpid()}.{threading.get_ident()}.tmp"
+
+
+def _remove_abandoned(folder: Path, what: str) -> None:
+    """Delete the temporary files of this host's builders that died (their flock is free).
+    Called with the folder's lock held."""
+    own = re.compile(rf"\..+\.npy\.{re.escape(_host())}\.[0-9]+\.[0-9]+\.tmp")
+    for e in os.scandir(folder):
+        if not own.fullmatch(e.name):
+            continue
+        try:
+            fd = os.open(e.path, os.O_RDWR | os.O_CLOEXEC)  # (NFS emulates flock with write locks)
+        except OSError:
+            continue  # removed meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live builder holds it (one that stopped waiting for the folder's lock)
+        else:
+            size = os.fstat(fd).st_size
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(e.path)
+                logger.warning("fastload: deleted %s (%d bytes), left by a process that died while building %s",
+                               e.path, size, what)
+        finally:
+            os.close(fd)
+
+
+class _CacheFailure(Exception):
+    """An OSError of the cache's own operations inside the caller's build (``alloc``): told
+    apart from the build's own errors."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
 
 
 def _reserve(path: Path, nbytes: int) -> None:
@@ -182,32 +249,42 @@ def _reserve(path: Path, nbytes: int) -> None:
 
 def kept_arrays(folder: Path | None, specs: Mapping[str, Spec], build: Callable[[Callable], object], *,
                 what: str, holds: str, check: Callable[[dict], bool] | None = None,
-                wait_s: float = 600.0) -> dict[str, np.ndarray]:
+                wait_s: float | None = None) -> dict[str, np.ndarray]:
     """The arrays named by ``specs`` (``name -> (dtype, shape)``), memory-mapped read-only from
     ``folder`` (see the module docstring), built there first by ``build(alloc)`` when missing
     or wrong: ``alloc(name, shape=None)`` returns the writable array to fill (a memory map of
     a temporary file; ``shape`` for a spec whose shape is None). ``folder`` None: built in
     memory. ``what`` names the table in messages ("the lengths of 'tokens'"), ``holds`` what
     a right file holds ("500 lengths"); ``check(arrays)`` cheap invariants of a kept table;
-    ``wait_s`` how long to wait for another process building it."""
+    ``wait_s`` how long to wait for another process building it (default
+    :func:`build_wait_s` of the longest fixed shape). An exception of ``build`` is raised
+    as it is (the temporary files deleted); only the cache's own OSErrors fall back to memory."""
     if folder is None:
         return _in_memory(specs, build)
+    if wait_s is None:
+        wait_s = build_wait_s(max((int(np.prod(shape)) for _, shape in specs.values() if shape is not None),
+                                  default=0))
     got, bad = _load(folder, specs, check)
     if got is not None:
         return got
     lock = None
-    temps: list[Path] = []
+    build_failed = False
+    temps: list[tuple[Path, int]] = []  # (temporary file, the fd of its flock)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         lock = Flock(folder / ".lock")
-        if not lock.try_lock():
+        locked = lock.try_lock()
+        if not locked:
             logger.info("fastload: waiting for another process of this node, which builds %s in %s", what, folder)
-            if not lock.lock(wait_s):
+            locked = lock.lock(wait_s)
+            if not locked:
                 logger.warning("fastload: another process of this node has been building %s in %s for %.0f s; "
                                "this one builds it too", what, folder, wait_s)
         got, bad2 = _load(folder, specs, check)  # built meanwhile by the process that held the lock
         if got is not None:
             return got
+        if locked:  # (no builder of this host but a stopped one or one that gave up waiting is at work)
+            _remove_abandoned(folder, what)
         bad = bad or bad2
         if bad is not None:
             logger.warning("fastload: %s does not hold %s; building it again", bad, holds)
@@ -216,20 +293,34 @@ def kept_arrays(folder: Path | None, specs: Mapping[str, Spec], build: Callable[
 
         def alloc(name: str, shape: tuple | None = None) -> np.ndarray:
             dtype, fixed = specs[name]
-            tmp = temp_path(folder / f"{name}.npy")
-            temps.append(tmp)
-            m = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=tuple(fixed if shape is None else shape))
-            _reserve(tmp, m.offset + m.nbytes)
+            tmp = _temp(folder, name)
+            try:
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                temps.append((tmp, fd))
+                fcntl.flock(fd, fcntl.LOCK_EX)  # held while it is written: a live builder's file
+                m = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype,
+                                              shape=tuple(fixed if shape is None else shape))
+                _reserve(tmp, m.offset + m.nbytes)
+            except OSError as e:
+                raise _CacheFailure(e) from e
             maps[name] = m
             return m
 
-        build(alloc)
+        try:
+            build(alloc)
+        except _CacheFailure as e:
+            raise e.error from None
+        except OSError:
+            build_failed = True  # the build's own error (a shard unreadable): not the cache's
+            raise
         for m in maps.values():
             m.flush()
         names = list(maps)
         maps.clear()  # unmapped before the renames
         for name in names:
-            os.replace(temp_path(folder / f"{name}.npy"), folder / f"{name}.npy")
+            os.replace(_temp(folder, name), folder / f"{name}.npy")
+        for _, fd in temps:
+            os.close(fd)
         temps.clear()
         logger.info("fastload: built %s in %s (%.1f s)", what, folder, time.monotonic() - t0)
         got, _ = _load(folder, specs, check)
@@ -237,13 +328,17 @@ def kept_arrays(folder: Path | None, specs: Mapping[str, Spec], build: Callable[
             return got
         raise OSError(f"the files written in {folder} do not read back")
     except OSError as e:
+        if build_failed:
+            raise
         nbytes = sum(np.dtype(d).itemsize for d, _ in specs.values())
         logger.warning("fastload: could not keep %s in %s (%s); it is held in memory (%d bytes per sample, in "
                        "each process); set FASTLOAD_CACHE to a writable directory", what, folder, e, nbytes)
         return _in_memory(specs, build)
     finally:
-        for tmp in temps:
+        for tmp, fd in temps:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+            os.close(fd)
         if lock is not None:
             lock.close()
+

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from .order import Balanced, Weighted
-from .tables import CHUNK, balance_table, weight_table
+from .tables import CHUNK, balance_table, own_copy, weight_table
 from .streams import WEIGHTED, _index_dtype, generator
 
 
@@ -46,14 +46,17 @@ def balanced_draws(labels: np.ndarray, num_draws: int, batch_size: int, seed: in
 
 
 def check_weights(weights: Any, num_samples: int) -> tuple[np.ndarray, int]:
-    """``weights`` as an array, one per sample (>= 0, finite, not all zero), and how many of
-    them are positive. Checked in chunks, and not copied (a memory-mapped array of 10^10
-    weights stays on disk): the tables convert them to float64 chunk by chunk."""
+    """``weights`` as an array, one per sample (>= 0, finite, not all zero; real numbers or
+    bools), and how many of them are positive. Checked in chunks; then the sampler's own,
+    read-only (:func:`~fastload.sampling.tables.own_copy`: a copy, kept per node when large,
+    unless nothing can change the array, e.g. a read-only memory map), so that an in-place
+    change of the caller's array after construction changes neither the draws nor the
+    state's digest. The tables convert them to float64 chunk by chunk."""
     w = np.asarray(weights)
     if w.ndim != 1 or len(w) != num_samples:
         raise ValueError(f"weights has shape {w.shape}; expected ({num_samples},), one per sample")
-    if not np.issubdtype(w.dtype, np.number) or np.issubdtype(w.dtype, np.complexfloating):
-        raise ValueError(f"weights must be real numbers, got dtype {w.dtype}")
+    if (not np.issubdtype(w.dtype, np.number) and w.dtype.kind != "b") or np.issubdtype(w.dtype, np.complexfloating):
+        raise ValueError(f"weights must be real numbers (or bools), got dtype {w.dtype}")
     positive = 0
     bad = neg = None  # (first index, value, count)
     for a in range(0, len(w), CHUNK):
@@ -73,14 +76,15 @@ def check_weights(weights: Any, num_samples: int) -> tuple[np.ndarray, int]:
         raise ValueError(f"weights[{neg[0]}]={neg[1]} is negative ({neg[2]} negative weights)")
     if positive == 0:
         raise ValueError("weights are all zero; at least one sample needs a positive weight")
-    return w, positive
+    return own_copy(w, "weights"), positive
 
 
 def check_balance_labels(balance_labels: Any, num_samples: int) -> np.ndarray:
-    """``balance_labels`` as an array, one label per sample (no NaN or inf)."""
+    """``balance_labels`` as an array, one label per sample (no NaN or inf): the sampler's
+    own, read-only, like the weights (:func:`check_weights`)."""
     lab = np.asarray(balance_labels)
     if lab.ndim != 1 or len(lab) != num_samples:
         raise ValueError(f"balance_labels has shape {lab.shape}; expected ({num_samples},)")
-    if lab.dtype.kind == "f" and not np.isfinite(lab).all():
+    if lab.dtype.kind == "f" and not all(np.isfinite(lab[a:a + CHUNK]).all() for a in range(0, len(lab), CHUNK)):
         raise ValueError("balance_labels contains NaN or inf")
-    return lab
+    return own_copy(lab, "labels")

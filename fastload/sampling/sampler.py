@@ -66,7 +66,10 @@ class Sampler:
         drop_last: ``False``: pad every rank to ``ceil(M/W)`` samples by wrapping around;
             ``True``: drop the ``M % W`` tail (both exactly as ``DistributedSampler``).
         drop_last_batch: also drop a final batch smaller than ``batch_size`` (static shapes).
-        weights: per-sample weights (>= 0, finite, not all zero) for weighted sampling.
+        weights: per-sample weights (>= 0, finite, not all zero; numbers or bools) for weighted
+            sampling. Taken as they are at construction (copied unless nothing can change them,
+            e.g. a read-only memory map): a later in-place change of the caller's array changes
+            neither the draws nor the resume state. The same holds for ``balance_labels``.
         replacement: weighted draws with replacement (default) or without.
         num_draws: stream length ``M`` for weighted / balanced sampling (default ``N``).
         balance_labels: per-sample labels; each batch then holds every class equally often.

@@ -27,18 +27,59 @@ import numpy as np
 from ..runtime.kept import MAP_MIN, content_key, kept_arrays, kept_folder
 from .order import index_dtype
 
-__all__ = ["BALANCED_FORMAT", "CHUNK", "WEIGHTED_FORMAT", "balance_table", "fill_balance_table",
-           "fill_weight_table", "weight_table"]
+__all__ = ["BALANCED_FORMAT", "CHUNK", "COPY_FORMAT", "WEIGHTED_FORMAT", "balance_table", "fill_balance_table",
+           "fill_weight_table", "frozen", "own_copy", "weight_table"]
 
 CHUNK = 1 << 20  # samples per step of a build (8 MB of float64; a few such arrays at a time)
 WEIGHTED_FORMAT = "weighted-v1"  # (cdf float64, guide index_dtype(n + 1)); bump when either changes
 BALANCED_FORMAT = "balanced-v1"  # (members int64, starts int64 of C + 1)
+COPY_FORMAT = "copy-v1"  # (values: the array's dtype and length)
 
 
-def _wait_s(n: int) -> float:
-    """How long a process waits for another building a table of ``n`` samples: a minute, plus
-    far more than the build takes at 2 M samples/s."""
-    return 60.0 + n / 2e6
+def frozen(a: np.ndarray) -> bool:
+    """True when nothing in this process can change ``a``'s values: neither ``a`` nor any
+    array it is a view of is writable, and the memory under them is a read-only memory map
+    (``np.load(..., mmap_mode="r")``, a fastload kept file), immutable bytes, or an array
+    that owns it and was made read-only (``flags.writeable = False``, taken at its word)."""
+    import mmap
+
+    x = a
+    while isinstance(x, np.ndarray):
+        if x.flags.writeable:
+            return False
+        if x.base is None:
+            return True
+        x = x.base
+    if isinstance(x, mmap.mmap):
+        with memoryview(x) as view:
+            return view.readonly
+    return isinstance(x, bytes)
+
+
+def own_copy(a: np.ndarray, what: str) -> np.ndarray:
+    """``a`` where nobody can change it (:func:`frozen`), else a read-only copy of it that the
+    caller owns (same dtype), so that what is drawn from it and its digest in a resume state
+    never change after construction: in memory below :data:`MAP_MIN` elements (or for Python
+    objects), else copied once, in chunks, into a file kept per node
+    (``tables/copy-v1/<key>/values.npy``, keyed by the content like the tables) and
+    memory-mapped: the user's array is never read again, and the node's ranks share the
+    copy's pages."""
+    if frozen(a):
+        return a
+    n = len(a)
+    if n < MAP_MIN or a.dtype.hasobject:
+        c = np.array(a, copy=True)
+        c.flags.writeable = False
+        return c
+
+    def build(alloc: Callable[..., np.ndarray]) -> None:
+        out = alloc("values")
+        for i in range(0, n, CHUNK):
+            out[i:i + CHUNK] = a[i:i + CHUNK]
+
+    folder = kept_folder("tables", COPY_FORMAT, content_key(COPY_FORMAT, a))
+    return kept_arrays(folder, {"values": (a.dtype, (n,))}, build, what=f"a copy of the {n:,} {what}",
+                       holds=f"{n:,} {what}")["values"]
 
 
 def fill_weight_table(weights: np.ndarray, cdf: np.ndarray, guide: np.ndarray) -> int:
@@ -101,7 +142,7 @@ def weight_table(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
 
     t = kept_arrays(folder, specs, build,
                     what=f"the weighted-draw table of {n:,} weights", holds=f"a table of {n:,} weights",
-                    check=_check_weight_table, wait_s=_wait_s(n))
+                    check=_check_weight_table)
     cdf = t["cdf"]
     return cdf, t["guide"], int(np.searchsorted(cdf, cdf[-1], side="left"))
 
@@ -182,5 +223,5 @@ def balance_table(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         folder = kept_folder("tables", BALANCED_FORMAT, content_key(BALANCED_FORMAT, labels))
     t = kept_arrays(folder, specs, lambda alloc: fill_balance_table(labels, alloc),
                     what=f"the class table of {n:,} labels", holds=f"a class table of {n:,} labels",
-                    check=_check_balance_table, wait_s=_wait_s(n))
+                    check=_check_balance_table)
     return t["members"], t["starts"]

@@ -95,22 +95,35 @@ def concat_lengths(readers, field: str) -> np.ndarray:
 
 
 def kept_values(reader, field: str) -> np.ndarray:
-    """Every sample's value of scalar ``field`` of a local dataset (a Loader's ``weights=`` or
-    ``balance=`` field), kept like the lengths past :data:`MAP_MIN` samples
-    (``values-<field>.npy`` beside them: read from the shards' columns once per node, in
-    shards, then memory-mapped by every rank), else read into memory."""
+    """Every sample's value of scalar ``field`` of a dataset (a Loader's ``weights=`` or
+    ``balance=`` field), read from the shards' columns once per node, shard by shard,
+    written through a memory map, then memory-mapped read-only by every rank: a local
+    dataset's past :data:`MAP_MIN` samples (``values-<field>.npy`` beside its lengths, else
+    read into memory), a remote dataset's always, in its cache directory beside its lengths
+    (``values-<field>.npy``: the shards are downloaded once per node, through the cache, and
+    a later run reads the file, downloading nothing)."""
     n = len(reader)
     f = reader._field(field)
     starts = reader.shard_starts
+    remote = reader.cache is not None
 
     def fill(out: np.ndarray) -> np.ndarray:
         for s in range(reader.num_shards):
+            mapped = not remote or reader._shards[s] is not None
             out[starts[s]:starts[s + 1]] = reader.column(s, field)
+            if not mapped:
+                reader._release_shard(s)  # (read for its values only: the cache keeps or evicts it)
         return out
 
     dtype = np.dtype(f.dtype)
-    path = kept_path([reader.manifest], field, "values") if n >= MAP_MIN else None
-    folder, name = (None, "values") if path is None else (path.parent, path.stem)
-    got = kept_arrays(folder, {name: (dtype, (n,))}, lambda alloc: fill(alloc(name)),
-                      what=f"the values of {field!r}", holds=f"{n} values")
+    if remote:
+        from ..remote.lengths import kept_name
+
+        folder, name = reader.cache.dir, kept_name(field, "values")
+        what = f"the values of {field!r} of {reader.cache.url}"
+    else:
+        path = kept_path([reader.manifest], field, "values") if n >= MAP_MIN else None
+        folder, name = (None, "values") if path is None else (path.parent, path.stem)
+        what = f"the values of {field!r}"
+    got = kept_arrays(folder, {name: (dtype, (n,))}, lambda alloc: fill(alloc(name)), what=what, holds=f"{n} values")
     return got[name]
