@@ -107,6 +107,40 @@ def test_a_loaded_position_stays_for_its_own_epoch_and_another_epoch_starts_at_z
         assert _indices(it) == _set_before_iter(make, 3)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_a_loaded_position_is_used_up_at_the_first_next_not_at_iter(tmp_path, packed):
+    """``load_state_dict``, then an ``iter()`` dropped before its first ``next()`` (Lightning's
+    check that the loader is iterable), or one ended by another ``iter()``: the pass iterated
+    next still resumes from the loaded position (it used to begin the epoch again). Once a pass
+    reached its first ``next()``, the position is used up."""
+    rng = np.random.default_rng(0)
+    docs = [np.arange(int(rng.integers(1, 20)), dtype=np.int32) + 100 * i for i in range(40)]
+    with fastload.ShardWriter(tmp_path / "ds", {"tokens": "int32[]"}, shard_size=300) as w:
+        w.write_batch({"tokens": docs})
+
+    def make():
+        kw = dict(pack_to=16) if packed else dict(fields=["tokens"])
+        return Loader(tmp_path / "ds", batch_size=2, seed=4, prefetch=2, **kw)
+
+    def rows(it, limit=None):
+        return [b["tokens"].tolist() for b in itertools.islice(it, limit)]
+
+    with make() as lo:
+        lo.set_epoch(1)
+        want = rows(lo)
+        it = iter(lo)
+        rows(it, 3)
+        state = lo.state_dict()
+    with make() as lo:
+        lo.load_state_dict(state)
+        iter(lo)  # dropped untouched
+        held = iter(lo)
+        assert rows(iter(lo)) == want[3:]  # (ended the held pass, untouched too)
+        with pytest.raises(PassEnded):
+            next(held)
+        assert rows(lo) == want  # used up by the pass that began
+
+
 def test_for_b_in_a_loader_nobody_holds_and_a_pass_ended_before_its_first_next(small_ds):
     got = []
     for b in Loader(small_ds, batch_size=16, seed=5, fields=["label"]):  # the pass holds its Loader

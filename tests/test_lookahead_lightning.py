@@ -292,3 +292,48 @@ def test_a_lightning_fit_decodes_each_epoch_once(image_ds, tmp_path, reload):
     assert [puts[e] for e in range(EPOCHS)] == [n] * EPOCHS, got
     assert puts[EPOCHS] == KW["prefetch"] and len(puts) == EPOCHS + 1, got
     assert [got["ahead"][str(e)] for e in range(EPOCHS)] == [KW["prefetch"]] * EPOCHS, got
+
+
+@pytest.mark.parametrize("then", ["iter", "sampler_set_epoch", "set_epoch"])
+def test_a_pass_dropped_before_its_first_next_keeps_a_loaded_position(image_ds, then):
+    """``load_state_dict``, then Lightning's check ``iter()`` dropped at once: the loaded position
+    is not used up by a pass that never began (it used to be: the resumed pass began the epoch
+    again, its first batches delivered twice), whether the sampler's epoch is set again (to the
+    loaded one) before or after the next ``iter()``."""
+    want = _fresh(image_ds, 0)
+    with Loader(image_ds, **KW) as lo:
+        lo.set_epoch(0)
+        _take(lo, 3)
+        state = lo.state_dict()
+    with Loader(image_ds, **KW) as lo:
+        lo.load_state_dict(state)
+        iter(lo)  # dropped untouched
+        gc.collect()
+        if then == "set_epoch":
+            lo.set_epoch(0)
+        it = iter(lo)
+        if then == "sampler_set_epoch":  # Lightning's order when a fit resumes
+            lo.sampler.set_epoch(0)
+        got = _take(it)
+        assert lo.stats()["batches_ahead"] == KW["prefetch"]  # the dropped pass's requests, taken over
+        assert lo.state_dict()["sampler"]["consumed"] == 60  # the epoch complete
+        again = _take(lo)  # the loaded position was used up by the pass that began
+    _same(got, want[3:])
+    _same(again, want)
+
+
+def test_a_pass_dropped_before_its_first_next_does_not_use_up_set_epoch(image_ds, puts):
+    """``set_epoch``, then an ``iter()`` dropped untouched (a framework's probe): the pass that
+    takes its requests over still guesses the next epoch (it used to guess the same one again:
+    the next epoch's first batches decoded twice, epoch 1 begun cold)."""
+    with Loader(image_ds, **KW) as lo:
+        n = len(lo)
+        ahead = []
+        for e in range(3):
+            lo.set_epoch(e)
+            if e == 0:
+                iter(lo)  # dropped
+            _take(lo)
+            ahead.append(lo.stats()["batches_ahead"])
+    assert ahead == [KW["prefetch"]] * 3
+    assert puts == {0: n, 1: n, 2: n, 3: KW["prefetch"]}

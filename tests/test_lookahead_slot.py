@@ -99,9 +99,10 @@ def test_a_loader_s_iterator_holds_the_look_ahead_not_the_loader(tmp_path):
     ds = fastload.Dataset(write_photo_crops(tmp_path / "ds", 12, "50KB"))
     lo = fastload.Loader(ds, batch_size=4, transforms={"image": vision.eval(16)}, prefetch=2)
     it = iter(lo)
+    next(it)  # (given at the first next(): a pass dropped before it never begins the guess)
     request = it._lookahead  # noqa: SLF001
     assert isinstance(request.func.__self__, LookAhead)
-    assert sum(1 for _ in it) == 3
+    assert sum(1 for _ in it) == 2
     ref = weakref.ref(lo)
     del lo, request
     gc.collect()

@@ -27,7 +27,8 @@ when the sampler was moved to its epoch, else closes it (its feeder and ring dra
 any Ahead closed unused) and requests its own first batches. And a pass dropped before its
 first ``next()`` (Lightning calls ``iter()`` once only to check that the loader is iterable)
 leaves what it requested in the slot (``LookAhead.hand_back``): the pass begun next takes it
-over when it is the same pass.
+over when it is the same pass. Such a pass uses up nothing else either: a loaded mid-epoch
+position and the look-ahead's note of ``set_epoch`` are taken at the first ``next()``.
 
 Never silently nothing: the iterator holds its ``owner`` (the Loader), so
 ``for batch in Loader(path, ...)`` — a Loader nobody else holds — delivers its whole epoch.
@@ -129,12 +130,12 @@ class LookAhead:
 
     The next pass is guessed when a pass has requested its last batch (the bound
     :meth:`after` returns): ``epoch + 1`` when the script moves the epochs — the sampler's
-    ``set_epoch`` was called since the pass before this one began (by ``loader.set_epoch``, or
-    on ``loader.sampler`` as PyTorch Lightning does, before ``iter()`` or between ``iter()`` and
-    the first ``next()``) — else ``epoch`` again (as a loop that never calls it iterates). A
-    wrong guess costs the batches decoded for it (``prefetch`` at most). ``enabled`` is False
-    where nothing is worth requesting ahead (see :func:`look_ahead_pays`); the slot then stays
-    empty."""
+    ``set_epoch`` was called since the pass before this one began (at its first ``next()``; by
+    ``loader.set_epoch``, or on ``loader.sampler`` as PyTorch Lightning does, before ``iter()`` or
+    between ``iter()`` and the first ``next()``) — else ``epoch`` again (as a loop that never
+    calls it iterates). A wrong guess costs the batches decoded for it (``prefetch`` at most).
+    ``enabled`` is False where nothing is worth requesting ahead (see :func:`look_ahead_pays`);
+    the slot then stays empty."""
 
     def __init__(self, sampler, source: Callable[[int], BatchSource], *, enabled: bool) -> None:
         self._sampler = sampler
@@ -167,13 +168,19 @@ class LookAhead:
         return self._ahead
 
     def take(self, plan) -> Ahead | None:
-        """The Ahead requested for this very pass, if any and still fed; any other is closed."""
-        ahead, self._ahead = self._ahead, None
+        """The Ahead requested for this very pass, if any and still fed; any other is closed
+        (and on any error while deciding: nothing it requested is left in the feeder)."""
+        ahead = self._ahead
         if ahead is None:
             return None
-        if ahead.alive and ahead.plan.same_pass(plan):
-            return ahead
-        ahead.close()
+        try:
+            if ahead.alive and ahead.plan.same_pass(plan):
+                self._ahead = None
+                return ahead
+        except BaseException:
+            self.drop()
+            raise
+        self.drop()
         return None
 
     def holds_another_epoch(self, plan) -> bool:
@@ -288,9 +295,16 @@ class EpochIterator:
         self._pending.clear()
         self._done_sampling = True
         self._lookahead = None
-        self._stats.end_epoch()
-        if self._source is not None:
-            self._source.close()
+        try:
+            self._stats.end_epoch()
+        finally:
+            if self._source is not None:
+                self._source.close()
+
+    def follow(self, lookahead: Callable[[], Ahead | None] | None) -> None:
+        """The look-ahead of a pass planned at ``iter()`` (as :meth:`restart`'s), given at its
+        first ``next()``: a pass dropped before it never began the look-ahead's guess."""
+        self._lookahead = lookahead
 
     def _fill(self) -> None:
         """Request batches up to ``prefetch`` in flight. ``__next__`` calls it only when at most
@@ -343,38 +357,40 @@ class EpochIterator:
                        f"{type(e).__name__}: {e}; the batches after it were not delivered. Start a new pass "
                        "(iter(loader)), or load a state_dict to continue from the last batch delivered")
             raise
-        t1 = perf_counter()
-        pending = self._pending
-        after = pending.popleft()
-        try:  # the batches after it, before it counts as handed over
+        try:  # from here until it counts as handed over (last), anything raised ends the pass
+            t1 = perf_counter()
+            pending = self._pending
+            after = pending.popleft()
+            # the batches after it (a Ctrl-C half way through a put leaves the source out of step)
             if not self._done_sampling and (len(pending) <= self._half or not self._amortize):
                 self._fill()
             if self._done_sampling and (self._next is not None or self._lookahead is not None):
                 self._feed_next()
-        except BaseException as e:  # (a Ctrl-C half way through a put leaves the source out of step)
+            batch = ready.batch
+            if self._on_position is not None:
+                self._on_position(after)
+            n = len(ready.index)
+            nbytes = self._nbytes.get(n) if self._fixed_size else None
+            if nbytes is None:  # fixed per row count unless variable-length fields are delivered
+                nbytes = sum(int(v.element_size() * v.nelement()) for v in batch.values()
+                             if hasattr(v, "element_size"))
+                if self._fixed_size:
+                    self._nbytes[n] = nbytes
+            batches = self._stats.delivered(n, nbytes, t1 - t0, t1)
+            if self._log_every and batches % self._log_every == 0:
+                s = self._stats.snapshot()
+                logger.info("fastload: %d batches, %.0f samples/s, waiting %.1f%% of the time%s",
+                            s["batches"], s["samples_per_s"], 100 * s["wait_fraction"], _download_line(s))
+            self._progress.position = after
+            self._taken += 1
+        except BaseException as e:
             if self._ended is None:
-                self._ended = (f"this pass ended at its batch {self._taken + 1}: requesting the batches after it "
-                               f"failed with {type(e).__name__}: {e}; that batch and the ones after it were not "
-                               "delivered. Start a new pass (iter(loader)), or load a state_dict to continue from "
-                               "the last batch delivered")
+                self._ended = (f"this pass ended at its batch {self._taken + 1}: handing it over (and requesting "
+                               f"the batches after it) failed with {type(e).__name__}: {e}; that batch and the ones "
+                               "after it were not delivered. Start a new pass (iter(loader)), or load a state_dict "
+                               "to continue from the last batch delivered")
             self.close()
             raise
-        self._taken += 1
-        batch = ready.batch
-        self._progress.position = after
-        if self._on_position is not None:
-            self._on_position(after)
-        n = len(ready.index)
-        nbytes = self._nbytes.get(n) if self._fixed_size else None
-        if nbytes is None:  # fixed per row count unless variable-length fields are delivered
-            nbytes = sum(int(v.element_size() * v.nelement()) for v in batch.values() if hasattr(v, "element_size"))
-            if self._fixed_size:
-                self._nbytes[n] = nbytes
-        batches = self._stats.delivered(n, nbytes, t1 - t0, t1)
-        if self._log_every and batches % self._log_every == 0:
-            s = self._stats.snapshot()
-            logger.info("fastload: %d batches, %.0f samples/s, waiting %.1f%% of the time%s",
-                        s["batches"], s["samples_per_s"], 100 * s["wait_fraction"], _download_line(s))
         return batch
 
     def _first_next(self) -> None:
@@ -404,10 +420,12 @@ class EpochIterator:
         self._replan = None
         if lifecycle.generation != self._generation:
             return
-        self._stats.end_epoch()
         self._pending.clear()
-        if self._source is not None:
-            self._source.close()
+        try:
+            self._stats.end_epoch()
+        finally:  # (a Ctrl-C in between: what it requested must not stay in the feeder)
+            if self._source is not None:
+                self._source.close()
 
     def _leave_requests(self) -> bool:
         """Dropped before its first ``next()``, in the thread that made it: hand what it
@@ -418,9 +436,13 @@ class EpochIterator:
             return False
         ahead = Ahead(self._plan, self._source, batches=self._batches, afters=self._pending,
                       done=self._done_sampling)
+        try:
+            self._keep(ahead)  # first: held by the slot (or closed), never left in the feeder unowned
+        except BaseException:
+            ahead.close()  # (if the slot holds it: closed, it is never taken over)
+            raise
         self._source = None  # the Ahead's now: close() leaves it running
         self.close()
-        self._keep(ahead)
         return True
 
     def __del__(self):

@@ -304,23 +304,26 @@ class Loader:
         source, the Ahead requested for it (if any: taken over) and its iterator's look-ahead;
         a remote dataset's cache follows the plan. ``wait`` (at ``iter()``): when the look-ahead
         holds another epoch's Ahead, no source (nothing requested): the first ``next()`` decides
-        (:meth:`_replan`)."""
+        (:meth:`_replan`); and until then a loaded position stays pending in the sampler and
+        the look-ahead's guess is not begun (no iterator's look-ahead: :meth:`_replan` gives
+        it), so a pass dropped before its first ``next()`` uses up neither."""
         if plan is None:
             if self._options.pack is None:
-                plan = self._sampler.epoch_plan()  # resumes a loaded position, else starts the epoch
+                plan = self._sampler.epoch_plan(hold=wait)  # resumes a loaded position, else starts the epoch
             else:  # the same stream of samples, read as tokens (the position counts tokens)
-                plan = self._pack_plan(*self._sampler.begin_pass())
+                plan = self._pack_plan(*self._sampler.begin_pass(hold=wait))
                 self._machinery.check_pieces(plan)
             if self._remote is not None:
                 self._remote.begin(plan)
             self._pass_epoch = plan.epoch
             if wait and self._lookahead.holds_another_epoch(plan):
                 return plan, None, None, None
-        ahead = self._lookahead.take(plan)  # before any new request: a stale one is closed first
+        ahead = None
         try:
+            ahead = self._lookahead.take(plan)  # before any new request: a stale one is closed first
             source = ahead.source if ahead is not None else self._machinery.source(plan.epoch)
             self._pass_epoch = plan.epoch
-            return plan, source, ahead, self._lookahead.after(plan.epoch)
+            return plan, source, ahead, None if wait else self._lookahead.after(plan.epoch)
         except BaseException:  # (a Ctrl-C: what the Ahead requested must not stay in the feeder)
             if ahead is not None:
                 ahead.close()
@@ -336,7 +339,10 @@ class Loader:
         takes that Ahead over if the sampler was moved to its epoch, else closes it and requests
         its own batches now."""
         epoch = self._sampler.epoch
+        if epoch == it.plan.epoch:
+            self._sampler.pass_begun()  # the loaded position it was planned from (if any) is used up
         if epoch == it.plan.epoch and not it.waiting:
+            it.follow(self._lookahead.after(epoch))
             return
         it.discard()  # what was requested for the old epoch is dropped, its threads joined
         if epoch == it.plan.epoch:  # it waited, the sampler stayed: the pass planned at iter() (the Ahead closed)

@@ -287,10 +287,12 @@ class Sampler:
         self.epoch = epoch
         self._consumed = 0
 
-    def epoch_plan(self) -> EpochPlan:
+    def epoch_plan(self, *, hold: bool = False) -> EpochPlan:
         """Begin a pass over the current epoch (from a loaded mid-epoch position, if any)
-        and return it as a value; what ``iter(sampler)`` walks through."""
-        start = self._begin()
+        and return it as a value; what ``iter(sampler)`` walks through. ``hold``: a loaded
+        position stays pending until :meth:`pass_begun` (a loader plans its pass at ``iter()``,
+        but a pass dropped before its first ``next()`` must not use the position up)."""
+        start = self._begin(hold)
         return EpochPlan(self.epoch, start, self.order_stream(self.epoch), self._bounds(start))
 
     def plan(self, epoch: int) -> EpochPlan:
@@ -299,11 +301,12 @@ class Sampler:
         epoch = _int("epoch", epoch, 0)
         return EpochPlan(epoch, 0, self.order_stream(epoch), self._bounds(0))
 
-    def begin_pass(self) -> tuple[int, int, Stream]:
+    def begin_pass(self, *, hold: bool = False) -> tuple[int, int, Stream]:
         """Begin a pass: ``(epoch, consumed count it starts at, the epoch's stream)``. The
         count is the caller's unit (stream positions; tokens for a packing loader). The
-        stream is :meth:`order_stream`'s (a packing plan reads it in chunks)."""
-        start = self._begin()
+        stream is :meth:`order_stream`'s (a packing plan reads it in chunks). ``hold``: as
+        :meth:`epoch_plan`'s."""
+        start = self._begin(hold)
         return self.epoch, start, self.order_stream(self.epoch)
 
     @property
@@ -313,11 +316,17 @@ class Sampler:
         epoch's token count) is then known without computing the stream."""
         return self.weights is None and self.labels is None and self.num_draws is None
 
-    def _begin(self) -> int:
+    def _begin(self, hold: bool = False) -> int:
         start = self.start_position()
-        self._resume_pending = False
+        if not hold:
+            self._resume_pending = False
         self._consumed = start
         return start
+
+    def pass_begun(self) -> None:
+        """The pass planned with ``hold`` reached its first ``next()``: a loaded position is used
+        up (a pass begun after it starts the epoch from 0)."""
+        self._resume_pending = False
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self._generate(self.epoch_plan())
