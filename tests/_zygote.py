@@ -145,8 +145,11 @@ def _launcher() -> None:
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
-    import fastload.loader  # noqa: F401
-    import fastload.store  # noqa: F401
+    try:
+        import fastload.loader  # noqa: F401
+        import fastload.store  # noqa: F401
+    except ImportError:  # pragma: no cover - a child imports what it needs (and says what is missing)
+        pass
 
     for line in sys.stdin:
         pids = []
