@@ -2,7 +2,7 @@
 PyAV, in one run.
 
     .venv/bin/python bench/bench_audio.py                  # 400 files of 2-6 s, 44.1 kHz stereo FLAC
-    .venv/bin/python bench/bench_audio.py --smoke          # 64 files (seconds)
+    .venv/bin/python bench/bench_audio.py --smoke          # 32 files (seconds)
     .venv/bin/python bench/bench_audio.py --device cuda    # fastload's spectrogram and mel on the GPU
 
 The data: generated 44.1 kHz stereo FLAC files (chirps and noise) of 2 to 6 seconds, one
@@ -120,13 +120,13 @@ def main(argv=None) -> int:
     p.add_argument("--files", type=int, default=400)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--smoke", action="store_true", help="64 files")
+    p.add_argument("--smoke", action="store_true", help="32 files")
     a = p.parse_args(argv)
     from fastload.bench.machine import equal_priority
 
     equal_priority()  # the rows compared run at one priority (FASTLOAD_NICE=0 unless set)
     if a.smoke:
-        a.files = 64
+        a.files = 32
     tmp = tempfile.mkdtemp(prefix="bench-audio-")
     try:
         t0 = time.perf_counter()

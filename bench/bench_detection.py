@@ -4,7 +4,7 @@ on the CPU: fastload.Loader(transforms=vision.detection(512)) against a torch Da
 num_workers=2) and DALI alone running the same graph, in one run.
 
     .venv/bin/python bench/bench_detection.py                # 1,024 images, 5 repeats (a few minutes)
-    .venv/bin/python bench/bench_detection.py --smoke        # 128 images, one repeat
+    .venv/bin/python bench/bench_detection.py --smoke        # 64 images, one repeat
     .venv/bin/python bench/bench_detection.py --images 2048 --repeats 5
 
 The set is COCO-like and synthetic: 640x480 JPEGs (quality 90; smooth colour fields with
@@ -204,11 +204,11 @@ def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--smoke", action="store_true", help="128 images, one repeat")
+    ap.add_argument("--smoke", action="store_true", help="64 images (two batches), one repeat")
     a = ap.parse_args(argv)
     nice = equal_priority()  # the other rows run at nice 0 too (see the docstring)
     if a.smoke:
-        a.images, a.repeats = 128, 1
+        a.images, a.repeats = 64, 1
     n = a.images
     if n < 2 * BATCH:
         ap.error(f"--images={n}: at least {2 * BATCH} (two batches of {BATCH})")

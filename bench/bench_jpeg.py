@@ -3,7 +3,7 @@ fastload.Loader against torch DataLoader with PIL, NVIDIA DALI alone (CPU pipeli
 from disk: the limit) and FFCV where it is installed.
 
     .venv/bin/python bench/bench_jpeg.py              # 2,000 photos, 5 repeats (a few minutes)
-    .venv/bin/python bench/bench_jpeg.py --smoke      # 128 photos, one repeat
+    .venv/bin/python bench/bench_jpeg.py --smoke      # 64 photos, one repeat
     .venv/bin/python bench/bench_jpeg.py --images 5000 --batch-size 128 --repeats 5
 
 The images are JPEG crops of real photographs (fastload.demo.photos, longer side 300-500 px,
@@ -220,11 +220,11 @@ def main(argv=None) -> list:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cold-repeats", type=int, default=3, help="cold starts per system (after one warm-up)")
-    ap.add_argument("--smoke", action="store_true", help="128 images, one repeat")
+    ap.add_argument("--smoke", action="store_true", help="64 images (one batch), one repeat")
     a = ap.parse_args(argv)
     equal_priority()  # the rows compared run at one priority (FASTLOAD_NICE=0 unless set)
     if a.smoke:
-        a.images, a.repeats, a.cold_repeats = 128, 1, 1
+        a.images, a.repeats, a.cold_repeats = 64, 1, 1
     n, b = a.images, a.batch_size
     cores = usable_cores()
     runs = math.ceil(n / b)  # DALI's reader has no partial batch

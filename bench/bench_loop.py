@@ -381,7 +381,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     rows_n, images, repeats, warmup = 60_000, a.images, a.repeats, 1
     if a.smoke:
-        rows_n, images, repeats, warmup = 3_000, 64, 1, 0
+        rows_n, images, repeats, warmup = 3_000, 32, 1, 0
     default_threads = torch.get_num_threads()
     settings = [default_threads] + ([1] if default_threads != 1 else [])
     tmp = Path(tempfile.mkdtemp(prefix="bench_loop_"))

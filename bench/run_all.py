@@ -33,7 +33,9 @@ SCRIPTS = sorted((p.stem[len("bench_"):] for p in HERE.glob("bench_*.py")),
                  key=lambda n: (_FIRST.index(n) if n in _FIRST else len(_FIRST), n))
 
 
-def main(argv=None) -> int:
+def main(argv=None, run=subprocess.run) -> int:
+    """``run``: how a script's process is run (``subprocess.run``'s signature; the tests
+    fork theirs from a launcher that has imported torch once)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(SCRIPTS)}")
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
             print(header, flush=True)
             t0 = time.perf_counter()
             try:
-                p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                p = run(cmd, capture_output=True, text=True, env=env)
                 mine = []
                 if rec_file.exists():
                     mine = [json.loads(line) for line in rec_file.read_text().splitlines() if line.strip()]

@@ -122,11 +122,16 @@ def loader_on_own_dataset(dirs: list) -> dict:
         agreed = len(next(iter(loader))["index"])
     os.chdir(dirs[rank])
     errors, loader = [], None
-    try:
-        loader = fastload.Loader("ds", batch_size=4, device="cpu")
-    except FormatError as e:
-        errors.append(("construction", str(e)))
-    dist.barrier()  # every rank has built (or failed to build) its Loader
+    # the ranks build their Loaders one after the other (rank order): two ranks publishing
+    # at once before either compares would both see every fingerprint at construction
+    # (the product promises "at least the last rank"); so the last one is known
+    for turn in range(dist.get_world_size()):
+        if turn == rank:
+            try:
+                loader = fastload.Loader("ds", batch_size=4, device="cpu")
+            except FormatError as e:
+                errors.append(("construction", str(e)))
+        dist.barrier()  # every rank has built (or failed to build) its Loader after the last turn
     if loader is not None:
         try:
             next(iter(loader))

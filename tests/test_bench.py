@@ -5,24 +5,24 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from PIL import Image
 
 import fastload
+from _zygote import run_python
 from fastload.demo.photos import make_image_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args, timeout=600):
+    """``python *args``, forked from the tests' process launcher (tests/_zygote.py)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    return run_python(*args, timeout=timeout, env=env, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -308,12 +308,18 @@ def test_spreads_paired_ratios_and_tables_show_median_min_max(monkeypatch, tmp_p
         report.headline("w", script="x", unit="u", ours=("L", 1.0), first_batch={"L": 0.0})
 
 
-def test_bench_scripts_smoke(tmp_path):
+def test_bench_scripts_smoke(tmp_path, monkeypatch, capsys):
     """Every bench/ script at a tiny size, through the one entry point, so none can rot; each
     records a headline (fastload beside its baseline/limit) and the results table is made
     from those records."""
     res, md = tmp_path / "results.json", tmp_path / "results.md"
-    p = run(ROOT / "bench" / "run_all.py", "--smoke", "--results", res, "--markdown", md, timeout=900)
+    run_all = _load_run_all()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.chdir(ROOT)
+    # run_all here, each script in a process of its own forked from the tests' launcher
+    code = run_all.main(["--smoke", "--results", str(res), "--markdown", str(md)],
+                        run=lambda cmd, **kw: run_python(*cmd[1:], env=kw["env"], cwd=ROOT, timeout=900))
+    p = SimpleNamespace(returncode=code, **dict(zip(("stdout", "stderr"), capsys.readouterr())))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     scripts = sorted((ROOT / "bench").glob("bench_*.py"))
     assert len(scripts) >= 6
@@ -355,12 +361,17 @@ def test_dali_stages_diagnostic_smoke():
     assert "CPU per image: decode" in p.stdout
 
 
-def test_results_table_is_replaced_between_markers(tmp_path):
+def _load_run_all():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("run_all", ROOT / "bench" / "run_all.py")
     run_all = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_all)
+    return run_all
+
+
+def test_results_table_is_replaced_between_markers(tmp_path):
+    run_all = _load_run_all()
     assert run_all.RESULTS_PAGE == ROOT / "docs" / "benchmarks.md"
     real = run_all.RESULTS_PAGE.read_text()  # the published page has exactly one block to replace
     assert real.count(run_all.BEGIN) == 1 and real.count(run_all.END) == 1

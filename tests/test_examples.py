@@ -3,19 +3,20 @@ image script alone, and under torchrun (2 gloo ranks) resumed on 1 rank from its
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+
+from _zygote import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args, cwd, timeout=300):
+    """``python *args``, forked from the tests' process launcher (tests/_zygote.py: a fresh
+    process without the start-up of a new interpreter)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                       env=env, cwd=cwd)
+    p = run_python(*args, timeout=timeout, env=env, cwd=cwd)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return p.stdout
 

@@ -177,6 +177,7 @@ def test_no_secret_in_state_dict_stats_or_logs(proxy, local_ds, tmp_path, caplog
             with fastload.Dataset(f"s3://{BUCKET}/ds", cache_dir=tmp_path / "c2", storage_options=opts) as ds:
                 ds[0]
     assert SECRET not in text and SECRET not in str(e.value)
+    assert "does not exist" in str(e.value)  # a 404 is not retried (it was, for ~50 s)
     logged = "\n".join(r.getMessage() + (r.exc_text or "") for r in caplog.records)
     assert caplog.records and SECRET not in logged
 

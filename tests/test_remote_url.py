@@ -56,6 +56,7 @@ def test_classify_faults():
     assert classify(OSError("AWS Error UNKNOWN (HTTP status 400) ExpiredToken: The provided token has expired")) \
         == FaultKind.AUTH
     assert classify(FileNotFoundError("Path does not exist 'b/ds/shard-00001.arrow'")) == FaultKind.MISSING
+    assert classify(OSError("AWS Error RESOURCE_NOT_FOUND during GetObject operation: ")) == FaultKind.MISSING
     assert classify(OSError("AWS Error NETWORK_CONNECTION curlCode: 18, Transferred a partial file")) \
         == FaultKind.TRANSIENT
     assert classify(urllib.error.HTTPError("u", 503, "x", {}, None)) == FaultKind.THROTTLE

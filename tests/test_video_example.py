@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from _zygote import run_python
 
 pytest.importorskip("av")
 
@@ -16,9 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_train_video_learns_the_direction_of_motion(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, str(ROOT / "examples" / "train_video.py"), "--data", str(tmp_path),
-                        "--make-data", "64", "--epochs", "6"], capture_output=True, text=True, timeout=300, env=env,
-                       cwd=tmp_path)
+    p = run_python(ROOT / "examples" / "train_video.py", "--data", tmp_path, "--make-data", "64", "--epochs", "6",
+                   timeout=300, env=env, cwd=tmp_path)  # forked from the tests' launcher (tests/_zygote.py)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert "converted 64 videos into 1 shard(s)" in p.stdout
     epochs = [ln for ln in p.stdout.splitlines() if ln.startswith("epoch ")]

@@ -118,7 +118,9 @@ _AUTH_RE = re.compile(r"EXPIRED_TOKEN|ExpiredToken|TokenRefreshRequired|RequestE
                       r"AccessDenied|InvalidAccessKeyId|INVALID_ACCESS_KEY_ID|SignatureDoesNotMatch|"
                       r"SIGNATURE_DOES_NOT_MATCH|InvalidToken|\b401\b|\b403\b|Unauthenticated|"
                       r"PERMISSION_DENIED|AuthenticationFailed|AuthorizationFailure", re.I)
-_MISSING_RE = re.compile(r"NoSuchKey|NO_SUCH_KEY|NoSuchBucket|NO_SUCH_BUCKET|Path does not exist|"
+# RESOURCE_NOT_FOUND: how the AWS SDK reports some 404s (its message empty, S3's code not read):
+# a missing object too, not a transient fault to retry 6 times
+_MISSING_RE = re.compile(r"NoSuchKey|NO_SUCH_KEY|NoSuchBucket|NO_SUCH_BUCKET|RESOURCE_NOT_FOUND|Path does not exist|"
                          r"\b404\b|Not Found|BlobNotFound|ContainerNotFound", re.I)
 
 

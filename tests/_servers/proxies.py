@@ -40,7 +40,7 @@ class Fault:
     connection closes), ``"corrupt"`` (one byte of the body changed: byte ``at``, default the
     middle one, XOR ``xor``), ``"expired"`` (403
     ExpiredToken, only for requests signed with access key ``key_id``), ``"reset"`` (the
-    connection closes without an answer), ``"status"`` (an answer with ``status``),
+    connection closes without an answer), ``"status"`` (an answer with ``status``: S3's NoSuchKey for 404, else InternalError),
     ``"stall"`` (no answer for ``seconds``, or until :meth:`FaultProxy.release_stalls`; then
     the connection closes), ``"stall_body"`` (the headers and the first half of the body, then
     silence on the open connection for ``seconds``, or until :meth:`FaultProxy.release_stalls`;
@@ -203,7 +203,10 @@ class FaultProxy(Service):
                     code, s3code, msg = {
                         "slowdown": (503, "SlowDown", "Please reduce your request rate."),
                         "expired": (403, "ExpiredToken", "The provided token has expired."),
-                        "status": (fault.status, "InternalError", "Injected error"),
+                        # a 404 says what S3 says (NoSuchKey, which no client retries); other
+                        # statuses InternalError (retried by the AWS SDK itself)
+                        "status": (fault.status, *(("NoSuchKey", "The specified key does not exist.")
+                                                   if fault.status == 404 else ("InternalError", "Injected error"))),
                     }[fault.kind]
                     xml = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{s3code}</Code>'
                            f"<Message>{msg}</Message><RequestId>fastload-test</RequestId></Error>").encode()
