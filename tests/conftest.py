@@ -12,6 +12,8 @@ went with timing). Every native thread fastload or DALI starts is named ("fastlo
 "[DALI]..."), and fastload's Python threads are tracked through ``threading.enumerate()``.
 Mark a test ``@pytest.mark.allow_thread_leak`` to opt out, and say why.
 
+``loader_priority_as_shipped`` (autouse) unsets ``FASTLOAD_NICE`` for each test and puts it back.
+
 ``cpu_unless_marked_cuda`` (autouse) hides any GPU from tests not marked ``cuda``, so the
 suite means the same on a GPU host as here; ``cuda`` tests run only where there is a GPU.
 
@@ -170,6 +172,16 @@ def cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.M
     otherwise deliver them on the GPU. Fake-CUDA tests install their fake over this."""
     if request.node.get_closest_marker("cuda") is None:
         hide_cuda(monkeypatch)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def loader_priority_as_shipped(monkeypatch: pytest.MonkeyPatch):
+    """Every test starts with fastload's own thread priority (``FASTLOAD_NICE`` unset) and
+    leaves the environment as it found it: a benchmark's ``main()`` called in-process sets
+    ``FASTLOAD_NICE=0`` (fastload.bench.machine.equal_priority), which would otherwise run the
+    tests after it at the training loop's priority."""
+    monkeypatch.delenv("FASTLOAD_NICE", raising=False)
     yield
 
 

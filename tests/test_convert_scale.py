@@ -449,7 +449,8 @@ def test_ray_first_error_cancels_the_tasks_in_flight(images, tmp_path, ray_clust
     dst = tmp_path / "ds"
     t0 = time.monotonic()
     code, _, err = run_engine("ray", src, dst, tmp_path, workers=2, cli=True, cluster=ray_cluster,
-                              extra_env={"FASTLOAD_TEST_SLOW": "1:300"})  # ... while group 1 runs (for 5 min)
+                              extra_env={"FASTLOAD_TEST_SLOW": "1:300",  # ... while group 1 runs (for 5 min)
+                                         "FASTLOAD_TEST_AFTER": "0:1"})  # (group 0 fails once group 1 started)
     took = time.monotonic() - t0
     assert code == 1 and "group 0 (samples 0.." in err and key in err and "--resume" in err, err
     assert took < 200, took  # group 1 was cancelled, not waited for

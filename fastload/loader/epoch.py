@@ -361,14 +361,15 @@ class EpochIterator:
             t1 = perf_counter()
             pending = self._pending
             after = pending.popleft()
+            if self._on_position is not None:  # a remote cache frees what only batches before `after`
+                self._on_position(after)         # read, before the batches after it are requested (its
+                # read-ahead room; were the hand-over to fail, a resume downloads again what it needs)
             # the batches after it (a Ctrl-C half way through a put leaves the source out of step)
             if not self._done_sampling and (len(pending) <= self._half or not self._amortize):
                 self._fill()
             if self._done_sampling and (self._next is not None or self._lookahead is not None):
                 self._feed_next()
             batch = ready.batch
-            if self._on_position is not None:
-                self._on_position(after)
             n = len(ready.index)
             nbytes = self._nbytes.get(n) if self._fixed_size else None
             if nbytes is None:  # fixed per row count unless variable-length fields are delivered

@@ -12,7 +12,10 @@ GROUP kills its own process with ``os._exit(1)``, as a crashed or OOM-killed wor
 * ``put``: an object-store task, after it uploaded its shards, before its record.
 
 ``FASTLOAD_TEST_SLOW=GROUP:SECONDS``: the task for group GROUP sleeps that long before it
-starts (a task still running when another one fails). ``FASTLOAD_TEST_HEAVY=DIR``: each task
+starts (a task still running when another one fails). ``FASTLOAD_TEST_AFTER=GROUP:OTHER``
+(with ``FASTLOAD_TEST_HEAVY``): the task for group GROUP waits, up to 120 s, until the task
+for group OTHER has started (a failure that must find another task in flight, whatever the
+machine's load). ``FASTLOAD_TEST_HEAVY=DIR``: each task
 writes the heavy modules (torch, DALI) its process has imported to ``DIR/modules-<pid>``,
 ``DIR/started-<group>`` when it starts, and every DALI image check the process builds
 appends its thread count to ``DIR/dali-<pid>``.
@@ -24,6 +27,7 @@ import time
 _fault = os.environ.get("FASTLOAD_TEST_FAULT")
 _heavy = os.environ.get("FASTLOAD_TEST_HEAVY")
 _slow = os.environ.get("FASTLOAD_TEST_SLOW")
+_after = os.environ.get("FASTLOAD_TEST_AFTER")
 if _fault or _heavy or _slow:
     import importlib
 
@@ -57,6 +61,12 @@ if _fault or _heavy or _slow:
             with open(os.path.join(_heavy, f"modules-{os.getpid()}"), "w") as f:
                 f.write(" ".join(loaded))
             open(os.path.join(_heavy, f"started-{g}"), "w").close()
+        if _after and _heavy:
+            group, other = _after.split(":")
+            deadline = time.monotonic() + 120
+            while (int(g) == int(group) and not os.path.exists(os.path.join(_heavy, f"started-{other}"))
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
         if _slow:
             group, seconds = _slow.split(":")
             if int(g) == int(group):
