@@ -35,10 +35,16 @@ def free_port() -> int:
 
 def run_ranks(world_size: int, target: str, kwargs: dict | None = None, *, timeout: float = 240,
               env: dict | None = None) -> list:
-    port = free_port()
+    # The ranks' rendezvous store is held here, on a port the OS chose and kept bound (as
+    # torchrun's agent holds it): a free port picked and released first could be taken by
+    # another process before rank 0 bound it ("address already in use", seen under load).
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="fastload-dist-") as out:
         envs = [{**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world_size),
-                 "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                 "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                  "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath()} for rank in range(world_size)]
         zygote = Zygote.get("1")
         if zygote is not None:
