@@ -27,15 +27,13 @@ def test_mnist_mlp_both_loaders(tmp_path):
 
 
 def test_train_images_ddp_then_resume_on_another_world_size(tmp_path):
-    from _dist import free_port
-
     script = ROOT / "examples" / "train_images.py"
     common = ["--data", tmp_path / "ds", "--size", "32", "--batch-size", "8", "--epochs", "2",
               "--checkpoint", tmp_path / "ckpt.pt", "--save-every", "1"]
     out = run(script, *common, "--make-data", "48", "--stop-after-steps", "2", cwd=tmp_path)
     assert "stopping after step 2" in out and (tmp_path / "ckpt.pt").exists()
     # 2 real ranks (gloo) continue the interrupted epoch from the 1-process checkpoint
-    out = run("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(), script,
+    out = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,  # (a port of its own)
               *common, "--stop-after-steps", "4", cwd=tmp_path)
     assert "resumed at epoch 0, step 2, 16 samples of the epoch already read" in out
     # and 1 rank finishes the run from the checkpoint the 2 ranks wrote
