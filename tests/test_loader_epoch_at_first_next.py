@@ -133,8 +133,10 @@ def test_a_loaded_position_is_used_up_at_the_first_next_not_at_iter(tmp_path, pa
         state = lo.state_dict()
     with make() as lo:
         lo.load_state_dict(state)
+        assert len(lo) == len(want) - 3  # before a pass is planned: what is left of the epoch
         iter(lo)  # dropped untouched
-        held = iter(lo)
+        assert len(lo) == len(want)  # once planned, the whole epoch's, as a DataLoader's (Lightning
+        held = iter(lo)               # counts a resumed epoch's batches up to it)
         assert rows(iter(lo)) == want[3:]  # (ended the held pass, untouched too)
         with pytest.raises(PassEnded):
             next(held)

@@ -255,7 +255,7 @@ class Loader:
         if self._options.pack is None:
             return len(self._sampler)
         s = self._sampler
-        return len(self._pack_plan(s.epoch, s.start_position(), s.order_stream(s.epoch)))  # a loaded position, or 0
+        return len(self._pack_plan(s.epoch, s.length_start(), s.order_stream(s.epoch)))  # a loaded position, or 0
 
     def _pack_plan(self, epoch: int, start: int, stream: Any) -> PackPlan:
         return packed_pass(self._dataset, self._sampler, self._options, epoch, start, stream)

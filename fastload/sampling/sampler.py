@@ -138,6 +138,7 @@ class Sampler:
         self.epochs_set = 0  # set_epoch calls so far: a loader reads from it that its script moves the epochs
         self._consumed = 0
         self._resume_pending = False
+        self._held = False  # a pass was planned from the loaded position (hold=True), not yet begun
         self._cache: dict[int, np.ndarray] = {}  # the materialised streams of the current epoch and the next
         self._orders: dict[int, Stream] = {}  # the per-position streams of the current epoch and the next
         self._orders_lock = threading.Lock()  # (prepare's background thread computes orders too)
@@ -269,7 +270,14 @@ class Sampler:
         return len(self._bounds(0))
 
     def __len__(self) -> int:
-        return len(self._bounds(self.start_position()))
+        return len(self._bounds(self.length_start()))
+
+    def length_start(self) -> int:
+        """The position ``len()`` counts from: a loaded mid-epoch position no pass was planned
+        from yet, else 0. Once a pass is planned (``iter()``, even one that holds the position
+        until its first batch) ``len()`` is the whole epoch's, as a DataLoader's is: PyTorch
+        Lightning reads it after ``iter()`` and counts a resumed epoch's batches up to it."""
+        return 0 if self._held else self.start_position()
 
     def start_position(self) -> int:
         """Where the next pass over the current epoch starts (the consumed count
@@ -283,7 +291,7 @@ class Sampler:
         self.epochs_set += 1
         if self._resume_pending and epoch == self.epoch:
             return
-        self._resume_pending = False
+        self._resume_pending = self._held = False
         self.epoch = epoch
         self._consumed = 0
 
@@ -319,14 +327,16 @@ class Sampler:
     def _begin(self, hold: bool = False) -> int:
         start = self.start_position()
         if not hold:
-            self._resume_pending = False
+            self._resume_pending = self._held = False
+        elif self._resume_pending:
+            self._held = True
         self._consumed = start
         return start
 
     def pass_begun(self) -> None:
         """The pass planned with ``hold`` reached its first ``next()``: a loaded position is used
         up (a pass begun after it starts the epoch from 0)."""
-        self._resume_pending = False
+        self._resume_pending = self._held = False
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self._generate(self.epoch_plan())
@@ -380,7 +390,7 @@ class Sampler:
         epoch, consumed = check_state(state, self._identity(), self.stream_len, epoch_end)
         self.epoch = epoch
         self._consumed = consumed
-        self._resume_pending = True
+        self._resume_pending, self._held = True, False
 
 
 class _Ahead:
