@@ -165,6 +165,22 @@ def read_pass(cache: ShardCache, remote: RemoteDataset, stream: np.ndarray, *, b
     return asked
 
 
+def read_while_planned(url, cache_dir: Path, limit, kw: dict, epochs=(0, 1)) -> tuple[list, list, int, dict]:
+    """Read ``epochs`` of a remote Loader while its background planner scans: ``(batches, after
+    each batch whether the pass's scan was still going on, the disk's peak bytes (DiskSampler),
+    the Loader's stats)``."""
+    import fastload
+
+    scanning: list[bool] = []
+    with fastload.Loader(url, cache_dir=cache_dir, cache_limit=limit, **kw) as lo:
+        planner = lambda: lo._remote._planner  # noqa: E731
+        with DiskSampler(lo.dataset.cache.dir) as disk:
+            got = batches(lo, epochs=epochs, on_batch=lambda i: scanning.append(
+                planner() is not None and not planner()._scan.done))
+        st = lo.stats()
+    return got, scanning, disk.peak, st
+
+
 class DiskSampler:
     """Samples the bytes of shards and partial downloads in a directory every ``every`` s
     in a background thread (the budget must hold at every moment, not only between steps)."""

@@ -213,7 +213,7 @@ def test_a_remote_loader_reads_while_its_plan_is_scanned(remote_url, local_ds, t
     import time
 
     import fastload.loader.remote as lr
-    from _remote import DiskSampler
+    from _remote import read_while_planned
     from fastload.remote.schedule import PassScan
 
     kw = dict(batch_size=50, seed=3, shuffle_mode=mode, window=window, device="cpu", prefetch=2, threads=1)
@@ -235,17 +235,11 @@ def test_a_remote_loader_reads_while_its_plan_is_scanned(remote_url, local_ds, t
     monkeypatch.setattr(lr._Planner, "_update", lambda self, nxt: (updates.append(self._scan.horizon),
                                                                    update(self, nxt))[1])
     limit = None if limit_shards is None else limit_shards * shard_bytes
-    scanning = []  # after each batch: the pass's scan still going on
-    with fastload.Loader(remote_url, cache_dir=tmp_path / "c", cache_limit=limit, **kw) as lo:
-        planner = lambda: lo._remote._planner  # noqa: E731
-        with DiskSampler(lo.dataset.cache.dir) as disk:
-            got = batches(lo, epochs=(0, 1), on_batch=lambda i: scanning.append(
-                planner() is not None and not planner()._scan.done))
-        st = lo.stats()
+    got, scanning, peak, st = read_while_planned(remote_url, tmp_path / "c", limit, kw)
     assert_same(got, want)
     assert len(updates) > 20 and sum(scanning) >= 5, (len(updates), sum(scanning))  # read while planned
     if limit is not None:
-        assert disk.peak <= limit, f"{disk.peak} bytes on disk > cache_limit {limit}"
+        assert peak <= limit, f"{peak} bytes on disk > cache_limit {limit}"
         assert st["evictions"] > 0
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fastload
-from _remote import assert_same, batches, BUCKET, DiskSampler, s3_url
+from _remote import assert_same, batches, BUCKET, DiskSampler, read_while_planned, s3_url
 from fastload.errors import FormatError
 from _servers import s3_filesystem, upload_dir
 from fastload.store import ShardWriter
@@ -336,15 +336,9 @@ def test_a_packed_pass_is_planned_as_its_scan_goes_on(tok, tmp_path, monkeypatch
 
     monkeypatch.setattr(PackScan, "step", slow)
     limit = 4 * max(s["bytes"] for s in _manifest(local)["shards"])
-    scanning = []
-    with fastload.Loader(url, cache_dir=tmp_path / "c", cache_limit=limit, **kw) as lo:
-        planner = lambda: lo._remote._planner  # noqa: E731
-        with DiskSampler(lo.dataset.cache.dir) as disk:
-            got = batches(lo, epochs=(0, 1), on_batch=lambda i: scanning.append(
-                planner() is not None and not planner()._scan.done))
-        st = lo.stats()
+    got, scanning, peak, st = read_while_planned(url, tmp_path / "c", limit, kw)
     assert_same(got, want)
-    assert disk.peak <= limit and st["evictions"] > 0
+    assert peak <= limit and st["evictions"] > 0
     assert sum(scanning) >= 5, (sum(scanning), len(scanning), docs)  # read while planned
     # two passes and the warm start: a chunk each on the training thread, ~21 each in the background
     assert docs.get("MainThread", 0) <= 3 and docs.get("fastload-plan", 0) >= 40, docs
