@@ -124,3 +124,24 @@ def test_a_counted_total_is_kept_with_its_stream(monkeypatch):
     other = Shuffled(50, seed=1, epoch=1)  # another epoch's stream: counted (fails here)
     with pytest.raises(pytest.fail.Exception):
         pack_plan(0, 0, other, lengths, rows=2, length=8, world_size=1, rank=0, drop_last=False)
+
+
+def test_an_epochs_token_total_is_not_taken_from_a_dead_arrays_reused_id():
+    """The per-stream memo of token totals is keyed by ``id(lengths)``; an id is reused once
+    its array dies, so an entry left by a dead array (planted here under the live array's id)
+    must not be read as the live one's total."""
+    import gc
+    import weakref
+
+    from fastload.sampling import packing
+    from fastload.sampling.order import Shuffled
+
+    stream = Shuffled(1000, 0, 0)
+    lengths = np.full(1000, 3, np.int64)
+    dead = np.ones(1000, np.int64)
+    ref = weakref.ref(dead)
+    del dead
+    gc.collect()
+    packing._STREAM_TOTALS.setdefault(stream, {})[(id(lengths), 1000, None)] = (ref, 1000)
+    assert packing.TokenStream(stream, lengths, None).total == 3000
+    assert packing.TokenStream(stream, lengths, None).total == 3000  # (now kept for the live one)

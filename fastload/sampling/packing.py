@@ -135,7 +135,8 @@ class TokenBatches(Sequence):
         return (s0 + self.rank * self.per_rank, s0 + (self.rank + 1) * self.per_rank, s0 + self.step)
 
 
-_STREAM_TOTALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stream -> {(lengths, max_length): tokens}
+# stream -> {(id(lengths), len, max_length): (weak reference to the lengths, tokens)}
+_STREAM_TOTALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def token_total(lengths: np.ndarray, max_length: int | None = None) -> int:
@@ -355,9 +356,11 @@ class TokenStream:
     def total(self) -> int:
         if self._total is None:
             key = (id(self.lengths), len(self.lengths), self.max_length)
-            try:
-                known = _STREAM_TOTALS.get(self.stream, {}).get(key)
+            try:  # (an id is reused once its object dies: the entry holds a weak reference to check)
+                ref, known = _STREAM_TOTALS.get(self.stream, {}).get(key, (None, None))
             except TypeError:  # an array: not kept
+                ref, known = None, None
+            if ref is None or ref() is not self.lengths:
                 known = None
             with self._lock:
                 if known is not None:
@@ -373,8 +376,8 @@ class TokenStream:
                     self._total = self._ck[-1]
                     self._keep()
             try:  # kept with the stream (a sampler keeps its epochs' streams): counted once per epoch
-                _STREAM_TOTALS.setdefault(self.stream, {})[key] = self._total
-            except TypeError:
+                _STREAM_TOTALS.setdefault(self.stream, {})[key] = (weakref.ref(self.lengths), self._total)
+            except TypeError:  # (a stream or lengths without weak references: not kept)
                 pass
         return self._total
 
