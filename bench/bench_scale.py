@@ -245,26 +245,19 @@ def _anon_peak():
 
     peak, done = [0], threading.Event()
 
-    def anon() -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
     def run() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], anon())
+            peak[0] = max(peak[0], _anon())
             done.wait(0.001)
 
     t = threading.Thread(target=run, daemon=True)
-    base = anon()
+    base = _anon()
     t.start()
 
     def stop() -> int:
         done.set()
         t.join()
-        return max(0, max(peak[0], anon()) - base)
+        return max(0, max(peak[0], _anon()) - base)
     return stop
 
 
