@@ -181,6 +181,61 @@ def read_while_planned(url, cache_dir: Path, limit, kw: dict, epochs=(0, 1)) -> 
     return got, scanning, disk.peak, st
 
 
+def read_ahead_of_planner(url, cache_dir: Path, limit, kw: dict, monkeypatch, scan_cls,
+                          epochs=(0, 1), hold_s: float = 1.0, step_s: float = 0.0) -> tuple[list, list, list]:
+    """Read ``epochs`` of a remote Loader whose background planner thread (one per pass) is
+    held ``hold_s`` at its first step of ``scan_cls`` (PassScan / PackScan), and ``step_s``
+    at each (so that the reader reads while it scans): a reader not held back would read far
+    past what the caches were told. ``(batches, after each batch
+    whether the pass's scan was still going on, violations)``: each time the Loader's source
+    put batches (their shards prepared), every shard they read must be planned in the
+    cache's current pass with a use spanning the batch's positions; a violation is
+    ``(epoch, first position, shard)`` of one that was not (the cache could release or
+    evict it while the batch is in flight)."""
+    import fastload
+    from fastload.loader.source import BatchSource
+
+    held: list = []
+    step = scan_cls.step
+
+    def holding(self, positions=None):
+        me = threading.current_thread()
+        if me.name == "fastload-plan" and not any(t is me for t in held):
+            held.append(me)
+            time.sleep(hold_s)
+        if me.name == "fastload-plan":
+            time.sleep(step_s)
+        return step(self, positions)
+
+    monkeypatch.setattr(scan_cls, "step", holding)
+    violations: list = []
+    loader: list = []
+    put = BatchSource.put
+
+    def checked(self, requests):
+        put(self, requests)
+        (lo,) = loader
+        tl = lo.dataset.cache.timeline
+        cur = next(p for p in tl._passes if p["k"] == tl.pass_no)["uses"]
+        for r in requests:
+            p0 = int(r.position)
+            p1 = p0 + (int(np.sum(r.count)) if r.count is not None else len(r.index))
+            for s in np.unique(lo.dataset.locate(r.index, check=False, verify=False)[0]).tolist():
+                j = np.flatnonzero(cur.shards == s)
+                if not (len(j) and cur.first[j[0]] < p1 and cur.last[j[0]] >= p0):
+                    violations.append((cur.epoch, p0, s))
+
+    monkeypatch.setattr(BatchSource, "put", checked)
+    scanning: list[bool] = []
+    with fastload.Loader(url, cache_dir=cache_dir, cache_limit=limit, **kw) as lo:
+        loader.append(lo)
+        planner = lambda: lo._remote._planner  # noqa: E731
+        got = batches(lo, epochs=epochs, on_batch=lambda i: scanning.append(
+            planner() is not None and not planner()._scan.done))
+    assert len(held) >= len(epochs), "a pass was planned without the background planner"
+    return got, scanning, violations
+
+
 class DiskSampler:
     """Samples the bytes of shards and partial downloads in a directory every ``every`` s
     in a background thread (the budget must hold at every moment, not only between steps)."""
@@ -222,4 +277,4 @@ class DiskSampler:
 
 
 __all__ = ["_aws_sdk_event_loop", "BUCKET", "DiskSampler", "FAST_RETRY", "epoch_uses", "local_ds", "make_cache", "make_dataset", "moto",
-           "open_remote", "proxy", "read_pass", "s3_env", "s3_url", "shard_starts", "upload", "window_stream"]
+           "open_remote", "proxy", "read_ahead_of_planner", "read_pass", "s3_env", "s3_url", "shard_starts", "upload", "window_stream"]

@@ -397,3 +397,30 @@ def test_a_pack_scan_knows_more_at_each_step_and_never_too_little(monkeypatch, k
     assert steps > 5
     if kind != "shuffled" and world < 400:
         assert early > 0  # exact last uses known as the scan went, not only at its end
+
+
+@pytest.mark.parametrize("mode,window,limit_shards", [("window", 1, 4), ("full", None, None)])
+def test_a_pass_is_never_read_ahead_of_its_plan(remote_url, local_ds, tmp_path, monkeypatch, mode, window,
+                                                 limit_shards):
+    """The background planner of each pass held for a second (a loaded machine): the reader
+    waits at the first batch past what the caches were told, so every shard a prepared batch
+    reads is planned, its use spanning the batch (never released or evicted under a batch in
+    flight); the batches equal the local dataset's over two epochs."""
+    import fastload.loader.remote as lr
+    from _remote import read_ahead_of_planner
+    from fastload.remote.schedule import PassScan
+
+    kw = dict(batch_size=50, seed=3, shuffle_mode=mode, window=window, device="cpu", prefetch=2, threads=1)
+    with fastload.Loader(local_ds, **kw) as lo:
+        want = batches(lo, epochs=(0, 1))
+        shard_bytes = max(s["bytes"] for s in lo.dataset.manifest["shards"])
+    monkeypatch.setattr(lr, "SYNC_POSITIONS", 100)
+    monkeypatch.setattr(lr, "SCAN", 40)
+    monkeypatch.setattr(lr._Planner, "EVERY_S", 0.0)
+    limit = None if limit_shards is None else limit_shards * shard_bytes
+    got, scanning, violations = read_ahead_of_planner(remote_url, tmp_path / "c", limit, kw, monkeypatch, PassScan,
+                                                    step_s=0.003)
+    assert not violations, violations[:5]
+    assert_same(got, want)
+    assert sum(scanning) >= 5, sum(scanning)
+

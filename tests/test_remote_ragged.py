@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fastload
-from _remote import assert_same, batches, BUCKET, DiskSampler, read_while_planned, s3_url
+from _remote import assert_same, batches, BUCKET, DiskSampler, read_ahead_of_planner, read_while_planned, s3_url
 from fastload.errors import FormatError
 from _servers import s3_filesystem, upload_dir
 from fastload.store import ShardWriter
@@ -352,3 +352,33 @@ def test_a_packed_pass_is_planned_as_its_scan_goes_on(tok, tmp_path, monkeypatch
         lo.load_state_dict(json.loads(json.dumps(state)))
         rest = batches(lo)
     assert_same(first + rest, want[:n])
+
+
+def test_a_packed_pass_is_never_read_ahead_of_its_plan(tok, tmp_path, monkeypatch):
+    """The background planner of each pass held for a second (a loaded machine: the reader
+    far faster than the scan): the reader waits at the first batch past what the caches
+    were told, so every shard a prepared batch reads is planned, its use spanning the batch;
+    never released (a shard of the previous pass) or evicted (one not planned yet) under a
+    batch in flight: the ring's "shard was dropped after the batch was planned" (issue 30, a
+    flake of test_a_packed_pass_is_planned_as_its_scan_goes_on). Batches equal the local
+    dataset's over two epochs in a tight budget."""
+    import fastload.loader.remote as lr
+    import fastload.sampling.packing as packing
+    from fastload.remote.schedule import PackScan
+
+    local, url, _ = tok
+    kw = dict(batch_size=4, pack_to=64, fields=["tokens"], seed=3, shuffle_mode="window", window=1, device="cpu",
+              prefetch=2, threads=1)
+    with fastload.Loader(local, **kw) as lo:
+        want = batches(lo, epochs=(0, 1))
+    monkeypatch.setattr(packing, "CHUNK", 97)
+    monkeypatch.setattr(lr, "SYNC_POSITIONS", 100)
+    monkeypatch.setattr(lr, "SCAN", 1)  # a chunk per step
+    monkeypatch.setattr(lr._Planner, "EVERY_S", 0.0)
+    limit = 4 * max(s["bytes"] for s in _manifest(local)["shards"])
+    got, scanning, violations = read_ahead_of_planner(url, tmp_path / "c", limit, kw, monkeypatch, PackScan,
+                                                    step_s=0.03)
+    assert not violations, violations[:5]
+    assert_same(got, want)
+    assert sum(scanning) >= 5, sum(scanning)  # read while planned
+

@@ -327,6 +327,19 @@ class RemoteShards:
 
     __call__ = prepare  # the epoch's source calls its prepare hook
 
+    def plan_through(self, requests: Sequence[Any]) -> None:
+        """Before these batches (:class:`~fastload.sampling.packing.Request`) are prepared:
+        wait until the caches were handed the pass's uses up to the last position they read
+        (a long pass's scan goes on in the background, :class:`_Planner`). A reader ahead of
+        the scan would read shards the caches do not know it needs there: a shard used
+        earlier (the previous pass) would be released, and one never planned evicted, while
+        a prepared batch still reads it."""
+        if self._pending_plan is not None:
+            self._start_pass()
+        planner = self._planner
+        if planner is not None and requests:
+            planner.wait_known(max(_reach(r) for r in requests))
+
     def idle(self) -> None:
         """The ring was drained with its feeder closed (see LocalShards.idle)."""
         if self._local is not None:
@@ -368,37 +381,75 @@ class RemoteShards:
         stop_caches(self._caches)  # within one retry.close_s (2 s), whatever the servers do
 
 
+def _reach(request: Any) -> int:
+    """The position after the last one a batch's request reads (tokens when packed:
+    ``count`` holds its pieces' tokens; else samples, one position per row)."""
+    n = int(np.sum(request.count)) if request.count is not None else len(request.index)
+    return int(request.position) + n
+
+
 class _Planner:
     """A long pass's scan (:class:`~fastload.remote.schedule.PassScan`), then the next
     epoch's (``nxt``, nothing scanned yet; None: the scan of ``scan.epoch + 1`` from 0),
     going on in a background thread: the caches (on their passes ``pass_nos``) get what it
     knows each time it has scanned as far again as before, or a second went by (of the next
     epoch too: its first shards are fetched before this pass ends, however long that epoch
-    is), and, once both are over, the exact schedules. A budget the uses seen so far
-    already exceed fails the caches (their ``ensure`` raises it) and the next batch
-    (``error``)."""
+    is), the pass's exact schedule as soon as its scan is over, and, once both are over, the
+    next epoch's. The reader never reads past what the caches were handed (:attr:`known`):
+    a batch further on waits (:meth:`wait_known`), and the thread hands the caches what it
+    knows as soon as its scan is past that batch. A budget the uses seen so far already
+    exceed fails the caches (their ``ensure`` raises it) and the next batch (``error``)."""
 
     EVERY_S = 1.0
+    WAIT_POLL_S = 0.05
 
     def __init__(self, owner: RemoteShards, scan: PassScan | PackScan, pass_nos: list[int],
                  nxt: PassScan | PackScan | None = None) -> None:
         self._owner, self._scan, self._pass_nos, self._nxt = owner, scan, pass_nos, nxt
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self._known = threading.Condition()
+        # the caches were handed the pass's uses of every position before this one (its
+        # plan: what the scan knew when this planner was made)
+        self.known = scan.end if scan.done else scan.horizon
+        self._wanted = scan.start  # the position the reader waits to be known (none past known: none waits)
         self._thread = threading.Thread(target=self._run, name="fastload-plan", daemon=True)
         self._thread.start()
 
+    def wait_known(self, position: int) -> None:
+        """Return once the caches know the pass's uses of every position before ``position``
+        (at once, usually: the scan is far ahead of the reader); raises the planner's error."""
+        position = min(int(position), self._scan.end)
+        if self.known < position:
+            with self._known:
+                self._wanted = max(self._wanted, position)
+                while (self.known < position and self.error is None and not self._stop.is_set()
+                       and self._thread.is_alive()):
+                    self._known.wait(self.WAIT_POLL_S)
+        if self.error is not None:
+            raise self.error
+        if self.known < position and not self._stop.is_set():  # (the thread ended without: never expected)
+            raise RuntimeError(f"the plan of this pass ended at position {self.known} before position {position}")
+
+    def _set_known(self, position: int) -> None:
+        with self._known:
+            self.known = max(self.known, position)
+            self._known.notify_all()
+
     def _update(self, nxt: list[EpochUses] | None) -> None:
         o, scan = self._owner, self._scan
+        known = scan.end if scan.done else scan.horizon  # (this thread alone steps the scan)
         o._check(o._parts(scan.seen()))
         uses = o._parts(scan.uses())
         for i, (c, u) in enumerate(zip(o._caches, uses)):
             if not self._stop.is_set():
                 c.update(self._pass_nos[i], u, None if nxt is None else nxt[i])
+        self._set_known(known)
 
     def _follow(self, scan: PassScan | PackScan, update: Callable[[], None]) -> bool:
         """Scan ``scan`` to its end, calling ``update()`` as it goes (each time it has
-        scanned as far again, or a second went by); False when stopped first."""
+        scanned as far again, or a second went by, or -- this pass's scan -- the reader
+        waits for a position it is past now); False when stopped first."""
         import time
 
         mark, t, gap = 2 * scan.horizon - scan.start, time.monotonic(), 0.0
@@ -406,8 +457,11 @@ class _Planner:
             if self._stop.is_set():
                 return False
             scan.step(SCAN)
+            if scan.done:
+                break
             now = time.monotonic()
-            if not scan.done and (scan.horizon >= mark or now - t >= self.EVERY_S) and now - t >= gap:
+            waited = scan is self._scan and self.known < self._wanted <= scan.horizon
+            if waited or ((scan.horizon >= mark or now - t >= self.EVERY_S) and now - t >= gap):
                 update()
                 # an update holds the caches' lock while it computes their admissions (a
                 # fraction of a second at 10^5 shards): at most a tenth of the time
@@ -420,6 +474,8 @@ class _Planner:
         try:
             if not self._follow(scan, lambda: self._update(None)):
                 return
+            if self.known < scan.end:  # the pass's exact schedule at once: the reader may wait for it
+                self._update(None)
             nxt = o._scan(scan.epoch + 1, 0) if self._nxt is None else self._nxt
             if self._follow(nxt, lambda: self._update(o._parts(nxt.uses()))):
                 self._update(o._parts(nxt.uses()))
@@ -429,6 +485,8 @@ class _Planner:
             self.error = e
             for c in o._caches:
                 c.fail(e)
+            with self._known:
+                self._known.notify_all()
 
     def stop(self) -> None:
         """Stop scanning (within one chunk of positions) and join the thread."""

@@ -107,6 +107,9 @@ class RingFedSource:
             idx = np.concatenate([b.index for b in batches]) if len(batches) > 1 else batches[0].index
             self._dataset.verify_ahead(self._dataset.locate(idx, check=False, verify=False)[0])  # (not remote)
         if self._prepare is not None and batches:  # their shards local and installed in the ring first
+            plan_through = getattr(self._prepare, "plan_through", None)  # a remote pass: planned that far first
+            if plan_through is not None:
+                plan_through(batches)
             self._prepare([b.index for b in batches])
         self._requests.extend(batches)  # before the ring can deliver them
         if self._feeder is not None:
