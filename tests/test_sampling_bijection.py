@@ -14,6 +14,7 @@ import pytest
 
 from fastload import Sampler
 from fastload.sampling import SAMPLER_STATE_VERSION, per_rank_count
+from fastload.sampling import bijection as bijection_module
 from fastload.sampling.bijection import FEW_ROUNDS, ROUNDS, SMALL_BITS, bijection, derive_keys, round_keys
 from fastload.sampling.order import Natural, Shuffled, Windowed
 from fastload.sampling.streams import PERMUTATION, seed_sequence
@@ -58,6 +59,37 @@ def test_the_inverse_undoes_the_bijection():
         y = bijection(x, n, k)
         assert np.array_equal(bijection(y, n, k, inverse=True), x), n
         assert np.array_equal(bijection(bijection(x, n, k, inverse=True), n, k), x), n
+
+
+def test_the_extension_computes_the_numpy_reference_bit_for_bit():
+    """fastload._C.feistel (csrc/feistel.cpp) gives the numbers of the numpy implementation
+    (the order every state since version 3 names) over random domains, positions, shared,
+    per-element and derived (``sub``) keys, forward and inverse; it refuses a position outside
+    its domain instead of walking forever."""
+    assert bijection_module._feistel is not None, "the extension lacks feistel: rebuild it (setup.py build_ext)"
+    rng = np.random.default_rng(30)
+    for trial in range(240):
+        m = int(rng.integers(1, 2000))
+        if trial % 3 == 0:  # one domain, from 1 to 2^62
+            n = int(rng.integers(1, 2 ** int(rng.integers(1, 63))))
+            x = rng.integers(0, n, m)
+        else:  # a domain per element
+            n = rng.integers(1, 2 ** int(rng.integers(1, 40)), m)
+            x = (rng.random(m) * n).astype(np.int64)
+        shared = trial % 2 == 1
+        keys = rng.integers(0, 2**63, ROUNDS if shared else (ROUNDS, m), dtype=np.uint64)
+        inverse = trial % 4 == 1
+        got = bijection(x, n, keys, inverse=inverse)
+        assert got.dtype == np.int64
+        assert np.array_equal(got, bijection_module._bijection_numpy(x, n, keys, inverse=inverse)), trial
+        if shared:
+            sub = rng.integers(0, 2**40, m)
+            want = bijection_module._bijection_numpy(x, n, derive_keys(keys, sub), inverse=inverse)
+            assert np.array_equal(bijection(x, n, keys, sub=sub, inverse=inverse), want), trial
+    k = round_keys(1, 0, PERMUTATION)
+    for bad in ([0, 10], [-1]):
+        with pytest.raises(IndexError, match=r"outside \[0, 10\)"):
+            bijection(np.array(bad), 10, k)
 
 
 def test_large_domains_are_injective_on_samples_and_in_range():

@@ -54,12 +54,13 @@ lengths give proportions of tokens (see the README).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .bijection import bijection, derive_keys, round_keys
+from .bijection import bijection, round_keys
 from .length_summary import range_total
 from .order import CHUNK, Stream
 from .sampler import Sampler
@@ -201,9 +202,8 @@ class MixtureLayout:
         the run (keyed by the run's number)."""
         b = self.batch_size
         cum = np.cumsum(self.counts.counts(runs), axis=1)  # (runs, n): each dataset's end slot
-        keys = derive_keys(self._keys, runs)
         offsets = np.tile(np.arange(b, dtype=np.int64), len(runs))
-        slots = bijection(offsets, b, np.repeat(keys, b, axis=1)).reshape(len(runs), b)
+        slots = bijection(offsets, b, self._keys, sub=np.repeat(runs, b)).reshape(len(runs), b)
         ids = (slots[:, :, None] >= cum[:, None, :]).sum(axis=2)  # the dataset whose slots hold it
         occ = np.zeros_like(ids)
         for i in range(self.n):
@@ -247,8 +247,34 @@ def mixture_layout(weights: np.ndarray, sizes: np.ndarray, *, batch_size: int, p
     return lay.locate(np.arange(lay.length, dtype=np.int64), epoch)[0]
 
 
+@functools.lru_cache(maxsize=256)
 def _dataset_key(seed: int, dataset: int) -> int:
     return int(seed_sequence(seed, dataset, DATASET_PASSES).generate_state(1, np.uint64)[0] >> 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pass_keys(seed: int, dataset: int, p: int) -> np.ndarray:
+    """The round keys of pass ``p`` of dataset ``dataset``'s own stream (read-only; a pure
+    function of its arguments, kept: every batch of a pass asks for them)."""
+    keys = round_keys(_dataset_key(seed, dataset), p, PERMUTATION)
+    keys.flags.writeable = False
+    return keys
+
+
+def _samples(size: np.ndarray, seed: int, ids: np.ndarray, draws: np.ndarray, shuffle: bool) -> np.ndarray:
+    """The samples of draws ``draws`` of datasets ``ids`` (one each, of ``size`` samples:
+    arrays like ``draws``), in one bijection call over every (dataset, pass) met
+    (:func:`dataset_samples`)."""
+    if not shuffle or not len(draws):
+        return draws % size
+    passes = draws // size
+    width = int(passes.max()) + 1
+    groups, inv = np.unique(ids * width + passes, return_inverse=True)  # (dataset, pass)
+    if len(groups) == 1:
+        keys = _pass_keys(seed, int(groups[0]) // width, int(groups[0]) % width)
+    else:
+        keys = np.stack([_pass_keys(seed, g // width, g % width) for g in groups.tolist()], axis=1)[:, inv.ravel()]
+    return bijection(draws - passes * size, size, keys)
 
 
 def dataset_samples(size: int, seed: int, dataset: int, draws: np.ndarray, shuffle: bool) -> np.ndarray:
@@ -256,15 +282,8 @@ def dataset_samples(size: int, seed: int, dataset: int, draws: np.ndarray, shuff
     other, each a fresh keyed bijection of the dataset keyed by (seed, dataset, pass),
     computed per draw (``permutation(size, key, pass)`` materialises one pass)."""
     draws = np.asarray(draws, dtype=np.int64)
-    if not shuffle or not len(draws):
-        return draws % size
-    key = _dataset_key(seed, dataset)
-    passes = draws // size
-    out = np.empty(len(draws), np.int64)
-    for p in np.unique(passes).tolist():  # a few: the draws of a batch or a chunk of the stream
-        sel = passes == p
-        out[sel] = bijection(draws[sel] - p * size, size, round_keys(key, p, PERMUTATION))
-    return out
+    return _samples(np.full(len(draws), size, np.int64), seed, np.full(len(draws), dataset, np.int64), draws,
+                    shuffle)
 
 
 def dataset_draws(size: int, seed: int, dataset: int, first: int, count: int, shuffle: bool) -> np.ndarray:
@@ -277,7 +296,8 @@ class MixtureStream(Stream):
 
     def __init__(self, layout: MixtureLayout, sizes: np.ndarray, starts: np.ndarray, seed: int, epoch: int,
                  shuffle: bool) -> None:
-        self.layout, self.sizes, self.starts = layout, sizes, starts
+        self.layout, self.sizes, self.starts = layout, sizes, np.asarray(starts, dtype=np.int64)
+        self._sizes = np.asarray(sizes, dtype=np.int64)
         self.seed, self.epoch, self.shuffle = int(seed), int(epoch), bool(shuffle)
         self.num_samples = int(np.sum(sizes))
 
@@ -285,12 +305,10 @@ class MixtureStream(Stream):
         return self.layout.length
 
     def _at(self, pos: np.ndarray) -> np.ndarray:
+        if not len(pos):
+            return np.zeros(0, np.int64)
         ids, draws = self.layout.locate(pos, self.epoch)
-        out = np.empty(len(pos), np.int64)
-        for i in np.unique(ids).tolist():
-            sel = ids == i
-            out[sel] = self.starts[i] + dataset_samples(int(self.sizes[i]), self.seed, i, draws[sel], self.shuffle)
-        return out
+        return self.starts[ids] + _samples(self._sizes[ids], self.seed, ids, draws, self.shuffle)
 
     def token_total(self, lengths, max_length: int | None = None) -> int:
         """The tokens the epoch reads (``lengths`` by global index, truncated to
