@@ -71,6 +71,8 @@ __all__ = ["BatchCounts", "MixtureLayout", "MixtureOrder", "MixtureSampler", "Mi
 
 _WEYL = 0x9E3779B97F4A7C15  # round(2^64 * (sqrt(5) - 1) / 2), odd: run c's point is frac((c + 1) * golden)
 _M64 = 1 << 64
+SPAN_PER_RUN = 2048  # _before: sum the counts of up to this many runs per run asked for, not floor sums
+SPAN_PIECE = 1 << 16  # _before: runs whose counts are summed at a time (memory: a few MB)
 ORDER = "per-position"  # in the identity: a state of the array layout (before) is refused, naming it
 
 
@@ -213,14 +215,25 @@ class MixtureLayout:
 
     def _before(self, runs: np.ndarray) -> np.ndarray:
         """``(len(runs), n)``: each dataset's count in the runs before each of ``runs``
-        (sorted): floor sums for the first, then the counts of the runs between summed when
-        they are few (a stretch of the stream), else floor sums for each (a rank's batches)."""
+        (sorted): floor sums for the first, then the counts of the runs between summed (in
+        pieces of :data:`SPAN_PIECE` runs) when they are not too many per run asked for (a
+        stretch of the stream, or a rank's batches at up to :data:`SPAN_PER_RUN` ranks: a
+        run's counts cost nanoseconds, its floor sums microseconds), else floor sums for each."""
         first, last = int(runs[0]), int(runs[-1])
-        if last - first > 4 * len(runs) + 64:
+        if last - first > SPAN_PER_RUN * len(runs) + 64:
             return np.stack([self.counts.before(c) for c in runs.tolist()])
-        span = np.zeros((last - first + 1, self.n), np.int64)
-        np.cumsum(self.counts.counts(np.arange(first, last, dtype=np.int64)), axis=0, out=span[1:])
-        return self.counts.before(first)[None, :] + span[runs - first]
+        out = np.empty((len(runs), self.n), np.int64)
+        base = self.counts.before(first)  # before run a, the piece's first
+        lo = 0
+        for a in range(first, last + 1, SPAN_PIECE):
+            b = min(last + 1, a + SPAN_PIECE)
+            hi = lo + int(np.searchsorted(runs[lo:], b))
+            span = np.zeros((b - a + 1, self.n), np.int64)
+            np.cumsum(self.counts.counts(np.arange(a, b, dtype=np.int64)), axis=0, out=span[1:])
+            out[lo:hi] = base + span[runs[lo:hi] - a]
+            base = base + span[-1]
+            lo = hi
+        return out
 
     def locate(self, pos: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """``(dataset, draw of that dataset's stream)`` of the epoch's ``pos`` positions."""
