@@ -42,10 +42,13 @@ inline std::uint64_t splitmix64(std::uint64_t z) {
 
 inline int bit_length(std::uint64_t v) { return v == 0 ? 0 : 64 - __builtin_clzll(v); }
 
+inline int domain_bits(std::uint64_t n) { return std::max(2, bit_length((n < 2 ? 2 : n) - 1)); }
+inline int rounds_of(std::uint64_t n) { return domain_bits(n) <= kSmallBits ? kRounds : kFewRounds; }
+
 // One element: the network (or its inverse) restricted to [0, n) by cycle walking.
 inline std::uint64_t walk(std::uint64_t x, std::uint64_t n, const std::uint64_t* key, std::size_t stride,
                           bool inverse) {
-  const int b = std::max(2, bit_length((n < 2 ? 2 : n) - 1));
+  const int b = domain_bits(n);
   const int lo = b / 2, hi = b - lo;
   const int rounds = b <= kSmallBits ? kRounds : kFewRounds;
   const std::uint64_t mask = (std::uint64_t{1} << lo) - 1;
@@ -102,6 +105,8 @@ py::array_t<std::uint64_t> feistel_py(const U64& x, const U64& n, const U64& key
   {
     py::gil_scoped_release release;
     std::uint64_t derived[kRounds];
+    int have = 0;  // rounds of `derived` computed for sub-stream `last` (runs of one sub-stream share them)
+    std::uint64_t last = 0;
     for (std::size_t i = 0; i < m; ++i) {
       const std::uint64_t ni = pn[per_n ? i : 0];
       if (px[i] >= ni) {
@@ -109,8 +114,16 @@ py::array_t<std::uint64_t> feistel_py(const U64& x, const U64& n, const U64& key
         break;
       }
       if (derive) {
-        const std::uint64_t h = splitmix64(ps[i] + kGolden);
-        for (int r = 0; r < kRounds; ++r) derived[r] = splitmix64(pk[r] ^ h);
+        const int need = rounds_of(ni);  // a large domain reads only its first kFewRounds keys
+        if (have == 0 || ps[i] != last) {
+          have = 0;
+          last = ps[i];
+        }
+        if (have < need) {
+          const std::uint64_t h = splitmix64(last + kGolden);
+          for (int r = have; r < need; ++r) derived[r] = splitmix64(pk[r] ^ h);
+          have = need;
+        }
         po[i] = walk(px[i], ni, derived, 1, inverse);
       } else if (per_key) {
         po[i] = walk(px[i], ni, pk + i, m, inverse);
