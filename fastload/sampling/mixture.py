@@ -62,7 +62,7 @@ import numpy as np
 
 from .bijection import bijection, round_keys
 from .length_summary import range_total
-from .order import CHUNK, Stream
+from .order import CHUNK, Stream, sorted_unique
 from .sampler import Sampler
 from .streams import DATASET_PASSES, MIXTURE_BATCHES, MIXTURE_EPOCH, PERMUTATION, seed_sequence
 
@@ -115,13 +115,24 @@ class BatchCounts:
         self._r64 = np.array(self._r, dtype=np.uint64)
         self._per_run = self.base + np.diff(self._q)
 
+    def _above(self, runs) -> np.ndarray:
+        """``(len(runs), n + 1)`` bool: whether each share's bound lies above run ``c``'s point."""
+        k = np.asarray(runs, dtype=np.uint64) + np.uint64(1)
+        u = k * np.uint64(_WEYL)  # wraps (uint64 arrays wrap silently): frac((c + 1) * golden) * 2^64
+        return self._r64[None, :] > u[:, None]
+
     def counts(self, runs) -> np.ndarray:
         """``(len(runs), n)``: each dataset's count in each run of ``runs``."""
-        k = np.asarray(runs, dtype=np.uint64) + np.uint64(1)
-        with np.errstate(over="ignore"):
-            u = k * np.uint64(_WEYL)  # wraps: frac((c + 1) * golden) * 2^64
-        above = (self._r64[None, :] > u[:, None]).astype(np.int64)
-        return self._per_run[None, :] + np.diff(above, axis=1)
+        return self._per_run[None, :] + np.diff(self._above(runs).astype(np.int64), axis=1)
+
+    def summed(self, first: int, stop: int, at: np.ndarray) -> np.ndarray:
+        """``(len(at), n)``: each dataset's count in runs ``first..first+a-1`` together, for
+        each ``a`` of ``at`` (each in ``0..stop-first``): :meth:`counts` summed, without the
+        ``(runs, n)`` array of counts."""
+        above = np.zeros((stop - first + 1, len(self._r)), np.int64)
+        np.cumsum(self._above(np.arange(first, stop, dtype=np.int64)), axis=0, out=above[1:])
+        at = np.asarray(at, dtype=np.int64)
+        return at[:, None] * self._per_run[None, :] + np.diff(above[at], axis=1)
 
     def before(self, c: int) -> np.ndarray:
         """Each dataset's count in runs ``0..c-1`` together (O(log c) per dataset)."""
@@ -228,9 +239,8 @@ class MixtureLayout:
         for a in range(first, last + 1, SPAN_PIECE):
             b = min(last + 1, a + SPAN_PIECE)
             hi = lo + int(np.searchsorted(runs[lo:], b))
-            span = np.zeros((b - a + 1, self.n), np.int64)
-            np.cumsum(self.counts.counts(np.arange(a, b, dtype=np.int64)), axis=0, out=span[1:])
-            out[lo:hi] = base + span[runs[lo:hi] - a]
+            span = self.counts.summed(a, b, np.append(runs[lo:hi] - a, b - a))
+            out[lo:hi] = base + span[:-1]
             base = base + span[-1]
             lo = hi
         return out
@@ -243,7 +253,8 @@ class MixtureLayout:
             ids = np.searchsorted(self._cum, slot, side="right") - 1
             return ids, epoch * self.per_epoch[ids] + slot - self._cum[ids]
         run = pos // self.batch_size
-        runs, inv = np.unique(run, return_inverse=True)
+        runs = sorted_unique(run)
+        inv = np.searchsorted(runs, run)
         ids, occ = self._runs(runs)
         before = self._before(runs)
         off = pos - run * self.batch_size
