@@ -94,6 +94,49 @@ def test_the_extension_computes_the_numpy_reference_bit_for_bit():
             bijection(np.array(bad), 10, k)
 
 
+# the streams of state version 3 as the numpy implementation computed them before the extension
+# (length, first indices, xxh3-64 of the int64 stream): an order that changes must bump the
+# sampler state version (fastload/sampling/state.py), not these numbers
+PINNED = {
+    "balanced": (3001, [2126, 2811, 1403, 2935, 108, 1773], "b39b59068c9444a3"),
+    "window": (515, [21, 316, 254, 476, 255, 437], "6b6a44fe7b12859e"),
+    "mixture-batch-None": (5000, [914, 640, 324, 933, 674, 434], "fca46d0e61c0505d"),
+    "mixture-epoch-None": (3000, [701, 512, 907, 388, 908, 7], "054b521ade404308"),
+    "mixture-batch-1": (1003, [998, 797, 131, 908, 786, 182], "bc952a3529aeaa27"),
+    "dataset-draws": (5000, [1226, 798, 1075, 1104, 740, 266], "0623843ac82f5ce0"),
+}
+
+
+def _pinned_streams():
+    from fastload.sampling.mixture import MixtureOrder, MixtureSampler, dataset_draws
+
+    labels = np.arange(3000) % 7
+    yield "balanced", Sampler(3000, balance_labels=labels, batch_size=32, seed=5, num_draws=3001).order_stream(2)
+    sizes = [40, 7, 100, 55, 1, 300, 12]
+    yield "window", Sampler(sum(sizes), shuffle_mode="window", shard_sizes=sizes, window=3, batch_size=4,
+                            seed=5).order_stream(1)
+    sz = np.array([600, 300, 100], np.int64)
+    for per, epoch_size, stop in (("batch", 5000, None), ("epoch", 3000, None), ("batch", None, 1)):
+        order = MixtureOrder(("a", "b", "c"), sz, np.array([0, 600, 900]), np.array([0.5, 0.3, 0.2]), per,
+                             epoch_size, stop)
+        yield f"mixture-{per}-{stop}", MixtureSampler(order, batch_size=24, seed=9).order_stream(3)
+    yield "dataset-draws", dataset_draws(1234, 5, 2, 1000, 5000, True)
+
+
+@pytest.mark.parametrize("extension", [True, False])
+def test_every_stream_kind_keeps_its_pinned_order_with_or_without_the_extension(extension, monkeypatch):
+    """Class-balanced, window and mixture streams (whose bijections take keys per element and
+    derived per sub-stream) give the numbers they gave in numpy before fastload._C.feistel,
+    and the numpy fallback (an extension built without it) gives them too."""
+    import xxhash
+
+    if not extension:
+        monkeypatch.setattr(bijection_module, "_feistel", None)
+    for name, stream in _pinned_streams():
+        a = np.asarray(stream, dtype=np.int64)
+        assert (len(a), a[:6].tolist(), xxhash.xxh3_64_hexdigest(a.tobytes())) == PINNED[name], name
+
+
 def test_large_domains_are_injective_on_samples_and_in_range():
     for n in (2**31 - 1, 2**31, 2**33 + 1, BIG, 2**62 - 3):
         s = Shuffled(n, 5, 2)
