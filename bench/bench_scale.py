@@ -4,7 +4,9 @@ positions split over 1,024 ranks (batch 256, rank 0), each in a fresh process:
 * time to the first batch (``Sampler(...)`` then ``next(iter(sampler))``) and the peak RSS
   growth it costs (peak resident memory minus the resident memory before, after imports);
 * time to resume at a random position (a new Sampler, ``load_state_dict``, the next batch);
-* the sampler alone's rate (samples/s of ready batches on one core, ~1 s of batches).
+* the sampler alone's rate (samples/s of ready batches on one core, ~1 s of batches), by the
+  clock and per second of this process's CPU time (``time.process_time``: the one-core figure
+  on a shared machine, where the clock counts the time other processes took the core).
 
 Beside it, the sampler of state version 2 (before the per-position shuffle): its first batch
 waited for a materialised permutation of N (fastload's C++ Fisher-Yates, 4 bytes per
@@ -39,6 +41,12 @@ datasets): first batch, memory, resume, rate; and a packed pass (``--pack-sizes`
 first batch, memory, a resume at a random step (it reads the lengths up to there), the
 plan's rate.
 
+And a remote packing Loader's wait before its first batch (``--remote-rows`` documents of
+0-15 tokens): the part of its plan (``PackScan``) scanned on the training thread, up to
+``fastload.loader.remote.SYNC_POSITIONS`` tokens, the rest left to the background planner; and
+that background scan's CPU cost per position (``--scan-positions``: 10^7 positions in 10,000
+shards; ``PassScan`` of the full shuffle and of window mode, ``PackScan``).
+
 And a remote dataset's cache (``--plan-sizes``: its plan of a full shuffle of 10^6 and 10^8
 positions, scanned whole: time and peak RSS; ``--remote-rows``: a Loader over ``http://``
 (the test suite's range-capable server on this machine) of 10^6 and 10^7 one-byte rows in
@@ -47,6 +55,7 @@ positions, scanned whole: time and peak RSS; ``--remote-rows``: a Loader over ``
     python bench/bench_scale.py [--smoke] [--full] [--rows 10000000 --shards 100] [--manifest-shards 100000]
                                 [--mix-sizes 1e6,1e8,1e10] [--pack-sizes 1e6,1e8] [--table-sizes 1e6,1e8]
                                 [--plan-sizes 1e6,1e8] [--remote-rows 1e6,1e7 --remote-shards 100] [--ragged-docs 1e7]
+                                [--scan-positions 1e7]
 """
 from __future__ import annotations
 
@@ -117,7 +126,7 @@ def _sampler_figures(make, n: int, seconds: float) -> dict:
     r.load_state_dict(state)
     next(iter(r))
     resume_s = time.perf_counter() - t0
-    count, epoch, t0 = 0, 0, time.perf_counter()
+    count, epoch, t0, c0 = 0, 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - t0 < seconds:  # whole epochs of this rank when they are short
         for b in it:
             count += len(b)
@@ -126,9 +135,10 @@ def _sampler_figures(make, n: int, seconds: float) -> dict:
         epoch += 1
         s.set_epoch(epoch)
         it = iter(s)
-    rate_s = time.perf_counter() - t0
+    rate_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     return {"n": n, "first_s": first_s, "rss_growth": growth, "resume_s": resume_s,
             "samples_per_s": count / rate_s if count else 0.0,
+            "cpu_samples_per_s": count / cpu_s if count and cpu_s > 0 else 0.0,
             "batches_per_s": count / BATCH / rate_s if count else 0.0}
 
 
@@ -140,11 +150,13 @@ def child_sampler(n: int, seconds: float) -> dict:
 
 
 class GeneratedLengths:
-    """Document lengths 1..2048 hashed from the document's index, computed when read (nothing
-    held: 10^8 of them would be 800 MB as an array); indexable by slices and index arrays."""
+    """Document lengths ``low..low+spread-1`` (default 1..2048) hashed from the document's
+    index, computed when read (nothing held: 10^8 of them would be 800 MB as an array);
+    indexable by slices and index arrays. ``GeneratedLengths(n, 16, 0)``: the 0-15 tokens of
+    :func:`_ragged_dataset`'s documents."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, spread: int = 2048, low: int = 1) -> None:
+        self.n, self.spread, self.low = n, spread, low
 
     def __len__(self) -> int:
         return self.n
@@ -154,7 +166,7 @@ class GeneratedLengths:
 
         idx = np.arange(*key.indices(self.n), dtype=np.int64) if isinstance(key, slice) else np.asarray(key)
         with np.errstate(over="ignore"):
-            return (splitmix64(idx.astype(np.uint64)) % np.uint64(2048)).astype(np.int64) + 1
+            return (splitmix64(idx.astype(np.uint64)) % np.uint64(self.spread)).astype(np.int64) + self.low
 
 
 PACK_ROWS, PACK_LEN = 8, 4096
@@ -512,6 +524,76 @@ def child_plan(n: int, shards: int) -> dict:
     return {"n": n, "shards": shards, "plan_s": plan_s, "rss_growth": max(0, _peak() - before)}
 
 
+def _pack_scan(n: int, shards: int, seed: int = 1, total: int | None = None):
+    """The :class:`~fastload.remote.schedule.PackScan` of rank 0 of 1,024's packed pass (8 x
+    4,096 tokens, full shuffle, epoch 0) over ``n`` documents of 0-15 tokens
+    (:class:`GeneratedLengths`, as :func:`_ragged_dataset`'s) in ``shards`` equal shards, as a
+    remote packing Loader makes it (the epoch's token count ``total`` known: it is counted
+    once per dataset and node); nothing scanned yet."""
+    from fastload import Sampler
+    from fastload.remote.schedule import PackScan
+    from fastload.sampling.packing import pack_plan, token_total
+
+    lengths = GeneratedLengths(n, 16, 0)
+    stream = Sampler(n, batch_size=PACK_ROWS, world_size=WORLD, rank=0, seed=seed).order_stream(0)
+    plan = pack_plan(0, 0, stream, lengths, rows=PACK_ROWS, length=PACK_LEN, world_size=WORLD, rank=0,
+                     drop_last=False, total=token_total(lengths) if total is None else total)
+    return PackScan(plan, np.linspace(0, n, shards + 1).astype(np.int64))
+
+
+def child_packplan(n: int, shards: int) -> dict:
+    """What a remote packing Loader plans on the training thread before its first batch,
+    alone (no server): :func:`_pack_scan` scanned up to ``fastload.loader.remote.SYNC_POSITIONS``
+    tokens (the rest goes to the background planner): that wait, the documents it reads, the
+    rest's time, the peak RSS growth."""
+    from fastload.loader.remote import SYNC_POSITIONS
+    from fastload.sampling.packing import token_total
+
+    total = token_total(GeneratedLengths(n, 16, 0))
+    _pack_scan(10_000, 2, seed=0).step(1 << 16)  # warm-up: the imports and numpy's first calls
+    before = _reset_peak()
+    t0 = time.perf_counter()
+    sc = _pack_scan(n, shards, total=total)
+    sc.step(SYNC_POSITIONS)
+    sync_s = time.perf_counter() - t0
+    horizon = sc.horizon
+    t0 = time.perf_counter()
+    sc.step()
+    return {"n": n, "tokens": total, "pass_end": sc.end, "sync_s": sync_s, "sync_tokens": horizon,
+            "rest_s": time.perf_counter() - t0, "rss_growth": max(0, _peak() - before), "sync_positions": SYNC_POSITIONS}
+
+
+SCAN_SHARDS, SCAN_WINDOW = 10_000, 8  # the background plan scan's cost is measured over this many shards
+
+
+def child_scancost(n: int) -> dict:
+    """The background plan scan's CPU cost (``time.process_time``, this process alone) per
+    position of a whole pass of rank 0 of 1,024 over ``n`` samples in :data:`SCAN_SHARDS`
+    equal shards: a :class:`~fastload.remote.schedule.PassScan` of the full shuffle and of
+    ``shuffle_mode="window"`` (window :data:`SCAN_WINDOW`); a
+    :class:`~fastload.remote.schedule.PackScan` of a packed pass (8 x 4,096 tokens) over ``n``
+    documents of 0-15 tokens (per token position, and per document)."""
+    from fastload import Sampler
+    from fastload.remote.schedule import sampler_scan
+
+    starts = np.linspace(0, n, SCAN_SHARDS + 1).astype(np.int64)
+    sizes = np.diff(starts)
+    sampler_scan(Sampler(10_000, batch_size=4, seed=0), np.array([0, 5000, 10_000])).step()  # warm-up
+    out: dict = {"n": n, "shards": SCAN_SHARDS, "window": SCAN_WINDOW}
+    for name, kw in (("full", {}), ("window", dict(shuffle_mode="window", shard_sizes=sizes, window=SCAN_WINDOW))):
+        sc = sampler_scan(Sampler(n, batch_size=BATCH, world_size=WORLD, rank=0, seed=1, **kw), starts)
+        c0 = time.process_time()
+        sc.step()
+        out[f"{name}_ns"] = (time.process_time() - c0) / max(1, sc.end - sc.start) * 1e9
+    ps = _pack_scan(n, SCAN_SHARDS)
+    c0 = time.process_time()
+    ps.step()
+    cpu = time.process_time() - c0
+    out["pack_ns_token"] = cpu / max(1, ps.end - ps.start) * 1e9
+    out["pack_ns_doc"] = cpu / n * 1e9
+    return out
+
+
 def child_remote(rows: int, shards: int, folder: str) -> dict:
     """A remote Loader (``http://``, the test suite's range-capable server, on this machine)
     over ``rows`` one-byte rows in ``shards`` shards: its construction (the cache's plan,
@@ -579,6 +661,8 @@ def main(argv=None) -> list:
     ap.add_argument("--remote-rows", default="1e6,1e7",
                     help="one-byte rows of the remote Loader's datasets (served over http on this machine)")
     ap.add_argument("--remote-shards", type=int, default=100)
+    ap.add_argument("--scan-positions", default="1e7", help="positions (documents) of the passes whose background "
+                    f"plan scan's CPU cost is measured ({SCAN_SHARDS:,} shards), comma-separated")
     ap.add_argument("--folder", default=None, help="where the generated dataset goes (kept; default: a temp dir)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -599,6 +683,10 @@ def main(argv=None) -> list:
             out = child_manifest(int(rest[0]), rest[1])
         elif kind == "plan":
             out = child_plan(int(float(rest[0])), int(rest[1]))
+        elif kind == "packplan":
+            out = child_packplan(int(float(rest[0])), int(rest[1]))
+        elif kind == "scancost":
+            out = child_scancost(int(float(rest[0])))
         elif kind == "remote":
             out = child_remote(int(float(rest[0])), int(rest[1]), rest[2])
         elif kind == "ragged":
@@ -613,15 +701,15 @@ def main(argv=None) -> list:
         a.sizes, a.seconds, a.baseline_max, a.rows, a.shards = "1e6,1e10", 0.2, 1e6, 100_000, 10
         a.pack_sizes, a.mix_sizes, a.table_sizes = "1e6", "1e6", "2e6"
         a.plan_sizes, a.remote_rows, a.remote_shards = "1e6", "1e5", 10
-        a.manifest_shards, a.ragged_docs = 1000, "2e6"
+        a.manifest_shards, a.ragged_docs, a.scan_positions = 1000, "2e6", "1e6"
     if a.full:
         a.rows, a.shards, a.ragged_docs = 100_000_000, 1000, "1e8"
     from fastload.bench.report import headline, system_info
 
     sizes = [int(float(x)) for x in a.sizes.split(",")]
     print(f"Sampler(N, batch_size={BATCH}, world_size={WORLD}, rank=0), each N in a fresh process; {system_info()}")
-    print(f"{'N':>16} {'first batch':>12} {'peak RSS +':>11} {'resume':>9} {'batches/s':>10} {'samples/s':>12}"
-          f"   | randperm: {'first batch':>11} {'peak RSS +':>11}")
+    print(f"{'N':>16} {'first batch':>12} {'peak RSS +':>11} {'resume':>9} {'batches/s':>10} {'samples/s':>12} "
+          f"{'/ CPU s':>12}   | randperm: {'first batch':>11} {'peak RSS +':>11}")
     rows = []
     for n in sizes:
         r = _run_child("--child", "sampler", str(n), str(a.seconds))
@@ -630,14 +718,15 @@ def main(argv=None) -> list:
         materialised = (f"{b['first_s'] * 1e3:>9.1f} ms {b['rss_growth'] / 2**20:>8.1f} MB" if b else
               f"{'not run (' + format(n * 8 / 2**30, '.1f') + ' GiB)':>24}")
         print(f"{n:>16,} {r['first_s'] * 1e3:>9.2f} ms {r['rss_growth'] / 2**20:>8.1f} MB "
-              f"{r['resume_s'] * 1e3:>6.2f} ms {r['batches_per_s']:>10,.0f} {r['samples_per_s']:>12,.0f}   | {materialised}")
+              f"{r['resume_s'] * 1e3:>6.2f} ms {r['batches_per_s']:>10,.0f} {r['samples_per_s']:>12,.0f} "
+              f"{r['cpu_samples_per_s']:>12,.0f}   | {materialised}")
     print(f"Mixture epochs of N positions (3 datasets, weights 0.5/0.3/0.2, per='batch'; rank 0 of {WORLD}, "
           f"batch {BATCH}), each N in a fresh process")
-    print(f"{'N':>16} {'first batch':>12} {'peak RSS +':>11} {'resume':>9} {'samples/s':>12}")
+    print(f"{'N':>16} {'first batch':>12} {'peak RSS +':>11} {'resume':>9} {'samples/s':>12} {'/ CPU s':>12}")
     for n in [int(float(x)) for x in a.mix_sizes.split(",") if x]:
         mx = _run_child("--child", "mixture", str(n), str(a.seconds))
         print(f"{n:>16,} {mx['first_s'] * 1e3:>9.2f} ms {mx['rss_growth'] / 2**20:>8.1f} MB "
-              f"{mx['resume_s'] * 1e3:>6.2f} ms {mx['samples_per_s']:>12,.0f}")
+              f"{mx['resume_s'] * 1e3:>6.2f} ms {mx['samples_per_s']:>12,.0f} {mx['cpu_samples_per_s']:>12,.0f}")
     print(f"Packed pass (pack_to={PACK_LEN}, {PACK_ROWS} rows, rank 0 of {WORLD}) over N documents of 1-2048 "
           f"tokens, each N in a fresh process")
     print(f"{'N':>16} {'token count':>12} {'first batch':>12} {'peak RSS +':>11} {'resume (docs before)':>26} "
@@ -651,7 +740,7 @@ def main(argv=None) -> list:
           f"memory-mapped from a file; rank 0 of {WORLD}, batch {BATCH}): the table is built once per node by the "
           "first rank (private memory: numpy's peak), then mapped by each later rank (a fresh process each)")
     print(f"{'':>9} {'N':>14} {'build (node)':>13} {'private peak':>13} | rank: {'first batch':>11} "
-          f"{'peak RSS +':>11} {'private +':>10} {'resume':>9} {'samples/s':>12}")
+          f"{'peak RSS +':>11} {'private +':>10} {'resume':>9} {'samples/s':>12} {'/ CPU s':>12}")
     for n in [int(float(x)) for x in a.table_sizes.split(",") if x]:
         with tempfile.TemporaryDirectory(dir=a.folder) as tmp:
             for kind in ("weighted", "balanced"):
@@ -662,7 +751,7 @@ def main(argv=None) -> list:
                 print(f"{kind:>9} {n:>14,} {bd['build_s']:>11.2f} s {bd['private_peak'] / 2**20:>10.1f} MB | "
                       f"{rk['first_s'] * 1e3:>14.2f} ms {rk['rss_growth'] / 2**20:>8.1f} MB "
                       f"{rk['anon_growth'] / 2**20:>7.1f} MB {rk['resume_s'] * 1e3:>6.2f} ms "
-                      f"{rk['samples_per_s']:>12,.0f}{kept}")
+                      f"{rk['samples_per_s']:>12,.0f} {rk['cpu_samples_per_s']:>12,.0f}{kept}")
     print(f"A remote cache's plan of a full shuffle (rank 0 of {WORLD}, 1,000 shards): the pass's first-use "
           "schedule and the next epoch's, scanned whole (in the background past the first 2^22 positions), each "
           "N in a fresh process")
@@ -670,6 +759,26 @@ def main(argv=None) -> list:
     for n in [int(float(x)) for x in a.plan_sizes.split(",") if x]:
         pl = _run_child("--child", "plan", str(n), "1000", timeout=3600)
         print(f"{n:>16,} {pl['plan_s']:>8.2f} s {pl['rss_growth'] / 2**20:>8.1f} MB")
+    print(f"A remote packing Loader's plan before its first batch (pack_to={PACK_LEN}, {PACK_ROWS} rows, rank 0 of "
+          f"{WORLD}, full shuffle; N documents of 0-15 tokens in {a.remote_shards} shards; no server): the PackScan the "
+          "training thread scans (up to fastload.loader.remote.SYNC_POSITIONS tokens), then the rest (the background "
+          "planner's), each N in a fresh process; the pass's positions count tokens, a short epoch's padded to a "
+          f"whole step of {WORLD} x {PACK_ROWS} x {PACK_LEN} (its first documents read again)")
+    print(f"{'N':>16} {'epoch tokens':>14} {'pass positions':>15} {'sync wait':>10} {'(positions)':>13} {'rest':>9} "
+          f"{'peak RSS +':>11}")
+    for n in [int(float(x)) for x in a.remote_rows.split(",") if x]:
+        pp = _run_child("--child", "packplan", str(n), str(a.remote_shards), timeout=3600)
+        print(f"{n:>16,} {pp['tokens']:>14,} {pp['pass_end']:>15,} {pp['sync_s'] * 1e3:>7.1f} ms {pp['sync_tokens']:>13,} "
+              f"{pp['rest_s']:>7.2f} s {pp['rss_growth'] / 2**20:>8.1f} MB")
+    print(f"The background plan scan's CPU cost per position (time.process_time; a whole pass of rank 0 of {WORLD} over "
+          f"N positions in {SCAN_SHARDS:,} shards): PassScan of the full shuffle and of shuffle_mode='window' "
+          f"(window={SCAN_WINDOW}); PackScan of a packed pass over N documents of 0-15 tokens, per token and per "
+          "document; each N in a fresh process")
+    print(f"{'N':>16} {'full':>12} {'window':>12} {'packed/token':>13} {'packed/doc':>12}")
+    for n in [int(float(x)) for x in a.scan_positions.split(",") if x]:
+        sc = _run_child("--child", "scancost", str(n), timeout=3600)
+        print(f"{n:>16,} {sc['full_ns']:>9.1f} ns {sc['window_ns']:>9.1f} ns {sc['pack_ns_token']:>10.1f} ns "
+              f"{sc['pack_ns_doc']:>9.1f} ns")
     print(f"A remote Loader (http on this machine, {a.remote_shards} shards of one-byte rows, full shuffle, rank 0 "
           f"of {WORLD}): built, then its first batch (the shards it reads downloaded), each in a fresh process")
     print(f"{'rows':>16} {'built':>10} {'first batch':>12} {'peak RSS +':>11} {'anon RSS +':>11}  (peak RSS counts the "

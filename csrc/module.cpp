@@ -39,6 +39,7 @@ namespace py = pybind11;
 
 namespace fastload {
 void register_files(py::module_& m);  // files.cpp: map_file, MappedFile, xxh3_128
+void register_feistel(py::module_& m);  // feistel.cpp: the sampler's keyed bijection per element
 }  // namespace fastload
 
 using fastload::Delivery;
@@ -929,4 +930,5 @@ PYBIND11_MODULE(_C, m) {
                              "True in a process forked after the ring was made: it is inert there.");
 
   fastload::register_files(m);
+  fastload::register_feistel(m);
 }

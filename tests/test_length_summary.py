@@ -2,6 +2,8 @@
 never a copy of all N lengths, kept beside lengths memory-mapped from the node's cache so a
 later Loader reads none of them; each number equals the whole-array computation (or bounds
 it, past the histogram and the kept longest)."""
+import time
+
 import numpy as np
 import pytest
 
@@ -411,3 +413,41 @@ def test_the_fingerprint_read_from_the_file_equals_the_arrays(tmp_path, dtype, n
     v = np.load(p, mmap_mode="r")
     kept = ls.kept_file(v)
     assert kept is not None and kept[1][-1] == ls.fingerprint(v) == ls.fingerprint(np.asarray(v, np.int64))
+
+
+def test_ranks_starting_together_compute_the_summary_once_and_read_it(tmp_path, monkeypatch):
+    """The node's ranks start together: before, each found no summary and passed over all the
+    lengths (2-6 s at 10^8). One takes the lock beside the file (a kernel flock: each process
+    or thread its own open file) and computes it; the others wait, then read what it wrote."""
+    import threading
+
+    p = tmp_path / "lengths-text.npy"
+    np.save(p, np.arange(5000, dtype=np.int64) % 97)
+    real, calls = ls.compute, []
+
+    def slow(*a, **k):  # long enough that every other rank asks while it computes
+        calls.append(threading.get_ident())
+        time.sleep(0.5)
+        return real(*a, **k)
+    monkeypatch.setattr(ls, "compute", slow)
+    ranks = 6
+    start, got, errors = threading.Barrier(ranks), [None] * ranks, []
+
+    def rank(i):
+        try:
+            v = np.load(p, mmap_mode="r")  # each rank its own map of the node's file
+            start.wait()
+            got[i] = ls.length_summary(v, 50)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and all(s is not None for s in got)
+    assert len(calls) == 1  # one rank computed it
+    want = real(np.arange(5000, dtype=np.int64) % 97, 50)
+    assert all((s.total, s.longest, s.n) == (want.total, want.longest, want.n) for s in got)
+    assert _kept(tmp_path, "summary") == ["lengths-text.summary-50.npz"]
+    assert ls.summary_lock(p).exists()  # (the lock file stays: deleting it races with the next locker)

@@ -29,6 +29,24 @@ def test_the_counts_before_a_run_equal_the_runs_summed():
         assert np.abs(cum[-1] - 500 * b * w).max() < 3  # the proportions hold to a few samples
 
 
+def test_the_counts_before_many_runs_summed_in_pieces_equal_floor_sums():
+    """MixtureLayout._before sums the runs' counts between the runs asked for (in pieces of
+    SPAN_PIECE runs) when they are not too far apart: the same as each run's floor sums,
+    across piece boundaries, for a rank's runs at several world sizes and for a stretch."""
+    from fastload.sampling.mixture import SPAN_PIECE, MixtureLayout
+
+    w = np.array([0.5, 0.3, 0.15, 0.05])
+    lay = MixtureLayout(w, np.array([10**9] * 4), batch_size=256, per="batch", seed=1, epoch_size=10**12,
+                        stop_on=None)
+    for first, step, count in [(7, 1024, 300), (3, 1, 2 * SPAN_PIECE + 5), (SPAN_PIECE - 2, 977, 200), (5, 8, 40)]:
+        runs = first + step * np.arange(count, dtype=np.int64)
+        got = lay._before(runs)
+        check = np.random.default_rng(step).choice(count, 25, replace=False)
+        want = np.stack([lay.counts.before(int(c)) for c in runs[check]])
+        assert np.array_equal(got[check], want), (first, step)
+        assert (np.diff(got, axis=0) >= 0).all()
+
+
 def _order(sizes, weights, per="batch", epoch_size=None, stop_on=None):
     sizes = np.asarray(sizes, dtype=np.int64)
     w = np.asarray(weights, dtype=np.float64)

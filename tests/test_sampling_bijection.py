@@ -14,6 +14,7 @@ import pytest
 
 from fastload import Sampler
 from fastload.sampling import SAMPLER_STATE_VERSION, per_rank_count
+from fastload.sampling import bijection as bijection_module
 from fastload.sampling.bijection import FEW_ROUNDS, ROUNDS, SMALL_BITS, bijection, derive_keys, round_keys
 from fastload.sampling.order import Natural, Shuffled, Windowed
 from fastload.sampling.streams import PERMUTATION, seed_sequence
@@ -58,6 +59,82 @@ def test_the_inverse_undoes_the_bijection():
         y = bijection(x, n, k)
         assert np.array_equal(bijection(y, n, k, inverse=True), x), n
         assert np.array_equal(bijection(bijection(x, n, k, inverse=True), n, k), x), n
+
+
+def test_the_extension_computes_the_numpy_reference_bit_for_bit():
+    """fastload._C.feistel (csrc/feistel.cpp) gives the numbers of the numpy implementation
+    (the order every state since version 3 names) over random domains, positions, shared,
+    per-element and derived (``sub``) keys, forward and inverse; it refuses a position outside
+    its domain instead of walking forever."""
+    assert bijection_module._feistel is not None, "the extension lacks feistel: rebuild it (setup.py build_ext)"
+    rng = np.random.default_rng(30)
+    for trial in range(240):
+        m = int(rng.integers(1, 2000))
+        if trial % 3 == 0:  # one domain, from 1 to 2^62
+            n = int(rng.integers(1, 2 ** int(rng.integers(1, 63))))
+            x = rng.integers(0, n, m)
+        else:  # a domain per element
+            n = rng.integers(1, 2 ** int(rng.integers(1, 40)), m)
+            x = (rng.random(m) * n).astype(np.int64)
+        shared = trial % 2 == 1
+        keys = rng.integers(0, 2**63, ROUNDS if shared else (ROUNDS, m), dtype=np.uint64)
+        inverse = trial % 4 == 1
+        got = bijection(x, n, keys, inverse=inverse)
+        assert got.dtype == np.int64
+        assert np.array_equal(got, bijection_module._bijection_numpy(x, n, keys, inverse=inverse)), trial
+        if shared:
+            # unique sub-streams, or runs of a few (the extension derives a run's keys once, as many rounds as
+            # its domains need: a large domain's 6, then a small one's 12)
+            sub = rng.integers(0, 2**40, m) if trial % 4 == 3 else np.sort(rng.integers(0, 4, m))
+            want = bijection_module._bijection_numpy(x, n, derive_keys(keys, sub), inverse=inverse)
+            assert np.array_equal(bijection(x, n, keys, sub=sub, inverse=inverse), want), trial
+    k = round_keys(1, 0, PERMUTATION)
+    for bad in ([0, 10], [-1]):
+        with pytest.raises(IndexError, match=r"outside \[0, 10\)"):
+            bijection(np.array(bad), 10, k)
+
+
+# the streams of state version 3 as the numpy implementation computed them before the extension
+# (length, first indices, xxh3-64 of the int64 stream): an order that changes must bump the
+# sampler state version (fastload/sampling/state.py), not these numbers
+PINNED = {
+    "balanced": (3001, [2126, 2811, 1403, 2935, 108, 1773], "b39b59068c9444a3"),
+    "window": (515, [21, 316, 254, 476, 255, 437], "6b6a44fe7b12859e"),
+    "mixture-batch-None": (5000, [914, 640, 324, 933, 674, 434], "fca46d0e61c0505d"),
+    "mixture-epoch-None": (3000, [701, 512, 907, 388, 908, 7], "054b521ade404308"),
+    "mixture-batch-1": (1003, [998, 797, 131, 908, 786, 182], "bc952a3529aeaa27"),
+    "dataset-draws": (5000, [1226, 798, 1075, 1104, 740, 266], "0623843ac82f5ce0"),
+}
+
+
+def _pinned_streams():
+    from fastload.sampling.mixture import MixtureOrder, MixtureSampler, dataset_draws
+
+    labels = np.arange(3000) % 7
+    yield "balanced", Sampler(3000, balance_labels=labels, batch_size=32, seed=5, num_draws=3001).order_stream(2)
+    sizes = [40, 7, 100, 55, 1, 300, 12]
+    yield "window", Sampler(sum(sizes), shuffle_mode="window", shard_sizes=sizes, window=3, batch_size=4,
+                            seed=5).order_stream(1)
+    sz = np.array([600, 300, 100], np.int64)
+    for per, epoch_size, stop in (("batch", 5000, None), ("epoch", 3000, None), ("batch", None, 1)):
+        order = MixtureOrder(("a", "b", "c"), sz, np.array([0, 600, 900]), np.array([0.5, 0.3, 0.2]), per,
+                             epoch_size, stop)
+        yield f"mixture-{per}-{stop}", MixtureSampler(order, batch_size=24, seed=9).order_stream(3)
+    yield "dataset-draws", dataset_draws(1234, 5, 2, 1000, 5000, True)
+
+
+@pytest.mark.parametrize("extension", [True, False])
+def test_every_stream_kind_keeps_its_pinned_order_with_or_without_the_extension(extension, monkeypatch):
+    """Class-balanced, window and mixture streams (whose bijections take keys per element and
+    derived per sub-stream) give the numbers they gave in numpy before fastload._C.feistel,
+    and the numpy fallback (an extension built without it) gives them too."""
+    import xxhash
+
+    if not extension:
+        monkeypatch.setattr(bijection_module, "_feistel", None)
+    for name, stream in _pinned_streams():
+        a = np.asarray(stream, dtype=np.int64)
+        assert (len(a), a[:6].tolist(), xxhash.xxh3_64_hexdigest(a.tobytes())) == PINNED[name], name
 
 
 def test_large_domains_are_injective_on_samples_and_in_range():

@@ -23,8 +23,12 @@ cycle of the ``2^b``-permutation, which returns to ``[0, n)``, and the result is
 permutation of ``[0, n)`` (Black and Rogaway, "Ciphers with arbitrary finite domains",
 2002). Since ``2^b < 2n``, fewer than 2 passes are needed on average.
 
-Everything is elementwise uint64 numpy arithmetic (wrapping), so the order is the same on
-every machine and numpy version. ``n`` and ``keys`` may differ per element (a window's own
+Everything is elementwise uint64 arithmetic (wrapping), so the order is the same on every
+machine and numpy version: computed per element by the C++ extension (``fastload._C.feistel``,
+csrc/feistel.cpp: ~10 ns a position, where numpy's per-call overhead made a call over a batch's
+few thousand positions cost tens of microseconds whatever its size), or by the numpy
+implementation here (the reference: the tests check that both give the same numbers; it
+is used when the extension was built without ``feistel``). ``n`` and ``keys`` may differ per element (a window's own
 bijection in ``shuffle_mode="window"``, a dataset's passes in a mixture).
 
 Quality is measured, not assumed: tests/test_sampling_bijection.py checks that it is a
@@ -35,6 +39,11 @@ that the ranks' shares are disjoint.
 from __future__ import annotations
 
 import numpy as np
+
+try:
+    from .._C import feistel as _feistel
+except ImportError:  # an extension built before feistel.cpp: the numpy reference below
+    _feistel = None
 
 from .streams import MIX_C1, MIX_C2, seed_sequence, splitmix64
 
@@ -116,15 +125,33 @@ def _walk(x: np.ndarray, n, lo, hi, keys: np.ndarray, rounds: int, inverse: bool
     return out
 
 
-def bijection(positions, n, keys: np.ndarray, *, inverse: bool = False) -> np.ndarray:
+def bijection(positions, n, keys: np.ndarray, *, inverse: bool = False, sub=None) -> np.ndarray:
     """The images of ``positions`` (each in ``[0, n)``) under the keyed permutation of
     ``[0, n)``: int64. ``n`` is an int or an array like ``positions``; ``keys`` has shape
     ``(ROUNDS,)`` (one permutation) or ``(ROUNDS, len(positions))`` (one per element).
-    ``inverse``: the inverse permutation (where each index lands)."""
+    ``sub``: an array like ``positions`` of sub-stream numbers: element ``i`` uses the
+    keys ``derive_keys(keys, sub)[:, i]`` (``keys`` of shape ``(ROUNDS,)``), derived per
+    element without the ``(ROUNDS, len)`` array. ``inverse``: the inverse permutation (where
+    each index lands)."""
+    if _feistel is None:
+        return _bijection_numpy(positions, n, keys, inverse=inverse, sub=sub)
+    pos = np.asarray(positions, dtype=np.int64)
+    if pos.size == 0:
+        return np.empty(pos.shape, np.int64)
+    x = pos.reshape(-1).view(np.uint64)  # (a negative position reads as >= 2^63: refused as outside [0, n))
+    nn = np.asarray(n, dtype=np.uint64).reshape(-1)
+    s = None if sub is None else np.asarray(sub, dtype=np.uint64).reshape(-1)
+    return _feistel(x, nn, np.asarray(keys, dtype=np.uint64), s, inverse).view(np.int64).reshape(pos.shape)
+
+
+def _bijection_numpy(positions, n, keys: np.ndarray, *, inverse: bool = False, sub=None) -> np.ndarray:
+    """:func:`bijection` in numpy (the reference of ``fastload._C.feistel``)."""
     x = np.asarray(positions, dtype=np.int64).astype(np.uint64)
     keys = np.asarray(keys, dtype=np.uint64)
     if x.size == 0:
         return np.empty(x.shape, np.int64)
+    if sub is not None:
+        keys = derive_keys(keys, np.asarray(sub).reshape(-1))
     if np.ndim(n) == 0:
         lo, hi = _bits(n)
         rounds = ROUNDS if int(lo + hi) <= SMALL_BITS else FEW_ROUNDS

@@ -16,7 +16,11 @@ that file as ``lengths-<field>.summary-<max_length>.npz`` (a few hundred KB), wr
 atomically and checked against the file it summarises (its size, modification time, inode,
 the array's offset and length) and against the very array it is used for (a
 :func:`fingerprint` of :data:`PROBES` evenly spaced lengths read through it) when read, so a
-later Loader, run or rank of the node reads a small file instead of ``N`` lengths. A
+later Loader, run or rank of the node reads a small file instead of ``N`` lengths. The node's
+ranks starting together do not each compute it: one takes a kernel lock beside the file
+(:func:`summary_lock`, the per-node lock of :mod:`fastload.runtime.kept`), the others wait for
+it and read what it wrote (past :func:`~fastload.runtime.kept.build_wait_s`, a stopped holder,
+they compute it too). A
 process whose map is no longer the file at that path (the file was replaced, e.g. rebuilt
 after a damaged copy was removed, while it held the old map) keeps nothing on disk, and a
 summary is not written when the file changed while it was computed. A summary that cannot
@@ -43,8 +47,9 @@ import numpy as np
 import xxhash
 
 from ..files import atomic_write
+from ..runtime.kept import Flock, build_wait_s
 
-__all__ = ["HIST", "PROBES", "STEP", "TOP", "LengthSummary", "fingerprint", "kept_file", "length_summary",
+__all__ = ["HIST", "PROBES", "STEP", "TOP", "LengthSummary", "fingerprint", "kept_file", "length_summary", "summary_lock",
            "range_total", "same_file", "summary_path"]
 
 logger = logging.getLogger("fastload")
@@ -288,14 +293,44 @@ def _remember(lengths: Any, what: Any, make: Callable[[], Any]) -> Any:
     return v
 
 
+def summary_lock(path: Path) -> Path:
+    """The lock file under which one process of the node computes the summaries of the
+    lengths file ``path`` (``.lengths-<field>.npy.summary.lock`` beside it; never deleted)."""
+    return path.with_name(f".{path.name}.summary.lock")
+
+
 def _summarise(lengths: Any, max_length: int | None) -> LengthSummary:
     kept = summary_path(lengths, max_length)
-    s = _read(*kept) if kept is not None else None
-    if s is None:
-        s = compute(lengths, max_length)
-        if kept is not None and same_file(lengths.filename, kept[1]):  # not replaced meanwhile
-            _write(kept[0], kept[1], s)
-    return s
+    if kept is None:
+        return compute(lengths, max_length)
+    path, source = kept
+    s = _read(path, source)
+    if s is not None:
+        return s
+    # one process of the node computes it (the ranks of a job start together): the others wait
+    # for the kernel lock (fastload.runtime.kept.Flock), then read what it wrote; past the
+    # deadline (a stopped holder) or without a usable lock (a read-only cache) they compute it too
+    lock = None
+    try:
+        try:
+            lock = Flock(summary_lock(Path(lengths.filename)))
+            if not lock.try_lock():
+                logger.info("fastload: waiting for another process of this node, which summarises %s",
+                            lengths.filename)
+                if not lock.lock(build_wait_s(len(lengths))):
+                    logger.warning("fastload: another process of this node has been summarising %s for too long; "
+                                   "this one does it too", lengths.filename)
+            s = _read(path, source)  # written meanwhile by the process that held the lock
+        except OSError as e:
+            logger.debug("fastload: no lock for the lengths' summary beside %s (%s)", lengths.filename, e)
+        if s is None:
+            s = compute(lengths, max_length)
+            if same_file(lengths.filename, source):  # not replaced meanwhile
+                _write(path, source, s)
+        return s
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 def length_summary(lengths: Any, max_length: int | None = None) -> LengthSummary:

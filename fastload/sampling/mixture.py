@@ -54,14 +54,15 @@ lengths give proportions of tokens (see the README).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .bijection import bijection, derive_keys, round_keys
+from .bijection import bijection, round_keys
 from .length_summary import range_total
-from .order import CHUNK, Stream
+from .order import CHUNK, Stream, sorted_unique
 from .sampler import Sampler
 from .streams import DATASET_PASSES, MIXTURE_BATCHES, MIXTURE_EPOCH, PERMUTATION, seed_sequence
 
@@ -70,6 +71,8 @@ __all__ = ["BatchCounts", "MixtureLayout", "MixtureOrder", "MixtureSampler", "Mi
 
 _WEYL = 0x9E3779B97F4A7C15  # round(2^64 * (sqrt(5) - 1) / 2), odd: run c's point is frac((c + 1) * golden)
 _M64 = 1 << 64
+SPAN_PER_RUN = 2048  # _before: sum the counts of up to this many runs per run asked for, not floor sums
+SPAN_PIECE = 1 << 16  # _before: runs whose counts are summed at a time (memory: a few MB)
 ORDER = "per-position"  # in the identity: a state of the array layout (before) is refused, naming it
 
 
@@ -112,13 +115,24 @@ class BatchCounts:
         self._r64 = np.array(self._r, dtype=np.uint64)
         self._per_run = self.base + np.diff(self._q)
 
+    def _above(self, runs) -> np.ndarray:
+        """``(len(runs), n + 1)`` bool: whether each share's bound lies above run ``c``'s point."""
+        k = np.asarray(runs, dtype=np.uint64) + np.uint64(1)
+        u = k * np.uint64(_WEYL)  # wraps (uint64 arrays wrap silently): frac((c + 1) * golden) * 2^64
+        return self._r64[None, :] > u[:, None]
+
     def counts(self, runs) -> np.ndarray:
         """``(len(runs), n)``: each dataset's count in each run of ``runs``."""
-        k = np.asarray(runs, dtype=np.uint64) + np.uint64(1)
-        with np.errstate(over="ignore"):
-            u = k * np.uint64(_WEYL)  # wraps: frac((c + 1) * golden) * 2^64
-        above = (self._r64[None, :] > u[:, None]).astype(np.int64)
-        return self._per_run[None, :] + np.diff(above, axis=1)
+        return self._per_run[None, :] + np.diff(self._above(runs).astype(np.int64), axis=1)
+
+    def summed(self, first: int, stop: int, at: np.ndarray) -> np.ndarray:
+        """``(len(at), n)``: each dataset's count in runs ``first..first+a-1`` together, for
+        each ``a`` of ``at`` (each in ``0..stop-first``): :meth:`counts` summed, without the
+        ``(runs, n)`` array of counts."""
+        above = np.zeros((stop - first + 1, len(self._r)), np.int64)
+        np.cumsum(self._above(np.arange(first, stop, dtype=np.int64)), axis=0, out=above[1:])
+        at = np.asarray(at, dtype=np.int64)
+        return at[:, None] * self._per_run[None, :] + np.diff(above[at], axis=1)
 
     def before(self, c: int) -> np.ndarray:
         """Each dataset's count in runs ``0..c-1`` together (O(log c) per dataset)."""
@@ -201,9 +215,8 @@ class MixtureLayout:
         the run (keyed by the run's number)."""
         b = self.batch_size
         cum = np.cumsum(self.counts.counts(runs), axis=1)  # (runs, n): each dataset's end slot
-        keys = derive_keys(self._keys, runs)
         offsets = np.tile(np.arange(b, dtype=np.int64), len(runs))
-        slots = bijection(offsets, b, np.repeat(keys, b, axis=1)).reshape(len(runs), b)
+        slots = bijection(offsets, b, self._keys, sub=np.repeat(runs, b)).reshape(len(runs), b)
         ids = (slots[:, :, None] >= cum[:, None, :]).sum(axis=2)  # the dataset whose slots hold it
         occ = np.zeros_like(ids)
         for i in range(self.n):
@@ -213,14 +226,24 @@ class MixtureLayout:
 
     def _before(self, runs: np.ndarray) -> np.ndarray:
         """``(len(runs), n)``: each dataset's count in the runs before each of ``runs``
-        (sorted): floor sums for the first, then the counts of the runs between summed when
-        they are few (a stretch of the stream), else floor sums for each (a rank's batches)."""
+        (sorted): floor sums for the first, then the counts of the runs between summed (in
+        pieces of :data:`SPAN_PIECE` runs) when they are not too many per run asked for (a
+        stretch of the stream, or a rank's batches at up to :data:`SPAN_PER_RUN` ranks: a
+        run's counts cost nanoseconds, its floor sums microseconds), else floor sums for each."""
         first, last = int(runs[0]), int(runs[-1])
-        if last - first > 4 * len(runs) + 64:
+        if last - first > SPAN_PER_RUN * len(runs) + 64:
             return np.stack([self.counts.before(c) for c in runs.tolist()])
-        span = np.zeros((last - first + 1, self.n), np.int64)
-        np.cumsum(self.counts.counts(np.arange(first, last, dtype=np.int64)), axis=0, out=span[1:])
-        return self.counts.before(first)[None, :] + span[runs - first]
+        out = np.empty((len(runs), self.n), np.int64)
+        base = self.counts.before(first)  # before run a, the piece's first
+        lo = 0
+        for a in range(first, last + 1, SPAN_PIECE):
+            b = min(last + 1, a + SPAN_PIECE)
+            hi = lo + int(np.searchsorted(runs[lo:], b))
+            span = self.counts.summed(a, b, np.append(runs[lo:hi] - a, b - a))
+            out[lo:hi] = base + span[:-1]
+            base = base + span[-1]
+            lo = hi
+        return out
 
     def locate(self, pos: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """``(dataset, draw of that dataset's stream)`` of the epoch's ``pos`` positions."""
@@ -230,7 +253,8 @@ class MixtureLayout:
             ids = np.searchsorted(self._cum, slot, side="right") - 1
             return ids, epoch * self.per_epoch[ids] + slot - self._cum[ids]
         run = pos // self.batch_size
-        runs, inv = np.unique(run, return_inverse=True)
+        runs = sorted_unique(run)
+        inv = np.searchsorted(runs, run)
         ids, occ = self._runs(runs)
         before = self._before(runs)
         off = pos - run * self.batch_size
@@ -247,8 +271,34 @@ def mixture_layout(weights: np.ndarray, sizes: np.ndarray, *, batch_size: int, p
     return lay.locate(np.arange(lay.length, dtype=np.int64), epoch)[0]
 
 
+@functools.lru_cache(maxsize=256)
 def _dataset_key(seed: int, dataset: int) -> int:
     return int(seed_sequence(seed, dataset, DATASET_PASSES).generate_state(1, np.uint64)[0] >> 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pass_keys(seed: int, dataset: int, p: int) -> np.ndarray:
+    """The round keys of pass ``p`` of dataset ``dataset``'s own stream (read-only; a pure
+    function of its arguments, kept: every batch of a pass asks for them)."""
+    keys = round_keys(_dataset_key(seed, dataset), p, PERMUTATION)
+    keys.flags.writeable = False
+    return keys
+
+
+def _samples(size: np.ndarray, seed: int, ids: np.ndarray, draws: np.ndarray, shuffle: bool) -> np.ndarray:
+    """The samples of draws ``draws`` of datasets ``ids`` (one each, of ``size`` samples:
+    arrays like ``draws``), in one bijection call over every (dataset, pass) met
+    (:func:`dataset_samples`)."""
+    if not shuffle or not len(draws):
+        return draws % size
+    passes = draws // size
+    width = int(passes.max()) + 1
+    groups, inv = np.unique(ids * width + passes, return_inverse=True)  # (dataset, pass)
+    if len(groups) == 1:
+        keys = _pass_keys(seed, int(groups[0]) // width, int(groups[0]) % width)
+    else:
+        keys = np.stack([_pass_keys(seed, g // width, g % width) for g in groups.tolist()], axis=1)[:, inv.ravel()]
+    return bijection(draws - passes * size, size, keys)
 
 
 def dataset_samples(size: int, seed: int, dataset: int, draws: np.ndarray, shuffle: bool) -> np.ndarray:
@@ -256,15 +306,8 @@ def dataset_samples(size: int, seed: int, dataset: int, draws: np.ndarray, shuff
     other, each a fresh keyed bijection of the dataset keyed by (seed, dataset, pass),
     computed per draw (``permutation(size, key, pass)`` materialises one pass)."""
     draws = np.asarray(draws, dtype=np.int64)
-    if not shuffle or not len(draws):
-        return draws % size
-    key = _dataset_key(seed, dataset)
-    passes = draws // size
-    out = np.empty(len(draws), np.int64)
-    for p in np.unique(passes).tolist():  # a few: the draws of a batch or a chunk of the stream
-        sel = passes == p
-        out[sel] = bijection(draws[sel] - p * size, size, round_keys(key, p, PERMUTATION))
-    return out
+    return _samples(np.full(len(draws), size, np.int64), seed, np.full(len(draws), dataset, np.int64), draws,
+                    shuffle)
 
 
 def dataset_draws(size: int, seed: int, dataset: int, first: int, count: int, shuffle: bool) -> np.ndarray:
@@ -277,7 +320,8 @@ class MixtureStream(Stream):
 
     def __init__(self, layout: MixtureLayout, sizes: np.ndarray, starts: np.ndarray, seed: int, epoch: int,
                  shuffle: bool) -> None:
-        self.layout, self.sizes, self.starts = layout, sizes, starts
+        self.layout, self.sizes, self.starts = layout, sizes, np.asarray(starts, dtype=np.int64)
+        self._sizes = np.asarray(sizes, dtype=np.int64)
         self.seed, self.epoch, self.shuffle = int(seed), int(epoch), bool(shuffle)
         self.num_samples = int(np.sum(sizes))
 
@@ -285,12 +329,10 @@ class MixtureStream(Stream):
         return self.layout.length
 
     def _at(self, pos: np.ndarray) -> np.ndarray:
+        if not len(pos):
+            return np.zeros(0, np.int64)
         ids, draws = self.layout.locate(pos, self.epoch)
-        out = np.empty(len(pos), np.int64)
-        for i in np.unique(ids).tolist():
-            sel = ids == i
-            out[sel] = self.starts[i] + dataset_samples(int(self.sizes[i]), self.seed, i, draws[sel], self.shuffle)
-        return out
+        return self.starts[ids] + _samples(self._sizes[ids], self.seed, ids, draws, self.shuffle)
 
     def token_total(self, lengths, max_length: int | None = None) -> int:
         """The tokens the epoch reads (``lengths`` by global index, truncated to

@@ -36,7 +36,7 @@ import numpy as np
 from .bijection import bijection, derive_keys, round_keys
 from .streams import BALANCED, GOLDEN_GAMMA, PERMUTATION, WEIGHTED, WINDOW, splitmix64
 
-__all__ = ["Balanced", "Drawn", "Natural", "Shuffled", "Stream", "Weighted", "Windowed", "permutation",
+__all__ = ["Balanced", "Drawn", "Natural", "Shuffled", "Stream", "Weighted", "Windowed", "permutation", "sorted_unique",
            "window_permutation", "index_dtype", "uniforms"]
 
 CHUNK = 1 << 16  # positions computed per call when materialising or walking a long range
@@ -172,7 +172,6 @@ class Windowed(Stream):
         np.cumsum(sizes[order], out=self._ocum[1:])
         nwin = -(-len(sizes) // self.window)
         self._wstart = self._ocum[np.minimum(np.arange(nwin + 1) * self.window, len(sizes))]  # windows' first positions
-        self._wkeys = derive_keys(keys, np.arange(nwin))  # (ROUNDS, windows): each window's own bijection
 
     def __len__(self) -> int:
         return self.num_samples
@@ -180,7 +179,7 @@ class Windowed(Stream):
     def _at(self, pos: np.ndarray) -> np.ndarray:
         w = np.searchsorted(self._wstart, pos, side="right") - 1
         base = self._wstart[w]
-        local = bijection(pos - base, self._wstart[w + 1] - base, self._wkeys[:, w])
+        local = bijection(pos - base, self._wstart[w + 1] - base, self._shard_keys, sub=w)
         off = base + local  # the sample's offset in the shards' reading order
         s = np.searchsorted(self._ocum, off, side="right") - 1
         return self._first[s] + (off - self._ocum[s])
@@ -188,6 +187,17 @@ class Windowed(Stream):
     @property
     def _key(self) -> tuple:
         return (self._sizes, self.window, tuple(self._shard_keys.tolist()))
+
+
+def sorted_unique(a: np.ndarray) -> np.ndarray:
+    """``np.unique(a)`` (int64), without its sort when ``a`` is sorted already (a pass's
+    positions are, but where padding wraps around): a fraction of its cost on a batch."""
+    if len(a) > 1 and not bool((a[1:] >= a[:-1]).all()):
+        return np.unique(a)
+    keep = np.empty(len(a), bool)
+    keep[:1] = True
+    np.not_equal(a[1:], a[:-1], out=keep[1:])
+    return a[keep]
 
 
 def uniforms(key: int, positions: np.ndarray) -> np.ndarray:
@@ -279,22 +289,22 @@ class Balanced(Stream):
     def _extra_class(self, q: np.ndarray) -> np.ndarray:
         """The class of extra slot ``q`` (passes of keyed permutations of the classes)."""
         c = self.classes
-        return bijection(q % c, c, derive_keys(self._class_keys, q // c))
+        return bijection(q % c, c, self._class_keys, sub=q // c)
 
     def _extra_before(self, k: np.ndarray, q: np.ndarray) -> np.ndarray:
         """How many of the extra slots ``0..q-1`` hold class ``k``: one per whole pass, plus
         one if ``k`` comes before ``q mod C`` in the pass ``q`` is in."""
         c = self.classes
         p, r = q // c, q % c
-        where = bijection(k, c, derive_keys(self._class_keys, p), inverse=True)
+        where = bijection(k, c, self._class_keys, sub=p, inverse=True)
         return p + (where < r)
 
     def _at(self, pos: np.ndarray) -> np.ndarray:
         b, c = self.batch, self.classes
-        chunks = np.unique(pos // b)  # every slot of the chunks asked for: ranks inside a chunk need them all
+        chunks = sorted_unique(pos // b)  # every slot of the chunks asked for: ranks inside a chunk need them all
         ch = np.repeat(chunks, b)
         j = np.tile(np.arange(b, dtype=np.int64), len(chunks))
-        m = bijection(j, np.full(len(j), b), np.repeat(derive_keys(self._slot_keys, chunks), b, axis=1))
+        m = bijection(j, b, self._slot_keys, sub=ch)
         cls = m % c
         ext = np.flatnonzero(m >= self.per * c)
         if ext.size:
@@ -302,15 +312,18 @@ class Balanced(Stream):
         # the rank of each slot among its chunk's slots of the same class, in stream order
         order = np.lexsort((j, cls, ch))
         key = ch[order] * c + cls[order]
-        first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        new = np.empty(len(key), bool)
+        new[0] = True
+        np.not_equal(key[1:], key[:-1], out=new[1:])
+        first = np.flatnonzero(new)
         rank = np.empty(len(j), np.int64)
-        rank[order] = np.arange(len(j)) - np.repeat(first, np.diff(np.r_[first, len(j)]))
+        rank[order] = np.arange(len(j)) - np.repeat(first, np.diff(first, append=len(j)))
         t = ch * self.per + rank
         if self.extra:
             t += self._extra_before(cls, ch * self.extra)
         n_k = self.sizes[cls]
         passes, i = t // n_k, t % n_k
-        mem = bijection(i, n_k, derive_keys(self._member_keys, passes * c + cls))
+        mem = bijection(i, n_k, self._member_keys, sub=passes * c + cls)
         sample = self.members[self.starts[cls] + mem]
         return sample[np.searchsorted(chunks, pos // b) * b + pos % b]
 
