@@ -4,6 +4,7 @@
     python bench/run_all.py --smoke        # tiny sizes: checks every script still works (CI)
     python bench/run_all.py --only tensor,jpeg --out results.txt
     python bench/run_all.py --docs         # full suite, then rewrite the docs' Results table
+    python bench/run_all.py --docs --only sampler   # measure one script again: only its rows change
 
 Exits non-zero if any script fails. ``--out`` also writes everything printed to a file. Every
 script records its headline (fastload, the baseline, the limit, measured in one run) through
@@ -17,6 +18,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -100,19 +102,64 @@ def main(argv=None, run=subprocess.run) -> int:
 
 def update_results_page(records: list[dict], table: str, names: list[str], page: Path = RESULTS_PAGE) -> None:
     """Replace the text between BEGIN and END in docs/benchmarks.md (written to a temporary
-    file and renamed, so an interrupted run never leaves a half-written page)."""
+    file and renamed, so an interrupted run never leaves a half-written page).
+
+    A run of every script replaces the whole table. A run of some (``--only``) replaces only
+    their rows, in place, keeps every other row as it was published, and adds a line saying
+    which rows were measured when, on what machine (the other rows keep their own line)."""
     text = page.read_text()
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
         raise SystemExit(f"{page}: expected one {BEGIN} ... {END} block to replace")
-    machines = sorted({r["machine"] for r in records})
-    only = "" if set(names) == set(SCRIPTS) else f" --only {','.join(names)}"
-    block = (f"{BEGIN}\n_Generated on {datetime.date.today().isoformat()} by `python bench/run_all.py --docs{only}` "
-             f"on: {'; '.join(machines)}._\n\n{table}\n{END}")
     head, rest = text.split(BEGIN, 1)
+    old, tail = rest.split(END, 1)
+    machines = "; ".join(sorted({r["machine"] for r in records}))
+    today = datetime.date.today().isoformat()
+    old_rows = [line for line in old.splitlines() if _ROW.match(line)]
+    if set(names) == set(SCRIPTS) or not old_rows:
+        only = "" if set(names) == set(SCRIPTS) else f" --only {','.join(names)}"
+        block = f"_Generated on {today} by `python bench/run_all.py --docs{only}` on: {machines}._\n\n{table}\n"
+    else:
+        block = _merge_rows(old, old_rows, table, names, today, machines)
     tmp = page.with_suffix(".md.tmp")
-    tmp.write_text(head + block + rest.split(END, 1)[1])
+    tmp.write_text(f"{head}{BEGIN}\n{block}{END}{tail}")
     os.replace(tmp, page)
     print(f"\nwrote the results table into {page}")
+
+
+_ROW = re.compile(r"^\| .*\(`python bench/(bench_\w+)\.py`\) \|")  # a table row and its script
+
+
+def _all_rerun(line: str, rerun: set[str]) -> bool:
+    """Whether ``line`` is an earlier partial run's attribution whose rows are all measured again."""
+    if not line.startswith("_Rows of "):
+        return False
+    return set(re.findall(r"(bench_\w+)\.py", line.split(" measured again", 1)[0])) <= rerun
+
+
+def _merge_rows(old: str, old_rows: list[str], table: str, names: list[str], today: str, machines: str) -> str:
+    """The block with the rows of ``names``' scripts replaced by ``table``'s (each script's
+    rows where its old ones stood; a script with no old row after the others)."""
+    rerun = {f"bench_{n}" for n in names}
+    new_rows: dict[str, list[str]] = {}
+    for line in table.splitlines():
+        m = _ROW.match(line)
+        if m:
+            new_rows.setdefault(m.group(1), []).append(line)
+    rows: list[str] = []
+    for line in old_rows:
+        script = _ROW.match(line).group(1)  # type: ignore[union-attr]  # old_rows all match
+        if script not in rerun:
+            rows.append(line)
+        elif script in new_rows:
+            rows += new_rows.pop(script)
+    for script in sorted(new_rows):
+        rows += new_rows[script]
+    scripts = ", ".join(f"bench_{n}.py" for n in names)
+    lead = [line for line in old.splitlines() if line.startswith("_") and not _all_rerun(line, rerun)]
+    command = f"python bench/run_all.py --docs --only {','.join(names)}"
+    lead.append(f"_Rows of {scripts} measured again on {today} by `{command}` on: {machines}._")
+    header = table.splitlines()[:2]
+    return "\n\n".join(lead) + "\n\n" + "\n".join(header + rows) + "\n"
 
 
 if __name__ == "__main__":

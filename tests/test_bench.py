@@ -391,6 +391,32 @@ def test_results_table_is_replaced_between_markers(tmp_path):
     assert readme.read_text() == "no markers"
 
 
+def test_a_partial_run_replaces_only_its_rows_and_says_when(tmp_path):
+    run_all = _load_run_all()
+    page = tmp_path / "benchmarks.md"
+
+    def rec(script, workload, value, machine):
+        return {"workload": workload, "script": script, "unit": "ms", "lower_is_better": True,
+                "ours": ["a", value], "baseline": ["b", 10.0], "limit": None, "note": "", "machine": machine}
+
+    first = [rec("bench_tensor.py", "t", 1.0, "m1"), rec("bench_sampler.py", "s", 2.0, "m1"),
+             rec("bench_open.py", "o", 3.0, "m1")]
+    page.write_text(f"top\n{run_all.BEGIN}\nold\n{run_all.END}\nbottom\n")
+    run_all.update_results_page(first, run_all.markdown_table(first), list(run_all.SCRIPTS), page=page)
+    again = [rec("bench_sampler.py", "s", 5.0, "m2")]
+    run_all.update_results_page(again, run_all.markdown_table(again), ["sampler"], page=page)
+    text = page.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "python bench/" in line]
+    assert [r.split(" (`")[0] for r in rows] == ["| t", "| s", "| o"]  # the row stays where it stood
+    assert "a: 5.00 ms" in rows[1] and "a: 1.00 ms" in rows[0] and "a: 3.00 ms" in rows[2]
+    assert "a: 2.00 ms" not in text
+    assert "by `python bench/run_all.py --docs` on: m1._" in text  # the other rows' attribution kept
+    assert "_Rows of bench_sampler.py measured again on " in text and "--docs --only sampler` on: m2._" in text
+    assert text.startswith("top\n") and text.endswith("bottom\n")
+    run_all.update_results_page(again, run_all.markdown_table(again), ["sampler"], page=page)
+    assert page.read_text().count("_Rows of bench_sampler.py") == 1  # a later rerun replaces its line
+
+
 def test_run_all_refuses_smoke_figures_in_docs():
     for flag in ("--docs", "--readme"):  # --readme: the flag's old name, kept
         p = run(ROOT / "bench" / "run_all.py", "--smoke", flag, "--only", "open")
