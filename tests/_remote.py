@@ -193,7 +193,7 @@ def read_ahead_of_planner(url, cache_dir: Path, limit, kw: dict, monkeypatch, sc
     ``(epoch, first position, shard)`` of one that was not (the cache could release or
     evict it while the batch is in flight)."""
     import fastload
-    from fastload.loader.source import BatchSource
+    from fastload.loader.source import RingFedSource  # (BatchSource is a Protocol: no source inherits its put)
 
     held: list = []
     step = scan_cls.step
@@ -210,10 +210,12 @@ def read_ahead_of_planner(url, cache_dir: Path, limit, kw: dict, monkeypatch, sc
     monkeypatch.setattr(scan_cls, "step", holding)
     violations: list = []
     loader: list = []
-    put = BatchSource.put
+    put = RingFedSource.put
+    puts: list = []
 
     def checked(self, requests):
         put(self, requests)
+        puts.append(len(requests))
         (lo,) = loader
         tl = lo.dataset.cache.timeline
         cur = next(p for p in tl._passes if p["k"] == tl.pass_no)["uses"]
@@ -222,10 +224,10 @@ def read_ahead_of_planner(url, cache_dir: Path, limit, kw: dict, monkeypatch, sc
             p1 = p0 + (int(np.sum(r.count)) if r.count is not None else len(r.index))
             for s in np.unique(lo.dataset.locate(r.index, check=False, verify=False)[0]).tolist():
                 j = np.flatnonzero(cur.shards == s)
-                if not (len(j) and cur.first[j[0]] < p1 and cur.last[j[0]] >= p0):
+                if not np.any((cur.first[j] < p1) & (cur.last[j] >= p0)):
                     violations.append((cur.epoch, p0, s))
 
-    monkeypatch.setattr(BatchSource, "put", checked)
+    monkeypatch.setattr(RingFedSource, "put", checked)
     scanning: list[bool] = []
     with fastload.Loader(url, cache_dir=cache_dir, cache_limit=limit, **kw) as lo:
         loader.append(lo)
@@ -233,6 +235,7 @@ def read_ahead_of_planner(url, cache_dir: Path, limit, kw: dict, monkeypatch, sc
         got = batches(lo, epochs=epochs, on_batch=lambda i: scanning.append(
             planner() is not None and not planner()._scan.done))
     assert len(held) >= len(epochs), "a pass was planned without the background planner"
+    assert sum(puts) >= len(got), "the check never saw the batches put"
     return got, scanning, violations
 
 
