@@ -451,3 +451,48 @@ def test_ranks_starting_together_compute_the_summary_once_and_read_it(tmp_path, 
     assert all((s.total, s.longest, s.n) == (want.total, want.longest, want.n) for s in got)
     assert _kept(tmp_path, "summary") == ["lengths-text.summary-50.npz"]
     assert ls.summary_lock(p).exists()  # (the lock file stays: deleting it races with the next locker)
+
+
+def test_ranks_whose_summary_cannot_be_written_compute_it_side_by_side(tmp_path, monkeypatch):
+    """When the rank holding the lock cannot write the summary (a full disk), the ranks that
+    waited find nothing: each computes it without the lock, at the same time (not one after
+    the other, N times the time), and every one gets the right summary."""
+    import threading
+
+    p = tmp_path / "lengths-text.npy"
+    np.save(p, np.arange(5000, dtype=np.int64) % 97)
+    real, spans = ls.compute, []
+
+    def slow(*a, **k):
+        t0 = time.monotonic()
+        time.sleep(0.5)
+        out = real(*a, **k)
+        spans.append((t0, time.monotonic()))
+        return out
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ls, "compute", slow)
+    monkeypatch.setattr(ls, "atomic_write", full_disk)  # (_write logs it and goes on)
+    ranks = 4
+    start, got, errors = threading.Barrier(ranks), [None] * ranks, []
+
+    def rank(i):
+        try:
+            v = np.load(p, mmap_mode="r")
+            start.wait()
+            got[i] = ls.length_summary(v, 50)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    want = real(np.arange(5000, dtype=np.int64) % 97, 50)
+    assert not errors and all((s.total, s.longest, s.n) == (want.total, want.longest, want.n) for s in got)
+    assert len(spans) == ranks
+    first_end = min(e for _, e in spans)
+    # the waiters started computing while or right after the holder computed, together: with the
+    # lock held through each computation they would start 0.5 s apart (the last 1.5 s after)
+    assert max(b for b, _ in spans) < first_end + 0.4, spans

@@ -310,11 +310,12 @@ def _summarise(lengths: Any, max_length: int | None) -> LengthSummary:
     # one process of the node computes it (the ranks of a job start together): the others wait
     # for the kernel lock (fastload.runtime.kept.Flock), then read what it wrote; past the
     # deadline (a stopped holder) or without a usable lock (a read-only cache) they compute it too
-    lock = None
+    lock, waited = None, False
     try:
         try:
             lock = Flock(summary_lock(Path(lengths.filename)))
             if not lock.try_lock():
+                waited = True
                 logger.info("fastload: waiting for another process of this node, which summarises %s",
                             lengths.filename)
                 if not lock.lock(build_wait_s(len(lengths))):
@@ -323,6 +324,11 @@ def _summarise(lengths: Any, max_length: int | None) -> LengthSummary:
             s = _read(path, source)  # written meanwhile by the process that held the lock
         except OSError as e:
             logger.debug("fastload: no lock for the lengths' summary beside %s (%s)", lengths.filename, e)
+        if s is None and waited and lock is not None:
+            # the holder wrote nothing (its write failed: a full disk, or the file was replaced):
+            # compute without the lock, as every waiter will, rather than one after the other
+            lock.close()
+            lock = None
         if s is None:
             s = compute(lengths, max_length)
             if same_file(lengths.filename, source):  # not replaced meanwhile
