@@ -109,7 +109,8 @@ py::array_t<std::uint64_t> feistel_py(const U64& x, const U64& n, const U64& key
     std::uint64_t last = 0;
     for (std::size_t i = 0; i < m; ++i) {
       const std::uint64_t ni = pn[per_n ? i : 0];
-      if (px[i] >= ni) {
+      const std::uint64_t xi = px[i];  // read once: another thread may write the caller's array meanwhile
+      if (xi >= ni) {
         bad = i;
         break;
       }
@@ -124,11 +125,11 @@ py::array_t<std::uint64_t> feistel_py(const U64& x, const U64& n, const U64& key
           for (int r = have; r < need; ++r) derived[r] = splitmix64(pk[r] ^ h);
           have = need;
         }
-        po[i] = walk(px[i], ni, derived, 1, inverse);
+        po[i] = walk(xi, ni, derived, 1, inverse);
       } else if (per_key) {
-        po[i] = walk(px[i], ni, pk + i, m, inverse);
+        po[i] = walk(xi, ni, pk + i, m, inverse);
       } else {
-        po[i] = walk(px[i], ni, pk, 1, inverse);
+        po[i] = walk(xi, ni, pk, 1, inverse);
       }
     }
   }

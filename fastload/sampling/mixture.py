@@ -71,8 +71,11 @@ __all__ = ["BatchCounts", "MixtureLayout", "MixtureOrder", "MixtureSampler", "Mi
 
 _WEYL = 0x9E3779B97F4A7C15  # round(2^64 * (sqrt(5) - 1) / 2), odd: run c's point is frac((c + 1) * golden)
 _M64 = 1 << 64
-SPAN_PER_RUN = 2048  # _before: sum the counts of up to this many runs per run asked for, not floor sums
-SPAN_PIECE = 1 << 16  # _before: runs whose counts are summed at a time (memory: a few MB)
+SPAN_PER_RUN = 1024  # _before: sum the counts of up to this many runs per run asked for, not floor sums
+# (a run's count of a dataset summed costs ~10 ns, its floor sum ~10 us: even at 1,000 per run asked
+# for, summing is no slower; a rank's batches at up to 1,024 ranks are that far apart)
+SPAN_PIECE = 1 << 16  # _before: runs whose counts are summed at a time, for up to 15 datasets
+SPAN_ELEMENTS = 1 << 20  # _before: at most this many (run, dataset) counts at a time (8 MB)
 ORDER = "per-position"  # in the identity: a state of the array layout (before) is refused, naming it
 
 
@@ -227,7 +230,7 @@ class MixtureLayout:
     def _before(self, runs: np.ndarray) -> np.ndarray:
         """``(len(runs), n)``: each dataset's count in the runs before each of ``runs``
         (sorted): floor sums for the first, then the counts of the runs between summed (in
-        pieces of :data:`SPAN_PIECE` runs) when they are not too many per run asked for (a
+        pieces of :data:`SPAN_PIECE` runs, fewer for many datasets: :data:`SPAN_ELEMENTS`) when they are not too many per run asked for (a
         stretch of the stream, or a rank's batches at up to :data:`SPAN_PER_RUN` ranks: a
         run's counts cost nanoseconds, its floor sums microseconds), else floor sums for each."""
         first, last = int(runs[0]), int(runs[-1])
@@ -236,8 +239,9 @@ class MixtureLayout:
         out = np.empty((len(runs), self.n), np.int64)
         base = self.counts.before(first)  # before run a, the piece's first
         lo = 0
-        for a in range(first, last + 1, SPAN_PIECE):
-            b = min(last + 1, a + SPAN_PIECE)
+        piece = max(256, min(SPAN_PIECE, SPAN_ELEMENTS // (self.n + 1)))  # bounded memory at any n
+        for a in range(first, last + 1, piece):
+            b = min(last + 1, a + piece)
             hi = lo + int(np.searchsorted(runs[lo:], b))
             span = self.counts.summed(a, b, np.append(runs[lo:hi] - a, b - a))
             out[lo:hi] = base + span[:-1]
