@@ -18,7 +18,11 @@ PIL-validates and DALI-checks its images); for local, the larger of the writer p
 reads and DALI-checks the images) and its PIL validation processes, both shown. `--shard-size` is chosen so the source
 makes about 16 groups (4 with --smoke, which also leaves out ray w=1).
 
-    python bench/bench_convert.py [--images 2000] [--repeats 3] [--smoke]
+    python bench/bench_convert.py [--images 2000] [--repeats 3] [--smoke] [--ray-address HOST:PORT]
+
+``--ray-address`` (default ``$FASTLOAD_BENCH_RAY_ADDRESS``) runs the ray rows on a Ray cluster
+that is already running, which the times then include instead of a private Ray's start (the
+tests' smoke run joins the session's cluster, tests/_ray.py).
 """
 from __future__ import annotations
 
@@ -49,11 +53,15 @@ with open(sys.argv[2] + "." + os.environ.get("RANK", "0"), "w") as f:
 """
 
 
-def run_engine(src: Path, dst: Path, engine: str, workers: int, shard_size: int, ranks: int = 1) -> dict:
+def run_engine(src: Path, dst: Path, engine: str, workers: int, shard_size: int, ranks: int = 1,
+               ray_address: str | None = None) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
-    args = json.dumps({"kind": "imagefolder", "src": str(src), "dst": str(dst), "engine": engine,
-                       "workers": workers, "shard_size": shard_size, "allow_small_shards": True,  # groups, on purpose
-                       "progress": False})
+    kw = {"kind": "imagefolder", "src": str(src), "dst": str(dst), "engine": engine,
+          "workers": workers, "shard_size": shard_size, "allow_small_shards": True,  # groups, on purpose
+          "progress": False}
+    if engine == "ray" and ray_address:
+        kw["ray_address"] = ray_address
+    args = json.dumps(kw)
     result = dst.parent / f"result-{engine}"
     for old in dst.parent.glob(f"result-{engine}.*"):
         old.unlink()
@@ -83,6 +91,9 @@ def main(argv=None) -> list:
     ap.add_argument("--images", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny run that only checks the script works")
+    ap.add_argument("--ray-address", default=os.environ.get("FASTLOAD_BENCH_RAY_ADDRESS") or None,
+                    help="run the ray rows on this running Ray cluster (HOST:PORT) instead of a private Ray "
+                         "each (default: $FASTLOAD_BENCH_RAY_ADDRESS)")
     a = ap.parse_args(argv)
     if a.smoke:
         a.images, a.repeats = 60, 1
@@ -123,7 +134,8 @@ def main(argv=None) -> list:
             skipped.append("--engine ray (not installed: pip install 'fastload[ray]')")
         configs.append(("torch", 1, 2, "--engine torch, torchrun 2 ranks"))
         for engine, workers, ranks, label in configs:
-            runs = [run_engine(src, tmp / "dst", engine, workers, shard_size, ranks) for _ in range(a.repeats)]
+            runs = [run_engine(src, tmp / "dst", engine, workers, shard_size, ranks, a.ray_address)
+                    for _ in range(a.repeats)]
             runs.sort(key=lambda r: r["seconds"])
             r = runs[len(runs) // 2]  # the median run
             peak = max(x["worker_peak_rss_bytes"] for x in runs) / 2**20
@@ -132,9 +144,10 @@ def main(argv=None) -> list:
             if engine == "local":
                 split = (f" (writer {max(x['self_peak_rss_bytes'] for x in runs) / 2**20:.0f} MB, validators "
                          f"{max(x['children_peak_rss_bytes'] for x in runs) / 2**20:.0f} MB)")
+            joined = f" (joined the Ray at {a.ray_address})" if engine == "ray" and a.ray_address else ""
             m = Measurement.from_times(label, a.images, nbytes, [x["seconds"] for x in runs], "ours",
                                        f"{tasks}{peak:.0f} MB peak RSS per worker{split}; {r['num_shards']} shards; "
-                                       f"{r['wall']:.1f} s with process start")
+                                       f"{r['wall']:.1f} s with process start{joined}")
             m.extra = {"engine": engine, "workers": workers, "ranks": ranks, "worker_peak_rss_mb": peak,
                        "tasks_seconds": r.get("tasks_seconds"),
                        "heavy_modules": r.get("worker_heavy_modules", [])}

@@ -1,7 +1,7 @@
 """Speed inside a real training loop: the model's torch ops share the cores with the loader.
 
     .venv/bin/python bench/bench_loop.py            # full run (several minutes on 2 cores)
-    .venv/bin/python bench/bench_loop.py --smoke    # tiny sizes, one repeat
+    .venv/bin/python bench/bench_loop.py --smoke    # tiny sizes, one repeat, default torch threads only
     .venv/bin/python bench/bench_loop.py --only mlp --repeats 7
 
 A loader-only benchmark hides what users meet: torch's intra-op (OpenMP) threads and the
@@ -374,7 +374,7 @@ def summarize(results: dict, rows_n: int, images: int, smoke: bool) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat, default torch threads only")
     ap.add_argument("--only", choices=("mlp", "cnn"), default=None)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--images", type=int, default=640)
@@ -383,7 +383,8 @@ def main(argv=None) -> int:
     if a.smoke:
         rows_n, images, repeats, warmup = 3_000, 32, 1, 0
     default_threads = torch.get_num_threads()
-    settings = [default_threads] + ([1] if default_threads != 1 else [])
+    # (the smoke run measures the default setting only: the one-thread one is the same code)
+    settings = [default_threads] + ([1] if default_threads != 1 and not a.smoke else [])
     tmp = Path(tempfile.mkdtemp(prefix="bench_loop_"))
     results: dict[tuple[str, int], dict[str, Measurement]] = {}
     print(f"{system_info()}; torch default intra-op threads: {default_threads}; fastload's threads at nice "

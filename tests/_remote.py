@@ -111,6 +111,18 @@ def open_remote(endpoint: str, prefix: str = "ds", **storage_options) -> RemoteD
 
 
 FAST_RETRY = RetryPolicy(attempts=6, backoff_s=0.02, backoff_max_s=0.2, timeout_s=30)
+BACKOFF_SCALE = 0.25
+
+
+@pytest.fixture
+def quick_backoff(monkeypatch):
+    """The default RetryPolicy's pauses (its own schedule: doubling, full jitter, capped) at
+    ``BACKOFF_SCALE`` of their length, for tests that meet faults through a Loader or Dataset
+    (which build the default policy themselves): a quarter still spans a 1 s outage within a
+    file's 6 attempts (the 5 pauses sum to >= 0.25 * 0.5 * 15.5 s), in a quarter of the wait.
+    test_remote_faults.py checks the unscaled schedule."""
+    real = RetryPolicy.pause
+    monkeypatch.setattr(RetryPolicy, "pause", lambda self, attempt: BACKOFF_SCALE * real(self, attempt))
 
 
 def make_cache(remote: RemoteDataset, cache_dir: Path, **kw) -> ShardCache:
@@ -280,4 +292,5 @@ class DiskSampler:
 
 
 __all__ = ["_aws_sdk_event_loop", "BUCKET", "DiskSampler", "FAST_RETRY", "epoch_uses", "local_ds", "make_cache", "make_dataset", "moto",
-           "open_remote", "proxy", "read_ahead_of_planner", "read_pass", "s3_env", "s3_url", "shard_starts", "upload", "window_stream"]
+           "open_remote", "quick_backoff", "proxy", "read_ahead_of_planner", "read_pass", "s3_env", "s3_url", "shard_starts", "upload",
+           "window_stream"]

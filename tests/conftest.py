@@ -34,7 +34,7 @@ import time
 
 import pytest
 
-pytest_plugins = ["_remote", "_convert", "_ray"]
+pytest_plugins = ["_remote", "_convert", "_ray", "_gc"]
 
 _GRACE_S = 2.0
 _TASK_DIR = "/proc/self/task"

@@ -19,6 +19,7 @@ import fastload
 import fastload.errors
 
 from _damage import damaged_copy
+from _zygote import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "fastload"
@@ -40,6 +41,10 @@ def py(code: str, *, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def fl(*args, cwd=None, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    """``python -m fastload ARGS``, forked from the tests' launcher (tests/_zygote.py, which has
+    imported torch: what a command imports is checked with ``py``, in new interpreters)."""
+    if not kw:
+        return run_python("-m", "fastload", *args, timeout=timeout, env=env(), cwd=cwd or ROOT)
     return subprocess.run([sys.executable, "-m", "fastload", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env(), cwd=cwd or ROOT, **kw)
 

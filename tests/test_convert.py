@@ -1,8 +1,6 @@
 """fastload convert: every source kind, the Python entry point and the CLI, bad input."""
 import io
 import json
-import subprocess
-import sys
 import tarfile
 
 import numpy as np
@@ -14,11 +12,11 @@ from PIL import Image
 import fastload
 from fastload.convert import ConvertError, convert
 from fastload.demo.photos import make_image_folder
+from _zygote import run_python
 
 
 def run_cli(*args, check=None):
-    p = subprocess.run([sys.executable, "-m", "fastload", *map(str, args)], capture_output=True, text=True,
-                       timeout=300)
+    p = run_python("-m", "fastload", *args, timeout=300)  # forked from the tests' launcher (tests/_zygote.py)
     if check is not None:
         assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
     return p

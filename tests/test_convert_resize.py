@@ -20,14 +20,14 @@ import fastload
 from fastload.convert import ConvertError, convert
 from fastload.errors import UsageError
 from fastload.demo.photos import photos
+from _zygote import run_python
 
 N = 128
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args, check=None):
-    p = subprocess.run([sys.executable, "-m", "fastload", *map(str, args)], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+    p = run_python("-m", "fastload", *args, timeout=300, cwd=ROOT)  # forked from the tests' launcher (tests/_zygote.py)
     if check is not None:
         assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
     return p

@@ -59,17 +59,30 @@ def rewrite(path: Path, data: bytes) -> None:
         os.utime(path, ns=(old + 1_000_000_000, old + 1_000_000_000))
 
 
+@pytest.fixture(scope="module")
+def _folders(tmp_path_factory) -> Path:
+    """The image folders below, made once per module (JPEG encoding is most of their cost)."""
+    d = tmp_path_factory.mktemp("resume-src")
+    make_image_folder(d / "src", 72, seed=3, min_side=64, max_side=160)
+    make_image_folder(d / "other", 4, seed=9, min_side=200, max_side=240)
+    return d
+
+
+def _fresh_copy(template: Path, dst: Path) -> Path:
+    """The test's own copy, its files written now (as if made in this test: new mtimes)."""
+    return Path(shutil.copytree(template, dst, copy_function=shutil.copyfile))
+
+
 @pytest.fixture
-def folder(tmp_path) -> Path:
+def folder(tmp_path, _folders) -> Path:
     """72 JPEGs in 3 class folders (the issue's count); ~14 per group at 50 KB shards."""
-    return make_image_folder(tmp_path / "src", 72, seed=3, min_side=64, max_side=160)
+    return _fresh_copy(_folders / "src", tmp_path / "src")
 
 
 @pytest.fixture
-def other(tmp_path) -> list[Path]:
+def other(tmp_path, _folders) -> list[Path]:
     """JPEGs of other sizes, to rewrite or add source images with."""
-    d = make_image_folder(tmp_path / "other", 4, seed=9, min_side=200, max_side=240)
-    return sorted(d.rglob("*.jpg"))
+    return sorted(_fresh_copy(_folders / "other", tmp_path / "other").rglob("*.jpg"))
 
 
 def images_of(src: Path) -> list[Path]:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import fastload
+from _zygote import run_python
 from fastload.errors import FastloadError, FormatError, MissingFileError
 from fastload.store import verified_record
 from fastload.store.verified_record import VerifiedRecord
@@ -226,8 +227,7 @@ def test_a_process_holding_a_shards_lock_delays_other_readers_only_until_the_dea
             print(round(time.perf_counter() - t0, 2), x.tolist() == {ds.get_batch([0, 1])["x"].tolist()!r})
         """
         env = dict(os.environ, FASTLOAD_VERIFY_LOCK_TIMEOUT="0.5")
-        p = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                           timeout=120, env=env)
+        p = run_python("-c", textwrap.dedent(script), timeout=120, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
         took, same = p.stdout.split()
         assert same == "True" and float(took) < 20  # the tiny shard: 0.5 s, plus start-up
@@ -302,8 +302,7 @@ def test_no_home_directory_falls_back_to_xdg_or_a_private_temporary_directory(tm
     env = {k: v for k, v in os.environ.items() if k not in ("HOME", "FASTLOAD_CACHE", "XDG_CACHE_HOME")}
 
     def run(**extra):
-        p = subprocess.run([sys.executable, "-c", textwrap.dedent(NO_HOME), str(d)], capture_output=True,
-                           text=True, timeout=120, env={**env, **extra})
+        p = run_python("-c", textwrap.dedent(NO_HOME), d, timeout=120, env={**env, **extra})
         assert p.returncode == 0, p.stderr[-2000:]
         assert "Traceback" not in p.stderr
         return p.stdout.split("\n"), p.stderr

@@ -20,8 +20,6 @@ import gc
 import itertools
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +29,7 @@ from fastload import Loader, vision
 from fastload.errors import PassEnded
 from fastload.loader.feeder import ImageFeeder
 from fastload.loader.host import HostSource
+from _zygote import run_python
 
 KW = dict(batch_size=8, transforms={"image": vision.train(32)}, seed=3, prefetch=4)
 EPOCHS = 4
@@ -280,10 +279,10 @@ def test_a_lightning_fit_decodes_each_epoch_once(image_ds, tmp_path, reload):
     pytest.importorskip("lightning", reason="pip install 'fastload[test]' (lightning)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
            "CUDA_VISIBLE_DEVICES": ""}
-    args = [sys.executable, str(HERE / "lightning_lookahead.py"), str(image_ds.path), "--epochs", str(EPOCHS),
-            "--batch-size", str(KW["batch_size"]), "--prefetch", str(KW["prefetch"])]
-    p = subprocess.run(args + (["--reload"] if reload else []), capture_output=True, text=True, env=env,
-                       timeout=300, cwd=tmp_path)
+    args = [HERE / "lightning_lookahead.py", image_ds.path, "--epochs", EPOCHS,
+            "--batch-size", KW["batch_size"], "--prefetch", KW["prefetch"]]
+    # forked from the tests' launcher (tests/_zygote.py), without an interpreter's start-up
+    p = run_python(*args, *(["--reload"] if reload else []), env=env, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     n = got["delivered"]["0"]

@@ -54,6 +54,22 @@ def test_a_pass_completes_with_identical_data_under_mixed_faults(proxy, remote, 
     assert st["downloads"] == len(remote.shard_files)
 
 
+def test_the_default_backoff_schedule(monkeypatch):
+    """The pauses between a file's attempts (the Loader's default policy; the fault tests
+    here use faster ones, and quick_backoff scales this one): 0.5 s doubled each attempt,
+    capped at 30 s, times a uniform jitter in [0.5, 1.5]."""
+    import random
+
+    p = RetryPolicy()
+    assert (p.attempts, p.backoff_s, p.backoff_max_s) == (6, 0.5, 30.0)
+    for jitter in (0.5, 1.0, 1.5):
+        monkeypatch.setattr(random, "uniform", lambda a, b, j=jitter: (a, b) == (0.5, 1.5) and j)
+        assert [p.pause(a) for a in range(8)] == [jitter * s for s in (0.5, 1, 2, 4, 8, 16, 30, 30)]
+    monkeypatch.undo()
+    pauses = [RetryPolicy(backoff_s=0.1, backoff_max_s=0.3).pause(2) for _ in range(200)]
+    assert 0.15 <= min(pauses) < 0.2 and 0.4 < max(pauses) <= 0.45  # capped 0.3 s, jittered
+
+
 def test_slowdown_halves_the_downloads_in_flight(proxy, remote, tmp_path):
     proxy.add("slowdown", r"shard-", times=8)
     with make_cache(remote, tmp_path / "c", threads=4) as c:

@@ -28,7 +28,8 @@ def _shard_bytes(local_ds) -> int:
         return max(s["bytes"] for s in ds.manifest["shards"])
 
 
-def test_the_epoch_completes_with_identical_batches_under_faults(remote_url, proxy, local_ds, tmp_path):
+def test_the_epoch_completes_with_identical_batches_under_faults(remote_url, proxy, local_ds, tmp_path,
+                                                                quick_backoff):
     with fastload.Loader(local_ds, **KW) as lo:
         want = batches(lo, epochs=None)
     # (5 SlowDowns: fewer than a file's 6 attempts, so whichever of these shards the order

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import fastload
+from _zygote import run_python
 from fastload.errors import FormatError
 from fastload.store import DatasetReader, ShardWriter
 from fastload.store.recover import main as recover_main
@@ -58,8 +59,7 @@ def _old(d: Path, report: bool) -> None:
 
 
 def _overwrite(d: Path, kill: int, report: bool) -> tuple[int, list[str]]:
-    p = subprocess.run([sys.executable, "-c", CHILD, str(d), str(kill), "1" if report else "0"],
-                       capture_output=True, text=True, timeout=120)
+    p = run_python("-c", CHILD, d, kill, "1" if report else "0", timeout=120)  # (forked: no start-up each)
     # the steps, with the new shards' generation token (random) left out
     return p.returncode, [re.sub(r"-[0-9a-f]{8}\.arrow", ".arrow", x) for x in p.stdout.split()]
 

@@ -76,7 +76,11 @@ def upload_dir(fs, local: str | os.PathLike, dest: str, *, manifest_last: bool =
     if manifest_last and "manifest.json" in names:
         names.remove("manifest.json")
         names.append("manifest.json")
+    moto = MotoS3.serving(fs)
     for n in names:
+        if moto is not None:  # straight into its store (see MotoS3.put)
+            moto.put(f"{dest}/{n}", (local / n).read_bytes())
+            continue
         with open(local / n, "rb") as src, fs.open_output_stream(f"{dest}/{n}", compression=None) as out:
             shutil.copyfileobj(src, out, 16 << 20)
 
@@ -197,11 +201,34 @@ class MotoS3(Service):
     0.5 s poll, which every test starting a moto paid at its teardown. moto keeps its
     buckets in this process (module state), not in the server."""
 
+    _serving: dict[str, MotoS3] = {}  # endpoint -> the running server
+
     def __init__(self, buckets: tuple[str, ...] = ("fastload-test",)):
         self.buckets = buckets
         self.port = 0
         self._server = None
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def serving(cls, fs) -> MotoS3 | None:
+        """The running MotoS3 of this process that ``fs`` (a ``pyarrow.fs.S3FileSystem``)
+        talks to directly (not through a proxy), else None."""
+        import pyarrow.fs as pafs
+
+        if not isinstance(fs, pafs.S3FileSystem):
+            return None
+        options = fs.__reduce__()[1][0]  # the keywords it was made with
+        return cls._serving.get(options.get("endpoint_override")) if isinstance(options, dict) else None
+
+    def put(self, path: str, data: bytes) -> None:
+        """Write object ``bucket/key`` straight into moto's store (this process's, the one the
+        server serves): what a PUT through the server leaves, without the request (moto's
+        request handling, in Python: ~15 ms an object, 0.35 s a test dataset's upload)."""
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.s3.models import s3_backends
+
+        bucket, key = path.split("/", 1)
+        s3_backends[DEFAULT_ACCOUNT_ID]["global"].put_object(bucket, key, data)
 
     @property
     def endpoint(self) -> str:
@@ -227,9 +254,11 @@ class MotoS3(Service):
         for b in self.buckets:
             fs.create_dir(b)
         del fs
+        MotoS3._serving[self.endpoint] = self
         return self
 
     def stop(self) -> None:
+        MotoS3._serving.pop(self.endpoint, None)
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
