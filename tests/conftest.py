@@ -25,6 +25,9 @@ per test module). Two plugins add theirs: tests/_remote.py (``moto``, ``proxy``,
 (``images``, ``reference``: one image folder and its conversion for the whole session).
 Fixtures live in conftest.py or a plugin, never imported into a test module: an imported
 fixture is a separate fixture per module (a session-scoped one would be made again in each).
+tests/_ray.py shares one Ray cluster among the Ray tests; tests/_gc.py (no fixtures) collects and
+freezes what survives each module's boundary, so the collector walks only the running module's
+objects (a full collection over the session's heap cost ~0.2 s each).
 """
 from __future__ import annotations
 
