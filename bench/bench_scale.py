@@ -56,6 +56,9 @@ positions, scanned whole: time and peak RSS; ``--remote-rows``: a Loader over ``
                                 [--mix-sizes 1e6,1e8,1e10] [--pack-sizes 1e6,1e8] [--table-sizes 1e6,1e8]
                                 [--plan-sizes 1e6,1e8] [--remote-rows 1e6,1e7 --remote-shards 100] [--ragged-docs 1e7]
                                 [--scan-positions 1e7]
+
+``--smoke`` (tiny sizes; the test suite runs it) forks each child from this process instead of
+starting a fresh interpreter: it checks every row still runs; its figures are not comparable.
 """
 from __future__ import annotations
 
@@ -633,12 +636,51 @@ def _maps(folder: Path) -> int:
         return sum(1 for line in fh if prefix in line)
 
 
+_FORK = []  # --smoke: children forked from this process (its imports done once), not fresh interpreters
+
+
 def _run_child(*args: str, timeout: float = 600, env: dict | None = None) -> dict:
+    if _FORK:
+        return _fork_child(args, env)
     p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout,
                        env=None if env is None else {**os.environ, **env})
     if p.returncode != 0:
         raise SystemExit(f"bench_scale child {args} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _fork_child(args: tuple[str, ...], env: dict | None) -> dict:
+    """A child measured in a fork of this process (``--smoke`` only: it checks every row still
+    runs, in a fraction of the time; a fork's memory figures count the parent's pages it
+    touches, so smoke figures are never published)."""
+    import traceback
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run the row, its JSON line to the pipe, exit without the parent's cleanup
+        code = 1
+        try:
+            os.close(r)
+            os.environ.update(env or {})
+            with os.fdopen(w, "w") as out:
+                sys.stdout = out
+                main(list(args))  # ("--child", kind, ...)
+                out.flush()
+            code = 0
+        except BaseException:  # noqa: BLE001 - reported through the exit status and stderr
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        text = f.read()
+    status = os.waitpid(pid, 0)[1]
+    if status != 0:
+        raise SystemExit(f"bench_scale child {args} failed (wait status {status}):\n{text[-2000:]}")
+    return json.loads(text.strip().splitlines()[-1])
 
 
 def main(argv=None) -> list:
@@ -702,6 +744,8 @@ def main(argv=None) -> list:
         a.pack_sizes, a.mix_sizes, a.table_sizes = "1e6", "1e6", "2e6"
         a.plan_sizes, a.remote_rows, a.remote_shards = "1e6", "1e5", 10
         a.manifest_shards, a.ragged_docs, a.scan_positions = 1000, "2e6", "1e6"
+        import fastload.loader  # noqa: F401 - imported once, before the children are forked
+        _FORK.append(True)
     if a.full:
         a.rows, a.shards, a.ragged_docs = 100_000_000, 1000, "1e8"
     from fastload.bench.report import headline, system_info
