@@ -194,7 +194,7 @@ def read_while_planned(url, cache_dir: Path, limit, kw: dict, epochs=(0, 1)) -> 
 
 
 def read_ahead_of_planner(url, cache_dir: Path, limit, kw: dict, monkeypatch, scan_cls,
-                          epochs=(0, 1), hold_s: float = 1.0, step_s: float = 0.0) -> tuple[list, list, list]:
+                          epochs=(0, 1), hold_s: float = 0.5, step_s: float = 0.0) -> tuple[list, list, list]:
     """Read ``epochs`` of a remote Loader whose background planner thread (one per pass) is
     held ``hold_s`` at its first step of ``scan_cls`` (PassScan / PackScan), and ``step_s``
     at each (so that the reader reads while it scans): a reader not held back would read far

@@ -402,7 +402,7 @@ def test_a_pack_scan_knows_more_at_each_step_and_never_too_little(monkeypatch, k
 @pytest.mark.parametrize("mode,window,limit_shards", [("window", 1, 4), ("full", None, None)])
 def test_a_pass_is_never_read_ahead_of_its_plan(remote_url, local_ds, tmp_path, monkeypatch, mode, window,
                                                  limit_shards):
-    """The background planner of each pass held for a second (a loaded machine): the reader
+    """The background planner of each pass held half a second (a loaded machine): the reader
     waits at the first batch past what the caches were told, so every shard a prepared batch
     reads is planned, its use spanning the batch (never released or evicted under a batch in
     flight); the batches equal the local dataset's over two epochs."""

@@ -355,7 +355,7 @@ def test_a_packed_pass_is_planned_as_its_scan_goes_on(tok, tmp_path, monkeypatch
 
 
 def test_a_packed_pass_is_never_read_ahead_of_its_plan(tok, tmp_path, monkeypatch):
-    """The background planner of each pass held for a second (a loaded machine: the reader
+    """The background planner of each pass held half a second (a loaded machine: the reader
     far faster than the scan): the reader waits at the first batch past what the caches
     were told, so every shard a prepared batch reads is planned, its use spanning the batch;
     never released (a shard of the previous pass) or evicted (one not planned yet) under a
