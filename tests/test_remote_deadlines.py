@@ -61,7 +61,7 @@ def test_loader_close_after_a_stalled_transfer_is_bounded(remote_url, proxy, tmp
     thread blocked in pyarrow's read was joined). Now close() returns within close_s."""
     proxy.add("stall_body", r"shard-00003\.arrow", method="GET", times=-1, seconds=120)
     try:
-        lo = fastload.Loader(remote_url, cache_dir=tmp_path / "c", download_timeout=3, batch_size=50,
+        lo = fastload.Loader(remote_url, cache_dir=tmp_path / "c", download_timeout=1.5, batch_size=50,
                              shuffle=False, device="cpu", prefetch=1)
         t0 = time.monotonic()
         with pytest.raises(DownloadTimeout, match=r"shard-00003\.arrow") as e:
@@ -70,7 +70,7 @@ def test_loader_close_after_a_stalled_transfer_is_bounded(remote_url, proxy, tmp
         took = time.monotonic() - t0
         assert e.value.shard == "shard-00003.arrow"
         assert _stalled(proxy, "shard-00003.arrow"), "the server did stall mid-shard"
-        assert took < 3 + MARGIN_S, f"DownloadTimeout after {took:.1f}s, download_timeout is 3s"
+        assert took < 1.5 + MARGIN_S, f"DownloadTimeout after {took:.1f}s, download_timeout is 1.5s"
         t0 = time.monotonic()
         lo.close()
         closed = time.monotonic() - t0
@@ -128,13 +128,13 @@ def test_http_download_stalled_mid_body_ends_at_its_deadline(local_ds, tmp_path)
             r = RemoteDataset(f"{px.url}/ds")
             name = r.shard_files[2]
             px.add("stall_body", re.escape(name), method="GET", times=-1, seconds=120)
-            policy = RetryPolicy(attempts=3, backoff_s=0.05, backoff_max_s=0.1, timeout_s=2.0, close_s=CLOSE_S)
+            policy = RetryPolicy(attempts=3, backoff_s=0.05, backoff_max_s=0.1, timeout_s=1.0, close_s=CLOSE_S)
             with make_cache(r, tmp_path / "c", retry=policy) as c:
                 t0 = time.monotonic()
                 with pytest.raises(DownloadTimeout, match=re.escape(name)):
                     c.ensure(2)
                 took = time.monotonic() - t0
-                assert took < 2.0 + MARGIN_S, f"the stalled body held the download {took:.1f}s (deadline 2s)"
+                assert took < 1.0 + MARGIN_S, f"the stalled body held the download {took:.1f}s (deadline 1s)"
                 px.release_stalls()
                 assert file_checksum(c.ensure(2)) == r.checksums[2]
             gets = px.requests("GET", re.escape(name))
@@ -154,10 +154,10 @@ def test_a_stalled_manifest_fails_within_download_timeout(remote_url, proxy, tmp
         for k in range(2):
             t0 = time.monotonic()
             with pytest.raises(DownloadTimeout, match=r"manifest\.json|client") as e:
-                fastload.Loader(remote_url, cache_dir=tmp_path / "c", download_timeout=3, batch_size=50,
+                fastload.Loader(remote_url, cache_dir=tmp_path / "c", download_timeout=1, batch_size=50,
                                 device="cpu")
             took = time.monotonic() - t0
-            assert took < 3 + MARGIN_S, f"open {k}: failed after {took:.1f}s, download_timeout is 3s"
+            assert took < 1 + MARGIN_S, f"open {k}: failed after {took:.1f}s, download_timeout is 1s"
             assert "download_timeout" in str(e.value)
         proxy.release_stalls()
         with fastload.Loader(remote_url, cache_dir=tmp_path / "c", download_timeout=20, batch_size=50,
