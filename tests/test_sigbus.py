@@ -4,15 +4,16 @@ threads and the consumer helping), the hashing of a shard, the Dataset's batch r
 into a ShardReadError (a FormatError and an OSError) naming the shard's file, on the read that
 needed it; a read outside the guards still dies by SIGBUS as before (the handler chains).
 
-Each case runs in a child process (a SIGBUS that is not caught kills it), with Python's
-faulthandler enabled before fastload is imported, as under pytest.
+Each case runs in a child process (a SIGBUS that is not caught kills it), forked from the
+tests' launcher (tests/_zygote.py: fastload imported, no handler installed yet), with Python's
+faulthandler enabled before fastload installs its handler (at its first guarded read), as
+under pytest.
 """
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 import fastload
+from _zygote import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW = 1024  # float32 per row: 4 KiB, so a shard spans many pages
@@ -177,8 +179,7 @@ def run_case(case: str, path: Path, faulthandler: bool = True, verify: str = "of
     script = PRELUDE + textwrap.dedent(CASES[case] % {"ROW": ROW, "SHARD_ROWS": SHARD_ROWS})
     env = dict(os.environ, PYTHONPATH=str(ROOT), H4_FAULTHANDLER="1" if faulthandler else "0", H4_VERIFY=verify,
                FASTLOAD_CACHE=str(path.parent / "cache"))
-    return subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120,
-                          env=env, cwd=str(path.parent))
+    return run_python("-c", script, str(path), timeout=120, env=env, cwd=str(path.parent))
 
 
 def caught(p: subprocess.CompletedProcess) -> list[str]:
