@@ -30,6 +30,7 @@ from fastload.convert.task import run_group
 from fastload.store import verify
 
 from _convert import assert_same_rows
+from _zygote import run_python
 
 HERE = Path(__file__).resolve().parent
 PARTS = ".fastload-parts"
@@ -98,15 +99,22 @@ def run_engine(engine: str, src: Path, dst: Path | str, tmp: Path, *, fault_grou
                "--no-python", sys.executable, *cmd]
     else:
         cmd = [sys.executable, *cmd]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        addresses = _watch_addresses(p) if watch is not None else set()
-        stdout, stderr = p.communicate(timeout=600)
-    finally:
-        if p.poll() is None:  # a hang: end the driver and every process it started, by pid
-            kill_tree(p)
-    if watch is not None:
-        watch.update(addresses)
+    if engine == "ray" and cluster is not None and watch is None:
+        # a driver that joins the session's Ray (whose processes are the cluster's own): forked
+        # from the tests' launcher (tests/_zygote.py), without an interpreter start-up each
+        done = run_python(*cmd[1:], env=env, timeout=600)
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+    else:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            addresses = _watch_addresses(p) if watch is not None else set()
+            stdout, stderr = p.communicate(timeout=600)
+        finally:
+            if p.poll() is None:  # a hang: end the driver and every process it started, by pid
+                kill_tree(p)
+        code = p.returncode
+        if watch is not None:
+            watch.update(addresses)
     if cli:
         first = {}
         for line in stdout.splitlines():
@@ -114,10 +122,10 @@ def run_engine(engine: str, src: Path, dst: Path | str, tmp: Path, *, fault_grou
                 m = rx.match(line)
                 if m:
                     first.update(zip(names, map(int, m.groups())))
-        return p.returncode, first or None, stderr
+        return code, first or None, stderr
     outs = [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
     first = next((o for o in outs if o.get("rank", 0) == 0), None)
-    return p.returncode, first, stderr
+    return code, first, stderr
 
 
 def _watch_addresses(p: subprocess.Popen) -> set[str]:
