@@ -2,6 +2,7 @@
 
     python bench/run_all.py                # the full suite (tens of minutes on 2 cores)
     python bench/run_all.py --smoke        # tiny sizes: checks every script still works (CI)
+    python bench/run_all.py --smoke --jobs 2   # the same, two scripts at a time
     python bench/run_all.py --only tensor,jpeg --out results.txt
     python bench/run_all.py --docs         # full suite, then rewrite the docs' Results table
     python bench/run_all.py --docs --only sampler   # measure one script again: only its rows change
@@ -22,6 +23,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastload.bench.report import RESULTS_ENV, markdown_table
@@ -41,6 +43,8 @@ def main(argv=None, run=subprocess.run) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(SCRIPTS)}")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="with --smoke: run this many scripts side by side (they only check that each works)")
     ap.add_argument("--out", default=None, help="also write the output to this file")
     ap.add_argument("--results", default=None, help="write every script's headline record (JSON) here")
     ap.add_argument("--markdown", default=None, help="write the results table (markdown) here")
@@ -49,6 +53,9 @@ def main(argv=None, run=subprocess.run) -> int:
     a = ap.parse_args(argv)
     if a.docs and a.smoke:
         ap.error("--docs publishes figures: run the full suite, not --smoke")
+    if a.jobs < 1 or (a.jobs > 1 and not a.smoke):
+        ap.error(f"--jobs {a.jobs}: scripts side by side would measure each other; "
+                 "use --jobs 2 or more only with --smoke (default 1)")
     names = SCRIPTS if a.only is None else [n.strip() for n in a.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCRIPTS]
     if unknown:
@@ -56,34 +63,44 @@ def main(argv=None, run=subprocess.run) -> int:
     out = open(a.out, "w") if a.out else None
     failed = []
     records: list[dict] = []
-    try:
-        for n in names:
-            cmd = [sys.executable, str(HERE / f"bench_{n}.py")] + (["--smoke"] if a.smoke else [])
-            rec_file = HERE / f".results-{os.getpid()}-{n}.jsonl"
+
+    def one(n: str):
+        cmd = [sys.executable, str(HERE / f"bench_{n}.py")] + (["--smoke"] if a.smoke else [])
+        rec_file = HERE / f".results-{os.getpid()}-{n}.jsonl"
+        rec_file.unlink(missing_ok=True)
+        env = {**os.environ, RESULTS_ENV: str(rec_file)}
+        t0 = time.perf_counter()
+        try:
+            p = run(cmd, capture_output=True, text=True, env=env)
+            mine = []
+            if rec_file.exists():
+                mine = [json.loads(line) for line in rec_file.read_text().splitlines() if line.strip()]
+        finally:
             rec_file.unlink(missing_ok=True)
-            env = {**os.environ, RESULTS_ENV: str(rec_file)}
+        return p, mine, time.perf_counter() - t0
+
+    pool = ThreadPoolExecutor(a.jobs) if a.jobs > 1 else None
+    try:
+        # side by side (--jobs, smoke only), each script's output still printed whole, in order
+        runs = [pool.submit(one, n) for n in names] if pool else None
+        for i, n in enumerate(names):
             header = f"\n# bench_{n}.py{' --smoke' if a.smoke else ''}\n"
             print(header, flush=True)
-            t0 = time.perf_counter()
-            try:
-                p = run(cmd, capture_output=True, text=True, env=env)
-                mine = []
-                if rec_file.exists():
-                    mine = [json.loads(line) for line in rec_file.read_text().splitlines() if line.strip()]
-            finally:
-                rec_file.unlink(missing_ok=True)
+            p, mine, took = runs[i].result() if runs else one(n)
             records += mine
             text = p.stdout + (f"\n[stderr]\n{p.stderr[-3000:]}" if p.returncode else "")
             if p.returncode == 0 and not mine:
                 text += f"\nbench_{n}.py recorded no headline (call fastload.bench.report.headline)"
                 failed.append(n)
             print(text, flush=True)
-            print(f"(bench_{n}.py: exit {p.returncode}, {time.perf_counter() - t0:.0f} s)", flush=True)
+            print(f"(bench_{n}.py: exit {p.returncode}, {took:.0f} s)", flush=True)
             if out:
                 out.write(header + text + "\n")
             if p.returncode:
                 failed.append(n)
     finally:
+        if pool:
+            pool.shutdown(wait=True, cancel_futures=True)
         if out:
             out.close()
     if failed:

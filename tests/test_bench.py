@@ -323,8 +323,9 @@ def test_bench_scripts_smoke(tmp_path, monkeypatch, capsys, request):
             monkeypatch.setenv(k, v)
         monkeypatch.setenv("FASTLOAD_BENCH_RAY_ADDRESS", cluster.address)
     monkeypatch.chdir(ROOT)
-    # run_all here, each script in a process of its own forked from the tests' launcher
-    code = run_all.main(["--smoke", "--results", str(res), "--markdown", str(md)],
+    # run_all here, two scripts at a time, each in a process of its own forked from one of the
+    # tests' launchers (tests/_zygote.py)
+    code = run_all.main(["--smoke", "--jobs", "2", "--results", str(res), "--markdown", str(md)],
                         run=lambda cmd, **kw: run_python(*cmd[1:], env=kw["env"], cwd=ROOT, timeout=900))
     p = SimpleNamespace(returncode=code, **dict(zip(("stdout", "stderr"), capsys.readouterr())))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -429,3 +430,9 @@ def test_run_all_refuses_smoke_figures_in_docs():
     for flag in ("--docs", "--readme"):  # --readme: the flag's old name, kept
         p = run(ROOT / "bench" / "run_all.py", "--smoke", flag, "--only", "open")
         assert p.returncode == 2 and "--docs publishes figures" in p.stderr
+
+
+def test_run_all_runs_scripts_side_by_side_only_at_smoke_size():
+    for args in (["--jobs", "2"], ["--jobs", "0", "--smoke"]):
+        p = run(ROOT / "bench" / "run_all.py", *args, "--only", "open")
+        assert p.returncode == 2 and "use --jobs 2 or more only with --smoke" in p.stderr, p.stderr

@@ -5,8 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import fastload
 from fastload.convert import ConvertError, convert
 from fastload.errors import UsageError
 from fastload.demo.photos import photos
-from _zygote import run_python
+from _zygote import python_shim, run_python
 
 N = 128
 ROOT = Path(__file__).resolve().parent.parent
@@ -263,10 +261,11 @@ def test_torchrun_resizes_like_local(many, tmp_path):
     convert("imagefolder", many, tmp_path / "ref", progress=False, workers=0, max_size=N)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
-           sys.executable, "-m", "fastload", "convert", "imagefolder", str(many), str(tmp_path / "ds"),
+    # torchrun's agent and ranks forked from the tests' launcher (tests/_zygote.py)
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
+           python_shim(), "-m", "fastload", "convert", "imagefolder", str(many), str(tmp_path / "ds"),
            "--engine=torch", "--shard-size=40KB", "--force-small-shards", "-q", f"--max-size={N}"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    p = run_python(*cmd, timeout=600, env=env, cwd=ROOT, fork_python=True)
     assert p.returncode == 0, p.stderr
     assert "image(s) with a longer side above 128 pixels were stored re-encoded" in p.stdout
     same_datasets(tmp_path / "ref", tmp_path / "ds")

@@ -30,7 +30,7 @@ from fastload.convert.task import run_group
 from fastload.store import verify
 
 from _convert import assert_same_rows
-from _zygote import run_python
+from _zygote import python_shim, run_python
 
 HERE = Path(__file__).resolve().parent
 PARTS = ".fastload-parts"
@@ -94,15 +94,18 @@ def run_engine(engine: str, src: Path, dst: Path | str, tmp: Path, *, fault_grou
     else:
         cmd = ["-c", RUN_CONVERT, json.dumps({"kind": "imagefolder", "src": str(src), "dst": str(dst), "engine": engine,
                                        "shard_size": SHARD, "allow_small_shards": True, "progress": False, **kw})]
+    # forked from the tests' launcher (tests/_zygote.py), without an interpreter start-up each:
+    # a driver that joins the session's Ray (whose processes are the cluster's own), and
+    # torchrun's agent with its ranks (started through the launcher's python shim). Fresh
+    # processes where the test watches the process tree's sockets (the ranks would not be in it).
+    forked = watch is None and (engine == "torch" or (engine == "ray" and cluster is not None))
     if engine == "torch":  # torchrun: every rank runs the same command
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               "--no-python", sys.executable, *cmd]
+               "--no-python", str(python_shim()) if forked else sys.executable, *cmd]
     else:
         cmd = [sys.executable, *cmd]
-    if engine == "ray" and cluster is not None and watch is None:
-        # a driver that joins the session's Ray (whose processes are the cluster's own): forked
-        # from the tests' launcher (tests/_zygote.py), without an interpreter start-up each
-        done = run_python(*cmd[1:], env=env, timeout=600)
+    if forked:
+        done = run_python(*cmd[1:], env=env, timeout=600, fork_python=engine == "torch")
         code, stdout, stderr = done.returncode, done.stdout, done.stderr
     else:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

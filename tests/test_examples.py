@@ -12,11 +12,12 @@ from _zygote import run_python
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(*args, cwd, timeout=300):
+def run(*args, cwd, timeout=300, **launcher):
     """``python *args``, forked from the tests' process launcher (tests/_zygote.py: a fresh
-    process without the start-up of a new interpreter)."""
+    process without the start-up of a new interpreter); ``launcher``: ``preload`` /
+    ``fork_python`` (the Python processes it starts forked too: torchrun's, Lightning's ranks)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    p = run_python(*args, timeout=timeout, env=env, cwd=cwd)
+    p = run_python(*args, timeout=timeout, env=env, cwd=cwd, **launcher)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return p.stdout
 
@@ -34,7 +35,7 @@ def test_train_images_ddp_then_resume_on_another_world_size(tmp_path):
     assert "stopping after step 2" in out and (tmp_path / "ckpt.pt").exists()
     # 2 real ranks (gloo) continue the interrupted epoch from the 1-process checkpoint
     out = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,  # (a port of its own)
-              *common, "--stop-after-steps", "4", cwd=tmp_path)
+              *common, "--stop-after-steps", "4", cwd=tmp_path, fork_python=True)
     assert "resumed at epoch 0, step 2, 16 samples of the epoch already read" in out
     # and 1 rank finishes the run from the checkpoint the 2 ranks wrote
     out = run(script, *common, cwd=tmp_path)

@@ -18,6 +18,8 @@ import torch
 from test_examples import ROOT, run
 
 LIGHTNING = ROOT / "examples" / "lightning_module.py"
+# Lightning runs: forked from a launcher that imported lightning (seconds each), DDP ranks too
+ON_LIGHTNING = {"preload": ("lightning",), "fork_python": True}
 RAY = ROOT / "examples" / "ray_train.py"
 
 
@@ -110,7 +112,7 @@ def test_lightning_ddp_two_ranks_resumed_mid_epoch_from_lightnings_checkpoint(tm
     common = ["--data", tmp_path / "ds", "--devices", "2", "--batch-size", "16", "--epochs", "2",
               "--checkpoints", tmp_path / "ck"]
     run(LIGHTNING, *common, "--make-data", "256", "--max-steps", "3", "--save-every", "3",
-        "--record", tmp_path / "a", cwd=tmp_path)
+        "--record", tmp_path / "a", cwd=tmp_path, **ON_LIGHTNING)
     a = records(tmp_path / "a")
     assert sorted(a) == [0, 1] and [len(a[r]) for r in (0, 1)] == [3, 3]
     assert not set(indices(a[0])) & set(indices(a[1]))  # the two ranks read disjoint shares
@@ -118,7 +120,7 @@ def test_lightning_ddp_two_ranks_resumed_mid_epoch_from_lightnings_checkpoint(tm
     assert (saved["epoch"], saved["consumed"], saved["world_size"]) == (0, 96, 2)  # 3 steps x 2 ranks x 16
 
     out = run(LIGHTNING, *common, "--resume", tmp_path / "ck" / "step=3.ckpt", "--record", tmp_path / "b",
-              cwd=tmp_path)
+              cwd=tmp_path, **ON_LIGHTNING)
     assert "trained to epoch 2, step 16" in out
     b = records(tmp_path / "b")
     assert [r["batch_idx"] for r in b[0]] == list(range(3, 8)) + list(range(8))  # Lightning's count goes on
@@ -136,7 +138,7 @@ def one_epoch(tmp_path_factory) -> Path:
     pytest.importorskip("lightning", reason="pip install 'fastload[test]' (lightning)")
     d = tmp_path_factory.mktemp("one-epoch")
     run(LIGHTNING, "--data", d / "ds", "--batch-size", "16", "--checkpoints", d / "ck", "--save-every", "100",
-        "--make-data", "96", "--epochs", "1", "--record", d / "a", cwd=d)
+        "--make-data", "96", "--epochs", "1", "--record", d / "a", cwd=d, **ON_LIGHTNING)
     return d
 
 
@@ -146,7 +148,7 @@ def test_lightning_resumed_from_an_epoch_end_checkpoint_trains_the_next_epoch(on
     assert (saved["epoch"], saved["consumed"]) == (0, 96)  # the Loader's position, in Lightning's checkpoint
     out = run(LIGHTNING, "--data", one_epoch / "ds", "--batch-size", "16", "--checkpoints", tmp_path / "ck",
               "--save-every", "100", "--epochs", "2", "--resume", one_epoch / "ck" / "last.ckpt",
-              "--record", tmp_path / "b", cwd=tmp_path)
+              "--record", tmp_path / "b", cwd=tmp_path, **ON_LIGHTNING)
     assert "trained to epoch 2, step 12" in out
     (a,), (b,) = records(one_epoch / "a").values(), records(tmp_path / "b").values()
     assert [r["epoch"] for r in b] == [1] * 6  # epoch 1, all of it, nothing of epoch 0 again
@@ -173,7 +175,7 @@ def test_lightning_reloading_its_dataloader_every_epoch_reads_each_epochs_order(
     at a reload within the fit (epoch 2)."""
     out = run(LIGHTNING, "--data", one_epoch / "ds", "--batch-size", "16", "--reload-every", "1",
               "--checkpoints", tmp_path / "ck", "--save-every", "100", "--epochs", "3",
-              "--resume", one_epoch / "ck" / "last.ckpt", "--record", tmp_path / "b", cwd=tmp_path)
+              "--resume", one_epoch / "ck" / "last.ckpt", "--record", tmp_path / "b", cwd=tmp_path, **ON_LIGHTNING)
     assert "trained to epoch 3, step 18" in out
     (a,), (b,) = records(one_epoch / "a").values(), records(tmp_path / "b").values()
     assert [r["epoch"] for r in b] == [1] * 6 + [2] * 6

@@ -281,8 +281,9 @@ def test_a_lightning_fit_decodes_each_epoch_once(image_ds, tmp_path, reload):
            "CUDA_VISIBLE_DEVICES": ""}
     args = [HERE / "lightning_lookahead.py", image_ds.path, "--epochs", EPOCHS,
             "--batch-size", KW["batch_size"], "--prefetch", KW["prefetch"]]
-    # forked from the tests' launcher (tests/_zygote.py), without an interpreter's start-up
-    p = run_python(*args, *(["--reload"] if reload else []), env=env, timeout=300, cwd=tmp_path)
+    # forked from the tests' launcher (tests/_zygote.py) that imported lightning: no start-up
+    p = run_python(*args, *(["--reload"] if reload else []), env=env, timeout=300, cwd=tmp_path,
+                   preload=("lightning",))
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     n = got["delivered"]["0"]
