@@ -441,6 +441,7 @@ def _child(spec: dict) -> None:
     env = spec["env"]
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # the launcher's (its TMPDIR): a fresh process finds its own
     os.chdir(spec["cwd"])
     for p in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):  # as a new process would have it
         if p and p not in sys.path:
