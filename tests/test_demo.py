@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+
+from _zygote import run_python
 
 
 def test_demo_quick(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "fastload", "demo", "--quick", "--out", str(tmp_path / "demo")],
-                       capture_output=True, text=True, timeout=600)
+    p = run_python("-m", "fastload", "demo", "--quick", "--out", tmp_path / "demo", timeout=600)  # (tests/_zygote.py)
     assert p.returncode == 0, p.stderr[-3000:]
     for step in ("[1/4]", "[2/4]", "[3/4]", "[4/4]", "fastload Loader", "DataLoader num_workers=0", "output:"):
         assert step in p.stdout, step

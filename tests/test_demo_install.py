@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _zygote import run_python
 
 # run the CLI as `python -m fastload` would, with scikit-image made unimportable
 _NO_SKIMAGE = ("import runpy, sys; sys.modules['skimage'] = None; sys.argv = ['fastload'] + sys.argv[1:]; "
@@ -20,8 +21,7 @@ _NO_SKIMAGE = ("import runpy, sys; sys.modules['skimage'] = None; sys.argv = ['f
 
 def test_demo_quick_without_scikit_image(tmp_path):
     out = tmp_path / "demo"
-    p = subprocess.run([sys.executable, "-c", _NO_SKIMAGE, "demo", "--quick", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    p = run_python("-c", _NO_SKIMAGE, "demo", "--quick", "--out", out, timeout=600)  # (tests/_zygote.py)
     assert p.returncode == 0, p.stderr[-3000:]
     line1 = next(x for x in p.stdout.splitlines() if x.startswith("[1/4]"))
     assert "synthetic" in line1 and "pip install scikit-image" in line1, line1
