@@ -135,10 +135,18 @@ def test_a_table_with_two_path_columns_keys_samples_by_its_first_in_every_proces
     pq.write_table(pa.table({"zeta": ["a.jpg", "b.jpg"], "alpha": ["c.jpg", "d.jpg"]}), tmp_path / "t.parquet")
     code = ("import sys; from fastload.convert.table import TableSource; "
             "s = TableSource(sys.argv[1]); print(s.key(0), s.key(1))")
+    # fresh interpreters (a hash seed is fixed at start-up: a forked child keeps its parent's), all at once
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "t.parquet")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONHASHSEED": str(seed)})
+             for seed in range(8)]
     seen = set()
-    for seed in range(8):
-        p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t.parquet")], capture_output=True, text=True,
-                           env={**os.environ, "PYTHONHASHSEED": str(seed)}, timeout=120)
-        assert p.returncode == 0, p.stderr
-        seen.add(p.stdout.split("\n")[0].strip())
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            seen.add(out.split("\n")[0].strip())
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
     assert seen == {"a.jpg b.jpg"}, seen
