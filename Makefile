@@ -14,8 +14,12 @@ STAMP := $(VENV)/.fastload-installed
 demo: $(STAMP)
 	$(VENV)/bin/fastload demo
 
+# The suite on TEST_WORKERS processes (pytest-xdist), each test file's tests in one of them (a
+# module's fixtures made once): 2 keeps a 2-core machine busy (much of the suite waits on the
+# processes and servers it starts). TEST_WORKERS=0: every test in the one pytest process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 install: $(STAMP)
 
