@@ -386,16 +386,23 @@ def _fork_for_shim(listener: socket.socket, shims: dict, conns: dict) -> None:
             os.close(fd)
         conn.close()
         return
+    _LAUNCHER_FDS.add(conn.fileno())  # (the child closes it too)
     pid = os.fork()
     if pid == 0:
         _child({**spec, "fds": fds})  # never returns
     for fd in fds:
         os.close(fd)
     conn.settimeout(None)
-    conn.sendall(f"{pid}\n".encode())
+    try:
+        conn.sendall(f"{pid}\n".encode())
+    except OSError:  # the shim is gone already: so is its process (reaped with the others)
+        _LAUNCHER_FDS.discard(conn.fileno())
+        conn.close()
+        shims[pid] = None
+        os.kill(pid, signal.SIGKILL)
+        return
     shims[pid] = conn
     conns[conn] = pid
-    _LAUNCHER_FDS.add(conn.fileno())
 
 
 def _options(argv: list[str]) -> tuple[list[str], bool]:
