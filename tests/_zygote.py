@@ -156,7 +156,7 @@ class Zygote:
                 z = cls(omp_threads, tuple(preload))
                 pool.append(z)
                 atexit.register(z.stop)
-            z._taken = True  # until its run ends
+            z._taken = True
             return z
 
     def __init__(self, omp_threads: str | None, preload: tuple[str, ...] = ()) -> None:
@@ -168,8 +168,7 @@ class Zygote:
         self.proc = subprocess.Popen([sys.executable, str(HERE / "_zygote.py"), *preload], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
         self._buf = b""
-        self._lock = threading.Lock()
-        self._taken = False
+        self._taken = False  # given to a thread by get() until its run ends
         self._socket: str | None = None
 
     @property
@@ -212,11 +211,10 @@ class Zygote:
     def run(self, children: list[dict], timeout: float) -> tuple[list[int], list[int]]:
         """Fork ``children`` at once and wait for them all, at most ``timeout`` seconds in
         all: (exit statuses, the children killed (SIGKILL) at the timeout)."""
-        with self._lock:
-            try:
-                return self._run(children, timeout)
-            finally:
-                self._taken = False
+        try:
+            return self._run(children, timeout)
+        finally:
+            self._taken = False
 
     def _run(self, children: list[dict], timeout: float) -> tuple[list[int], list[int]]:
         self.socket  # noqa: B018 - the launcher's first line read
@@ -303,14 +301,10 @@ def _launcher(preload: list[str]) -> None:
                 except OSError:
                     gone = True
                 if gone:  # the shim was killed: so is its process
-                    pid = conns.pop(conn)
-                    _LAUNCHER_FDS.discard(conn.fileno())
-                    conn.close()
+                    pid = conns[conn]
+                    _close(conn, conns)
                     shims[pid] = None
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                    _kill(pid)
             if 0 in ready:
                 data = os.read(0, 65536)
                 if not data:
@@ -328,11 +322,22 @@ def _launcher(preload: list[str]) -> None:
                     job = {pid: i for i, pid in enumerate(pids)}
     finally:
         for pid in shims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill(pid)
         shutil.rmtree(home, ignore_errors=True)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _close(conn: socket.socket, conns: dict) -> None:
+    """A shim's connection closed, here and in the children forked from now on."""
+    conns.pop(conn, None)
+    _LAUNCHER_FDS.discard(conn.fileno())
+    conn.close()
 
 
 def _reap(job: dict[int, int], shims: dict, conns: dict) -> None:
@@ -353,9 +358,7 @@ def _reap(job: dict[int, int], shims: dict, conns: dict) -> None:
                     conn.sendall(f"{code}\n".encode())
                 except OSError:
                     pass
-                conns.pop(conn, None)
-                _LAUNCHER_FDS.discard(conn.fileno())
-                conn.close()
+                _close(conn, conns)
 
 
 def _fork_for_shim(listener: socket.socket, shims: dict, conns: dict) -> None:
@@ -396,10 +399,9 @@ def _fork_for_shim(listener: socket.socket, shims: dict, conns: dict) -> None:
     try:
         conn.sendall(f"{pid}\n".encode())
     except OSError:  # the shim is gone already: so is its process (reaped with the others)
-        _LAUNCHER_FDS.discard(conn.fileno())
-        conn.close()
+        _close(conn, conns)
         shims[pid] = None
-        os.kill(pid, signal.SIGKILL)
+        _kill(pid)
         return
     shims[pid] = conn
     conns[conn] = pid
