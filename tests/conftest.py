@@ -10,6 +10,10 @@ are not counted: those are library pools that grow lazily with concurrent work (
 and I/O pools start a second worker only when two tasks overlap, so "leaks" of them came and
 went with timing). Every native thread fastload or DALI starts is named ("fastload-ring",
 "[DALI]..."), and fastload's Python threads are tracked through ``threading.enumerate()``.
+Once a test ran Ray in this process (its core worker links gRPC), gRPC's own threads
+(``GRPC_THREADS``: its event engine, timers and executors) come and go for the process's life,
+after ``ray.shutdown()`` too, so later tests do not count them (the test that first starts Ray
+still does, unless marked).
 Mark a test ``@pytest.mark.allow_thread_leak`` to opt out, and say why.
 
 ``loader_priority_as_shipped`` (autouse) unsets ``FASTLOAD_NICE`` for each test and puts it back.
@@ -32,6 +36,7 @@ objects (a full collection over the session's heap cost ~0.2 s each).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -40,6 +45,8 @@ import pytest
 pytest_plugins = ["_remote", "_convert", "_ray", "_gc"]
 
 _GRACE_S = 2.0
+# gRPC's process-lifetime threads, by their (truncated) names: seen starting seconds after ray.shutdown()
+GRPC_THREADS = {"event_engine", "grpc_global_tim", "timer_manager", "default-executo", "resolver-execut"}
 _TASK_DIR = "/proc/self/task"
 
 
@@ -195,6 +202,7 @@ def no_leaked_threads(request: pytest.FixtureRequest):
         return
     py_before = set(threading.enumerate())
     native_before = _native_threads()
+    grpc_pool = "ray._raylet" in sys.modules  # (see the module docstring)
     yield
     deadline = time.monotonic() + _GRACE_S
     while True:
@@ -202,7 +210,8 @@ def no_leaked_threads(request: pytest.FixtureRequest):
         native_now = _native_threads()
         native_new = (
             {} if native_before is None or native_now is None
-            else {tid: name for tid, name in native_now.items() if tid not in native_before}
+            else {tid: name for tid, name in native_now.items()
+                  if tid not in native_before and not (grpc_pool and name in GRPC_THREADS)}
         )
         if not py_new and not native_new:
             return
