@@ -23,7 +23,7 @@ import pytest
 import fastload
 from _remote import DiskSampler, assert_same, batches, make_cache, open_remote, shard_starts, upload
 from fastload.errors import CacheTooSmall, DownloadTimeout, RemoteError
-from fastload.remote import RemoteDataset, RetryPolicy, epoch_uses
+from fastload.remote import RemoteDataset, RetryPolicy, epoch_uses, sampler_uses
 from _servers import FaultProxy, HttpFileServer
 from fastload.store.full_check import file_checksum
 
@@ -226,15 +226,21 @@ def test_a_restart_after_kill_9_mid_download_reclaims_the_dead_process_budget(re
     SIGKILL while downloads were in flight: the restart got one batch, then DownloadTimeout,
     because the dead process's partial downloads still held the budget. Now the restart
     takes their room back (their shards' flocks are free) and completes the epoch."""
-    # an order whose minimum budget holds two downloads at once when the stalls begin (seed 3's
-    # window order, since sampler state version 3, reaches them one at a time there)
+    # seed 4's window order: at its minimum budget the reader, blocked on the 7th shard it
+    # reads, leaves room to start the 8th (seed 3's order, since sampler state version 3,
+    # reaches them one at a time there)
     kw = {**KW, "seed": 4}
     with fastload.Loader(local_ds, **kw) as lo:
         want = batches(lo, epochs=None)
+        first_use = sampler_uses(lo.sampler, np.asarray(lo.dataset.shard_starts, np.int64)).shards
     limit = _minimum_limit(remote_url, tmp_path / "probe", kw)
     cache_dir = tmp_path / "c"
-    # the first 6 shard GETs pass; every later one sends half the shard and stalls
-    proxy.add("stall_body", r"shard-", method="GET", times=-1, skip=6, seconds=120)
+    # the shards read 7th and 8th send half their bytes and stall; the six before them pass.
+    # Named, not counted: the 6th and 7th downloads start together, and which of their GETs
+    # reaches the proxy first is the machine's choice (a count stalled the 6th under load,
+    # the reader then stopped on it, and the 8th never started)
+    stalled = [f"shard-{int(i):05d}.arrow" for i in first_use[6:8]]
+    proxy.add("stall_body", "|".join(re.escape(n) for n in stalled), method="GET", times=-1, seconds=120)
     code = (f"import fastload\n"
             f"lo = fastload.Loader({remote_url!r}, cache_dir={str(cache_dir)!r}, cache_limit={limit}, "
             f"download_timeout=60, **{kw!r})\n"
@@ -244,8 +250,9 @@ def test_a_restart_after_kill_9_mid_download_reclaims_the_dead_process_budget(re
     try:
         assert p.stdout.readline().startswith("batch"), "the first process delivered a batch"
         parts = lambda: glob.glob(str(cache_dir / "*" / ".*.part"))  # noqa: E731
-        _wait_for(lambda: len(parts()) >= 2 and sum(r.fault == "stall_body" for r in proxy.log) >= 2, 30,
-                  "two downloads stalled mid-shard")
+        _wait_for(lambda: {f".{n}.part" for n in stalled} <= {Path(x).name for x in parts()}
+                  and all(_stalled(proxy, n) for n in stalled), 30,
+                  f"the downloads of {stalled} stalled mid-shard")
         time.sleep(0.3)
     finally:
         p.kill()  # SIGKILL mid-download: no cleanup of any kind
