@@ -385,9 +385,10 @@ class RemoteShards:
         return out
 
     def close(self) -> None:
-        """The Loader closes: no more callbacks into its ring; the download threads of every
-        cache stop, all within one ``retry.close_s`` (a transfer stalled in a read of its
-        server is left behind, with a warning: see :meth:`ShardCache.stop`)."""
+        """The Loader closes: no more callbacks into its ring; the background planner stops
+        within one ``retry.close_s``, then the download threads of every cache, all within
+        one more (a transfer stalled in a read of its server is left behind, with a warning:
+        see :meth:`ShardCache.stop`)."""
         self._stop_planner()
         for c, hook in self._hooks:
             c.remove_release_hook(hook)
@@ -496,11 +497,11 @@ class _Planner:
         pass's scan -- when the reader waits for a position the scan is past now (blocked: it
         needs the update now): at once if the last update was not made for a waiting reader
         (a reader that caught up with the scan once waits for nothing more than the scan),
-        else throttled too. A reader waiting at every chunk is faster than the scan: what it
-        reads is what the updates tell, so the fewer seconds they take, the sooner it reads
-        on (at every chunk they would take up to all of the time: one chunk is scanned in
-        milliseconds); meanwhile the scan goes on and the update that ends the wait tells it
-        the more."""
+        else throttled too. A reader waiting again and again is faster than the scan: it
+        reads on as fast as the updates tell it more, so the less of the time they take, the
+        faster it reads (one update per chunk scanned would take nearly all of it: a chunk
+        is scanned in milliseconds); meanwhile the scan goes on, and the update that ends the
+        wait tells it that much more."""
         mark, t, gap, for_reader = 2 * scan.horizon - scan.start, self._clock(), 0.0, False
         while not scan.done:
             if self._stop.is_set():
