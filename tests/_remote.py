@@ -291,6 +291,44 @@ class DiskSampler:
         return max(self.samples, default=0)
 
 
+class PlannedCache:
+    """What a background planner (``fastload.loader.remote._Planner``) hands a cache,
+    recorded in ``updates`` (pass_no 1: the pass it plans)."""
+
+    limit = 1 << 62
+    pass_no = 1
+
+    def __init__(self):
+        self.updates: list = []
+
+    def update(self, pass_no, uses, next_uses=None):
+        self.updates.append((uses, next_uses))
+        return True
+
+    def minimum_limit(self, uses):
+        return 0
+
+    def fail(self, error):
+        self.updates.append(error)
+
+
+class PlannerOwner:
+    """A RemoteShards as a _Planner sees it: one cache, and the next pass's scan (``nxt``, or
+    ``nxt(epoch, start, check)`` making it)."""
+
+    def __init__(self, cache, nxt):
+        self._caches, self._nxt = [cache], nxt
+
+    def _check(self, seen):
+        pass
+
+    def _parts(self, uses):
+        return [uses]
+
+    def _scan(self, epoch, start, check=None):
+        return self._nxt(epoch, start, check) if callable(self._nxt) else self._nxt
+
+
 __all__ = ["_aws_sdk_event_loop", "BUCKET", "DiskSampler", "FAST_RETRY", "epoch_uses", "local_ds", "make_cache", "make_dataset", "moto",
-           "open_remote", "quick_backoff", "proxy", "read_ahead_of_planner", "read_pass", "s3_env", "s3_url", "shard_starts", "upload",
-           "window_stream"]
+           "open_remote", "PlannedCache", "PlannerOwner", "quick_backoff", "proxy", "read_ahead_of_planner", "read_pass",
+           "s3_env", "s3_url", "shard_starts", "upload", "window_stream"]

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _remote import PlannedCache, PlannerOwner
 from fastload.remote.schedule import PackScan, PassScan, epoch_uses, token_uses
 from fastload.sampling.order import Natural, Shuffled, Windowed
 from fastload.sampling.packing import pack_plan
@@ -105,55 +106,21 @@ def test_every_state_of_a_pass_scan_is_conservative(kind, shards, most, chunk, s
                  lambda s: s.step(int(rng.integers(1, 3 * chunk))))
 
 
-class _Cache:
-    """What a _Planner hands a cache, recorded (pass_no 1: the pass it plans)."""
-
-    limit = 1 << 62
-    pass_no = 1
-
-    def __init__(self):
-        self.updates: list = []
-
-    def update(self, pass_no, uses, next_uses=None):
-        self.updates.append((uses, next_uses))
-        return True
-
-    def minimum_limit(self, uses):
-        return 0
-
-    def fail(self, error):
-        self.updates.append(error)
-
-
-class _Owner:
-    """A RemoteShards as a _Planner sees it: one cache, its next pass's scan."""
-
-    def __init__(self, cache, nxt):
-        self._caches, self._nxt = [cache], nxt
-
-    def _check(self, seen):
-        pass
-
-    def _parts(self, uses):
-        return [uses]
-
-    def _scan(self, epoch, start):
-        return self._nxt
-
-
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_planner_tells_the_reader_only_what_the_caches_were_handed(monkeypatch, packed):
     """_Planner stepped one chunk at a time under the test's control: ``known`` (what the
     reader may read up to) never passes what the cache was handed, and what it was handed
     is conservative for every position before ``known``; a reader asking for a position
     the scan has not reached waits (``wait_known``) and gets it, with the uses, as soon as
-    the scan is past it, whatever the update schedule (EVERY_S: never by time)."""
+    the scan is past it, whatever the update schedule (EVERY_S: never by time; a clock that
+    stands still: the throttle never holds an update back, see test_remote_planner.py)."""
     import fastload.loader.remote as lr
     import fastload.sampling.packing as packing
 
     monkeypatch.setattr(packing, "CHUNK", 5)
     monkeypatch.setattr(lr, "SCAN", 1)
     monkeypatch.setattr(lr._Planner, "EVERY_S", 1e9)
+    monkeypatch.setattr(lr._Planner, "_clock", staticmethod(lambda: 0.0))
     rng = np.random.default_rng(3)
     sizes = rng.integers(3, 9, size=12)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -188,8 +155,8 @@ def test_the_planner_tells_the_reader_only_what_the_caches_were_handed(monkeypat
     monkeypatch.setattr(cls, "step", gated)
     scan.step(1)  # what the training thread scans before the pass starts
     h0 = scan.horizon
-    cache = _Cache()
-    planner = lr._Planner(_Owner(cache, nxt), scan, [1])
+    cache = PlannedCache()
+    planner = lr._Planner(PlannerOwner(cache, nxt), scan, [1])
     try:
         def handed_ok():
             assert planner.error is None, planner.error

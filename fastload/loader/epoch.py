@@ -72,8 +72,10 @@ def _download_line(s: dict) -> str:
         return ""
     busy = s.get("download_busy_s", 0.0)
     mbps = s["bytes_downloaded"] / busy / 1e6 if busy > 0 else 0.0
+    plan = (f", {s['plan_wait_s']:.2f} s for the plan of a long pass ({s['plan_waits']} waits)"
+            if s.get("plan_waits") else "")  # (only when the reader caught up with the planner)
     return (f"; downloaded {s['bytes_downloaded'] / 1e6:.1f} MB at {mbps:.0f} MB/s, waited "
-            f"{s['download_wait_s']:.2f} s for downloads, {s['cache_hits']} cache hits, "
+            f"{s['download_wait_s']:.2f} s for downloads{plan}, {s['cache_hits']} cache hits, "
             f"{s['evictions']} evictions, {s['retries']} retries")
 
 

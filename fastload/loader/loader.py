@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, cast
 
 from ..store.mixture import Mixture
 from ..sampling.packing import PackPlan, pack_plan, token_total
@@ -46,9 +46,10 @@ LOADER_STATE_VERSION = 1
 
 
 def packed_pass(ds: Any, sampler: Sampler, options: Options, epoch: int, start: int,
-                stream: Any = None) -> PackPlan:
+                stream: Any = None, check: Callable[[], None] | None = None) -> PackPlan:
     """The PackPlan of a pass over ``epoch`` from token ``start`` (a function of values, not
-    of the Loader: remote.py plans the cache's downloads with it)."""
+    of the Loader: remote.py plans the cache's downloads with it; ``check``: called between
+    chunks of a count of the epoch's tokens, see :func:`~fastload.sampling.packing.pack_plan`)."""
     assert options.pack is not None  # (packed passes only)
     name, d = options.pack
     stream = sampler.order_stream(epoch) if stream is None else stream
@@ -56,7 +57,7 @@ def packed_pass(ds: Any, sampler: Sampler, options: Options, epoch: int, start: 
     total = token_total(lengths, d.max_length) if sampler.reads_every_sample_once else None
     return pack_plan(epoch, start, stream, lengths, rows=options.batch_size, length=cast(int, d.pack_to),
                      world_size=sampler.world_size, rank=sampler.rank, drop_last=sampler.drop_last,
-                     max_length=d.max_length, total=total)
+                     max_length=d.max_length, total=total, check=check)
 
 
 class Loader:
@@ -128,7 +129,9 @@ class Loader:
             settings of all of them (``cache_limit``: their one budget, shared out).
             Shards are downloaded in the sampler's first-use order and deleted after their
             last use; ``stats()`` then also reports ``bytes_downloaded``, ``download_wait_s``,
-            ``download_MBps``, ``cache_hits``, ``evictions`` and ``retries``.
+            ``download_MBps``, ``cache_hits``, ``evictions`` and ``retries``, and
+            ``plan_wait_s`` / ``plan_waits`` (time and times the loader waited for the
+            plan of a pass too long to plan at once).
         verify: when ``dataset`` is a path or URL, how its shards are checked against the
             manifest's checksums: "first-use" (default: each shard hashed once before its rows
             are delivered, remembered for the node), "always" (every process hashes), "off".

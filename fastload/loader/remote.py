@@ -13,20 +13,26 @@
   sources (``prepare``); after a shard's last use its cache calls back and the ring drops it,
   so its mapping is released before the file is deleted.
 * The position after every batch handed to the training loop goes to every cache (eviction).
-* The caches' counters, added up, go into the Loader's stats (per epoch).
+* The caches' counters, added up, go into the Loader's stats (per epoch), with the reader's
+  waits for a long pass's plan (``plan_wait_s``, ``plan_waits``: see :class:`_Planner`).
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import CacheTooSmall, format_bytes
+from ..errors import CacheTooSmall, PassEnded, format_bytes
+from ..remote.pacing import RetryPolicy
 from ..remote.schedule import SCAN, EpochUses, PackScan, PassScan, plan_scan, sampler_scan
 
 __all__ = ["RemoteShards", "download_stats", "remote_members"]
+
+logger = logging.getLogger("fastload")
 
 
 def remote_members(dataset) -> list[tuple[Any, int, Any]]:
@@ -100,6 +106,7 @@ class RemoteShards:
         self._planned: list[EpochUses] | None = None  # the pass the caches are on
         self._planned_stream = None  # ... and the stream it was computed from
         self._planner: _Planner | None = None  # a long pass's scan going on in the background
+        self._plan_wait_s, self._plan_waits = 0.0, 0  # the reader's waits on the planners stopped so far
         self._frozen: dict | None = None
         stats.attach("remote", self._probe, derive=download_stats)  # its counters, per epoch
         if warm:
@@ -142,15 +149,16 @@ class RemoteShards:
         self._planner = _Planner(self, scan, pass_nos())
         return uses
 
-    def _scan(self, epoch: int, start: int | None) -> PassScan | PackScan:
+    def _scan(self, epoch: int, start: int | None, check: Callable[[], None] | None = None) -> PassScan | PackScan:
         """The scan of a pass over ``epoch`` from ``start`` (None: where the sampler stands):
         a :class:`~fastload.remote.schedule.PassScan` (a packed pass: a
-        :class:`~fastload.remote.schedule.PackScan`), nothing scanned yet."""
+        :class:`~fastload.remote.schedule.PackScan`), nothing scanned yet. ``check``: called
+        between chunks of the packed plan's count of the epoch's tokens (a planner's stop)."""
         if self._pack is None:
             return sampler_scan(self._sampler, self._ds.shard_starts, epoch=epoch, start=start)
         if start is None:
             start = self._sampler.start_position() if epoch == self._sampler.epoch else 0
-        return PackScan(self._pack(epoch, start), self._ds.shard_starts)
+        return PackScan(self._pack(epoch, start, check=check), self._ds.shard_starts)
 
     def _plan_scan(self, plan: Any) -> PassScan | PackScan:
         if self._pack is None:
@@ -165,9 +173,16 @@ class RemoteShards:
                 raise CacheTooSmall(c._too_small_message(u, need), minimum=need)
 
     def _stop_planner(self) -> None:
-        planner, self._planner = self._planner, None
-        if planner is not None:
-            planner.stop()
+        """Stop the planner, if any, within the caches' ``retry.close_s`` (the bound of every
+        close of a remote Loader); its reader's waits go on counting in the stats."""
+        planner = self._planner
+        if planner is None:
+            return
+        planner.stop(max(c.policy.close_s for c in self._caches))
+        with self._lock:
+            self._planner = None
+            self._plan_wait_s += planner.wait_s
+            self._plan_waits += planner.waits
 
     def _on_planned_pass(self, plan: Any) -> bool:
         """True when the caches are on ``plan``'s pass already (the warm start's: the same
@@ -362,12 +377,18 @@ class RemoteShards:
         for c in self._caches:
             for k, v in c.probe().items():
                 out[k] = out.get(k, 0) + v
+        with self._lock:
+            planner, out["plan_wait_s"], out["plan_waits"] = self._planner, self._plan_wait_s, self._plan_waits
+        if planner is not None:
+            out["plan_wait_s"] += planner.wait_s
+            out["plan_waits"] += planner.waits
         return out
 
     def close(self) -> None:
-        """The Loader closes: no more callbacks into its ring; the download threads of every
-        cache stop, all within one ``retry.close_s`` (a transfer stalled in a read of its
-        server is left behind, with a warning: see :meth:`ShardCache.stop`)."""
+        """The Loader closes: no more callbacks into its ring; the background planner stops
+        within one ``retry.close_s``, then the download threads of every cache, all within
+        one more (a transfer stalled in a read of its server is left behind, with a warning:
+        see :meth:`ShardCache.stop`)."""
         self._stop_planner()
         for c, hook in self._hooks:
             c.remove_release_hook(hook)
@@ -397,11 +418,16 @@ class _Planner:
     is), the pass's exact schedule as soon as its scan is over, and, once both are over, the
     next epoch's. The reader never reads past what the caches were handed (:attr:`known`):
     a batch further on waits (:meth:`wait_known`), and the thread hands the caches what it
-    knows as soon as its scan is past that batch. A budget the uses seen so far already
-    exceed fails the caches (their ``ensure`` raises it) and the next batch (``error``)."""
+    knows as soon as its scan is past that batch (see :meth:`_follow` for when). A budget
+    the uses seen so far already exceed fails the caches (their ``ensure`` raises it) and the
+    next batch (``error``). The reader's time in :meth:`wait_known` is counted (``wait_s``,
+    ``waits``: the Loader's ``plan_wait_s`` and ``plan_waits``). :meth:`stop` is bounded: the
+    thread checks its stop at every chunk it scans or counts."""
 
     EVERY_S = 1.0
     WAIT_POLL_S = 0.05
+    THROTTLE = 9  # an update (the caches' lock held) at most every THROTTLE x its own time: a tenth of the time
+    _clock = staticmethod(time.monotonic)  # the update schedule's clock
 
     def __init__(self, owner: RemoteShards, scan: PassScan | PackScan, pass_nos: list[int],
                  nxt: PassScan | PackScan | None = None) -> None:
@@ -413,22 +439,37 @@ class _Planner:
         # plan: what the scan knew when this planner was made)
         self.known = scan.end if scan.done else scan.horizon
         self._wanted = scan.start  # the position the reader waits to be known (none past known: none waits)
+        self.wait_s, self.waits = 0.0, 0  # the reader's time waiting for positions to be known, and its waits
         self._thread = threading.Thread(target=self._run, name="fastload-plan", daemon=True)
         self._thread.start()
 
     def wait_known(self, position: int) -> None:
         """Return once the caches know the pass's uses of every position before ``position``
-        (at once, usually: the scan is far ahead of the reader); raises the planner's error."""
+        (at once, usually: the scan is far ahead of the reader); raises the planner's error,
+        and :class:`~fastload.errors.PassEnded` when the planner was stopped first (the
+        Loader closed from another thread while this reader waited: its batch would read
+        shards the caches were never told of)."""
         position = min(int(position), self._scan.end)
         if self.known < position:
+            t0 = time.monotonic()
             with self._known:
-                self._wanted = max(self._wanted, position)
-                while (self.known < position and self.error is None and not self._stop.is_set()
-                       and self._thread.is_alive()):
-                    self._known.wait(self.WAIT_POLL_S)
+                try:
+                    self._wanted = max(self._wanted, position)
+                    while (self.known < position and self.error is None and not self._stop.is_set()
+                           and self._thread.is_alive()):
+                        self._known.wait(self.WAIT_POLL_S)
+                finally:
+                    self.wait_s += time.monotonic() - t0
+                    self.waits += 1
         if self.error is not None:
             raise self.error
-        if self.known < position and not self._stop.is_set():  # (the thread ended without: never expected)
+        if self.known < position:
+            if self._stop.is_set():
+                raise PassEnded(f"the Loader was closed (or a new pass began) while a batch of this pass waited for "
+                                f"the plan of its shards (positions up to {position}, planned up to {self.known}): "
+                                "that batch and the ones after it were not delivered. Start a new pass "
+                                "(iter(loader)) on an open Loader")
+            # (the thread ended without: never expected)
             raise RuntimeError(f"the plan of this pass ended at position {self.known} before position {position}")
 
     def _set_known(self, position: int) -> None:
@@ -447,27 +488,40 @@ class _Planner:
         self._set_known(known)
 
     def _follow(self, scan: PassScan | PackScan, update: Callable[[], None]) -> bool:
-        """Scan ``scan`` to its end, calling ``update()`` as it goes (each time it has
-        scanned as far again, or a second went by, or -- this pass's scan -- the reader
-        waits for a position it is past now); False when stopped first."""
-        import time
+        """Scan ``scan`` to its end, calling ``update()`` as it goes; False when stopped first.
 
-        mark, t, gap = 2 * scan.horizon - scan.start, time.monotonic(), 0.0
+        An update holds the caches' lock while it computes their admissions (a fraction of a
+        second at 10^5 shards), so updates are throttled to a tenth of the time (the next one
+        no sooner than ``THROTTLE`` times the last one's duration after it). Within that, one
+        is made each time the scan has gone as far again, or a second went by. And -- this
+        pass's scan -- when the reader waits for a position the scan is past now (blocked: it
+        needs the update now): at once if the last update was not made for a waiting reader
+        (a reader that caught up with the scan once waits for nothing more than the scan),
+        else throttled too. A reader waiting again and again is faster than the scan: it
+        reads on as fast as the updates tell it more, so the less of the time they take, the
+        faster it reads (one update per chunk scanned would take nearly all of it: a chunk
+        is scanned in milliseconds); meanwhile the scan goes on, and the update that ends the
+        wait tells it that much more."""
+        mark, t, gap, for_reader = 2 * scan.horizon - scan.start, self._clock(), 0.0, False
         while not scan.done:
             if self._stop.is_set():
                 return False
             scan.step(SCAN)
             if scan.done:
                 break
-            now = time.monotonic()
+            now = self._clock()
             waited = scan is self._scan and self.known < self._wanted <= scan.horizon
-            if waited or ((scan.horizon >= mark or now - t >= self.EVERY_S) and now - t >= gap):
+            free = now - t >= gap  # (the throttle)
+            if (waited and (free or not for_reader)) or ((scan.horizon >= mark or now - t >= self.EVERY_S) and free):
                 update()
-                # an update holds the caches' lock while it computes their admissions (a
-                # fraction of a second at 10^5 shards): at most a tenth of the time
-                mark, t = 2 * scan.horizon - scan.start, time.monotonic()
-                gap = 9 * (t - now)
+                mark, t, for_reader = 2 * scan.horizon - scan.start, self._clock(), waited
+                gap = self.THROTTLE * (t - now)
         return not self._stop.is_set()
+
+    def _check_stop(self) -> None:
+        """Called between chunks of a long count (the next epoch's packed plan): ends it once stopped."""
+        if self._stop.is_set():
+            raise _Stopped()
 
     def _run(self) -> None:
         scan, o = self._scan, self._owner
@@ -476,7 +530,7 @@ class _Planner:
                 return
             if self.known < scan.end:  # the pass's exact schedule at once: the reader may wait for it
                 self._update(None)
-            nxt = o._scan(scan.epoch + 1, 0) if self._nxt is None else self._nxt
+            nxt = o._scan(scan.epoch + 1, 0, check=self._check_stop) if self._nxt is None else self._nxt
             if self._follow(nxt, lambda: self._update(o._parts(nxt.uses()))):
                 self._update(o._parts(nxt.uses()))
         except BaseException as e:  # noqa: BLE001 - handed to the reader
@@ -488,11 +542,29 @@ class _Planner:
             with self._known:
                 self._known.notify_all()
 
-    def stop(self) -> None:
-        """Stop scanning (within one chunk of positions) and join the thread."""
+    def stop(self, timeout: float = RetryPolicy.close_s) -> bool:
+        """Stop scanning (within one chunk of positions, or of documents counted for the
+        next epoch's packed plan; a reader waiting in :meth:`wait_known` raises at once) and
+        join the thread, for at most ``timeout`` seconds (a Loader passes its caches'
+        ``retry.close_s``, the bound of its other closes). False, with a warning, when the
+        thread did not end by then: it is left behind (a daemon thread; it stops at its next
+        check, and the caches refuse updates of a pass they are no longer on)."""
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        with self._known:
+            self._known.notify_all()
+        if self._thread is threading.current_thread():
+            return True  # (it returns once this call does)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("fastload: the background planner of a remote pass (epoch %d) did not end within %.1f s "
+                           "of being stopped; it was left behind (the daemon thread %s, which stops at its next "
+                           "check)", self._scan.epoch, timeout, self._thread.name)
+            return False
+        return True
+
+
+class _Stopped(Exception):
+    """A planner's long count ended by its stop (not an error: the planner just returns)."""
 
 
 def download_stats(out: dict) -> dict:

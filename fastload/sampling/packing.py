@@ -48,7 +48,7 @@ import weakref
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -354,6 +354,12 @@ class TokenStream:
 
     @property
     def total(self) -> int:
+        return self.count()
+
+    def count(self, check: Callable[[], None] | None = None) -> int:
+        """:attr:`total`, counted now when not known yet; ``check()`` is called before each
+        chunk of that count (a background planner's stop: it may raise to end the count, the
+        chunks counted so far kept)."""
         if self._total is None:
             key = (id(self.lengths), len(self.lengths), self.max_length)
             try:  # (an id is reused once its object dies: the entry holds a weak reference to check)
@@ -371,6 +377,8 @@ class TokenStream:
                     self._total = int(counted(self.lengths, self.max_length))
                 else:
                     while len(self._ck) <= self.chunks:  # one pass, the sums kept (a resume reads them)
+                        if check is not None:
+                            check()
                         j = len(self._ck) - 1
                         self._ck.append(self._ck[j] + int(self._tokens(j).sum()))
                     self._total = self._ck[-1]
@@ -518,14 +526,15 @@ def epoch_pieces(cum: np.ndarray, begins: np.ndarray, ends: np.ndarray,
 
 def pack_plan(epoch: int, start: int, stream, lengths: np.ndarray, *, rows: int, length: int,
               world_size: int, rank: int, drop_last: bool, max_length: int | None = None,
-              total: int | None = None) -> PackPlan:
+              total: int | None = None, check: Callable[[], None] | None = None) -> PackPlan:
     """The packed pass over ``stream`` (global sample indices: a per-position
     :class:`~fastload.sampling.order.Stream` or an array) whose samples have ``lengths``
     tokens (indexed by global sample index; truncated to ``max_length``). ``total``: the
     epoch's tokens when known (:func:`token_total` when the stream reads every sample once),
-    else counted from the stream (one pass over it, in chunks)."""
+    else counted from the stream (one pass over it, in chunks; ``check()`` is called before
+    each chunk: :meth:`TokenStream.count`)."""
     tokens = TokenStream(stream, lengths, max_length, total)
-    bounds = TokenBatches(start, tokens.total, world_size, rank, rows, length, drop_last)
+    bounds = TokenBatches(start, tokens.count(check), world_size, rank, rows, length, drop_last)
     return PackPlan(epoch, start, tokens, length, bounds)
 
 
