@@ -163,3 +163,33 @@ def test_a_mixture_epochs_token_count_equals_its_stream_summed(per, stop_on):
                 tok = lengths[np.asarray(st)]
                 want = int((tok if max_length is None else np.minimum(tok, max_length)).sum())
                 assert st.token_total(lengths, max_length) == want, (shuffle, e, max_length)
+
+
+def test_a_mixture_epochs_token_count_stops_when_its_check_says_so(monkeypatch):
+    """A background planner counting the next epoch's tokens (TokenStream.count(check)) over
+    a mixture's stream: ``check()`` runs before each dataset's sum and each chunk of draws
+    (a stop raises there and ends the count), and changes nothing when it does not raise."""
+    import fastload.sampling.mixture as mixture
+    from fastload.sampling.packing import TokenStream
+
+    monkeypatch.setattr(mixture, "CHUNK", 4)
+    order = _order([37, 11, 5], [0.5, 0.3, 0.2], per="epoch", epoch_size=301)
+    lengths = np.random.default_rng(5).integers(0, 50, 53)
+    stream = lambda: MixtureSampler(order, batch_size=8, seed=3, shuffle=True).order_stream(1)  # noqa: E731
+    st = stream()  # (a new one each time: a stream keeps its count)
+    calls = []
+    assert TokenStream(st, lengths).count(lambda: calls.append(1)) == int(lengths[np.asarray(st)].sum())
+    assert len(calls) > 3  # one per dataset, one per chunk of a partial pass
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_third():
+        calls.append(1)
+        if len(calls) == 3:
+            raise Stop
+
+    calls.clear()
+    with pytest.raises(Stop):
+        TokenStream(stream(), lengths).count(stop_at_third)
+    assert len(calls) == 3

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -338,13 +338,14 @@ class MixtureStream(Stream):
         ids, draws = self.layout.locate(pos, self.epoch)
         return self.starts[ids] + _samples(self._sizes[ids], self.seed, ids, draws, self.shuffle)
 
-    def token_total(self, lengths, max_length: int | None = None) -> int:
+    def token_total(self, lengths, max_length: int | None = None, check: Callable[[], None] | None = None) -> int:
         """The tokens the epoch reads (``lengths`` by global index, truncated to
         ``max_length``): dataset ``i`` reads draws ``e * E_i .. (e + 1) * E_i - 1`` of its
         stream, so its whole passes count its lengths' sum (the same every epoch:
         :func:`~fastload.sampling.length_summary.range_total`, counted once per process) and
         only a partial pass (or its complement, whichever is shorter) is computed draw by
-        draw, in chunks."""
+        draw, in chunks. ``check()`` is called before each dataset's sum and each chunk (a
+        background planner's stop: it may raise to end the count)."""
         def tokens(idx) -> int:
             tok = np.asarray(lengths[idx], dtype=np.int64)
             return int((tok if max_length is None else np.minimum(tok, max_length)).sum())
@@ -354,6 +355,8 @@ class MixtureStream(Stream):
             size, start = int(self.sizes[i]), int(self.starts[i])
             if not count or not size:
                 continue
+            if check is not None:
+                check()
             whole = range_total(lengths, start, start + size, max_length)  # (counted once per process)
             a, b = self.epoch * count, (self.epoch + 1) * count
             for p in range(a // size, (b - 1) // size + 1):  # each pass of the dataset the epoch reads
@@ -366,6 +369,8 @@ class MixtureStream(Stream):
                 part = 0
                 for r0, r1 in ranges:
                     for c in range(r0, r1, CHUNK):
+                        if check is not None:
+                            check()
                         draws = np.arange(c, min(r1, c + CHUNK), dtype=np.int64)
                         part += tokens(start + dataset_samples(size, self.seed, i, draws, self.shuffle))
                 total += part if inside else whole - part

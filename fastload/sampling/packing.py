@@ -374,7 +374,7 @@ class TokenStream:
                     return known
                 counted = getattr(self.stream, "token_total", None)  # a stream that counts faster (a mixture's)
                 if counted is not None:
-                    self._total = int(counted(self.lengths, self.max_length))
+                    self._total = int(counted(self.lengths, self.max_length, check=check))
                 else:
                     while len(self._ck) <= self.chunks:  # one pass, the sums kept (a resume reads them)
                         if check is not None:
