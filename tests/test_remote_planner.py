@@ -169,6 +169,7 @@ def test_a_reader_waiting_when_the_planner_stops_gets_pass_ended(monkeypatch, pl
     meanwhile) raises PassEnded at once, not a later error of the closed cache; a wait for
     what is known, a stopped planner's included, and a normal end, still return."""
     monkeypatch.setattr(lr, "SCAN", 1)
+    monkeypatch.setattr(lr._Planner, "EVERY_S", 1e9)  # (no update because a second went by on a loaded machine)
     steps = _Steps(monkeypatch)
     planners.append(steps)
     scan = _pass(np.full(60, 25))
@@ -389,6 +390,30 @@ def test_stop_ends_the_count_of_the_next_epochs_tokens_at_once(monkeypatch, plan
     made.append(planner)
     planners.append(planner)
     assert entered.wait(30)
-    assert planner.stop() is True
+    assert planner.stop(timeout=30) is True
     assert counted == [counted[0]], f"{len(counted) - 1} chunks counted after the stop"
     assert planner.error is None and not cache.updates
+
+
+def test_a_stop_landing_while_the_planner_steps_tells_the_reader_nothing_more(monkeypatch, planners):
+    """The reviewer's interleaving: a reader waits for position 801, a stop (Loader.close in
+    another thread) lands while the planner is in its step; the step's update tells no cache
+    (stopped) and so must not tell the reader either: its wait raises PassEnded, never returns
+    as if 801 were planned."""
+    monkeypatch.setattr(lr, "SCAN", 1)
+    steps = _Steps(monkeypatch)
+    planners.append(steps)
+    scan = _pass(np.full(60, 25))
+    scan.step(800)
+    cache = PlannedCache()
+    planner = lr._Planner(PlannerOwner(cache, _pass(np.full(60, 25), 1)), scan, [1])
+    planners.append(planner)
+    steps.at_gate()
+    planner._wanted = 801  # (what wait_known(801) sets before it waits)
+    planner._stop.set()  # (what stop() sets first, before it joins)
+    steps.open()
+    planner._thread.join(30)
+    assert not planner._thread.is_alive()
+    assert planner.known == 800 and not cache.updates
+    with pytest.raises(PassEnded):
+        planner.wait_known(801)

@@ -483,9 +483,11 @@ class _Planner:
         o._check(o._parts(scan.seen()))
         uses = o._parts(scan.uses())
         for i, (c, u) in enumerate(zip(o._caches, uses)):
-            if not self._stop.is_set():
-                c.update(self._pass_nos[i], u, None if nxt is None else nxt[i])
-        self._set_known(known)
+            if self._stop.is_set():
+                return
+            c.update(self._pass_nos[i], u, None if nxt is None else nxt[i])
+        if not self._stop.is_set():  # (stopped: some cache may not have been told; a waiting reader raises PassEnded)
+            self._set_known(known)
 
     def _follow(self, scan: PassScan | PackScan, update: Callable[[], None]) -> bool:
         """Scan ``scan`` to its end, calling ``update()`` as it goes; False when stopped first.

@@ -358,8 +358,9 @@ class TokenStream:
 
     def count(self, check: Callable[[], None] | None = None) -> int:
         """:attr:`total`, counted now when not known yet; ``check()`` is called before each
-        chunk of that count (a background planner's stop: it may raise to end the count, the
-        chunks counted so far kept)."""
+        chunk of that count (a background planner's stop: it may raise to end the count; the
+        sums counted so far stay with this object, consistent, and a later call goes on from
+        them)."""
         if self._total is None:
             key = (id(self.lengths), len(self.lengths), self.max_length)
             try:  # (an id is reused once its object dies: the entry holds a weak reference to check)
