@@ -326,13 +326,16 @@ def test_a_shard_changed_just_before_it_was_hashed_is_not_remembered(tmp_path, m
     """git's racy-clean rule: where timestamps are coarse (no multigrain timestamps before
     Linux 6.13, 1-2 s on some file systems), a second write in the same tick keeps the file's
     identity, so a record made within that tick could vouch for bytes it never hashed."""
-    monkeypatch.setattr(verified_record, "RACY_WINDOW_S", 1.0)
+    # Phase 1, a window no machine's slowness can outlast: hashed within it, not remembered.
+    monkeypatch.setattr(verified_record, "RACY_WINDOW_S", 1e6)
     d = _raw(tmp_path / "ds")
     n = len(_manifest(d)["shards"])
     for _ in range(2):  # hashed within the window of the shards' writes: not remembered
         ds = fastload.Dataset(d)
         ds.get_batch(np.arange(N))
         assert (ds.verify_stats()["shards_hashed"], ds.verify_stats()["shards_remembered"]) == (n, 0)
+    # Phase 2: a 1 s window, and more than 1 s since the last write (only a lower bound on time).
+    monkeypatch.setattr(verified_record, "RACY_WINDOW_S", 1.0)
     time.sleep(1.1)
     ds = fastload.Dataset(d)
     ds.get_batch(np.arange(N))
