@@ -183,9 +183,11 @@ def test_cuda_device_transform_gets_its_info_as_on_the_cpu(fake, ds):
 def test_close_returns_within_its_deadline_naming_the_stuck_transform(ds, monkeypatch, caplog):
     monkeypatch.setattr(threaded, "CLOSE_TIMEOUT_S", 0.5)
     release = threading.Event()
+    entered = threading.Event()
 
     def stuck(b):
         if b["index"][0] >= 16:
+            entered.set()
             release.wait()
         return b
 
@@ -193,6 +195,7 @@ def test_close_returns_within_its_deadline_naming_the_stuck_transform(ds, monkey
     try:
         it = iter(lo)
         assert next(it)["index"][0] == 0
+        assert entered.wait(10)  # the thread is inside stuck() (not between batches) at close()
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="fastload"):
             lo.close()
@@ -233,15 +236,18 @@ import fastload
 from fastload.loader import threaded
 threaded.CLOSE_TIMEOUT_S = 1.0
 never = threading.Event()
+entered = threading.Event()
 
 def stuck(b):
     if b["index"][0] >= 16:
+        entered.set()
         never.wait()  # blocks forever
     return b
 
 loader = fastload.Loader(sys.argv[1], batch_size=16, shuffle=False, fields=["x"], batch_transform=stuck)
 it = iter(loader)
 next(it)
+assert entered.wait(10)  # the thread is inside stuck(), not between batches
 if sys.argv[2] == "close":
     t0 = time.monotonic()
     loader.close()
@@ -270,9 +276,11 @@ def test_the_process_exits_with_a_transform_blocked_forever(ds, tmp_path, how):
 def test_a_stuck_device_transform_on_cuda_does_not_block_close(fake, ds, monkeypatch, caplog):
     monkeypatch.setattr(threaded, "CLOSE_TIMEOUT_S", 0.5)
     release = threading.Event()
+    entered = threading.Event()
 
     def stuck_on_gpu(b):
         if b["index"].cpu()[0] >= 16:
+            entered.set()
             release.wait()
         return b
 
@@ -281,6 +289,7 @@ def test_a_stuck_device_transform_on_cuda_does_not_block_close(fake, ds, monkeyp
     try:
         it = iter(lo)
         assert next(it)["index"].cpu()[0] == 0
+        assert entered.wait(10)  # the thread is inside stuck_on_gpu() at close()
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="fastload"):
             lo.close()

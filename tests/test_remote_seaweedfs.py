@@ -55,13 +55,16 @@ def test_wrong_secret_is_a_clear_error(weed_env, local_ds, monkeypatch):
 
 def test_latency_proxy_adds_round_trips(weed_env, local_ds):
     upload_dir(weed_env.filesystem(), local_ds, "fastload-test/sw3")
-    t0 = time.monotonic()
-    RemoteDataset("s3://fastload-test/sw3", storage_options={"endpoint_override": weed_env.endpoint,
-                                                              "scheme": "http"})
-    direct = time.monotonic() - t0
-    with DelayProxy(weed_env.endpoint, delay_ms=50) as px:
+
+    def open_through(endpoint: str) -> float:
         t0 = time.monotonic()
-        RemoteDataset("s3://fastload-test/sw3", storage_options={"endpoint_override": px.endpoint, "scheme": "http"})
-        delayed = time.monotonic() - t0
+        RemoteDataset("s3://fastload-test/sw3", storage_options={"endpoint_override": endpoint, "scheme": "http"})
+        return time.monotonic() - t0
+
+    direct, delayed = [], []
+    with DelayProxy(weed_env.endpoint, delay_ms=50) as px:
+        for _ in range(3):  # interleaved, the fastest of each: a loaded machine only adds time
+            direct.append(open_through(weed_env.endpoint))
+            delayed.append(open_through(px.endpoint))
     # a new connection (1 round trip) + HEAD + GET (2 round trips) at 100 ms per round trip
-    assert delayed >= 0.3 and delayed > direct + 0.25
+    assert min(delayed) >= 0.3 and min(delayed) - min(direct) >= 0.2, (direct, delayed)
