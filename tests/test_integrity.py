@@ -177,10 +177,11 @@ def test_a_loaders_first_batch_waits_only_for_its_own_shards_the_rest_are_hashed
     assert ds.verify_stats()["shards_hashed_ahead"] == len(order) > 0
     # With every shard verified the background threads end by themselves (a normal end of the
     # pass need not join them): one may still be leaving its loop just after fully_verified.
+    verifying = lambda: [t for t in threading.enumerate() if t.name == "fastload-verify-ahead"]  # noqa: E731
     deadline = time.monotonic() + 10
-    while [t for t in threading.enumerate() if t.name == "fastload-verify-ahead"] and time.monotonic() < deadline:
+    while verifying() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not [t for t in threading.enumerate() if t.name == "fastload-verify-ahead"]
+    assert not verifying()
 
 
 def test_hashing_many_bytes_says_so_once_with_how_to_avoid_it(tmp_path, monkeypatch, caplog):

@@ -80,6 +80,20 @@ def _pass(sizes, epoch: int = 0) -> PassScan:
     return PassScan(Windowed(sizes, 2, 1, epoch), starts, epoch=epoch, chunk=4)
 
 
+def _held_planner(monkeypatch, planners, cache: PlannedCache | None = None) -> tuple[_Steps, lr._Planner]:
+    """A planner of a 1,500-position pass whose first 800 positions are known (scanned before
+    it starts), its thread held at the gate before its next step (:class:`_Steps`)."""
+    steps = _Steps(monkeypatch)
+    planners.append(steps)
+    scan = _pass(np.full(60, 25))
+    scan.step(800)
+    planner = lr._Planner(PlannerOwner(PlannedCache() if cache is None else cache, _pass(np.full(60, 25), 1)),
+                          scan, [1])
+    planners.append(planner)
+    steps.at_gate()
+    return steps, planner
+
+
 @pytest.fixture
 def planners():
     """Planners (and _Steps) made by the test: stopped, let go, their threads gone at its end."""
@@ -147,13 +161,7 @@ def test_the_planner_counts_each_wait_and_its_time(monkeypatch, planners):
     clock = [0.0]
     monkeypatch.setattr(lr._Planner, "_clock", staticmethod(lambda: clock[0]))
     monkeypatch.setattr(lr, "SCAN", 1)
-    steps = _Steps(monkeypatch)
-    planners.append(steps)
-    scan = _pass(np.full(60, 25))
-    scan.step(800)
-    planner = lr._Planner(PlannerOwner(PlannedCache(), _pass(np.full(60, 25), 1)), scan, [1])
-    planners.append(planner)
-    steps.at_gate()
+    steps, planner = _held_planner(monkeypatch, planners)
     planner.wait_known(800)  # known: no wait
     assert (planner.wait_s, planner.waits) == (0.0, 0)
     done, out = _reader(planner, 801)
@@ -170,13 +178,7 @@ def test_a_reader_waiting_when_the_planner_stops_gets_pass_ended(monkeypatch, pl
     what is known, a stopped planner's included, and a normal end, still return."""
     monkeypatch.setattr(lr, "SCAN", 1)
     monkeypatch.setattr(lr._Planner, "EVERY_S", 1e9)  # (no update because a second went by on a loaded machine)
-    steps = _Steps(monkeypatch)
-    planners.append(steps)
-    scan = _pass(np.full(60, 25))
-    scan.step(800)
-    planner = lr._Planner(PlannerOwner(PlannedCache(), _pass(np.full(60, 25), 1)), scan, [1])
-    planners.append(planner)
-    steps.at_gate()
+    steps, planner = _held_planner(monkeypatch, planners)
     done, out = _reader(planner, 900)
     assert not done.is_set()
     stopper = threading.Thread(target=planner.stop, name="test-stopper")  # (joins the held thread: apart)
@@ -266,13 +268,8 @@ def test_a_waiting_reader_is_updated_at_once_then_within_the_throttle(monkeypatc
             return super().update(pass_no, uses, next_uses)
 
     cache = Costly()
-    steps = _Steps(monkeypatch)
-    planners.append(steps)
-    scan = _pass(np.full(60, 25))
-    scan.step(800)  # what the reader's thread scans first: (mark = 1600 > end: no update for scanning as far again)
-    planner = lr._Planner(PlannerOwner(cache, _pass(np.full(60, 25), 1)), scan, [1])
-    planners.append(planner)
-    steps.at_gate()
+    # 800 positions scanned first: (mark = 1600 > end: no update for scanning as far again)
+    steps, planner = _held_planner(monkeypatch, planners, cache)
 
     def wait_for_next(*, most: int = 100) -> int:
         """A reader waiting for the first position not known: the steps until it may go on."""
@@ -309,13 +306,7 @@ def test_stop_is_bounded_and_warns_when_the_thread_does_not_end(monkeypatch, pla
     """A planner thread that does not come back (held in a step): stop(timeout) returns
     False after the timeout with a warning naming the thread; the Loader's bound is its
     caches' retry.close_s."""
-    steps = _Steps(monkeypatch)
-    planners.append(steps)
-    scan = _pass(np.full(60, 25))
-    scan.step(800)
-    planner = lr._Planner(PlannerOwner(PlannedCache(), _pass(np.full(60, 25), 1)), scan, [1])
-    planners.append(planner)
-    steps.at_gate()
+    steps, planner = _held_planner(monkeypatch, planners)
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="fastload"):
         assert planner.stop(timeout=0.2) is False
@@ -401,14 +392,8 @@ def test_a_stop_landing_while_the_planner_steps_tells_the_reader_nothing_more(mo
     (stopped) and so must not tell the reader either: its wait raises PassEnded, never returns
     as if 801 were planned."""
     monkeypatch.setattr(lr, "SCAN", 1)
-    steps = _Steps(monkeypatch)
-    planners.append(steps)
-    scan = _pass(np.full(60, 25))
-    scan.step(800)
     cache = PlannedCache()
-    planner = lr._Planner(PlannerOwner(cache, _pass(np.full(60, 25), 1)), scan, [1])
-    planners.append(planner)
-    steps.at_gate()
+    steps, planner = _held_planner(monkeypatch, planners, cache)
     planner._wanted = 801  # (what wait_known(801) sets before it waits)
     planner._stop.set()  # (what stop() sets first, before it joins)
     steps.open()

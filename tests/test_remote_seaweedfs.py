@@ -67,4 +67,4 @@ def test_latency_proxy_adds_round_trips(weed_env, local_ds):
             direct.append(open_through(weed_env.endpoint))
             delayed.append(open_through(px.endpoint))
     # a new connection (1 round trip) + HEAD + GET (2 round trips) at 100 ms per round trip
-    assert min(delayed) >= 0.3 and min(delayed) - min(direct) >= 0.2, (direct, delayed)
+    assert min(delayed) >= 0.3 and min(delayed) > min(direct) + 0.25, (direct, delayed)
